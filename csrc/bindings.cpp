@@ -1,0 +1,96 @@
+// The one binding file of minisgl._C. Tensors never cross this boundary: Python passes
+// data pointers, sizes, strides (in bytes) and the current CUDA stream as integers, after
+// minisgl/ops/ has checked every argument.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#ifdef MINISGL_WITH_CUDA
+#include "launchers.h"
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename T = void>
+T* ptr(std::uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+#ifdef MINISGL_WITH_CUDA
+void check(int code, const char* op) {
+  if (code != 0) {
+    throw std::runtime_error(std::string("minisgl._C.") + op +
+                             ": CUDA launch failed: " + minisgl::cuda_error_string(code));
+  }
+}
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "minisgl compiled kernels (framework-free CUDA behind raw-pointer launchers)";
+#ifdef MINISGL_WITH_CUDA
+  m.attr("has_cuda") = true;
+  m.def(
+      "store_kv",
+      [](std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t k, std::uintptr_t v,
+         std::uintptr_t slots, int64_t num_tokens, int64_t row_bytes, int64_t cache_stride,
+         int64_t k_stride, int64_t v_stride, std::uintptr_t stream) {
+        check(minisgl::store_kv(ptr(k_cache), ptr(v_cache), ptr(k), ptr(v), ptr<const int32_t>(slots),
+                                num_tokens, row_bytes, cache_stride, k_stride, v_stride, ptr(stream)),
+              "store_kv");
+      },
+      py::arg("k_cache"), py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("slots"),
+      py::arg("num_tokens"), py::arg("row_bytes"), py::arg("cache_stride"), py::arg("k_stride"),
+      py::arg("v_stride"), py::arg("stream"));
+  m.def(
+      "paged_decode_num_splits",
+      [](int batch, int kv_heads, int group, int head_dim, int dtype, int64_t max_seq_len) {
+        int splits = 0;
+        check(minisgl::paged_decode_num_splits(batch, kv_heads, group, head_dim, dtype, max_seq_len, &splits),
+              "paged_decode_num_splits");
+        return splits;
+      },
+      py::arg("batch"), py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"),
+      py::arg("max_seq_len"));
+  m.def(
+      "paged_decode_attention",
+      [](std::uintptr_t q, std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t req_to_slot,
+         std::uintptr_t req_rows, std::uintptr_t seq_lens, std::uintptr_t out, std::uintptr_t part_o,
+         std::uintptr_t part_lse, int batch, int kv_heads, int group, int head_dim, int dtype,
+         int64_t q_stride_b, int64_t out_stride_b, int64_t cache_stride_s, int64_t table_stride,
+         int max_context, int num_splits, float scale, std::uintptr_t stream) {
+        check(minisgl::paged_decode_attention(
+                  ptr<const void>(q), ptr<const void>(k_cache), ptr<const void>(v_cache),
+                  ptr<const int32_t>(req_to_slot), ptr<const int32_t>(req_rows), ptr<const int32_t>(seq_lens),
+                  ptr(out), ptr<float>(part_o), ptr<float>(part_lse), batch, kv_heads, group, head_dim, dtype,
+                  q_stride_b, out_stride_b, cache_stride_s, table_stride, max_context, num_splits, scale,
+                  ptr(stream)),
+              "paged_decode_attention");
+      },
+      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("req_to_slot"), py::arg("req_rows"),
+      py::arg("seq_lens"), py::arg("out"), py::arg("part_o"), py::arg("part_lse"), py::arg("batch"),
+      py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"), py::arg("q_stride_b"),
+      py::arg("out_stride_b"), py::arg("cache_stride_s"), py::arg("table_stride"), py::arg("max_context"),
+      py::arg("num_splits"), py::arg("scale"), py::arg("stream"));
+  m.def(
+      "embedding_lookup",
+      [](std::uintptr_t out, std::uintptr_t weight, std::uintptr_t ids, bool ids_are_int64, int64_t n,
+         int64_t row_bytes, int64_t weight_stride, int64_t out_stride, int64_t start, int64_t end,
+         std::uintptr_t stream) {
+        check(minisgl::embedding_lookup(ptr(out), ptr<const void>(weight), ptr<const void>(ids),
+                                        ids_are_int64 ? 1 : 0, n, row_bytes, weight_stride, out_stride, start,
+                                        end, ptr(stream)),
+              "embedding_lookup");
+      },
+      py::arg("out"), py::arg("weight"), py::arg("ids"), py::arg("ids_are_int64"), py::arg("n"),
+      py::arg("row_bytes"), py::arg("weight_stride"), py::arg("out_stride"), py::arg("start"), py::arg("end"),
+      py::arg("stream"));
+#else
+  m.attr("has_cuda") = false;
+#endif
+}

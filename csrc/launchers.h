@@ -1,0 +1,34 @@
+// Launchers of the CUDA kernels: plain C++ signatures (pointers, sizes, strides, stream) so
+// the binding file needs no CUDA headers and no torch. Each returns the launch's
+// cudaError_t as an int (0 = success); the binding turns a failure into a Python error.
+#pragma once
+#include <cstdint>
+
+namespace minisgl {
+
+int store_kv(void* k_cache, void* v_cache, const void* k, const void* v, const int32_t* slots,
+             int64_t num_tokens, int64_t row_bytes, int64_t cache_stride_bytes,
+             int64_t k_stride_bytes, int64_t v_stride_bytes, void* stream);
+
+// Paged decode attention (csrc/decode_attention.cuh). dtype: 0 = float16, 1 = bfloat16.
+// Strides in elements. num_splits comes from paged_decode_num_splits for the same shape;
+// part_o [batch, kv_heads * group, num_splits, head_dim] and part_lse [.., num_splits] are
+// fp32 scratch, needed only when num_splits > 1.
+int paged_decode_num_splits(int batch, int kv_heads, int group, int head_dim, int dtype,
+                            int64_t max_seq_len, int* num_splits);
+int paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
+                           const int32_t* req_to_slot, const int32_t* req_rows,
+                           const int32_t* seq_lens, void* out, float* part_o, float* part_lse,
+                           int batch, int kv_heads, int group, int head_dim, int dtype,
+                           int64_t q_stride_b, int64_t out_stride_b, int64_t cache_stride_s,
+                           int64_t table_stride, int max_context, int num_splits, float scale,
+                           void* stream);
+
+// Embedding rows for token ids (csrc/embedding.cuh); ids outside [start, end) give zeros.
+int embedding_lookup(void* out, const void* weight, const void* ids, int ids_are_int64, int64_t n,
+                     int64_t row_bytes, int64_t weight_stride_bytes, int64_t out_stride_bytes,
+                     int64_t start, int64_t end, void* stream);
+
+const char* cuda_error_string(int code);
+
+}  // namespace minisgl

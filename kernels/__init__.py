@@ -1,0 +1,1 @@
+"""Triton kernels, installed as minisgl.kernels."""

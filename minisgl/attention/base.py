@@ -1,0 +1,36 @@
+"""The attention backend interface.
+
+A backend owns nothing but per-step metadata: K/V live in the engine's KVPool and are read
+only through the request table. The engine calls `prepare(batch)` once per step (before the
+model runs), then each attention layer calls `forward`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from minisgl.engine.batch import ForwardBatch
+from minisgl.kvcache.pool import KVPool
+
+
+class AttentionBackend(ABC):
+    name: str = "base"
+
+    def __init__(self, pool: KVPool, num_q_heads: int, scale: float) -> None:
+        self.pool = pool
+        self.num_q_heads = num_q_heads
+        self.scale = scale
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Build `batch.attn_metadata` once per step (default: nothing needed)."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim] for the step's new tokens
+        (row strides may be anything: they are slices of the fused qkv output).
+        Stores k, v at `batch.out_slots` of layer `layer`, then returns attention of each new
+        token over its request's context (causal), [T, q_heads, head_dim], q's dtype."""

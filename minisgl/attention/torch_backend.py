@@ -1,0 +1,48 @@
+"""The torch reference backend: plain fp32 math over K/V gathered through the request table.
+Runs on CPU and GPU; it is the path the CPU engine and the tests use, and the reference the
+kernel backends are compared with."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl import ops
+from minisgl.attention.base import AttentionBackend
+from minisgl.engine.batch import ForwardBatch
+
+
+def attend_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [n, Hq, D] at positions q_positions [n]; k, v [L, Hkv, D] for positions 0..L-1.
+    Causal: query at position p sees keys 0..p. fp32 math; returns fp32 [n, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), kf) * scale
+    key_pos = torch.arange(k.shape[0], device=q.device)
+    mask = key_pos[None, :] > q_positions[:, None]
+    scores.masked_fill_(mask[None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), vf)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
+        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots)
+        out = torch.empty_like(q)
+        starts = batch.cu_seqlens_q.tolist() if batch.cu_seqlens_q.device.type == "cpu" else None
+        if starts is None:
+            starts = [0]
+            for s, p in zip(batch.seq_lens_cpu, batch.prefix_lens_cpu):
+                starts.append(starts[-1] + s - p)
+        for i, (seq_len, prefix) in enumerate(zip(batch.seq_lens_cpu, batch.prefix_lens_cpu)):
+            lo, hi = starts[i], starts[i + 1]
+            slots = batch.req_to_slot[batch.req_rows[i], :seq_len].long()
+            positions = torch.arange(prefix, seq_len, device=q.device)
+            out[lo:hi] = attend_reference(q[lo:hi], k_cache[slots], v_cache[slots], positions, self.scale)
+        return out

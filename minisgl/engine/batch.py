@@ -1,0 +1,46 @@
+"""What one forward step needs, prepared once per step and passed down explicitly.
+
+Layers and attention backends read only this object (never globals). Every tensor lives
+on the engine's device; the `*_cpu` lists are host copies for code that loops on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    # "extend": each request brings `extend_lens[i]` new tokens after `prefix_lens[i]` cached
+    # ones (plain prefill, chunked prefill and prefix-cache hits alike).
+    # "decode": each request brings exactly one new token.
+    mode: str
+    input_ids: torch.Tensor  # int64 [T] new tokens, requests concatenated
+    positions: torch.Tensor  # int64 [T] position of each new token in its request
+    out_slots: torch.Tensor  # int32 [T] KV slot each new token's K/V is stored to
+    req_rows: torch.Tensor  # int32 [B] row of each request in req_to_slot
+    seq_lens: torch.Tensor  # int32 [B] tokens in each request after this step (prefix + new)
+    prefix_lens: torch.Tensor  # int32 [B] tokens already cached before this step
+    cu_seqlens_q: torch.Tensor  # int32 [B+1] offsets of each request's new tokens in [T]
+    sample_rows: torch.Tensor  # int64 [B] index in [T] of each request's last new token
+    req_to_slot: torch.Tensor  # int32 [R, max_context] the request table (shared, not copied)
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    max_seq_len: int  # max of seq_lens (host); an upper bound under CUDA graphs
+    max_extend_len: int  # max new tokens of one request (host); 1 for decode
+    attn_metadata: Any = field(default=None)  # built by the attention backend's prepare()
+
+    @property
+    def is_decode(self) -> bool:
+        return self.mode == "decode"
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()

@@ -1,0 +1,54 @@
+"""EngineConfig: everything one rank's engine needs to build itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "half": torch.float16, "float": torch.float32}
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    page_size: int = 1
+    num_pages: int | None = None  # KV pool size; default from memory
+    max_running_requests: int = 256
+    attention_backend: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+    gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV)
+    cpu_kv_cache_gb: float = 1.0  # KV pool size on the CPU when num_pages is not given
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose auto or one of {', '.join(DTYPES)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose from {ATTENTION_BACKENDS}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unknown load_format {self.load_format!r}; choose from {LOAD_FORMATS}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"unknown device {self.device!r}") from e
+
+    @property
+    def torch_device(self) -> torch.device:
+        d = torch.device(self.device)
+        return torch.device("cuda", self.tp_rank if d.index is None else d.index) if d.type == "cuda" else d

@@ -1,0 +1,210 @@
+"""Engine: one rank's model + KV pool + request table + attention backend + sampler."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.attention.base import AttentionBackend
+from minisgl.distributed.info import Communicator, TPInfo
+from minisgl.engine.batch import ForwardBatch
+from minisgl.engine.config import DTYPES, EngineConfig
+from minisgl.engine.sampler import SamplingTensors, sample_reference
+from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
+from minisgl.logging_setup import get_logger
+from minisgl.models.config import ModelConfig
+from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.source import ModelSource, resolve_model
+from minisgl.models.weights import fill_dummy, iter_safetensors
+
+log = get_logger("minisgl.engine")
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in fp16 are slow or missing; fp32 is the exact path
+    declared = DTYPES.get(str(model_cfg.torch_dtype or "").removeprefix("torch."))
+    return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.is_gguf:
+        from minisgl.models.gguf_file import gguf_config
+
+        return ModelConfig.from_dict(gguf_config(source.path))
+    return ModelConfig.from_folder(source.path)
+
+
+def make_backend(name: str, pool: KVPool, num_q_heads: int, scale: float, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "torch" if device.type == "cpu" else "triton"
+    if name == "torch":
+        from minisgl.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(pool, num_q_heads, scale)
+    if device.type != "cuda":
+        raise ValueError(f"attention_backend {name!r} needs a CUDA device; use 'torch' on {device}")
+    if name == "triton":
+        from minisgl.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(pool, num_q_heads, scale)
+    from minisgl.attention.cuda_backend import CudaAttentionBackend
+
+    return CudaAttentionBackend(pool, num_q_heads, scale)
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.cfg = cfg
+        self.device = cfg.torch_device
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU")
+            torch.cuda.set_device(self.device)
+        self.source = resolve_model(cfg.model)
+        self.model_config = load_model_config(self.source)
+        mc = self.model_config
+        self.dtype = resolve_dtype(cfg.dtype, mc, self.device)
+        self.max_model_len = self._context_length(mc)
+        self.tp = TPInfo(cfg.tp_rank, cfg.tp_size)
+        self.comm = Communicator(self.tp)
+        torch.manual_seed(cfg.seed)
+        self.model = self._build_model()
+        self.num_q_heads = self.model.model.layers[0].self_attn.num_heads
+        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        num_pages = cfg.num_pages or self._default_num_pages(kv_heads)
+        self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
+        self.allocator = PageAllocator(num_pages, cfg.page_size)
+        self.table = RequestTable(cfg.max_running_requests, self.max_model_len, self.device)
+        self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device)
+        log.info(
+            "engine ready: %s (%s) on %s, %s, context %d, KV pool %d tokens in pages of %d, attention %s",
+            self.source.name, mc.architecture, self.device, str(self.dtype).removeprefix("torch."),
+            self.max_model_len, self.pool.num_slots - cfg.page_size, cfg.page_size, self.attn.name,
+        )
+
+    def _context_length(self, mc: ModelConfig) -> int:
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None and mc.sliding_window < limit:
+            # Within the window, sliding-window attention equals full attention: capping the
+            # context there is exact, rather than silently attending past the window.
+            log.warning("capping the context at the sliding window (%d tokens)", mc.sliding_window)
+            limit = mc.sliding_window
+        if self.cfg.max_model_len is None:
+            return limit
+        if self.cfg.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.cfg.max_model_len} exceeds the model's context of {limit} tokens")
+        return self.cfg.max_model_len
+
+    def _build_model(self) -> LlamaForCausalLM:
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(self.model_config, self.tp, self.comm, self.max_model_len, self.device)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if self.cfg.load_format == "dummy":
+            fill_dummy(model, self.cfg.seed)
+        elif self.source.is_gguf:
+            from minisgl.models.gguf_file import gguf_config, iter_gguf
+
+            model.load_weights(iter_gguf(self.source.path, gguf_config(self.source.path)))
+        else:
+            model.load_weights(iter_safetensors(self.source.path))
+        return model.eval()
+
+    def _default_num_pages(self, kv_heads: int) -> int:
+        mc, ps = self.model_config, self.cfg.page_size
+        per_token = KVPool.bytes_per_token_for(mc.num_layers, kv_heads, mc.head_dim, self.dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * self.cfg.gpu_memory_fraction - used - (1 << 30)  # 1 GiB for activations
+        else:
+            budget = self.cfg.cpu_kv_cache_gb * (1 << 30)
+        pages = int(budget // (per_token * ps))
+        # At least one full-length request (+ the dummy page).
+        need = -(-self.max_model_len // ps) + 1
+        if pages < need:
+            if self.device.type == "cuda":
+                raise ValueError(f"not enough GPU memory for one {self.max_model_len}-token request's KV cache")
+            pages = need
+        return pages
+
+    # ---- one step ----
+
+    def build_batch(self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int]]) -> ForwardBatch:
+        """A batch for requests at table rows `rows`, each with `prefix_lens[i]` tokens already
+        in the KV cache and `new_tokens[i]` to run now. The slots of the new tokens must
+        already be written to the request table."""
+        dev = self.device
+        ext = [len(t) for t in new_tokens]
+        seq = [p + n for p, n in zip(prefix_lens, ext)]
+        cu = [0]
+        for n in ext:
+            cu.append(cu[-1] + n)
+        flat = [tok for toks in new_tokens for tok in toks]
+        pos = [p for pre, n in zip(prefix_lens, ext) for p in range(pre, pre + n)]
+        tok_rows = [r for r, n in zip(rows, ext) for _ in range(n)]
+
+        def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        positions = t(pos, torch.int64)
+        out_slots = self.table.req_to_slot[t(tok_rows, torch.int64), positions]
+        return ForwardBatch(
+            mode=mode, input_ids=t(flat, torch.int64), positions=positions, out_slots=out_slots,
+            req_rows=t(rows, torch.int32), seq_lens=t(seq, torch.int32), prefix_lens=t(prefix_lens, torch.int32),
+            cu_seqlens_q=t(cu, torch.int32), sample_rows=t([c - 1 for c in cu[1:]], torch.int64),
+            req_to_slot=self.table.req_to_slot, seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens),
+            max_seq_len=max(seq), max_extend_len=max(ext),
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
+        self.attn.prepare(batch)
+        return self.model(batch, self.attn, all_positions=all_positions)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_reference(logits, st)
+
+    # ---- helpers for tests and prompt scoring ----
+
+    def set_slots(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table.req_to_slot[row, start : start + slots.numel()] = slots.to(self.device)
+
+    @torch.inference_mode()
+    def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """fp32 logits [len, vocab] for every position of each prompt (one extend step each)."""
+        out = []
+        for ids in prompts:
+            self.check_prompt(ids)
+            pages_needed = -(-len(ids) // self.cfg.page_size)
+            if not self.allocator.can_allocate(pages_needed):
+                raise ValueError(f"prompt of {len(ids)} tokens does not fit the free KV pool")
+            row = self.table.allocate_row()
+            pages = self.allocator.allocate(pages_needed)
+            try:
+                self.set_slots(row, 0, self.allocator.slots_of(pages)[: len(ids)])
+                batch = self.build_batch("extend", [row], [0], [list(ids)])
+                out.append(self.forward(batch, all_positions=True).cpu())
+            finally:
+                self.allocator.free(pages)
+                self.table.free_row(row)
+        return out
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if len(ids) == 0:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
+                "(at least one must be left to generate)"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")

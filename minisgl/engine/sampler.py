@@ -1,0 +1,90 @@
+"""Sampling for a batch with per-row parameters: the torch reference.
+
+Order: temperature -> top-k -> top-p (on the renormalized top-k distribution) -> min-p
+(relative to the most likely token). A row's random draw is a function of (seed, step)
+alone, so a seeded request gets the same tokens whatever else shares its batch. The chosen
+token's log-probability is taken from the raw logits (log_softmax, no temperature/filtering).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the seed space
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor  # f32 [B]; 0 = greedy
+    top_k: torch.Tensor  # int32 [B]; <= 0 = off
+    top_p: torch.Tensor  # f32 [B]
+    min_p: torch.Tensor  # f32 [B]
+    seeds: torch.Tensor  # int64 [B]
+    steps: torch.Tensor  # int64 [B]: tokens the request has generated so far
+    all_greedy: bool
+
+    @staticmethod
+    def build(
+        temperature: list[float], top_k: list[int], top_p: list[float], min_p: list[float],
+        seeds: list[int], steps: list[int], device: torch.device,
+    ) -> SamplingTensors:
+        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return SamplingTensors(
+            t(temperature, torch.float32), t(top_k, torch.int32), t(top_p, torch.float32),
+            t(min_p, torch.float32), t(seeds, torch.int64), t(steps, torch.int64),
+            all_greedy=all(x == 0.0 for x in temperature),
+        )
+
+
+def row_uniforms(seeds: list[int], steps: list[int]) -> torch.Tensor:
+    """One U[0,1) per row, a function of (seed, step) only."""
+    out = torch.empty(len(seeds), dtype=torch.float64)
+    for i, (seed, step) in enumerate(zip(seeds, steps)):
+        g = torch.Generator().manual_seed((seed * _SEED_MIX + step) % (1 << 63))
+        out[i] = torch.rand((), generator=g, dtype=torch.float64)
+    return out
+
+
+def filtered_probs_reference(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """fp32 [B, V] probabilities after temperature, top-k, top-p and min-p (rows sum to 1).
+    Greedy rows (temperature 0) come out one-hot on the argmax."""
+    logits = logits.float()
+    greedy = st.temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    probs = torch.softmax(logits / temp[:, None], dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), vocab).to(torch.int64)
+    keep = rank < k[:, None]
+    sorted_p = sorted_p * keep
+    sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
+    keep &= before < st.top_p[:, None]
+    keep &= sorted_p >= st.min_p[:, None] * sorted_p[:, :1]
+    keep[:, 0] = True  # the most likely token always survives
+    sorted_p = sorted_p * keep
+    filtered = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    filtered = filtered / filtered.sum(dim=-1, keepdim=True)
+    onehot = torch.zeros_like(filtered).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], onehot, filtered)
+
+
+def sample_reference(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens int64 [B], logprobs f32 [B])."""
+    logprobs_all = torch.log_softmax(logits.float(), dim=-1)
+    if st.all_greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = filtered_probs_reference(logits, st)
+        cdf = probs.double().cumsum(dim=-1)
+        u = row_uniforms(st.seeds.tolist(), st.steps.tolist()).to(logits.device)
+        target = (u * cdf[:, -1])[:, None]
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
+        greedy = st.temperature <= 0
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)

@@ -1,0 +1,19 @@
+"""Every environment variable minisgl reads, in one place."""
+
+from __future__ import annotations
+
+import os
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# Run the scheduler's KV-cache integrity check whenever it goes idle (slow; for tests).
+DEBUG_CHECKS: bool = _flag("MINISGL_DEBUG")
+# Force the torch reference for every op, even on CUDA (to bisect a kernel bug).
+DISABLE_KERNELS: bool = _flag("MINISGL_DISABLE_KERNELS")
+# Log level of the `minisgl` logger.
+LOG_LEVEL: str = os.environ.get("MINISGL_LOG_LEVEL", "INFO").upper()
+# Triton runs its kernels on the CPU when this is set (TRITON_INTERPRET=1); tests use it.
+TRITON_INTERPRET: bool = _flag("TRITON_INTERPRET")

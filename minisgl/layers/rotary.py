@@ -1,0 +1,50 @@
+"""Rotary position embedding (neox style: rotate the two halves of each head).
+
+The layer owns a [max_positions, head_dim] fp32 cos/sin table (first half cos, second half
+sin), built once, with llama3 or linear frequency scaling where the config asks for it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from minisgl import ops
+from minisgl.models.config import RopeScaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    # fp32, as transformers computes it, so fp32 logits match the reference closely.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+        # between low_freq_factor and high_freq_factor interpolated smoothly.
+        old = scaling.original_max_position_embeddings
+        low_wavelen = old / scaling.low_freq_factor
+        high_wavelen = old / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling, device: torch.device
+    ) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+        t = torch.arange(max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotates q [T, Hq, D] and k [T, Hkv, D] in place."""
+        ops.apply_rope(q, k, positions, self.cos_sin_cache)

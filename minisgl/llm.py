@@ -1,0 +1,103 @@
+"""The offline LLM: the engine and scheduler in-process, no server."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.engine import Engine
+from minisgl.engine.sampling_params import SamplingParams
+from minisgl.scheduler.fifo import FifoScheduler
+from minisgl.scheduler.request import Request
+from minisgl.tokenizer.load import load_tokenizer
+
+_ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device", "dtype"}
+_LLM_OPTIONS = {"chat_template", "max_prefill_tokens"}
+
+
+class LLM:
+    """`LLM(model=None, *, device=..., dtype="auto", **options)`: model is an HF folder, a
+    .gguf file or a folder holding one; None means the built-in SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str = "auto", **options: Any):
+        unknown = set(options) - _ENGINE_OPTIONS - _LLM_OPTIONS
+        if unknown:
+            raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        engine_opts = {k: v for k, v in options.items() if k in _ENGINE_OPTIONS}
+        self.engine = Engine(EngineConfig(model=model, device=device, dtype=dtype, **engine_opts))
+        self.tokenizer = load_tokenizer(self.engine.source, options.get("chat_template"))
+        mc = self.engine.model_config
+        tok_eos = self.tokenizer.eos_token_id
+        extra = () if tok_eos is None or tok_eos in mc.eos_token_ids else (tok_eos,)
+        self.model_config = dataclasses.replace(mc, eos_token_ids=mc.eos_token_ids + extra)
+        self.scheduler = FifoScheduler(self.engine, options.get("max_prefill_tokens", 8192))
+        self._next_uid = 0
+        self._rng = random.Random(self.engine.cfg.seed)
+
+    def _make_request(self, prompt: str | Sequence[int], params: SamplingParams) -> Request:
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError("each prompt must be a string or a list of token ids")
+        self.engine.check_prompt(ids)
+        params.validate()
+        uid, self._next_uid = self._next_uid, self._next_uid + 1
+        limit = min(len(ids) + params.max_tokens, self.engine.max_model_len)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        return Request(uid, ids, params, seed, frozenset(self.model_config.eos_token_ids), limit)
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]] | str,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        """One {"text", "token_ids"} dict per prompt, in input order (generated part only)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
+        for r in reqs:
+            self.scheduler.add(r)
+        texts: dict[int, str] = {}
+        with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm) as bar:
+            while self.scheduler.has_work:
+                for req in self.scheduler.step():
+                    self._check_stop_strings(req, texts)
+                    if req.finished:
+                        bar.update(1)
+        return [
+            {"text": texts.get(r.uid) if r.uid in texts else self._decode(r.output), "token_ids": list(r.output),
+             "finish_reason": r.finish_reason}
+            for r in reqs
+        ]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _check_stop_strings(self, req: Request, texts: dict[int, str]) -> None:
+        stops = req.params.stop
+        if not stops or req.uid in texts:
+            return
+        text = self._decode(req.output)
+        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+        if hits:
+            texts[req.uid] = text[: min(hits)]  # the stop string itself is not returned
+            self.scheduler.finish(req, "stop")

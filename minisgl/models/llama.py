@@ -1,0 +1,185 @@
+"""One Llama-family decoder covering Llama (incl. llama3 rope scaling), Mistral, Qwen2
+(q/k/v bias) and Qwen3 (q/k RMSNorm, explicit head_dim), tied or untied embeddings.
+
+Module names mirror the Hugging Face checkpoints (model.layers.N.self_attn...), except the
+fused projections: q/k/v -> qkv_proj, gate/up -> gate_up_proj, which load() assembles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from minisgl.attention.base import AttentionBackend
+from minisgl.distributed.info import Communicator, TPInfo
+from minisgl.engine.batch import ForwardBatch
+from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding):
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp
+        )
+        self.num_heads = self.qkv_proj.local_q_heads
+        self.num_kv_heads = self.qkv_proj.local_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, comm)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rope = rope  # shared by all layers; not a parameter
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend):
+        t, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        # Views into qkv (row stride = qkv width): rope and the KV store take strided rows.
+        q = qkv[:, :q_size].view(t, self.num_heads, d)
+        k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, d)
+        v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, d)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
+            k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
+        self.rope(positions, q, k)
+        o = attn.forward(q, k, v, self.layer_id, batch)
+        return self.o_proj(o.reshape(t, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id, tp, comm, rope)
+        self.mlp = LlamaMLP(cfg, tp, comm)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        h = self.self_attn(positions, h, batch, attn)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, comm)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, comm, rope) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(batch.positions, x, residual, batch, attn)
+        return self.norm.forward_with_residual(x, residual)[0]
+
+
+# HF tensor name part -> (our fused module name, part index)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator, max_positions: int, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
+        self.model = LlamaModel(cfg, tp, comm, rope)
+        self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
+        self._rope = rope
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend, all_positions: bool = False) -> torch.Tensor:
+        """fp32 logits of each request's last new token [B, vocab] (every token: [T, vocab])."""
+        h = self.model(batch, attn)
+        if not all_positions:
+            h = h[batch.sample_rows]
+        return self.lm_head(h).float()
+
+    def expected_tensors(self) -> set[str]:
+        """Checkpoint tensor names this model needs (unsharded HF names)."""
+        names = set()
+        inverse = {(fused, part): src for src, (fused, part) in _FUSED.items()}
+        for pname, _ in self.named_parameters():
+            if pname.startswith("lm_head.embedding."):
+                continue
+            mod, _, kind = pname.rpartition(".")
+            head, _, last = mod.rpartition(".")
+            parts = 3 if last == "qkv_proj" else 2 if last == "gate_up_proj" else 0
+            if parts:
+                names.update(f"{head}.{inverse[(last, p)]}.{kind}" for p in range(parts))
+            else:
+                names.add(pname)
+        return names
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Streams (HF name, full tensor) pairs into this rank's shards. Every expected tensor
+        must come exactly once; an unknown tensor or a wrong shape is an error naming it."""
+        modules = dict(self.named_modules())
+        expected = self.expected_tensors()
+        seen: set[str] = set()
+        for name, tensor in tensors:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            if name not in expected:
+                raise ValueError(f"unexpected tensor {name} in the checkpoint")
+            if name in seen:
+                raise ValueError(f"tensor {name} appears twice in the checkpoint")
+            seen.add(name)
+            mod_name, _, kind = name.rpartition(".")
+            head, _, last = mod_name.rpartition(".")
+            if last in _FUSED:
+                fused, part = _FUSED[last]
+                modules[f"{head}.{fused}"].load_part(name, kind, tensor, part)
+            elif last in ("o_proj", "down_proj"):
+                modules[mod_name].load(name, kind, tensor)
+            elif mod_name in ("model.embed_tokens", "lm_head"):
+                modules[mod_name].load(name, tensor)
+            else:
+                param = getattr(modules[mod_name], kind)
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+        missing = sorted(expected - seen)
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ValueError(f"tensor {missing[0]} is missing from the checkpoint{more}")

@@ -1,0 +1,47 @@
+"""Checkpoint streaming: Hugging Face safetensors (single file or sharded), tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files = sorted({folder / f for f in weight_map.values()})
+        for f in files:
+            if not f.exists():
+                raise ValueError(f"shard {f.name} listed in {index.name} is missing")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) one tensor at a time, so peak host memory is one tensor."""
+    for f in safetensors_files(folder):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                yield name, fh.get_tensor(name)
+
+
+def fill_dummy(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of the real shapes (benchmarks without checkpoints). Norm weights are
+    ones and other weights small, so activations stay in a realistic range."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+            continue
+        values = torch.empty(p.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=gen)
+        p.data.copy_(values)

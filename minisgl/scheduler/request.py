@@ -1,0 +1,47 @@
+"""A request as the scheduler tracks it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minisgl.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    uid: int
+    prompt: list[int]
+    params: SamplingParams
+    seed: int  # every request has one (drawn at random when the user gave none)
+    eos_ids: frozenset[int]
+    max_total_len: int  # prompt + generated may not exceed this (context or max_tokens)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    row: int = -1  # request-table row while it holds KV slots
+    pages: list[int] = field(default_factory=list)
+    cached_len: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    def append(self, token: int, logprob: float) -> None:
+        """Adds a sampled token and decides whether the request is done (EOS, a stop token id,
+        max_tokens or the context). Stop strings are found on text, by the caller."""
+        self.output.append(token)
+        self.logprobs.append(logprob)
+        p = self.params
+        if not p.ignore_eos and token in self.eos_ids:
+            self.finish_reason = "stop"
+        elif p.stop_token_ids and token in p.stop_token_ids:
+            self.finish_reason = "stop"
+        elif self.total_len >= self.max_total_len:
+            self.finish_reason = "length"

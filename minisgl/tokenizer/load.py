@@ -1,0 +1,36 @@
+"""Loading the tokenizer and its chat template (HF folder or GGUF metadata)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from minisgl.models.source import ModelSource
+
+
+def load_tokenizer(source: ModelSource, chat_template: str | Path | None = None):
+    from transformers import AutoTokenizer
+
+    if source.is_gguf:
+        from minisgl.models.gguf_file import gguf_tokenizer
+
+        tok = gguf_tokenizer(source.path)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(source.path))
+        if not getattr(tok, "chat_template", None):
+            # The template may live in chat_template.jinja (transformers 5) or in
+            # tokenizer_config.json (older); read both forms.
+            jinja = source.path / "chat_template.jinja"
+            cfg = source.path / "tokenizer_config.json"
+            if jinja.exists():
+                tok.chat_template = jinja.read_text()
+            elif cfg.exists():
+                template = json.loads(cfg.read_text()).get("chat_template")
+                if template:
+                    tok.chat_template = template
+    if chat_template is not None:
+        path = Path(chat_template)
+        if not path.is_file():
+            raise ValueError(f"chat template file {str(path)!r} does not exist")
+        tok.chat_template = path.read_text()
+    return tok
