@@ -13,12 +13,29 @@ from tqdm import tqdm
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampling_params import SamplingParams
-from minisgl.scheduler.fifo import FifoScheduler
+from minisgl.logging_setup import get_logger
+from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.request import Request
+from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.load import load_tokenizer
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device", "dtype"}
-_LLM_OPTIONS = {"chat_template", "max_prefill_tokens"}
+_SCHED_OPTIONS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+_LLM_OPTIONS = {"chat_template", "disable_overlap", "disable_cuda_graph"}
+
+
+def scheduler_config(options: dict[str, Any], engine: Engine) -> SchedulerConfig:
+    """SchedulerConfig from LLM/server options (disable_* flags map onto the fields)."""
+    opts = {k: v for k, v in options.items() if k in _SCHED_OPTIONS}
+    if options.get("disable_overlap"):
+        opts["overlap"] = False
+    if options.get("disable_cuda_graph"):
+        opts["cuda_graph"] = False
+    if engine.attn.name == "torch" and opts.get("cuda_graph", True):
+        if "cuda_graph" in opts or engine.device.type == "cuda":
+            get_logger("minisgl.engine").info("CUDA graphs off: the torch attention backend cannot be captured")
+        opts["cuda_graph"] = False
+    return SchedulerConfig(**opts)
 
 
 class LLM:
@@ -26,7 +43,7 @@ class LLM:
     .gguf file or a folder holding one; None means the built-in SmolLM2-135M-Instruct."""
 
     def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str = "auto", **options: Any):
-        unknown = set(options) - _ENGINE_OPTIONS - _LLM_OPTIONS
+        unknown = set(options) - _ENGINE_OPTIONS - _SCHED_OPTIONS - _LLM_OPTIONS
         if unknown:
             raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
         if device is None:
@@ -38,7 +55,7 @@ class LLM:
         tok_eos = self.tokenizer.eos_token_id
         extra = () if tok_eos is None or tok_eos in mc.eos_token_ids else (tok_eos,)
         self.model_config = dataclasses.replace(mc, eos_token_ids=mc.eos_token_ids + extra)
-        self.scheduler = FifoScheduler(self.engine, options.get("max_prefill_tokens", 8192))
+        self.scheduler = Scheduler(self.engine, scheduler_config(options, self.engine))
         self._next_uid = 0
         self._rng = random.Random(self.engine.cfg.seed)
 

@@ -77,6 +77,11 @@ class Engine:
         self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages, cfg.page_size)
         self.table = RequestTable(cfg.max_running_requests, self.max_model_len, self.device)
+        # The last sampled token of each request-table row. Decode steps read their input ids
+        # from here on the device, so step N+1 can be launched before the host has read step
+        # N's tokens (overlap scheduling).
+        self.token_buffer = torch.zeros(cfg.max_running_requests + 1, dtype=torch.int64, device=self.device)
+        self.graphs = None  # CudaGraphRunner once enable_cuda_graphs() ran
         self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device)
         log.info(
             "engine ready: %s (%s) on %s, %s, context %d, KV pool %d tokens in pages of %d, attention %s",
@@ -125,6 +130,8 @@ class Engine:
         else:
             budget = self.cfg.cpu_kv_cache_gb * (1 << 30)
         pages = int(budget // (per_token * ps))
+        # More than every request at full length could use is wasted memory.
+        pages = min(pages, self.cfg.max_running_requests * -(-self.max_model_len // ps) + 1)
         # At least one full-length request (+ the dummy page).
         need = -(-self.max_model_len // ps) + 1
         if pages < need:
@@ -135,17 +142,24 @@ class Engine:
 
     # ---- one step ----
 
-    def build_batch(self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int]]) -> ForwardBatch:
+    def build_batch(
+        self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int]] | None
+    ) -> ForwardBatch:
         """A batch for requests at table rows `rows`, each with `prefix_lens[i]` tokens already
         in the KV cache and `new_tokens[i]` to run now. The slots of the new tokens must
-        already be written to the request table."""
+        already be written to the request table. Decode may pass `new_tokens=None`: each row's
+        input is then its last sampled token, read on the device from `token_buffer`."""
         dev = self.device
-        ext = [len(t) for t in new_tokens]
+        if new_tokens is None:
+            if mode != "decode":
+                raise ValueError("only decode batches may take their inputs from the token buffer")
+            ext = [1] * len(rows)
+        else:
+            ext = [len(t) for t in new_tokens]
         seq = [p + n for p, n in zip(prefix_lens, ext)]
         cu = [0]
         for n in ext:
             cu.append(cu[-1] + n)
-        flat = [tok for toks in new_tokens for tok in toks]
         pos = [p for pre, n in zip(prefix_lens, ext) for p in range(pre, pre + n)]
         tok_rows = [r for r, n in zip(rows, ext) for _ in range(n)]
 
@@ -154,22 +168,54 @@ class Engine:
 
         positions = t(pos, torch.int64)
         out_slots = self.table.req_to_slot[t(tok_rows, torch.int64), positions]
+        req_rows = t(rows, torch.int32)
+        if new_tokens is None:
+            input_ids = self.token_buffer[req_rows]
+        else:
+            input_ids = t([tok for toks in new_tokens for tok in toks], torch.int64)
         return ForwardBatch(
-            mode=mode, input_ids=t(flat, torch.int64), positions=positions, out_slots=out_slots,
-            req_rows=t(rows, torch.int32), seq_lens=t(seq, torch.int32), prefix_lens=t(prefix_lens, torch.int32),
+            mode=mode, input_ids=input_ids, positions=positions, out_slots=out_slots,
+            req_rows=req_rows, seq_lens=t(seq, torch.int32), prefix_lens=t(prefix_lens, torch.int32),
             cu_seqlens_q=t(cu, torch.int32), sample_rows=t([c - 1 for c in cu[1:]], torch.int64),
             req_to_slot=self.table.req_to_slot, seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens),
             max_seq_len=max(seq), max_extend_len=max(ext),
         )
 
+    def enable_cuda_graphs(self, max_bs: int | None) -> None:
+        """Captures decode graphs up to `max_bs` (default: from GPU memory)."""
+        from minisgl.engine.cuda_graph import CudaGraphRunner
+
+        if self.attn.name == "torch":
+            raise ValueError("CUDA graphs need the 'triton' or 'cuda' attention backend (or disable CUDA graphs)")
+        if max_bs is None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            max_bs = 256 if total >= 40 * (1 << 30) else 128
+        self.graphs = CudaGraphRunner(self, min(max_bs, self.cfg.max_running_requests))
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
+        if self.graphs is not None and not all_positions and self.graphs.can_run(batch):
+            return self.graphs.replay(batch)
+        return self.forward_eager(batch, all_positions)
+
+    def forward_eager(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
         self.attn.prepare(batch)
         return self.model(batch, self.attn, all_positions=all_positions)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         return sample_reference(logits, st)
+
+    @torch.inference_mode()
+    def run_batch(self, batch: ForwardBatch, st: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Forward + sample; the sampled tokens also go to `token_buffer` (the next decode's
+        inputs). `st=None` (a prefill chunk that samples nothing) only runs the forward."""
+        logits = self.forward(batch)
+        if st is None:
+            return None
+        tokens, logprobs = self.sample(logits, st)
+        self.token_buffer[batch.req_rows.long()] = tokens
+        return tokens, logprobs
 
     # ---- helpers for tests and prompt scoring ----
 

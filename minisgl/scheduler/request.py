@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minisgl.engine.sampling_params import SamplingParams
+from minisgl.kvcache.prefix_cache import MatchResult
 
 
 @dataclass
@@ -19,8 +20,13 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     row: int = -1  # request-table row while it holds KV slots
     pages: list[int] = field(default_factory=list)
-    cached_len: int = 0  # tokens whose K/V are in the cache
+    cached_len: int = 0  # tokens whose K/V are in the cache (or being computed in flight)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # Prefix-cache state: the locked match whose pages start `pages`.
+    match: MatchResult | None = None
+    # Tokens sampled on the GPU whose values the host has not read yet (overlap scheduling).
+    num_pending: int = 0
+    cache_hit_tokens: int = 0  # prompt tokens served by the prefix cache (for metrics)
 
     @property
     def finished(self) -> bool:
@@ -29,6 +35,15 @@ class Request:
     @property
     def total_len(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    @property
+    def seq_len(self) -> int:
+        """Length including tokens still in flight: what the next step extends."""
+        return self.total_len + self.num_pending
+
+    @property
+    def remaining_tokens(self) -> int:
+        return max(0, self.max_total_len - self.seq_len)
 
     def tokens(self) -> list[int]:
         return self.prompt + self.output

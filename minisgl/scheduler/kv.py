@@ -1,0 +1,109 @@
+"""A request's KV pages: prefix-cache match, growth, release and retraction bookkeeping.
+
+Invariant (checked by `check_integrity`): every page is in exactly one place — the
+allocator's free list, the prefix cache, or the private pages of one active request
+(`req.pages` past its locked `req.match.pages`).
+"""
+
+from __future__ import annotations
+
+from minisgl.engine.engine import Engine
+from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
+from minisgl.scheduler.request import Request
+
+
+class RequestKV:
+    def __init__(self, engine: Engine, cache: PrefixCache) -> None:
+        self.engine = engine
+        self.cache = cache
+        self.page_size = engine.cfg.page_size
+        self.allocator = engine.allocator
+
+    @property
+    def available_pages(self) -> int:
+        """Free pages plus what eviction could free now."""
+        return self.allocator.free_pages + self.cache.evictable_pages
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def match(self, req: Request) -> MatchResult:
+        # At least one token must be computed (its logits pick the next token).
+        return self.cache.match_prefix(req.tokens()[:-1])
+
+    def attach(self, req: Request, match: MatchResult) -> None:
+        """Gives a new (or requeued) request its table row and its cached prefix, locked."""
+        self.cache.lock(match.handle)
+        req.match = match
+        req.pages = list(match.pages)
+        req.cached_len = match.matched_tokens
+        req.cache_hit_tokens = max(req.cache_hit_tokens, min(match.matched_tokens, len(req.prompt)))
+        req.row = self.engine.table.allocate_row()
+        if req.pages:
+            self.engine.set_slots(req.row, 0, self.allocator.slots_of(req.pages))
+
+    def grow(self, req: Request, tokens: int) -> bool:
+        """Ensures slots for positions [0, tokens); evicts cached prefixes if it must.
+        Returns False (changing nothing) when the pool cannot hold it."""
+        need = self.pages_for(tokens) - len(req.pages)
+        if need <= 0:
+            return True
+        if not self.reserve(need):
+            return False
+        start = len(req.pages) * self.page_size
+        new = self.allocator.allocate(need)
+        req.pages.extend(new)
+        self.engine.set_slots(req.row, start, self.allocator.slots_of(new))
+        return True
+
+    def reserve(self, pages: int) -> bool:
+        """Makes `pages` pages free, evicting least-recently-used cached prefixes."""
+        short = pages - self.allocator.free_pages
+        if short > 0:
+            if short > self.cache.evictable_pages:
+                return False
+            self.allocator.free(self.cache.evict(short))
+        return self.allocator.free_pages >= pages
+
+    def release(self, req: Request) -> None:
+        """A finished, aborted or retracted request hands its computed KV to the prefix cache
+        and frees the rest, plus its table row."""
+        if req.match is None:
+            return
+        computed = req.tokens()[: req.cached_len]
+        to_free = self.cache.cache_finished_request(computed, req.pages, req.match)
+        self.allocator.free(to_free)
+        self.engine.table.free_row(req.row)
+        req.match, req.pages, req.row = None, [], -1
+
+    def cache_progress(self, req: Request) -> None:
+        """After a prefill chunk: let the cache hold what the request computed so far (other
+        requests sharing the prompt can reuse it), keeping it locked for this request."""
+        assert req.match is not None
+        old_m = len(req.match.pages)
+        computed = req.tokens()[: req.cached_len]
+        match, pages, to_free = self.cache.cache_unfinished_request(computed, req.pages, req.match)
+        self.allocator.free(to_free)
+        new_m = len(match.pages)
+        if new_m > old_m:  # positions whose pages were replaced by the cached copies
+            changed = match.pages[old_m:new_m]
+            self.engine.set_slots(req.row, old_m * self.page_size, self.allocator.slots_of(changed))
+        req.match, req.pages = match, pages
+
+    def check_integrity(self, active: list[Request]) -> None:
+        self.cache.check_integrity()
+        private: list[int] = []
+        for r in active:
+            if r.match is not None:
+                head = r.pages[: len(r.match.pages)]
+                assert head == r.match.pages, f"request {r.uid}: pages do not start with its match"
+                private.extend(r.pages[len(r.match.pages) :])
+        free = self.allocator.free_pages
+        cached = self.cache.cached_pages
+        total = self.allocator.total_pages
+        assert len(private) == len(set(private)), "a page is private to two requests"
+        assert free + cached + len(private) == total, (
+            f"KV accounting broken: free {free} + cached {cached} + in use {len(private)} != total {total}"
+        )
+        cached_ids = self.cache.cached_page_ids()
+        assert not cached_ids.intersection(private), "a page is both cached and private to a request"

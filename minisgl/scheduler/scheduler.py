@@ -1,0 +1,276 @@
+"""The scheduler: radix prefix cache, chunked prefill, estimate-based admission, retraction
+under KV pressure, and overlap of host work with device work.
+
+Step policy: prefill (extend) and decode steps alternate while both have work, so a decode
+request never waits more than one prefill chunk (at most `max_prefill_tokens` tokens).
+Separate steps keep decode on its fast path (decode kernel + CUDA graph) instead of folding
+decodes into the slower extend kernel.
+
+Overlap: step N+1 is scheduled and launched before the host reads step N's tokens. Decode
+inputs come from the engine's device-side token buffer, and everything the host needs to
+schedule (lengths, length limits) is known without the token values. A request that ends on
+EOS or a stop token is found one step late; its extra token is computed and dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.engine.engine import Engine
+from minisgl.engine.sampler import SamplingTensors
+from minisgl.kvcache.prefix_cache import make_prefix_cache
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.kv import RequestKV
+from minisgl.scheduler.request import Request
+
+
+@dataclass
+class _InFlight:
+    reqs: list[Request]
+    samples: list[bool]  # False for a prefill chunk that samples nothing
+    tokens: torch.Tensor  # host copy (filled asynchronously on CUDA)
+    logprobs: torch.Tensor
+    event: torch.cuda.Event | None
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, cfg: SchedulerConfig | None = None) -> None:
+        self.engine = engine
+        self.cfg = cfg or SchedulerConfig()
+        self.cache = make_prefix_cache(self.cfg.cache, engine.cfg.page_size)
+        self.kv = RequestKV(engine, self.cache)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # prefilled, decoding
+        self.prefilling: Request | None = None  # mid chunked prefill
+        self.inflight: deque[_InFlight] = deque()
+        self.new_token_ratio = self.cfg.init_new_token_ratio
+        self._decode_next = False
+        self._pending_done: list[Request] = []  # processed early (by a drain) during step()
+        self.num_retractions = 0
+        if engine.device.type == "cuda" and self.cfg.cuda_graph:
+            engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs)
+
+    # ---- requests in and out ----
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling or self.inflight)
+
+    def add(self, req: Request) -> None:
+        if self.kv.pages_for(req.max_total_len) > self.engine.allocator.total_pages:
+            raise ValueError(
+                f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds "
+                f"{self.engine.allocator.total_pages * self.engine.cfg.page_size}"
+            )
+        self.waiting.append(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Ends a request early (stop string found by the caller, or abort) and frees its KV."""
+        if req.finished and req.match is None:
+            return
+        req.finish_reason = reason
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+
+    def stats(self) -> dict[str, int]:
+        total = self.engine.allocator.total_pages * self.engine.cfg.page_size
+        free = self.engine.allocator.free_pages * self.engine.cfg.page_size
+        return {
+            "running": len(self.running) + (self.prefilling is not None),
+            "queued": len(self.waiting),
+            "kv_slots_total": total,
+            "kv_slots_used": total - free - self.cache.evictable_pages * self.engine.cfg.page_size,
+            "kv_slots_cached": self.cache.cached_pages * self.engine.cfg.page_size,
+            "retractions": self.num_retractions,
+        }
+
+    def check_integrity(self) -> None:
+        active = [*self.running, *([self.prefilling] if self.prefilling else [])]
+        self.kv.check_integrity(active)
+
+    # ---- one step ----
+
+    def step(self) -> list[Request]:
+        """Schedules and launches one batch; returns the requests whose new token the host has
+        read this call (with overlap, those of the previous batch)."""
+        launched = self._launch_next()
+        keep = 1 if (launched and self.cfg.overlap) else 0
+        done, self._pending_done = self._pending_done, []
+        while len(self.inflight) > keep:
+            done.extend(self._process(self.inflight.popleft()))
+        if self.cfg.debug_checks and not self.has_work:
+            self.check_integrity()
+        return done
+
+    def _launch_next(self) -> bool:
+        want_prefill = bool(self.waiting or self.prefilling)
+        if want_prefill and not (self._decode_next and self._decodable()):
+            if self._launch_prefill():
+                self._decode_next = True
+                return True
+        self._decode_next = False
+        return self._launch_decode()
+
+    def _decodable(self) -> list[Request]:
+        # A request at its length limit waits for its last token; it is never extended.
+        return [r for r in self.running if r.seq_len < r.max_total_len]
+
+    def _reserved_pages(self) -> int:
+        """Pages the running requests are expected to still need (the admission estimate)."""
+        reqs = [*self.running, *([self.prefilling] if self.prefilling else [])]
+        return sum(
+            max(0, self.kv.pages_for(r.seq_len + int(r.remaining_tokens * self.new_token_ratio)) - len(r.pages))
+            for r in reqs
+        )
+
+    def _launch_prefill(self) -> bool:
+        budget = self.cfg.max_prefill_tokens
+        reqs: list[Request] = []
+        prefix: list[int] = []
+        new: list[list[int]] = []
+        samples: list[bool] = []
+        reserved = self._reserved_pages()
+        table = self.engine.table
+        while budget > 0:
+            if self.prefilling is not None:
+                req = self.prefilling
+            elif self.waiting and table.free_rows > 0:
+                req = self.waiting[0]
+                match = self.kv.match(req)
+                tokens_needed = req.seq_len + int(req.remaining_tokens * self.new_token_ratio)
+                need = self.kv.pages_for(tokens_needed) - len(match.pages)
+                alone = not self.running and not reqs
+                if not alone and need + reserved > self.kv.available_pages:
+                    break
+                self.waiting.popleft()
+                self.kv.attach(req, match)
+                reserved += need
+            else:
+                break
+            tokens = req.tokens()
+            chunk = min(len(tokens) - req.cached_len, budget)
+            if not self.kv.grow(req, req.cached_len + chunk):
+                if req is not self.prefilling:  # undo the admission; try again later
+                    self.kv.release(req)
+                    req.cached_len = 0
+                    self.waiting.appendleft(req)
+                break
+            reqs.append(req)
+            prefix.append(req.cached_len)
+            new.append(tokens[req.cached_len : req.cached_len + chunk])
+            req.cached_len += chunk
+            budget -= chunk
+            complete = req.cached_len == len(tokens)
+            samples.append(complete)
+            if complete:
+                self.running.append(req)
+                self.prefilling = None
+            else:
+                self.prefilling = req
+                break  # a chunked request takes the rest of the budget by construction
+        if not reqs:
+            return False
+        self._launch("extend", reqs, prefix, new, samples)
+        for req, sampled in zip(reqs, samples):
+            if sampled:
+                req.num_pending += 1
+            else:
+                self.kv.cache_progress(req)
+        return True
+
+    def _launch_decode(self) -> bool:
+        reqs = self._decodable()
+        if not reqs:
+            return False
+        reqs = self._ensure_decode_slots(reqs)
+        for r in reqs:
+            r.cached_len = r.seq_len
+        self._launch("decode", reqs, [r.seq_len - 1 for r in reqs], None, [True] * len(reqs))
+        for r in reqs:
+            r.num_pending += 1
+        self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay)
+        return True
+
+    def _ensure_decode_slots(self, reqs: list[Request]) -> list[Request]:
+        """Every decoding request needs a slot for its next token. Out of KV: retract the
+        requests with the least progress (their KV goes to the prefix cache, they requeue at
+        the front) until the rest fit."""
+        ok = [r for r in reqs if self.kv.grow(r, r.seq_len)]
+        if len(ok) == len(reqs):
+            return reqs
+        self._drain()  # retraction needs every token value on the host
+        reqs = self._decodable()
+        victims = sorted(reqs, key=lambda r: (len(r.output), -r.uid))
+        while True:
+            if all(self.kv.grow(r, r.seq_len) for r in reqs):
+                return reqs
+            victim = victims.pop(0) if len(victims) > 1 else None
+            if victim is None:  # one request left: it fits alone (checked at add)
+                if self.prefilling is not None:
+                    self._retract(self.prefilling)
+                    continue
+                raise RuntimeError("KV pool exhausted by a single request that was admitted as fitting")
+            self._retract(victim)
+            reqs.remove(victim)
+
+    def _retract(self, req: Request) -> None:
+        self.num_retractions += 1
+        self.new_token_ratio = self.cfg.init_new_token_ratio
+        if req is self.prefilling:
+            self.prefilling = None
+        else:
+            self.running.remove(req)
+        self.kv.release(req)
+        req.cached_len = 0
+        self.waiting.appendleft(req)
+
+    def _launch(
+        self, mode: str, reqs: list[Request], prefix: list[int], new: list[list[int]] | None, samples: list[bool]
+    ) -> None:
+        eng = self.engine
+        batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new)
+        st = SamplingTensors.build(
+            [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
+            [r.params.top_p for r in reqs], [r.params.min_p for r in reqs],
+            [r.seed for r in reqs], [len(r.output) + r.num_pending for r in reqs], eng.device,
+        )
+        tokens, logprobs = eng.run_batch(batch, st)
+        event = None
+        if tokens.device.type == "cuda":
+            tokens = tokens.to("cpu", non_blocking=True)
+            logprobs = logprobs.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self.inflight.append(_InFlight(reqs, samples, tokens, logprobs, event))
+
+    def _process(self, item: _InFlight) -> list[Request]:
+        if item.event is not None:
+            item.event.synchronize()
+        done = []
+        for req, sampled, tok, lp in zip(item.reqs, item.samples, item.tokens.tolist(), item.logprobs.tolist()):
+            if not sampled:
+                continue
+            req.num_pending -= 1
+            if req.finished:  # ended (abort, stop string, EOS) while this step was in flight
+                continue
+            req.append(tok, lp)
+            done.append(req)
+            if req.finished:
+                self._release(req)
+        return done
+
+    def _drain(self) -> None:
+        while self.inflight:
+            for req in self._process(self.inflight.popleft()):
+                self._pending_done.append(req)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.prefilling:
+            self.prefilling = None
+        self.kv.release(req)
