@@ -21,7 +21,7 @@ from minisgl.tokenizer.load import load_tokenizer
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device", "dtype"}
 _SCHED_OPTIONS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_LLM_OPTIONS = {"chat_template", "disable_overlap", "disable_cuda_graph"}
+_LLM_OPTIONS = {"chat_template", "tokenizer", "disable_overlap", "disable_cuda_graph"}
 
 
 def scheduler_config(options: dict[str, Any], engine: Engine) -> SchedulerConfig:
@@ -40,7 +40,12 @@ def scheduler_config(options: dict[str, Any], engine: Engine) -> SchedulerConfig
 
 class LLM:
     """`LLM(model=None, *, device=..., dtype="auto", **options)`: model is an HF folder, a
-    .gguf file or a folder holding one; None means the built-in SmolLM2-135M-Instruct."""
+    .gguf file or a folder holding one; None means the built-in SmolLM2-135M-Instruct.
+
+    Options: the EngineConfig fields (max_model_len, page_size, num_pages, max_running_requests,
+    attention_backend, load_format, seed, ...), the SchedulerConfig fields (cache,
+    max_prefill_tokens, overlap, cuda_graph, cuda_graph_max_bs, ...), disable_overlap,
+    disable_cuda_graph, chat_template (a file) and tokenizer (a folder, default: the model's)."""
 
     def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str = "auto", **options: Any):
         unknown = set(options) - _ENGINE_OPTIONS - _SCHED_OPTIONS - _LLM_OPTIONS
@@ -50,7 +55,7 @@ class LLM:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         engine_opts = {k: v for k, v in options.items() if k in _ENGINE_OPTIONS}
         self.engine = Engine(EngineConfig(model=model, device=device, dtype=dtype, **engine_opts))
-        self.tokenizer = load_tokenizer(self.engine.source, options.get("chat_template"))
+        self.tokenizer = load_tokenizer(self.engine.source, options.get("chat_template"), options.get("tokenizer"))
         mc = self.engine.model_config
         tok_eos = self.tokenizer.eos_token_id
         extra = () if tok_eos is None or tok_eos in mc.eos_token_ids else (tok_eos,)

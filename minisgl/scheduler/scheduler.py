@@ -50,6 +50,8 @@ class Scheduler:
         self._decode_next = False
         self._pending_done: list[Request] = []  # processed early (by a drain) during step()
         self.num_retractions = 0
+        # (start, end) CUDA events around each step's device work, when a benchmark asks.
+        self.gpu_timeline: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
         if engine.device.type == "cuda" and self.cfg.cuda_graph:
             engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs)
 
@@ -232,6 +234,10 @@ class Scheduler:
         self, mode: str, reqs: list[Request], prefix: list[int], new: list[list[int]] | None, samples: list[bool]
     ) -> None:
         eng = self.engine
+        timed = self.gpu_timeline is not None and eng.device.type == "cuda"
+        if timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
         batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new)
         st = SamplingTensors.build(
             [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
@@ -239,6 +245,10 @@ class Scheduler:
             [r.seed for r in reqs], [len(r.output) + r.num_pending for r in reqs], eng.device,
         )
         tokens, logprobs = eng.run_batch(batch, st)
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.gpu_timeline.append((mode, start, end))
         event = None
         if tokens.device.type == "cuda":
             tokens = tokens.to("cpu", non_blocking=True)

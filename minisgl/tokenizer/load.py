@@ -8,9 +8,15 @@ from pathlib import Path
 from minisgl.models.source import ModelSource
 
 
-def load_tokenizer(source: ModelSource, chat_template: str | Path | None = None):
+def load_tokenizer(source: ModelSource, chat_template: str | Path | None = None, tokenizer: str | Path | None = None):
+    """The model's tokenizer, or the one in the folder `tokenizer` when given."""
     from transformers import AutoTokenizer
 
+    if tokenizer is not None:
+        folder = Path(tokenizer)
+        if not folder.is_dir():
+            raise ValueError(f"tokenizer folder {str(folder)!r} does not exist")
+        source = ModelSource(folder, is_gguf=False)
     if source.is_gguf:
         from minisgl.models.gguf_file import gguf_tokenizer
 

