@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import multiprocessing as mp
 import random
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +20,7 @@ from minisgl.logging_setup import get_logger
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.tp_sync import Input, InputSync, apply_inputs
 from minisgl.tokenizer.load import load_tokenizer
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device", "dtype"}
@@ -54,15 +58,63 @@ class LLM:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         engine_opts = {k: v for k, v in options.items() if k in _ENGINE_OPTIONS}
-        self.engine = Engine(EngineConfig(model=model, device=device, dtype=dtype, **engine_opts))
+        cfg = EngineConfig(model=model, device=device, dtype=dtype, **engine_opts)
+        self._workers: list[mp.process.BaseProcess] = []
+        if cfg.tp_size > 1:
+            cfg = self._start_tp_workers(cfg, options)
+        self.engine = Engine(cfg)
         self.tokenizer = load_tokenizer(self.engine.source, options.get("chat_template"), options.get("tokenizer"))
         mc = self.engine.model_config
         tok_eos = self.tokenizer.eos_token_id
         extra = () if tok_eos is None or tok_eos in mc.eos_token_ids else (tok_eos,)
         self.model_config = dataclasses.replace(mc, eos_token_ids=mc.eos_token_ids + extra)
         self.scheduler = Scheduler(self.engine, scheduler_config(options, self.engine))
+        self._sync = InputSync(self.engine.tp.rank, self.engine.tp.size, self.engine.cpu_group)
+        self._requests: dict[int, Request] = {}
+        self._inputs: list[Input] = []
         self._next_uid = 0
         self._rng = random.Random(self.engine.cfg.seed)
+        if self._workers:
+            atexit.register(self.shutdown)
+
+    def _start_tp_workers(self, cfg: EngineConfig, options: dict[str, Any]) -> EngineConfig:
+        from minisgl.engine.engine import load_model_config
+        from minisgl.models.source import resolve_model
+        from minisgl.scheduler.tp_worker import run_tp_worker
+
+        load_model_config(resolve_model(cfg.model)).check_tp(cfg.tp_size)  # fail before spawning
+        if cfg.dist_init_addr is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                cfg = dataclasses.replace(cfg, dist_init_addr=f"127.0.0.1:{s.getsockname()[1]}")
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked
+        for rank in range(1, cfg.tp_size):
+            rank_cfg = dataclasses.replace(cfg, tp_rank=rank)
+            proc = ctx.Process(target=run_tp_worker, args=(rank_cfg, options), daemon=True)
+            proc.start()
+            self._workers.append(proc)
+        return cfg
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel worker processes (no-op without TP)."""
+        if not self._workers:
+            return
+        self._sync.exchange([("shutdown",)])
+        for proc in self._workers:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+        self._workers = []
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # a later LLM in this process starts a fresh group
+            dist.destroy_process_group()
+
+    def _step(self) -> list[Request]:
+        """One lockstep step: broadcast this step's inputs to every rank, apply, step."""
+        inputs, self._inputs = self._inputs, []
+        apply_inputs(self.scheduler, self._sync.exchange(inputs), self._requests)
+        return self.scheduler.step() if self.scheduler.has_work else []
 
     def _make_request(self, prompt: str | Sequence[int], params: SamplingParams) -> Request:
         if isinstance(prompt, str):
@@ -97,14 +149,16 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:
-            self.scheduler.add(r)
+            self.scheduler.add_check(r)
+        self._inputs.extend(("add", r) for r in reqs)
         texts: dict[int, str] = {}
         with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm) as bar:
-            while self.scheduler.has_work:
-                for req in self.scheduler.step():
-                    self._check_stop_strings(req, texts)
-                    if req.finished:
+            while self._inputs or self.scheduler.has_work:
+                for req in self._step():
+                    if self._check_stop_strings(req, texts) or req.finished:
                         bar.update(1)
+        for r in reqs:
+            self._requests.pop(r.uid, None)
         return [
             {"text": texts.get(r.uid) if r.uid in texts else self._decode(r.output), "token_ids": list(r.output),
              "finish_reason": r.finish_reason}
@@ -114,12 +168,14 @@ class LLM:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _check_stop_strings(self, req: Request, texts: dict[int, str]) -> None:
+    def _check_stop_strings(self, req: Request, texts: dict[int, str]) -> bool:
+        """True when a stop string just ended `req` (the scheduler frees it next step)."""
         stops = req.params.stop
-        if not stops or req.uid in texts:
-            return
+        if not stops or req.uid in texts or req.finished:
+            return False
         text = self._decode(req.output)
         hits = [i for i in (text.find(s) for s in stops) if i >= 0]
         if hits:
             texts[req.uid] = text[: min(hits)]  # the stop string itself is not returned
-            self.scheduler.finish(req, "stop")
+            self._inputs.append(("finish", req.uid, "stop"))
+        return bool(hits)

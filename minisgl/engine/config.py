@@ -27,6 +27,7 @@ class EngineConfig:
     seed: int = 0
     tp_rank: int = 0
     tp_size: int = 1
+    dist_init_addr: str | None = None  # HOST:PORT of the TP rendezvous (rank 0 listens)
     gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV)
     cpu_kv_cache_gb: float = 1.0  # KV pool size on the CPU when num_pages is not given
 
@@ -41,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} / tp_size {self.tp_size} is not a valid rank")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         try:

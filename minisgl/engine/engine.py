@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from minisgl.attention.base import AttentionBackend
-from minisgl.distributed.info import Communicator, TPInfo
+from minisgl.distributed.communicator import make_communicator
+from minisgl.distributed.info import TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.config import DTYPES, EngineConfig
 from minisgl.engine.sampler import SamplingTensors, sample_reference
@@ -67,8 +68,9 @@ class Engine:
         mc = self.model_config
         self.dtype = resolve_dtype(cfg.dtype, mc, self.device)
         self.max_model_len = self._context_length(mc)
+        mc.check_tp(cfg.tp_size)
         self.tp = TPInfo(cfg.tp_rank, cfg.tp_size)
-        self.comm = Communicator(self.tp)
+        self.comm, self.cpu_group = make_communicator(self.tp, self.device, cfg.dist_init_addr)
         torch.manual_seed(cfg.seed)
         self.model = self._build_model()
         self.num_q_heads = self.model.model.layers[0].self_attn.num_heads

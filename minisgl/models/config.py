@@ -54,6 +54,15 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def check_tp(self, tp_size: int) -> None:
+        """A clear error at start when `tp_size` cannot shard this model."""
+        for what, n in (("num_attention_heads", self.num_heads), ("intermediate_size", self.intermediate_size)):
+            if n % tp_size != 0:
+                raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {tp_size}")
+        kv = self.num_kv_heads
+        if (kv >= tp_size and kv % tp_size != 0) or (kv < tp_size and tp_size % kv != 0):
+            raise ValueError(f"num_key_value_heads ({kv}) and the tensor-parallel size {tp_size} do not divide")
+
     @staticmethod
     def from_dict(cfg: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> ModelConfig:
         archs = cfg.get("architectures") or []

@@ -61,12 +61,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling or self.inflight)
 
-    def add(self, req: Request) -> None:
+    def add_check(self, req: Request) -> None:
+        """Raises ValueError if `req` could never run (it must fit the KV pool alone)."""
         if self.kv.pages_for(req.max_total_len) > self.engine.allocator.total_pages:
             raise ValueError(
                 f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds "
                 f"{self.engine.allocator.total_pages * self.engine.cfg.page_size}"
             )
+
+    def add(self, req: Request) -> None:
+        self.add_check(req)
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: str) -> None:

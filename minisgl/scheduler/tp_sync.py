@@ -1,0 +1,47 @@
+"""Lockstep inputs across tensor-parallel ranks.
+
+Only rank 0 sees the outside world (new requests, aborts, stop strings found on text).
+Before every scheduler step it broadcasts what changed; every rank applies the same inputs
+in the same order and then steps, so the deterministic schedulers form identical batches
+without shipping batches around.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from minisgl.scheduler.request import Request
+
+# Inputs: ("add", Request) | ("finish", uid, reason) | ("shutdown",)
+Input = tuple[Any, ...]
+
+
+class InputSync:
+    def __init__(self, rank: int, size: int, group: object) -> None:
+        self.rank, self.size, self.group = rank, size, group
+
+    def exchange(self, inputs: list[Input] | None) -> list[Input]:
+        if self.size == 1:
+            return inputs or []
+        box = [inputs if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0] or []
+
+
+def apply_inputs(scheduler, inputs: list[Input], requests: dict[int, Request]) -> bool:
+    """Applies broadcast inputs to `scheduler` (rank 0 applies its own inputs the same way);
+    `requests` maps uid -> this rank's copy. Returns False on shutdown."""
+    for item in inputs:
+        if item[0] == "add":
+            req = item[1]
+            requests[req.uid] = req
+            scheduler.add(req)
+        elif item[0] == "finish":
+            req = requests.get(item[1])
+            if req is not None:
+                scheduler.finish(req, item[2])
+        elif item[0] == "shutdown":
+            return False
+    return True

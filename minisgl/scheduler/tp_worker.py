@@ -1,0 +1,29 @@
+"""A tensor-parallel rank > 0 of the offline LLM: its own engine and scheduler, stepping in
+lockstep with rank 0 on the inputs rank 0 broadcasts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.engine import Engine
+from minisgl.scheduler.request import Request
+from minisgl.scheduler.tp_sync import InputSync, apply_inputs
+
+
+def run_tp_worker(engine_cfg: EngineConfig, options: dict[str, Any]) -> None:
+    from minisgl.llm import scheduler_config
+    from minisgl.scheduler.scheduler import Scheduler
+
+    engine = Engine(engine_cfg)
+    scheduler = Scheduler(engine, scheduler_config(options, engine))
+    sync = InputSync(engine.tp.rank, engine.tp.size, engine.cpu_group)
+    requests: dict[int, Request] = {}
+    while apply_inputs(scheduler, sync.exchange(None), requests):
+        if scheduler.has_work:
+            scheduler.step()
+        for uid in [u for u, r in requests.items() if r.finished and r.match is None]:
+            del requests[uid]
+    import torch.distributed as dist
+
+    dist.destroy_process_group()

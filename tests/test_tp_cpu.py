@@ -1,0 +1,31 @@
+"""Tensor parallelism on the CPU: two processes over gloo give exactly the TP=1 tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+def test_tp2_equals_tp1(tiny_model_path, name: str) -> None:
+    path = str(tiny_model_path(name))
+    prompts = [[5, 6, 7, 8, 9] * 5, list(range(300, 317)), [42]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    one = LLM(path, device="cpu", dtype="float32")
+    want = [o["token_ids"] for o in one.generate(prompts, params, use_tqdm=False)]
+    two = LLM(path, device="cpu", dtype="float32", tp_size=2)
+    try:
+        got = [o["token_ids"] for o in two.generate(prompts, params, use_tqdm=False)]
+        # Seeded sampling is identical on every rank, so ranks never diverge.
+        sampled = two.generate(prompts, SamplingParams(max_tokens=8, temperature=0.8, seed=3), use_tqdm=False)
+        again = one.generate(prompts, SamplingParams(max_tokens=8, temperature=0.8, seed=3), use_tqdm=False)
+    finally:
+        two.shutdown()
+    assert got == want
+    assert [o["token_ids"] for o in sampled] == [o["token_ids"] for o in again]
+
+
+def test_tp_must_divide_heads(tiny_model_path) -> None:
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        LLM(str(tiny_model_path("llama3")), device="cpu", tp_size=3)
