@@ -73,6 +73,10 @@ class PageAllocator:
     def free_slots(self) -> int:
         return len(self._free) * self.page_size
 
+    def free_page_ids(self) -> list[int]:
+        """The free pages (for accounting checks)."""
+        return list(self._free)
+
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= len(self._free)
 

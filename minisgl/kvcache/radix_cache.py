@@ -1,0 +1,259 @@
+"""The radix prefix cache: a page-aligned radix tree over token ids (`--cache radix`).
+
+Each non-root node is an edge of whole pages: `key` (token ids, `len(key) == len(pages) *
+page_size`) and the `pages` holding their KV. Children are keyed by their first page's tokens,
+so lookups compare whole pages and every match is page aligned; a match or insert that ends
+inside an edge splits it at that page boundary. Invariants (`check_integrity`):
+- a lock adds 1 to a node and all its ancestors, so `node.ref >= sum(child.ref)`;
+- a touch (match/insert) stamps the whole path, so `parent.last_access >= child.last_access`;
+- `evictable_pages` (ref == 0) + `protected_pages` (ref > 0) == pages in the tree, each once;
+- every evictable leaf (no children, ref 0) has exactly one entry in the eviction heap.
+
+Eviction pops a heap of `(last_access, seq, node)` instead of scanning the tree. Entries are
+lazy: an entry whose node has since gained children or a lock is dropped when popped, one whose
+node was touched later is pushed again at its new time. Each node has at most one entry, and
+each touch causes at most one re-push: O(log n) amortized per evicted node and per touch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Sequence
+
+from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
+
+
+class _Node:
+    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "in_heap")
+
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, now: int) -> None:
+        self.key = key
+        self.pages = pages
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.parent = parent  # None for the root and for evicted (detached) nodes
+        self.ref = 0
+        self.last_access = now
+        self.in_heap = False
+
+
+class RadixCache(PrefixCache):
+    def __init__(self, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.heap_pops = 0  # eviction work counter (tests and metrics)
+        self._clear()
+
+    def _clear(self) -> None:
+        self._root = _Node((), [], None, 0)
+        self._clock = 0  # logical time: deterministic on every rank, no ties between ops
+        self._heap: list[tuple[int, int, _Node]] = []
+        self._seq = itertools.count()  # heap tiebreak, so nodes are never compared
+        self._pages: set[int] = set()
+        self._evictable = 0
+        self._protected = 0
+
+    # ---- lookups -------------------------------------------------------------------------
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        ps = self.page_size
+        ids = tuple(token_ids[: len(token_ids) // ps * ps])
+        self._clock += 1
+        handle, matched = self._walk(ids, self._clock)
+        runs: list[list[int]] = []
+        node: _Node | None = handle
+        while node is not None and node is not self._root:
+            runs.append(node.pages)
+            node = node.parent
+        pages = [p for run in reversed(runs) for p in run]
+        return MatchResult(handle=handle, pages=pages, matched_tokens=matched)
+
+    def _walk(self, ids: tuple[int, ...], now: int) -> tuple[_Node, int]:
+        """Follow `ids` (page aligned) down from the root over whole matching pages, splitting
+        the edge where the match ends inside one; stamps `now` on the path."""
+        ps = self.page_size
+        node, pos = self._root, 0
+        node.last_access = now
+        while pos < len(ids):
+            child = node.children.get(ids[pos : pos + ps])
+            if child is None:
+                break
+            n = self._common_pages(child.key, ids, pos)  # >= 1: the first page matched
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = now
+            node = child
+            pos += len(child.key)
+        return node, pos
+
+    def _common_pages(self, key: tuple[int, ...], ids: tuple[int, ...], pos: int) -> int:
+        n = min(len(key), len(ids) - pos)
+        if key[:n] == ids[pos : pos + n]:
+            return n // self.page_size
+        i = next(i for i in range(n) if key[i] != ids[pos + i])
+        return i // self.page_size
+
+    def _split(self, child: _Node, n: int) -> _Node:
+        """Cut `child`'s edge after `n` pages; `child` keeps the lower part (so handles and
+        heap entries that name it stay valid) and the new upper node inherits its ref count
+        (every lock on `child` also counts on its ancestors)."""
+        ps = self.page_size
+        parent = child.parent
+        assert parent is not None
+        mid = _Node(child.key[: n * ps], child.pages[:n], parent, child.last_access)
+        mid.ref = child.ref
+        parent.children[mid.key[:ps]] = mid
+        child.key, child.pages, child.parent = child.key[n * ps :], child.pages[n:], mid
+        mid.children[child.key[:ps]] = child
+        return mid
+
+    # ---- locks ---------------------------------------------------------------------------
+
+    def _attached(self, handle: object) -> _Node:
+        if not isinstance(handle, _Node):
+            raise TypeError(f"not a RadixCache handle: {handle!r}")
+        node: _Node | None = handle
+        while node is not None and node is not self._root:
+            node = node.parent
+        if node is None:
+            raise ValueError("stale handle: its prefix was evicted or the cache was reset")
+        return handle
+
+    def lock(self, handle: object) -> None:
+        node = self._attached(handle)
+        while node is not self._root:
+            if node.ref == 0:
+                self._evictable -= len(node.pages)
+                self._protected += len(node.pages)
+            node.ref += 1
+            assert node.parent is not None
+            node = node.parent
+
+    def unlock(self, handle: object) -> None:
+        node = self._attached(handle)
+        if node is not self._root and node.ref <= 0:
+            raise ValueError("unlock of a prefix that is not locked")
+        while node is not self._root:
+            node.ref -= 1
+            if node.ref == 0:
+                self._protected -= len(node.pages)
+                self._evictable += len(node.pages)
+                if not node.children:
+                    self._push(node)
+            assert node.parent is not None
+            node = node.parent
+
+    # ---- insert and evict ----------------------------------------------------------------
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+        ps = self.page_size
+        if len(token_ids) != len(pages) * ps:
+            raise ValueError(f"insert needs whole pages: {len(token_ids)} tokens for {len(pages)} pages of {ps}")
+        ids = tuple(token_ids)
+        self._clock += 1
+        node, present = self._walk(ids, self._clock)
+        if present == len(ids):
+            return present
+        new_pages = list(pages[present // ps :])
+        if min(new_pages) < 1 or len(set(new_pages)) != len(new_pages):
+            raise ValueError(f"bad pages to cache (page 0 is the dummy page): {new_pages}")
+        if not self._pages.isdisjoint(new_pages):
+            raise ValueError(f"pages already cached: {sorted(self._pages & set(new_pages))}")
+        leaf = _Node(ids[present:], new_pages, node, self._clock)
+        node.children[leaf.key[:ps]] = leaf
+        self._pages.update(new_pages)
+        self._evictable += len(new_pages)
+        self._push(leaf)
+        return present
+
+    def _push(self, node: _Node) -> None:
+        if not node.in_heap:
+            node.in_heap = True
+            heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
+
+    def evict(self, num_pages: int) -> list[int]:
+        freed: list[int] = []
+        while len(freed) < num_pages and self._heap:
+            stamp, _, node = heapq.heappop(self._heap)
+            self.heap_pops += 1
+            node.in_heap = False
+            parent = node.parent
+            if parent is None or node.children or node.ref > 0:
+                continue  # no longer an evictable leaf; pushed again if it becomes one
+            if stamp < node.last_access:
+                self._push(node)  # touched since pushed: requeue at its real time
+                continue
+            del parent.children[node.key[: self.page_size]]
+            node.parent = None
+            freed.extend(node.pages)
+            self._pages.difference_update(node.pages)
+            self._evictable -= len(node.pages)
+            if parent is not self._root and not parent.children and parent.ref == 0:
+                self._push(parent)
+        return freed
+
+    # ---- accounting ----------------------------------------------------------------------
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable
+
+    @property
+    def protected_pages(self) -> int:
+        return self._protected
+
+    def cached_page_ids(self) -> frozenset[int]:
+        return frozenset(self._pages)
+
+    def reset(self) -> list[int]:
+        if self._protected:
+            raise RuntimeError(f"cannot reset the cache: {self._protected} pages are locked")
+        pages = list(self._pages)
+        self._clear()
+        return pages
+
+    def check_integrity(self) -> None:
+        ps = self.page_size
+        root = self._root
+        _require(root.key == () and not root.pages and root.parent is None, "root is not empty")
+        seen: set[int] = set()
+        evictable = protected = in_heap = 0
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            in_heap += node.in_heap
+            child_refs = 0
+            for first, child in node.children.items():
+                where = f"node {child.key[:8]}... (depth under {node.key[:8]})"
+                _require(child.parent is node, f"{where}: wrong parent link")
+                _require(child.key[:ps] == first, f"{where}: keyed by {first}")
+                _require(
+                    len(child.pages) > 0 and len(child.key) == len(child.pages) * ps,
+                    f"{where}: {len(child.key)} tokens for {len(child.pages)} pages",
+                )
+                _require(child.ref >= 0, f"{where}: ref {child.ref} < 0")
+                _require(child.last_access <= node.last_access, f"{where}: newer than parent")
+                if not child.children and child.ref == 0:
+                    _require(child.in_heap, f"{where}: evictable leaf missing from the heap")
+                for p in child.pages:
+                    _require(p >= 1 and p not in seen, f"{where}: page {p} is 0 or cached twice")
+                    seen.add(p)
+                if child.ref:
+                    protected += len(child.pages)
+                else:
+                    evictable += len(child.pages)
+                child_refs += child.ref
+                stack.append(child)
+            if node is not root:
+                _require(node.ref >= child_refs, f"ref {node.ref} < children's {child_refs}")
+        _require(evictable == self._evictable, f"evictable_pages {self._evictable}, tree has {evictable}")
+        _require(protected == self._protected, f"protected_pages {self._protected}, tree has {protected}")
+        _require(seen == self._pages, "page set differs from the tree's pages")
+        _require(in_heap == len(self._heap), f"{len(self._heap)} heap entries, {in_heap} marked")
+
+
+def _require(cond: bool, message: str) -> None:
+    # Explicit raise rather than `assert`: the check must also run under `python -O`.
+    if not cond:
+        raise AssertionError(f"RadixCache integrity: {message}")
