@@ -39,7 +39,11 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 def make_backend(name: str, pool: KVPool, num_q_heads: int, scale: float, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        name = "torch" if device.type == "cpu" else "triton"
+        # GPU: our CUDA decode kernel + Triton extend where _C has CUDA, else all-Triton.
+        from minisgl.ops._backend import compiled
+
+        ext = compiled()
+        name = "torch" if device.type != "cuda" else ("cuda" if ext is not None and ext.has_cuda else "triton")
     if name == "torch":
         from minisgl.attention.torch_backend import TorchAttentionBackend
 

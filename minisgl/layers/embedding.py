@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl import ops
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.layers.linear import _check_shape
 
@@ -29,11 +30,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return ops.embedding_lookup(self.weight, ids)
         # Rows outside this rank's range come out as zeros; the all-reduce fills them in.
-        inside = (ids >= self.start) & (ids < self.end)
-        out = F.embedding((ids - self.start).clamp(0, self.per_rank - 1), self.weight)
-        return self.comm.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
+        return self.comm.all_reduce(ops.embedding_lookup(self.weight, ids, start=self.start, end=self.end))
 
 
 class ParallelLMHead(nn.Module):

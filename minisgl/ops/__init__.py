@@ -1,5 +1,27 @@
-"""The one place that picks an implementation per op: minisgl._C, Triton, or torch reference."""
+"""The one place that picks an implementation per op: minisgl._C (CUDA), Triton, or the
+torch reference. Each wrapper checks its arguments (ValueError naming the argument) first."""
 
+from minisgl.ops.activation import silu_and_mul
+from minisgl.ops.attention import decode_attention_triton, extend_attention
+from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
+from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
+from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
+from minisgl.ops.rope import apply_rope
+from minisgl.ops.sampling import sample
 from minisgl.ops.store import store_kv, store_kv_reference
 
-__all__ = ["store_kv", "store_kv_reference"]
+__all__ = [
+    "apply_rope",
+    "decode_attention_triton",
+    "embedding_lookup",
+    "embedding_lookup_reference",
+    "extend_attention",
+    "fused_add_rmsnorm",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "rmsnorm",
+    "sample",
+    "silu_and_mul",
+    "store_kv",
+    "store_kv_reference",
+]

@@ -1,0 +1,60 @@
+"""The `cuda` attention backend: decode steps run minisgl._C's paged flash-decoding kernel;
+extend steps (prefill, chunked prefill, prefix hits) run the Triton extend kernel
+(ops.extend_attention, which falls back to its torch reference where Triton cannot run).
+
+Decode is CUDA-graph safe: the store and the kernel read slots, rows and lengths from the
+batch's device tensors, and the kernel's launch shape depends only on the batch size, the
+head layout and `batch.max_seq_len`, which under CUDA graphs is a fixed upper bound.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl import ops
+from minisgl.attention.base import AttentionBackend
+from minisgl.engine.batch import ForwardBatch
+from minisgl.kvcache.pool import KVPool
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+class CudaAttentionBackend(AttentionBackend):
+    name = "cuda"
+
+    def __init__(self, pool: KVPool, num_q_heads: int, scale: float) -> None:
+        super().__init__(pool, num_q_heads, scale)
+        # Refuse at startup what the kernel cannot run, rather than at the first decode step.
+        if pool.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"attention backend 'cuda' needs a float16 or bfloat16 KV cache, got {pool.dtype}; "
+                "use --dtype bfloat16 or another attention backend"
+            )
+        if pool.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"attention backend 'cuda' supports head_dim {SUPPORTED_HEAD_DIMS}, got {pool.head_dim}")
+        group = num_q_heads // pool.kv_heads
+        if num_q_heads % pool.kv_heads != 0 or not 1 <= group <= 8:
+            raise ValueError(
+                f"attention backend 'cuda' supports 1..8 query heads per KV head, got {num_q_heads} / {pool.kv_heads}"
+            )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    ) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
+        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots)
+        if not batch.is_decode:
+            return ops.extend_attention(
+                q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.prefix_lens, batch.seq_lens,
+                batch.cu_seqlens_q, batch.max_extend_len, self.scale,
+            )
+        return ops.paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            batch.req_to_slot,
+            batch.req_rows,
+            batch.seq_lens,
+            self.scale,
+            batch.max_seq_len,
+        )
