@@ -61,9 +61,11 @@ def main() -> None:
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--cache", default="radix", choices=["radix", "naive"])
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one process per GPU)")
     ap.add_argument("--disable-overlap", action="store_true")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    ap.add_argument("--decode-latency", action="store_true", help="also time batch-1 decode (ms/token)")
     args = ap.parse_args()
 
     has_tokenizer = any((Path(args.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -73,7 +75,7 @@ def main() -> None:
         attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens, page_size=args.page_size, cache=args.cache,
         disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp,
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
@@ -97,6 +99,13 @@ def main() -> None:
     print(f"| {len(prompts)} | {n_in} | {n_out} | {elapsed:.2f} | {n_out / elapsed:,.0f} | "
           f"{(n_in + n_out) / elapsed:,.0f} | {idle_s} |")
     print(f"retractions: {llm.scheduler.num_retractions}")
+    if args.decode_latency:
+        llm.scheduler.gpu_timeline = None
+        n = 128
+        t0 = time.perf_counter()
+        llm.generate([[1] * 32], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        print(f"batch-1 decode: {(time.perf_counter() - t0) / n * 1000:.2f} ms/token (incl. a 32-token prefill)")
+    llm.shutdown()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "nccl.h"
+
 #ifdef MINISGL_WITH_CUDA
 #include "launchers.h"
 #endif
@@ -93,4 +95,21 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("has_cuda") = false;
 #endif
+  // NCCL: loaded at run time (see nccl.h); raw bytes for the 128-byte unique id.
+  m.def("nccl_load", &minisgl::nccl_load, py::arg("path"));
+  m.def("nccl_version", &minisgl::nccl_version);
+  m.def("nccl_unique_id", []() { return py::bytes(minisgl::nccl_unique_id()); });
+  m.def(
+      "nccl_comm_init_rank",
+      [](int world_size, const py::bytes& uid, int rank) {
+        std::string id = uid;
+        py::gil_scoped_release release;  // blocks until every rank has joined
+        return minisgl::nccl_comm_init_rank(world_size, id, rank);
+      },
+      py::arg("world_size"), py::arg("unique_id"), py::arg("rank"));
+  m.def("nccl_comm_destroy", &minisgl::nccl_comm_destroy, py::arg("comm"));
+  m.def("nccl_all_reduce", &minisgl::nccl_all_reduce, py::arg("comm"), py::arg("send"), py::arg("recv"),
+        py::arg("count"), py::arg("dtype"), py::arg("stream"));
+  m.def("nccl_all_gather", &minisgl::nccl_all_gather, py::arg("comm"), py::arg("send"), py::arg("recv"),
+        py::arg("count"), py::arg("dtype"), py::arg("stream"));
 }

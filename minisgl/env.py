@@ -17,3 +17,5 @@ DISABLE_KERNELS: bool = _flag("MINISGL_DISABLE_KERNELS")
 LOG_LEVEL: str = os.environ.get("MINISGL_LOG_LEVEL", "INFO").upper()
 # Triton runs its kernels on the CPU when this is set (TRITON_INTERPRET=1); tests use it.
 TRITON_INTERPRET: bool = _flag("TRITON_INTERPRET")
+# Path of the libnccl to load (default: the nvidia-nccl package torch uses, else the loader's).
+NCCL_LIBRARY: str = os.environ.get("MINISGL_NCCL_LIBRARY", "")

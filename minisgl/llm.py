@@ -88,7 +88,9 @@ class LLM:
                 s.bind(("127.0.0.1", 0))
                 cfg = dataclasses.replace(cfg, dist_init_addr=f"127.0.0.1:{s.getsockname()[1]}")
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
-        for rank in range(1, cfg.tp_size):
+        # This machine's ranks; on a multi-node run the other machines start theirs with
+        # `python -m minisgl.serve --node-rank K`.
+        for rank in range(1, cfg.tp_size // cfg.nnodes):
             rank_cfg = dataclasses.replace(cfg, tp_rank=rank)
             proc = ctx.Process(target=run_tp_worker, args=(rank_cfg, options), daemon=True)
             proc.start()

@@ -1,8 +1,9 @@
 """Process-group setup and the torch.distributed communicator.
 
-Every rank joins one torch.distributed group (rendezvous at `dist_init_addr`): gloo on the
-CPU, NCCL on GPUs. A gloo group always exists beside it for host-side objects (the
-scheduler's input broadcast, and the NCCL unique id of our own communicator).
+Every rank joins one gloo group (rendezvous at `dist_init_addr`, possibly across machines):
+it carries host-side objects (the scheduler's input broadcast, our NCCL unique id) and the
+CPU's collectives. GPU tensors go through our own NCCL communicator, or through a
+torch.distributed NCCL group with `custom_nccl=False` (--disable-custom-nccl).
 """
 
 from __future__ import annotations
@@ -36,23 +37,24 @@ class TorchDistCommunicator(Communicator):
         return torch.cat(parts, dim=dim)
 
 
-def init_process_groups(tp: TPInfo, device: torch.device, init_addr: str) -> dist.ProcessGroup:
-    """Joins the TP group; returns the gloo group for host objects."""
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{init_addr}", world_size=tp.size, rank=tp.rank,
-            timeout=datetime.timedelta(minutes=10),
-            **({"device_id": device} if device.type == "cuda" else {}),
-        )
-    return dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
-
-
-def make_communicator(tp: TPInfo, device: torch.device, init_addr: str | None) -> tuple[Communicator, object]:
+def make_communicator(
+    tp: TPInfo, device: torch.device, init_addr: str | None, custom_nccl: bool = True
+) -> tuple[Communicator, object]:
     """(communicator, host group). World size 1 needs no process group."""
     if tp.size == 1:
         return Communicator(tp), None
     if init_addr is None:
         raise ValueError("tensor parallelism needs dist_init_addr (HOST:PORT) for the rendezvous")
-    cpu_group = init_process_groups(tp, device, init_addr)
-    return TorchDistCommunicator(tp), cpu_group
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{init_addr}", world_size=tp.size, rank=tp.rank,
+            timeout=datetime.timedelta(minutes=10),
+        )
+    cpu_group = dist.group.WORLD
+    if device.type != "cuda":
+        return TorchDistCommunicator(tp, cpu_group), cpu_group
+    if custom_nccl:
+        from minisgl.distributed.nccl import NcclCommunicator
+
+        return NcclCommunicator(tp, device, cpu_group), cpu_group
+    return TorchDistCommunicator(tp, dist.new_group(backend="nccl")), cpu_group

@@ -28,6 +28,8 @@ class EngineConfig:
     tp_rank: int = 0
     tp_size: int = 1
     dist_init_addr: str | None = None  # HOST:PORT of the TP rendezvous (rank 0 listens)
+    nnodes: int = 1  # machines the TP ranks span; each holds tp_size // nnodes consecutive ranks
+    custom_nccl: bool = True  # our NCCL bindings; False: torch.distributed's NCCL
     gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV)
     cpu_kv_cache_gb: float = 1.0  # KV pool size on the CPU when num_pages is not given
 
@@ -44,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} / tp_size {self.tp_size} is not a valid rank")
+        if self.nnodes < 1 or self.tp_size % self.nnodes != 0:
+            raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         try:
@@ -54,4 +58,5 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         d = torch.device(self.device)
-        return torch.device("cuda", self.tp_rank if d.index is None else d.index) if d.type == "cuda" else d
+        local_rank = self.tp_rank % (self.tp_size // self.nnodes)  # GPU index on this machine
+        return torch.device("cuda", local_rank if d.index is None else d.index) if d.type == "cuda" else d

@@ -74,7 +74,9 @@ class Engine:
         self.max_model_len = self._context_length(mc)
         mc.check_tp(cfg.tp_size)
         self.tp = TPInfo(cfg.tp_rank, cfg.tp_size)
-        self.comm, self.cpu_group = make_communicator(self.tp, self.device, cfg.dist_init_addr)
+        self.comm, self.cpu_group = make_communicator(
+            self.tp, self.device, cfg.dist_init_addr, cfg.custom_nccl
+        )
         torch.manual_seed(cfg.seed)
         self.model = self._build_model()
         self.num_q_heads = self.model.model.layers[0].self_attn.num_heads

@@ -1,0 +1,80 @@
+"""Our NCCL communicator: minisgl._C's run-time-loaded NCCL bindings, on torch's current
+stream, safe inside CUDA-graph capture (NCCL kernels are captured like any other)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minisgl import env
+from minisgl.distributed.info import Communicator, TPInfo
+from minisgl.logging_setup import get_logger
+
+_DTYPE_CODES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
+log = get_logger("minisgl.distributed")
+
+
+def find_libnccl() -> str:
+    """The libnccl torch uses: MINISGL_NCCL_LIBRARY, else the nvidia-nccl-cu12/cu13 package's,
+    else "" (the dynamic loader's search path)."""
+    if env.NCCL_LIBRARY:
+        return env.NCCL_LIBRARY
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            for lib in sorted(Path(folder, "lib").glob("libnccl.so*")):
+                return str(lib)
+    return ""
+
+
+class NcclCommunicator(Communicator):
+    def __init__(self, tp: TPInfo, device: torch.device, cpu_group: object) -> None:
+        super().__init__(tp)
+        from minisgl import _C
+
+        self._C = _C
+        _C.nccl_load(find_libnccl())
+        box = [_C.nccl_unique_id() if tp.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=cpu_group)  # rendezvous over gloo
+        self.device = device
+        with torch.cuda.device(device):
+            self.comm = _C.nccl_comm_init_rank(tp.size, box[0], tp.rank)
+        if tp.rank == 0:
+            log.info("NCCL %s communicator over %d ranks (minisgl._C bindings)", _C.nccl_version(), tp.size)
+
+    def _code(self, x: torch.Tensor) -> int:
+        if x.dtype not in _DTYPE_CODES:
+            raise ValueError(f"NCCL collectives take float16, bfloat16 or float32, got {x.dtype}")
+        if not x.is_contiguous() or x.device != self.device:
+            raise ValueError(f"NCCL collectives need a contiguous tensor on {self.device}")
+        return _DTYPE_CODES[x.dtype]
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """In-place sum across ranks; returns x."""
+        if self.tp.size > 1:
+            stream = torch.cuda.current_stream(self.device).cuda_stream
+            self._C.nccl_all_reduce(self.comm, x.data_ptr(), x.data_ptr(), x.numel(), self._code(x), stream)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenation of every rank's x along `dim`."""
+        if self.tp.size == 1:
+            return x
+        x = x.contiguous()
+        out = torch.empty((self.tp.size, *x.shape), dtype=x.dtype, device=x.device)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self._C.nccl_all_gather(self.comm, x.data_ptr(), out.data_ptr(), x.numel(), self._code(x), stream)
+        dim = dim % x.dim()
+        # [tp, d0, ..., dn] -> rank blocks side by side along `dim`
+        return torch.cat(out.unbind(0), dim=dim) if dim != 0 else out.reshape(-1, *x.shape[1:])
+
+    def destroy(self) -> None:
+        if self.comm:
+            self._C.nccl_comm_destroy(self.comm)
+            self.comm = 0

@@ -1,0 +1,77 @@
+"""End to end on the GPU: the torch backend on the GPU gives the CPU's greedy tokens, the
+kernel backends give the torch backend's, and CUDA graphs + overlap give eager's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+MODELS = ["llama3", "llama_tied", "qwen2", "qwen3", "mistral"]
+PROMPTS = [[5, 6, 7, 8, 9] * 7, list(range(300, 317)), [42], list(range(1000, 1100))]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def cpu_tokens(tiny_model_path) -> dict[str, list[list[int]]]:
+    return {m: greedy(LLM(str(tiny_model_path(m)), device="cpu", dtype="float32")) for m in MODELS}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_torch_backend_gpu_fp32_equals_cpu(tiny_model_path, cpu_tokens, name: str) -> None:
+    llm = LLM(str(tiny_model_path(name)), device="cuda", dtype="float32", attention_backend="torch")
+    assert greedy(llm) == cpu_tokens[name]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_torch_backend_gpu_bf16_close_to_cpu(tiny_model_path, name: str) -> None:
+    path = str(tiny_model_path(name))
+    ref = LLM(path, device="cpu", dtype="float32").engine.score(PROMPTS)
+    got = LLM(path, device="cuda", dtype="bfloat16", attention_backend="torch").engine.score(PROMPTS)
+    for r, g in zip(ref, got):
+        rel = (g - r).norm() / r.norm()
+        assert rel < 2e-2, f"bf16 logits differ by {rel:.3g} (relative)"
+        agree = (g.argmax(-1) == r.argmax(-1)).float().mean()
+        assert agree > 0.9
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_kernel_backends_equal_torch(tiny_model_path, backend: str, name: str, dtype: str) -> None:
+    path = str(tiny_model_path(name))
+    want = greedy(LLM(path, device="cuda", dtype=dtype, attention_backend="torch"))
+    got = greedy(LLM(path, device="cuda", dtype=dtype, attention_backend=backend, disable_cuda_graph=True))
+    assert got == want
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_graph_and_overlap_equal_eager(tiny_model_path, name: str, page_size: int) -> None:
+    path = str(tiny_model_path(name))
+    eager = LLM(path, device="cuda", dtype="bfloat16", page_size=page_size, disable_cuda_graph=True, disable_overlap=True)
+    fast = LLM(path, device="cuda", dtype="bfloat16", page_size=page_size, cuda_graph_max_bs=8)
+    assert fast.engine.graphs is not None and fast.scheduler.cfg.overlap
+    many = PROMPTS * 3  # 12 requests: decode batches of several graph sizes, with padding
+    p = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    a = [o["token_ids"] for o in eager.generate(many, p, use_tqdm=False)]
+    b = [o["token_ids"] for o in fast.generate(many, p, use_tqdm=False)]
+    assert a == b
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=5)
+    assert [o["token_ids"] for o in eager.generate(many, seeded, use_tqdm=False)] == [
+        o["token_ids"] for o in fast.generate(many, seeded, use_tqdm=False)
+    ]
+    fast.scheduler.check_integrity()
+
+
+def test_default_gpu_path_uses_our_kernels(tiny_model_path) -> None:
+    llm = LLM(str(tiny_model_path("qwen3")), device="cuda")
+    assert llm.engine.attn.name in ("cuda", "triton")
+    assert llm.engine.dtype == torch.bfloat16
