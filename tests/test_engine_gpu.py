@@ -56,7 +56,9 @@ def test_kernel_backends_equal_torch(tiny_model_path, backend: str, name: str, d
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cuda_graph_and_overlap_equal_eager(tiny_model_path, name: str, page_size: int) -> None:
     path = str(tiny_model_path(name))
-    eager = LLM(path, device="cuda", dtype="bfloat16", page_size=page_size, disable_cuda_graph=True, disable_overlap=True)
+    eager = LLM(
+        path, device="cuda", dtype="bfloat16", page_size=page_size, disable_cuda_graph=True, disable_overlap=True
+    )
     fast = LLM(path, device="cuda", dtype="bfloat16", page_size=page_size, cuda_graph_max_bs=8)
     assert fast.engine.graphs is not None and fast.scheduler.cfg.overlap
     many = PROMPTS * 3  # 12 requests: decode batches of several graph sizes, with padding

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from minisgl import ops
 from minisgl.attention.base import AttentionBackend
 from minisgl.distributed.communicator import make_communicator
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.config import DTYPES, EngineConfig
-from minisgl.engine.sampler import SamplingTensors, sample_reference
+from minisgl.engine.sampler import SamplingTensors
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
 from minisgl.models.config import ModelConfig
@@ -212,7 +213,12 @@ class Engine:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample_reference(logits, st)
+        """(tokens, logprobs of the chosen tokens under the raw logits)."""
+        if st.all_greedy:  # no randomness: skip the sampling kernel
+            tokens = logits.argmax(dim=-1)
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            return tokens, logprobs
+        return ops.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
 
     @torch.inference_mode()
     def run_batch(self, batch: ForwardBatch, st: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -1,0 +1,167 @@
+"""Decode attention over the paged KV cache: split-K flash decoding (Triton + fp32 reference).
+
+q [B, Hq, D]: one new token per request, at position seq_lens[b] - 1, attending to positions
+0 .. seq_lens[b] - 1 (its own K/V already stored) through slot = req_to_slot[req_rows[b], pos].
+
+Stage 1, grid (B, kv_heads, NUM_SPLITS): each program takes all q heads of one KV group
+(padded to BLOCK_H >= 16 rows so the scores are one tensor-core dot) and one contiguous
+slice of the request's keys, so every K/V row is read once per group. It writes the slice's
+normalized partial output and its log2-sum-exp to fp32 scratch.
+Stage 2, grid (B, Hq): merges the splits. NUM_SPLITS is a function of the host-side bound
+max_seq_len only (the per-row slice length comes from seq_lens on the device), so a captured
+CUDA graph stays valid for any lengths up to that bound.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, KCache, VCache, ReqToSlot, ReqRows, SeqLens, Mid, MidLse, qk_scale,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(SeqLens + b)
+    row = tl.load(ReqRows + b).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_h
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    slot_base = ReqToSlot + row * stride_rt
+    k_base = KCache + kvh.to(tl.int64) * stride_kh
+    v_base = VCache + kvh.to(tl.int64) * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        slots = tl.load(slot_base + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(k_base + slots[None, :] * stride_kt + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, BLOCK_N]
+        qk = tl.dot(q, k) * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slots[:, None] * stride_vt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # An empty slice (short request) leaves l_i = 0: it gets lse = -inf and weight 0 in stage 2.
+    nonempty = l_i > 0
+    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    mid = (Mid + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms
+           + offs_d[None, :])
+    tl.store(mid, out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(MidLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Mid, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    part = tl.load(Mid + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
+                   mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Enough (batch x kv-head x split) programs to fill the GPU twice, each slice >= 128 keys."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    want = triton.cdiv(2 * sms, max(1, batch * kv_heads))
+    return max(1, min(32, want, triton.cdiv(max_seq_len, 128)))
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
+    req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+    out: torch.Tensor | None = None, num_splits: int | None = None,
+) -> torch.Tensor:
+    """Shapes as in the module docstring; returns out [B, Hq, D] in q's dtype."""
+    b, hq, d = q.shape
+    kv_heads = k_cache.shape[1]
+    group = hq // kv_heads
+    if out is None:
+        out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
+    if b == 0:
+        return out
+    splits = num_splits or num_splits_for(b, kv_heads, max_seq_len, q.device)
+    block_d = triton.next_power_of_2(d)
+    mid = torch.empty((b, hq, splits, block_d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    block_h = max(16, triton.next_power_of_2(group))
+    block_n = 64 if d <= 128 else 32
+    _decode_split_kernel[(b, kv_heads, splits)](
+        q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, mid, lse, scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), req_to_slot.stride(0), mid.stride(0), mid.stride(1), mid.stride(2),
+        lse.stride(0), lse.stride(1),
+        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
+        NUM_SPLITS=splits, num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(b, hq)](
+        mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+    )
+    return out
+
+
+def decode_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
+    req_rows: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Per request: softmax(q K^T * scale) V over its seq_len keys, matmuls in compute_dtype,
+    softmax in fp32 (fp64 for the gold answer). Returns [B, Hq, D] in compute_dtype."""
+    b, hq, d = q.shape
+    group = hq // k_cache.shape[1]
+    out = torch.empty((b, hq, d), dtype=compute_dtype, device=q.device)
+    soft_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    for i, (row, seq) in enumerate(zip(req_rows.tolist(), seq_lens.tolist())):
+        slots = req_to_slot[row, :seq].long()
+        k = k_cache[slots].to(compute_dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v_cache[slots].to(compute_dtype).repeat_interleave(group, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[i].to(compute_dtype), k) * scale
+        p = torch.softmax(s.to(soft_dtype), dim=-1).to(compute_dtype)
+        out[i] = torch.einsum("hl,lhd->hd", p, v)
+    return out

@@ -1,0 +1,170 @@
+"""Extend (prefill) attention over the paged KV cache (Triton flash attention + fp32 reference).
+
+A ragged batch of B requests: request b brings `ext_b = cu_seqlens_q[b+1] - cu_seqlens_q[b]`
+new tokens at positions prefix_lens[b] .. prefix_lens[b] + ext_b - 1, whose K/V are already
+stored in the cache. Token i attends causally to positions 0 .. prefix_lens[b] + i, read
+through the request table: slot = req_to_slot[req_rows[b], position] (any page size).
+
+Grid: (q_heads, q blocks, B) with heads fastest, so the heads of one KV group run side by side
+(their K/V tiles are shared in L2) and, with q blocks taken last-first, the longest causal
+rows start first. Each program: one BLOCK_M tile of queries of one head; an unmasked loop
+over keys every query of the tile sees, then a short masked loop over the diagonal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end,
+                 q_pos, stride_kt, stride_vt, qk_scale, offs_d, mask_d,
+                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        mask_n = offs_n < kv_end
+        slots = tl.load(slot_base + offs_n, mask=mask_n, other=0).to(tl.int64)
+    else:
+        slots = tl.load(slot_base + offs_n).to(tl.int64)
+    k_ptrs = KCache + kv_off_k + slots[None, :] * stride_kt + offs_d[:, None]  # [D, BLOCK_N]
+    v_ptrs = VCache + kv_off_v + slots[:, None] * stride_vt + offs_d[None, :]  # [BLOCK_N, D]
+    if EVEN_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+    qk = tl.dot(q, k)
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+    # log2 domain; the scale folds into one FMA with the max subtraction (qk_scale > 0).
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_attn_kernel(
+    Q, KCache, VCache, Out, ReqToSlot, ReqRows, PrefixLens, CuSeqlensQ, qk_scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_rt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    head = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(CuSeqlensQ + b)
+    ext = tl.load(CuSeqlensQ + b + 1) - q_start
+    m_start = pid_m * BLOCK_M
+    if m_start >= ext:
+        return
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    row = tl.load(ReqRows + b).to(tl.int64)
+    prefix = tl.load(PrefixLens + b)
+    kvh = head // GROUP
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < ext
+    mask_d = offs_d < HEAD_DIM
+    tok = (q_start + offs_m).to(tl.int64)
+    q_ptrs = Q + tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q_pos = prefix + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    slot_base = ReqToSlot + row * stride_rt
+    kv_off_k = kvh.to(tl.int64) * stride_kh
+    kv_off_v = kvh.to(tl.int64) * stride_vh
+    # Keys below prefix + m_start are visible to every query of the tile: no masks there.
+    full_end = ((prefix + m_start) // BLOCK_N) * BLOCK_N
+    kv_end = prefix + tl.minimum(m_start + BLOCK_M, ext)
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
+            stride_kt, stride_vt, qk_scale, offs_d, mask_d, False, EVEN_D, BLOCK_N)
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
+            stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N)
+    out = acc / l_i[:, None]
+    o_ptrs = Out + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Interpreter: small tiles keep CI fast."""
+    if device.type != "cuda":
+        return (32, 32, 4, 1)
+    # Chosen on an H100 (benchmarks/RESULTS.md) among configs that the compiler's resource
+    # report (sm_90) shows without register spills; a padded head dim spills at 128 x 128.
+    if head_dim <= 128:
+        return (128, 128, 8, 3) if head_dim in (64, 128) else (128, 64, 8, 3)
+    return (64, 64, 8, 2)
+
+
+def extend_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
+    req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    max_extend_len: int, scale: float, out: torch.Tensor | None = None,
+    config: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype."""
+    t, hq, d = q.shape
+    if out is None:
+        out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    b = req_rows.shape[0]
+    if t == 0 or b == 0 or max_extend_len <= 0:
+        return out
+    block_m, block_n, num_warps, num_stages = config or default_config(d, q.dtype, q.device)
+    grid = (hq, triton.cdiv(max_extend_len, block_m), b)
+    _extend_attn_kernel[grid](
+        q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens, cu_seqlens_q,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), out.stride(0), out.stride(1), req_to_slot.stride(0),
+        GROUP=hq // k_cache.shape[1], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def extend_attention_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
+    req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Plain math per request in `compute_dtype` (fp64 for the gold answer, q's dtype for the
+    same-dtype torch baseline of FA3's error rule); returns [T, Hq, D] in compute_dtype."""
+    t, hq, d = q.shape
+    group = hq // k_cache.shape[1]
+    out = torch.empty((t, hq, d), dtype=compute_dtype, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    for i, (row, prefix) in enumerate(zip(req_rows.tolist(), prefix_lens.tolist())):
+        lo, hi = cu[i], cu[i + 1]
+        if hi == lo:
+            continue
+        seq = prefix + hi - lo
+        slots = req_to_slot[row, :seq].long()
+        k = k_cache[slots].to(compute_dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v_cache[slots].to(compute_dtype).repeat_interleave(group, dim=1)
+        qq = q[lo:hi].to(compute_dtype).transpose(0, 1)  # [Hq, n, D]
+        s = torch.matmul(qq, k.permute(1, 2, 0)) * scale  # [Hq, n, L]
+        q_pos = torch.arange(prefix, seq, device=q.device)
+        mask = torch.arange(seq, device=q.device)[None, :] > q_pos[:, None]
+        s = s.masked_fill(mask[None], float("-inf"))
+        # Softmax in fp32 (fp64 for the gold answer), matmuls in compute_dtype: FA3's baseline.
+        soft_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+        p = torch.softmax(s.to(soft_dtype), dim=-1).to(compute_dtype)
+        out[lo:hi] = torch.matmul(p, v.transpose(0, 1)).transpose(0, 1)
+    return out

@@ -1,0 +1,83 @@
+"""Rotary position embedding, neox style, applied in place to q and k (Triton + reference).
+
+The cos/sin table `[max_pos, R]` (fp32; first R/2 columns cos, last R/2 sin) is built by the
+layer (minisgl/layers/rotary.py, llama3 scaling included); R <= head_dim and only the first R
+dims of each head rotate. For i < R/2: x1 = x[i], x2 = x[i + R/2];
+    x[i] = x1*cos - x2*sin,   x[i + R/2] = x2*cos + x1*sin      (fp32 math, one rounding).
+
+One program rotates every q and k head of one token: the token's cos/sin row is read once.
+Traffic per token: read + write of (Hq + Hkv) * R elements, plus one R-float table row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(Base, stride_h, n_heads, cos, sin, offs_d, mask_d, HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = (offs_h < n_heads)[:, None] & mask_d[None, :]
+    p1 = Base + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p1, (x1 * cos - x2 * sin).to(Base.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(Base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, Pos, Cache, stride_qt, stride_qh, stride_kt, stride_kh, stride_c, HQ, HKV,
+    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(Pos + t)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HALF
+    cos = tl.load(Cache + pos * stride_c + offs_d, mask=mask_d, other=0.0)[None, :]
+    sin = tl.load(Cache + pos * stride_c + HALF + offs_d, mask=mask_d, other=0.0)[None, :]
+    _rotate_heads(Q + t * stride_qt, stride_qh, HQ, cos, sin, offs_d, mask_d, HALF, BLOCK_HQ)
+    _rotate_heads(K + t * stride_kt, stride_kh, HKV, cos, sin, offs_d, mask_d, HALF, BLOCK_HK)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> None:
+    """q [T, Hq, D], k [T, Hkv, D] (last dim packed, any head/row strides), positions [T],
+    cos_sin_cache [max_pos, R] fp32 with R even, R <= D. Rotates q and k in place."""
+    t, hq, _ = q.shape
+    if t == 0:
+        return
+    hkv = k.shape[1]
+    half = cos_sin_cache.shape[1] // 2
+    block_hq, block_hk = triton.next_power_of_2(hq), triton.next_power_of_2(hkv)
+    block_d = triton.next_power_of_2(half)
+    num_warps = 4 if block_hq * block_d <= 2048 else 8
+    _rope_kernel[(t,)](
+        q, k, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        cos_sin_cache.stride(0), hq, hkv, HALF=half, BLOCK_D=block_d, BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk, num_warps=num_warps,
+    )
+
+
+def apply_rope_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                         cos_sin_cache: torch.Tensor) -> None:
+    """fp32 math, rounded once to each tensor's dtype, written back in place."""
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache[positions.long()].float()
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    for x in (q, k):
+        x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+        o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        x[..., :half] = o1.to(x.dtype)
+        x[..., half : 2 * half] = o2.to(x.dtype)
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    """[max_positions, 2 * len(inv_freq)] fp32: cos | sin of position * inv_freq (tests and
+    benchmarks; the model layer builds its own table, with its frequency scaling)."""
+    t = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    freqs = torch.outer(t, inv_freq.float())
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)

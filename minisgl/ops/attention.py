@@ -1,0 +1,110 @@
+"""Paged attention ops in Triton (extend/prefill and split-K decode), torch reference fallback.
+
+Both read K/V only through the request table: slot = req_to_slot[req_rows[b], position].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.kernels import decode_attention as _dec
+from minisgl.kernels import extend_attention as _ext
+from minisgl.ops._backend import log_cpu_reference_once, use_triton
+from minisgl.ops._checks import (
+    check_contiguous,
+    check_inner_contiguous,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_cache(q: torch.Tensor, k_cache: object, v_cache: object, req_to_slot: object) -> None:
+    check_tensor("k_cache", k_cache, dtype=q.dtype, ndim=3)
+    check_tensor("v_cache", v_cache, dtype=q.dtype, ndim=3)
+    check_shape("k_cache", k_cache, (None, None, q.shape[2]))
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    if q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k_cache.shape[1]})")
+    check_tensor("req_to_slot", req_to_slot, dtype=torch.int32, ndim=2)
+    check_inner_contiguous("req_to_slot", req_to_slot)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_inner_contiguous(name, t)
+
+
+def _check_lens(batch: int, **lens: object) -> None:
+    for name, t in lens.items():
+        check_tensor(name, t, dtype=torch.int32, ndim=1)
+        check_shape(name, t, (batch,))
+        check_contiguous(name, t)
+
+
+def _check_out(out: object, q: torch.Tensor) -> None:
+    check_tensor("out", out, dtype=q.dtype, ndim=3)
+    check_shape("out", out, tuple(q.shape))
+    check_inner_contiguous("out", out)
+
+
+def extend_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
+    req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, max_extend_len: int, scale: float, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D] (head dim packed, row/head strides free); k_cache, v_cache [S, Hkv, D]
+    holding every position's K/V, the new tokens' included; req_rows, prefix_lens, seq_lens
+    int32 [B]; cu_seqlens_q int32 [B+1] (new tokens of request b: rows cu[b]..cu[b+1]-1 of q,
+    at positions prefix_lens[b]..seq_lens[b]-1); max_extend_len >= every request's new-token
+    count. Causal attention per request; returns [T, Hq, D] in q's dtype (into `out` if given)."""
+    check_tensor("q", q, dtype=_DTYPES, ndim=3)
+    _check_cache(q, k_cache, v_cache, req_to_slot)
+    b = req_rows.shape[0] if isinstance(req_rows, torch.Tensor) else -1
+    _check_lens(b, req_rows=req_rows, prefix_lens=prefix_lens, seq_lens=seq_lens)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1)
+    check_shape("cu_seqlens_q", cu_seqlens_q, (b + 1,))
+    check_contiguous("cu_seqlens_q", cu_seqlens_q)
+    if out is not None:
+        _check_out(out, q)
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, req_to_slot=req_to_slot,
+                      req_rows=req_rows, prefix_lens=prefix_lens, seq_lens=seq_lens,
+                      cu_seqlens_q=cu_seqlens_q)
+    if use_triton("extend_attention", q):
+        return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
+                                     cu_seqlens_q, max_extend_len, scale, out)
+    log_cpu_reference_once("extend_attention")
+    ref = _ext.extend_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows,
+                                          prefix_lens, cu_seqlens_q, scale)
+    if out is None:
+        return ref.to(q.dtype)
+    out.copy_(ref)
+    return out
+
+
+def decode_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
+    req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D]: one new token per request (its K/V already stored), attending to
+    positions 0..seq_lens[b]-1; seq_lens[b] <= max_seq_len (a fixed bound keeps a captured CUDA
+    graph valid). Split-K flash decoding; returns [B, Hq, D] in q's dtype."""
+    check_tensor("q", q, dtype=_DTYPES, ndim=3)
+    _check_cache(q, k_cache, v_cache, req_to_slot)
+    _check_lens(q.shape[0], req_rows=req_rows, seq_lens=seq_lens)
+    if out is not None:
+        _check_out(out, q)
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, req_to_slot=req_to_slot,
+                      req_rows=req_rows, seq_lens=seq_lens)
+    if use_triton("decode_attention_triton", q):
+        return _dec.decode_attention(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens,
+                                     max_seq_len, scale, out)
+    log_cpu_reference_once("decode_attention_triton")
+    ref = _dec.decode_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens,
+                                          scale)
+    if out is None:
+        return ref.to(q.dtype)
+    out.copy_(ref)
+    return out

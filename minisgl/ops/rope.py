@@ -1,0 +1,36 @@
+"""Rotary embedding (neox style, in place): Triton where it can run, else the torch reference."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.kernels import rope as _k
+from minisgl.ops._backend import log_cpu_reference_once, use_triton
+from minisgl.ops._checks import check_inner_contiguous, check_same_device, check_shape, check_tensor
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Rotates q [T, Hq, D] and k [T, Hkv, D] in place (each head's last dim packed; row and
+    head strides free, e.g. views of a fused qkv output). positions: int64 [T], each in
+    [0, max_pos); cos_sin_cache: fp32 [max_pos, R], R even and <= D (cos | sin halves)."""
+    check_tensor("q", q, dtype=_DTYPES, ndim=3)
+    check_tensor("k", k, dtype=q.dtype, ndim=3)
+    check_shape("k", k, (q.shape[0], None, q.shape[2]))
+    check_tensor("positions", positions, dtype=torch.int64, ndim=1)
+    check_shape("positions", positions, (q.shape[0],))
+    check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2)
+    rot = cos_sin_cache.shape[1]
+    if rot % 2 or rot > q.shape[2] or rot == 0:
+        raise ValueError(f"cos_sin_cache width must be even and in [2, head_dim={q.shape[2]}], got {rot}")
+    check_same_device(q=q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
+    for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
+        check_inner_contiguous(name, t)
+    if use_triton("apply_rope", q):
+        _k.apply_rope(q, k, positions, cos_sin_cache)
+        return
+    log_cpu_reference_once("apply_rope")
+    _k.apply_rope_reference(q, k, positions, cos_sin_cache)

@@ -1,0 +1,46 @@
+"""Batched sampling (greedy / temperature / top-k / top-p / min-p, per-row seeds): Triton where
+it can run, else the sort-based torch reference."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.kernels import sampling as _k
+from minisgl.ops._backend import log_cpu_reference_once, use_triton
+from minisgl.ops._checks import check_contiguous, check_same_device, check_shape, check_tensor
+
+
+def sample(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits fp32 [B, V] (last dim packed, row stride free); temperature f32 [B] (<= 0: greedy,
+    exactly argmax); top_k int32 [B] (<= 0 or >= V: off); top_p f32 [B] (>= 1: off); min_p f32
+    [B] (<= 0: off); seeds, steps int64 [B]. Filters apply in the order temperature -> top-k ->
+    top-p (on the top-k renormalized distribution) -> min-p (relative to the top token).
+    A row's draw depends only on its logits, parameters and (seed, step).
+    Returns (tokens int64 [B], logprobs f32 [B] = log_softmax(logits)[token] of the raw logits)."""
+    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+    if logits.stride(1) != 1 and logits.shape[1] > 1:
+        raise ValueError(f"logits must be packed in its last dimension, got strides {logits.stride()}")
+    b = logits.shape[0]
+    for name, t, dtype in (
+        ("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
+        ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
+        ("seeds", seeds, torch.int64), ("steps", steps, torch.int64),
+    ):
+        check_tensor(name, t, dtype=dtype, ndim=1)
+        check_shape(name, t, (b,))
+        check_contiguous(name, t)
+    check_same_device(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                      min_p=min_p, seeds=seeds, steps=steps)
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension")
+    if use_triton("sample", logits):
+        return _k.sample(logits, temperature, top_k, top_p, min_p, seeds, steps)
+    log_cpu_reference_once("sample")
+    from minisgl.engine.sampler import SamplingTensors, sample_reference
+
+    st = SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps,
+                         all_greedy=bool((temperature <= 0).all()))
+    return sample_reference(logits, st)

@@ -1,0 +1,114 @@
+"""RoPE (neox style, in place): the Triton kernel against its fp32 reference, llama3-scaled
+tables from the model layer against transformers, and the op's checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl import env, ops
+from minisgl.kernels import rope as K
+
+# Triton kernels: on the CPU they run under TRITON_INTERPRET=1 (a separate pytest pass).
+pytestmark = pytest.mark.triton
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    DEV == "cpu" and not env.TRITON_INTERPRET, reason="Triton kernels need CUDA or TRITON_INTERPRET=1"
+)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _inv_freq(rot: int, theta: float = 10000.0) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+
+
+def _fused_qkv(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, gen: torch.Generator):
+    """q, k as row-strided views of one [t, (hq + 2 hkv) d] projection output."""
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(DEV, dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    return qkv, q, k
+
+
+def _check(dtype: torch.dtype, t: int, hq: int, hkv: int, d: int, rot: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    max_pos = 4096
+    cache = K.build_cos_sin_cache(_inv_freq(rot), max_pos).to(DEV)
+    qkv, q, k = _fused_qkv(t, hq, hkv, d, dtype, gen)
+    positions = torch.randint(0, max_pos, (t,), generator=gen).to(DEV)
+    ref_qkv = qkv.clone()
+    _, rq, rk = ref_qkv, ref_qkv[:, : hq * d].view(t, hq, d), ref_qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    K.apply_rope_reference(rq, rk, positions, cache)
+    ops.apply_rope(q, k, positions, cache)
+    eps = torch.finfo(dtype).eps
+    # fp32 math in both; FMA contraction may move one fp32 ulp, rarely one step of the dtype.
+    torch.testing.assert_close(qkv.float(), ref_qkv.float(), rtol=2 * eps, atol=2 * eps)
+    v0 = (hq + hkv) * d
+    assert torch.equal(qkv[:, v0:], ref_qkv[:, v0:]), "v must be untouched"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 2, 64), (7, 3, 1, 128), (19, 8, 8, 32), (5, 6, 2, 256)])
+def test_rope_matches_reference(dtype: torch.dtype, t: int, hq: int, hkv: int, d: int) -> None:
+    _check(dtype, t, hq, hkv, d, d, seed=t + hq + d)
+
+
+@needs_triton
+def test_partial_rotary_leaves_the_tail() -> None:
+    _check(torch.float16, 11, 4, 2, 64, 32, seed=5)
+
+
+@needs_triton
+def test_llama3_scaled_table_matches_transformers() -> None:
+    """Model layer's llama3 table + our kernel == transformers' Llama rotary at long positions."""
+    rotary = pytest.importorskip("minisgl.layers.rotary")
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from minisgl.models.config import RopeScaling
+
+    d, theta, max_pos = 64, 500000.0, 32768
+    scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    layer = rotary.RotaryEmbedding(d, max_pos, theta, scaling, torch.device(DEV))
+    cfg = LlamaConfig(
+        hidden_size=4 * d, num_attention_heads=4, num_key_value_heads=2, rope_theta=theta,
+        max_position_embeddings=max_pos,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                      "rope_theta": theta},
+    )
+    hf = LlamaRotaryEmbedding(cfg)
+    gen = torch.Generator().manual_seed(1)
+    t = 9
+    positions = torch.tensor([0, 1, 7, 100, 2047, 8191, 8192, 20000, 32767])
+    q = torch.randn(t, 4, d, generator=gen)
+    k = torch.randn(t, 2, d, generator=gen)
+    cos, sin = hf(q, positions[None])
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    qq, kk = q.to(DEV).clone(), k.to(DEV).clone()
+    ops.apply_rope(qq, kk, positions.to(DEV), layer.cos_sin_cache)
+    torch.testing.assert_close(qq.cpu(), want_q[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kk.cpu(), want_k[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    cache = K.build_cos_sin_cache(_inv_freq(8), 16)
+    pos = torch.arange(3)
+    with pytest.raises(ValueError, match="positions"):
+        ops.apply_rope(q, k, pos.int(), cache)
+    with pytest.raises(ValueError, match="k"):
+        ops.apply_rope(q, torch.randn(3, 2, 6), pos, cache)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        ops.apply_rope(q, k, pos, cache.double())
+    with pytest.raises(ValueError, match="cos_sin_cache width"):
+        ops.apply_rope(q, k, pos, K.build_cos_sin_cache(_inv_freq(16), 16))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_bf16_real_sizes(d: int) -> None:
+    _check(torch.bfloat16, 8192, 32, 8, d, d, seed=d)
