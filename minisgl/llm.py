@@ -16,8 +16,7 @@ from tqdm import tqdm
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampling_params import SamplingParams
-from minisgl.logging_setup import get_logger
-from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.config import SchedulerConfig, scheduler_config
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp_sync import Input, InputSync, apply_inputs
@@ -26,20 +25,6 @@ from minisgl.tokenizer.load import load_tokenizer
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device", "dtype"}
 _SCHED_OPTIONS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _LLM_OPTIONS = {"chat_template", "tokenizer", "disable_overlap", "disable_cuda_graph"}
-
-
-def scheduler_config(options: dict[str, Any], engine: Engine) -> SchedulerConfig:
-    """SchedulerConfig from LLM/server options (disable_* flags map onto the fields)."""
-    opts = {k: v for k, v in options.items() if k in _SCHED_OPTIONS}
-    if options.get("disable_overlap"):
-        opts["overlap"] = False
-    if options.get("disable_cuda_graph"):
-        opts["cuda_graph"] = False
-    if engine.attn.name == "torch" and opts.get("cuda_graph", True):
-        if "cuda_graph" in opts or engine.device.type == "cuda":
-            get_logger("minisgl.engine").info("CUDA graphs off: the torch attention backend cannot be captured")
-        opts["cuda_graph"] = False
-    return SchedulerConfig(**opts)
 
 
 class LLM:
@@ -68,7 +53,9 @@ class LLM:
         tok_eos = self.tokenizer.eos_token_id
         extra = () if tok_eos is None or tok_eos in mc.eos_token_ids else (tok_eos,)
         self.model_config = dataclasses.replace(mc, eos_token_ids=mc.eos_token_ids + extra)
-        self.scheduler = Scheduler(self.engine, scheduler_config(options, self.engine))
+        self.scheduler = Scheduler(
+            self.engine, scheduler_config(options, self.engine.attn.name, self.engine.device.type)
+        )
         self._sync = InputSync(self.engine.tp.rank, self.engine.tp.size, self.engine.cpu_group)
         self._requests: dict[int, Request] = {}
         self._inputs: list[Input] = []

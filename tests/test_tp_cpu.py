@@ -29,3 +29,28 @@ def test_tp2_equals_tp1(tiny_model_path, name: str) -> None:
 def test_tp_must_divide_heads(tiny_model_path) -> None:
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(str(tiny_model_path("llama3")), device="cpu", tp_size=3)
+
+
+def test_server_tp2_equals_offline_tp1(tiny_model_path, tmp_path) -> None:
+    import httpx
+    from server_harness import Server, child_pids
+
+    path = str(tiny_model_path("llama3"))
+    want = LLM(path, device="cpu", dtype="float32").generate(
+        ["Hello there", "The quick brown fox"], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    server = Server("--model", path, "--tp", "2", "--dtype", "float32", cwd=tmp_path)
+    try:
+        pids = child_pids(server.proc.pid)
+        assert len(pids) >= 4  # scheduler ranks 0 and 1, detokenizer, tokenizer
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            for prompt, ref in zip(["Hello there", "The quick brown fox"], want):
+                r = http.post("/v1/completions", json={
+                    "model": http.get("/v1/models").json()["data"][0]["id"], "prompt": prompt,
+                    "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+                })
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == ref["text"]
+    finally:
+        assert server.stop() == 0

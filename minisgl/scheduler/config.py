@@ -28,3 +28,22 @@ class SchedulerConfig:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+
+def scheduler_config(options: dict, attn_name: str, device_type: str) -> SchedulerConfig:
+    """SchedulerConfig from LLM/server options: SchedulerConfig fields, plus disable_overlap /
+    disable_cuda_graph. The torch attention backend cannot be captured: graphs go off (said
+    once in the log when the GPU would otherwise have used them)."""
+    from minisgl.logging_setup import get_logger
+
+    fields = set(SchedulerConfig.__dataclass_fields__)
+    opts = {k: v for k, v in options.items() if k in fields}
+    if options.get("disable_overlap"):
+        opts["overlap"] = False
+    if options.get("disable_cuda_graph"):
+        opts["cuda_graph"] = False
+    if attn_name == "torch" and opts.get("cuda_graph", True):
+        if "cuda_graph" in opts or device_type == "cuda":
+            get_logger("minisgl.scheduler").info("CUDA graphs off: the torch attention backend cannot be captured")
+        opts["cuda_graph"] = False
+    return SchedulerConfig(**opts)

@@ -31,52 +31,33 @@ from minisgl.message import (
     UserReply,
 )
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
+from minisgl.scheduler.config import SchedulerConfig, scheduler_config
 from minisgl.scheduler.request import Request
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.tp_sync import Input, InputSync, apply_inputs
 from minisgl.server.child import report_ready
 
 log = get_logger("minisgl.scheduler")
 STATS_INTERVAL_S = 0.1
+# With TP, idle rank 0 still broadcasts (an empty input list) this often, so the other ranks'
+# collectives never wait long enough to time out.
+TP_IDLE_POLL_MS = 1000
 
-# What the FIFO scheduler can honour among SchedulerConfig options (None: any value).
-_FIFO_SUPPORTS: dict[str, Any] = {
-    "max_prefill_tokens": None,
-    "cache": "naive",
-    "overlap": False,
-    "cuda_graph": False,
-}
-
-
-def scheduler_builder(options: dict[str, Any]) -> Callable[[Engine], Any]:
+def scheduler_builder(options: dict[str, Any]) -> Callable[[Engine], Scheduler]:
     """Checks the scheduler options now (before the model loads) and returns a function that
-    builds the scheduler for an engine. The scheduler class is chosen here alone: the
-    radix-cache scheduler replaces the FIFO one by changing this function.
-
-    A scheduler offers add(req), step() -> requests that got tokens, finish(req, reason),
-    has_work; and for stats either stats() (see `scheduler_stats`) or FIFO's attributes."""
-    from minisgl.scheduler.fifo import FifoScheduler
-
-    refused = [
-        f"{k}={v!r}"
-        for k, v in options.items()
-        if k not in _FIFO_SUPPORTS or _FIFO_SUPPORTS[k] not in (None, v)
-    ]
-    if refused:
-        raise ValueError(
-            f"the FIFO scheduler does not support {', '.join(refused)} (it has no prefix cache, "
-            "overlap or CUDA graphs); drop these flags"
-        )
-    return lambda engine: FifoScheduler(engine, options.get("max_prefill_tokens", 8192))
+    builds the scheduler for an engine."""
+    fields = set(SchedulerConfig.__dataclass_fields__)
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(f"unknown scheduler option(s): {', '.join(unknown)}")
+    SchedulerConfig(**options)  # validates the values
+    return lambda engine: Scheduler(engine, scheduler_config(options, engine.attn.name, engine.device.type))
 
 
-def scheduler_stats(sched: Any) -> tuple[int, int, int, int]:
-    """(running, queued, kv_used, kv_total): from `stats()` (a dict with running, queued,
-    kv_slots_used, kv_slots_total) where the scheduler has it, else from FIFO's fields."""
-    if hasattr(sched, "stats"):
-        s = sched.stats()
-        return s["running"], s["queued"], s["kv_slots_used"], s["kv_slots_total"]
-    alloc, page = sched.engine.allocator, sched.engine.cfg.page_size
-    used = (alloc.total_pages - alloc.free_pages) * page
-    return len(sched.running), len(sched.waiting), used, alloc.total_pages * page
+def scheduler_stats(sched: Scheduler) -> tuple[int, int, int, int]:
+    """(running, queued, kv_used, kv_total)."""
+    s = sched.stats()
+    return s["running"], s["queued"], s["kv_slots_used"], s["kv_slots_total"]
 
 
 class SchedulerProcess:
@@ -93,15 +74,18 @@ class SchedulerProcess:
         self.inits: dict[int, DetokInit] = {}  # until the request's first TokenOut carries it
         self.sent: dict[int, int] = {}  # output tokens already sent, per uid
         self.want_logprobs: set[int] = set()
+        self.sync = InputSync(engine.tp.rank, engine.tp.size, engine.cpu_group)
+        self.inputs: list[Input] = []  # this step's inputs, applied on every rank in lockstep
+        self.synced: dict[int, Request] = {}  # the uid -> request map apply_inputs keeps
         self.prompt_tokens = 0
         self.cache_hit_tokens = 0
         self.last_stats = 0.0
 
     def receive(self, block: bool) -> list[Any]:
-        """Every input waiting now (blocking for the first one when idle). TP seam: rank 0
-        will publish this list to the other ranks here; they will receive it instead."""
+        """Every input waiting now (blocking for the first one when idle; with TP at most
+        TP_IDLE_POLL_MS, see there)."""
         if block:
-            self.poller.poll()
+            self.poller.poll(TP_IDLE_POLL_MS if self.sync.size > 1 else None)
         msgs = []
         while (m := recv_nowait(self.inbox)) is not None:
             msgs.append(m)
@@ -113,25 +97,25 @@ class SchedulerProcess:
         elif isinstance(msg, AbortMsg):
             req = self.reqs.get(msg.uid)
             if req is not None:  # unknown: already finished (requests and aborts are in order)
-                self.sched.finish(req, msg.reason)
+                self.inputs.append(("finish", msg.uid, msg.reason))
                 self._forget(msg.uid)
         else:
             log.warning("scheduler: ignoring unexpected %s", type(msg).__name__)
 
     def add(self, msg: UserMsg) -> None:
+        param: str | None = None  # the API and tokenizer checked these already; this is a backstop
         try:
             params = SamplingParams(**msg.sampling)
+            param = "prompt"
             self.engine.check_prompt(msg.input_ids)
+            param = "max_tokens"  # a request the KV pool can never hold: fewer tokens fit
             limit = min(len(msg.input_ids) + params.max_tokens, self.engine.max_model_len)
             req = Request(msg.uid, list(msg.input_ids), params, msg.seed, self.eos_ids, limit)
-            self.sched.add(req)
+            self.sched.add_check(req)
         except ValueError as e:
-            # A request the pool can never hold: shorter max_tokens is the user's remedy.
-            send(
-                self.to_api,
-                ReplyBatch([UserReply(msg.uid, error=str(e), error_param="max_tokens")]),
-            )
+            send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param=param)]))
             return
+        self.inputs.append(("add", req))  # added on every rank at the next exchange
         self.reqs[msg.uid] = req
         self.inits[msg.uid] = msg.detok
         self.sent[msg.uid] = 0
@@ -176,10 +160,25 @@ class SchedulerProcess:
         while True:
             for msg in self.receive(block=not self.sched.has_work):
                 self.apply(msg)
+            inputs, self.inputs = self.inputs, []
+            apply_inputs(self.sched, self.sync.exchange(inputs), self.synced)
+            for uid in [u for u, r in self.synced.items() if r.finished]:
+                del self.synced[uid]
             if self.sched.has_work:
                 self.emit(self.sched.step())
             # Idle now: report at once (freed slots must show before we block on the socket).
             self.send_stats(force=not self.sched.has_work)
+
+
+def run_scheduler_rank(conn: Connection, args: Any, rank: int) -> None:
+    """A tensor-parallel rank > 0: no sockets; it steps on what rank 0 broadcasts."""
+    from minisgl.scheduler.tp_worker import run_tp_worker
+
+    scheduler_builder(args.scheduler_options())  # the same checks as rank 0
+    run_tp_worker(
+        args.engine_config(tp_rank=rank), args.scheduler_options(),
+        on_ready=lambda: report_ready(conn, f"scheduler rank {rank}"),
+    )
 
 
 def run_scheduler(conn: Connection, args: Any, addrs: Any) -> None:

@@ -1,8 +1,9 @@
-"""A tensor-parallel rank > 0 of the offline LLM: its own engine and scheduler, stepping in
+"""A tensor-parallel rank > 0 (of the offline LLM or the server): its own engine and scheduler, stepping in
 lockstep with rank 0 on the inputs rank 0 broadcasts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from minisgl.engine.config import EngineConfig
@@ -11,12 +12,16 @@ from minisgl.scheduler.request import Request
 from minisgl.scheduler.tp_sync import InputSync, apply_inputs
 
 
-def run_tp_worker(engine_cfg: EngineConfig, options: dict[str, Any]) -> None:
-    from minisgl.llm import scheduler_config
+def run_tp_worker(
+    engine_cfg: EngineConfig, options: dict[str, Any], on_ready: Callable[[], None] | None = None
+) -> None:
+    from minisgl.scheduler.config import scheduler_config
     from minisgl.scheduler.scheduler import Scheduler
 
     engine = Engine(engine_cfg)
-    scheduler = Scheduler(engine, scheduler_config(options, engine))
+    scheduler = Scheduler(engine, scheduler_config(options, engine.attn.name, engine.device.type))
+    if on_ready is not None:
+        on_ready()
     sync = InputSync(engine.tp.rank, engine.tp.size, engine.cpu_group)
     requests: dict[int, Request] = {}
     while apply_inputs(scheduler, sync.exchange(None), requests):

@@ -1,0 +1,22 @@
+"""Typed messages between the server's processes (DESIGN §1), msgpack-encoded."""
+
+from minisgl.message.codec import decode, encode, message
+from minisgl.message.replies import DetokenizeMsg, ReadyMsg, ReplyBatch, StartMsg, StatsMsg, TokenOut, UserReply
+from minisgl.message.requests import AbortMsg, DetokInit, TokenizeMsg, UserMsg
+
+__all__ = [
+    "AbortMsg",
+    "DetokInit",
+    "DetokenizeMsg",
+    "ReadyMsg",
+    "ReplyBatch",
+    "StartMsg",
+    "StatsMsg",
+    "TokenOut",
+    "TokenizeMsg",
+    "UserMsg",
+    "UserReply",
+    "decode",
+    "encode",
+    "message",
+]

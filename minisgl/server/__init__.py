@@ -1,0 +1,1 @@
+"""The server: args, launch, OpenAI-compatible API, interactive shell."""

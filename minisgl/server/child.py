@@ -1,0 +1,51 @@
+"""What every child process of the server does first: die with its parent, leave Ctrl-C to
+the parent, and report ready (or why it could not start) through its pipe."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import sys
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from minisgl.logging_setup import get_logger
+from minisgl.message import ReadyMsg, StartMsg, decode, encode
+
+log = get_logger("minisgl.server")
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Linux: the kernel sends SIGTERM to us when the launcher dies, however it dies (even
+    # SIGKILL), so no orphan keeps a GPU or a socket.
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def child_main(name: str, target: Callable[..., None], conn: Connection, *args: Any) -> None:
+    """Entry point of every child (spawned, so it must be importable)."""
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group; the launcher alone handles it and stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        target(conn, *args)
+    except Exception as e:  # noqa: BLE001 - any failure must reach the launcher, then exit 1
+        log.exception("%s failed", name)
+        try:
+            conn.send_bytes(encode(ReadyMsg(name, error=f"{type(e).__name__}: {e}")))
+        except OSError:
+            pass
+        sys.exit(1)
+
+
+def report_ready(conn: Connection, name: str, info: dict[str, Any] | None = None) -> StartMsg:
+    """Tells the launcher we are loaded, then waits for the facts every child needs to serve."""
+    conn.send_bytes(encode(ReadyMsg(name, info=info or {})))
+    start = decode(conn.recv_bytes())
+    if not isinstance(start, StartMsg):
+        raise RuntimeError(f"{name}: expected StartMsg from the launcher, got {type(start).__name__}")
+    return start

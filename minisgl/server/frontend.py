@@ -1,0 +1,172 @@
+"""The API process's end of the pipeline: submits requests to the tokenizers, routes the
+detokenizer's replies to whoever waits for them, aborts, and keeps the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from minisgl.logging_setup import get_logger
+from minisgl.message import AbortMsg, ReplyBatch, StatsMsg, TokenizeMsg, UserReply, decode, encode
+from minisgl.server.args import Addresses
+from minisgl.server.metrics import Metrics
+
+log = get_logger("minisgl.server")
+DISCONNECT_POLL_S = 0.25
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its request ran."""
+
+
+class RequestHandle:
+    """One API call: `len(uids)` generations (prompts x n), replies merged in one queue."""
+
+    def __init__(self, uids: list[int]) -> None:
+        self.uids = uids
+        self.index = {u: i for i, u in enumerate(uids)}
+        self.queue: asyncio.Queue[UserReply] = asyncio.Queue()
+        self.unfinished = set(uids)
+        self.checked = time.monotonic()  # when the client's connection was last checked
+
+    @property
+    def done(self) -> bool:
+        return not self.unfinished
+
+
+class _Timing:
+    __slots__ = ("start", "last")
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.last: float | None = None
+
+
+class Frontend:
+    def __init__(self, addrs: Addresses, num_tokenizers: int, metrics: Metrics) -> None:
+        self.addrs = addrs
+        self.metrics = metrics
+        self.stats: StatsMsg | None = None
+        self.dead: str | None = None  # why the backend can no longer serve
+        self._targets = addrs.tokenizers if num_tokenizers > 0 else [addrs.detokenizer]
+        self._next_uid = itertools.count()
+        self._rr = itertools.count()
+        self._handles: dict[int, RequestHandle] = {}
+        self._route: dict[int, int] = {}  # uid -> tokenizer index (aborts follow the request)
+        self._timing: dict[int, _Timing] = {}
+
+    def open(self) -> None:
+        """Call inside the running event loop."""
+        self._sync_ctx = zmq.Context()
+        self._push = []
+        for addr in self._targets:
+            sock = self._sync_ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy tokenizer
+            sock.connect(addr)
+            self._push.append(sock)
+        self._async_ctx = zmq.asyncio.Context()
+        self._pull = self._async_ctx.socket(zmq.PULL)
+        self._pull.bind(self.addrs.api)
+
+    def close(self) -> None:
+        for sock in self._push:
+            sock.close(0)
+        self._pull.close(0)
+
+    def new_uids(self, n: int) -> list[int]:
+        return [next(self._next_uid) for _ in range(n)]
+
+    def submit(self, msgs: list[TokenizeMsg]) -> RequestHandle:
+        handle = RequestHandle([u for m in msgs for u in m.uids])
+        if self.dead:
+            for uid in handle.uids:
+                handle.queue.put_nowait(UserReply(uid, error=self.dead))
+            return handle
+        for m in msgs:
+            target = next(self._rr) % len(self._push)
+            for uid in m.uids:
+                self._handles[uid] = handle
+                self._route[uid] = target
+                self._timing[uid] = _Timing()
+            self._push[target].send(encode(m))
+        return handle
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Ends every unfinished generation of `handle` and frees its KV slots."""
+        for uid in list(handle.unfinished):
+            target = self._route.get(uid)
+            if target is not None and not self.dead:
+                self._push[target].send(encode(AbortMsg(uid, "abort")))
+            self.metrics.requests.labels("abort").inc()
+            self._forget(handle, uid)
+
+    def _forget(self, handle: RequestHandle, uid: int) -> None:
+        handle.unfinished.discard(uid)
+        self._handles.pop(uid, None)
+        self._route.pop(uid, None)
+        self._timing.pop(uid, None)
+
+    async def next_reply(self, handle: RequestHandle, request: Any = None) -> UserReply:
+        """The next reply of `handle`; raises ClientGone when `request`'s client left. The
+        client is checked every DISCONNECT_POLL_S, whether or not replies keep coming."""
+        while True:
+            now = time.monotonic()
+            if request is not None and now - handle.checked >= DISCONNECT_POLL_S:
+                handle.checked = now
+                if await request.is_disconnected():
+                    raise ClientGone()
+            if not handle.queue.empty():
+                return handle.queue.get_nowait()
+            try:
+                return await asyncio.wait_for(handle.queue.get(), timeout=DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def run(self) -> None:
+        while True:
+            msg = decode(await self._pull.recv())
+            if isinstance(msg, ReplyBatch):
+                for reply in msg.replies:
+                    self._dispatch(reply)
+            elif isinstance(msg, StatsMsg):
+                self.stats = msg
+                self.metrics.on_stats(msg)
+            else:
+                log.warning("api server: ignoring unexpected %s", type(msg).__name__)
+
+    def _dispatch(self, reply: UserReply) -> None:
+        handle = self._handles.get(reply.uid)
+        if handle is None:
+            return  # aborted: late replies are dropped
+        now, t, m = time.perf_counter(), self._timing[reply.uid], self.metrics
+        n = len(reply.token_ids)
+        if n:
+            if t.last is None:
+                m.ttft.observe(now - t.start)
+            else:
+                for _ in range(n):
+                    m.itl.observe((now - t.last) / n)
+            t.last = now
+            m.generation_tokens.inc(n)
+        if reply.error is not None:
+            m.requests.labels("error").inc()
+        elif reply.finish_reason is not None:
+            m.requests.labels(reply.finish_reason).inc()
+            m.prompt_tokens.inc(reply.prompt_tokens)
+            m.e2e.observe(now - t.start)
+        if reply.error is not None or reply.finish_reason is not None:
+            self._forget(handle, reply.uid)
+        handle.queue.put_nowait(reply)
+
+    def fail_all(self, why: str) -> None:
+        """The backend died: every waiter gets an error now instead of hanging."""
+        self.dead = why
+        for uid, handle in list(self._handles.items()):
+            self._forget(handle, uid)
+            handle.queue.put_nowait(UserReply(uid, error=why))

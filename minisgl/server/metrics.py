@@ -1,0 +1,82 @@
+"""Prometheus metrics of the API server (GET /metrics), in a registry of their own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from minisgl.message import StatsMsg
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        disable_created_metrics()  # the *_created series only add noise to every scrape
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "minisgl_requests",
+            "Finished generation requests (one per choice) by finish reason: stop, length, abort, error",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("minisgl_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram(
+            "minisgl_time_to_first_token_seconds",
+            "Time from the request reaching the server to its first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "minisgl_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "minisgl_e2e_request_latency_seconds",
+            "Time from the request reaching the server to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge("minisgl_num_requests_running", "Requests being decoded", registry=r)
+        self.queued = Gauge("minisgl_num_requests_waiting", "Requests waiting to start", registry=r)
+        self.kv_used = Gauge("minisgl_kv_slots_used", "KV-cache token slots in use", registry=r)
+        self.kv_total = Gauge("minisgl_kv_slots_total", "KV-cache token slots in all", registry=r)
+        self.cache_hit_rate = Gauge(
+            "minisgl_prefix_cache_hit_rate", "Share of admitted prompt tokens served from the prefix cache", registry=r
+        )
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(reason)  # export every series from the start, at 0
+
+    def on_stats(self, s: StatsMsg) -> None:
+        self.running.set(s.running)
+        self.queued.set(s.queued)
+        self.kv_used.set(s.kv_used)
+        self.kv_total.set(s.kv_total)
+        self.cache_hit_rate.set(s.cache_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,95 @@
+"""Every message type survives encode -> decode unchanged (one msgpack path for all)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from minisgl.message import (
+    AbortMsg,
+    DetokenizeMsg,
+    DetokInit,
+    ReadyMsg,
+    ReplyBatch,
+    StartMsg,
+    StatsMsg,
+    TokenizeMsg,
+    TokenOut,
+    UserMsg,
+    UserReply,
+    decode,
+    encode,
+    message,
+)
+
+INIT = DetokInit(prompt_tokens=7, stop=["</s>", "\n\n"], skip_special_tokens=False, logprobs=True)
+SAMPLES = [
+    TokenizeMsg(
+        [1, 2, 3],
+        text="héllo 你好 😀",
+        sampling={"max_tokens": None, "temperature": 0.7, "stop": ["x"], "seed": 2**63 - 1},
+    ),
+    TokenizeMsg([9], input_ids=[1, 2, 3], logprobs=True, prompt_field="input_ids"),
+    TokenizeMsg([4], messages=[{"role": "user", "content": "hi"}], max_tokens_field="max_completion_tokens"),
+    AbortMsg(5, "stop"),
+    AbortMsg(6),
+    INIT,
+    UserMsg(3, [1, 2, 3], {"max_tokens": 4, "top_k": -1, "min_p": 0.0}, seed=2**63 - 1, detok=INIT),
+    TokenOut(3, [10, 11], [-0.5, -1.25], "length", INIT),
+    TokenOut(3, [], None, None, None),
+    DetokenizeMsg([TokenOut(1, [5], None), TokenOut(2, [6], [-3.0], "stop")]),
+    DetokenizeMsg([]),
+    UserReply(1, "text ✓", [1, 2], [-0.1, -0.2], ["te", "xt ✓"], "stop", 3, 2, None, None),
+    UserReply(2, error="prompt: too long", error_param="prompt"),
+    ReplyBatch([UserReply(1, "a"), UserReply(2, "b", finish_reason="length")]),
+    StatsMsg(1, 2, 300, 4096, 1000, 250),
+    ReadyMsg("scheduler", None, {"max_model_len": 512, "eos_token_ids": [2, 3]}),
+    ReadyMsg("tokenizer0", "ValueError: no such model"),
+    StartMsg(512, 49152, [2]),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: object) -> None:
+    data = encode(msg)
+    assert isinstance(data, bytes)
+    back = decode(data)
+    assert type(back) is type(msg)
+    assert back == msg
+
+
+def test_every_message_type_is_covered() -> None:
+    from minisgl.message import codec
+
+    assert set(codec._BY_TAG) <= {type(m).__name__ for m in SAMPLES} | {"_Point", "_Tup"}
+
+
+def test_floats_keep_full_precision() -> None:
+    lp = [-1e-12, -0.1 + 1e-17, -123.456789012345]
+    assert decode(encode(TokenOut(1, [1, 2, 3], lp))).logprobs == lp
+
+
+def test_plain_values_and_nesting_in_containers() -> None:
+    value = {"a": [AbortMsg(1), {"b": StatsMsg(0, 0, 0, 1, 0, 0)}], "c": None}
+    assert decode(encode(value)) == value
+
+
+def test_tuples_come_back_as_lists() -> None:
+    @message
+    @dataclasses.dataclass
+    class _Tup:
+        xs: list[int]
+
+    assert decode(encode(_Tup((1, 2)))) == _Tup([1, 2])  # type: ignore[arg-type]
+
+
+def test_unregistered_types_are_refused() -> None:
+    @dataclasses.dataclass
+    class _Point:
+        x: int
+
+    with pytest.raises(TypeError, match="_Point"):
+        encode(_Point(1))
+    with pytest.raises(TypeError):
+        encode({1, 2})

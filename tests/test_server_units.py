@@ -1,0 +1,239 @@
+"""Server pieces without processes: the detokenizer, flags, scheduler options, sampling."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from minisgl.message import DetokenizeMsg, DetokInit, TokenOut
+from minisgl.scheduler.process import scheduler_builder
+from minisgl.server.args import build_parser, parse_args
+from minisgl.server.serving import ServingError, build_sampling
+from minisgl.tokenizer.detokenizer import Detokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path: Callable[[str], Path]) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_path("llama3")))
+
+
+def run(
+    tok: Any, ids: list[int], stop: list[str] | None = None, finish: str = "length", per_step: int = 1
+) -> tuple[list[str], list[str | None], list[int]]:
+    """Feeds `ids` `per_step` at a time; returns the text deltas, finish reasons, stopped uids."""
+    detok = Detokenizer(tok)
+    deltas, reasons, stopped = [], [], []
+    for i in range(0, len(ids), per_step):
+        last = i + per_step >= len(ids)
+        item = TokenOut(
+            7, ids[i : i + per_step], None, finish if last else None, DetokInit(3, stop) if i == 0 else None
+        )
+        replies, s = detok.process(DetokenizeMsg([item]))
+        stopped += s
+        for r in replies:
+            deltas.append(r.text)
+            reasons.append(r.finish_reason)
+    return deltas, reasons, stopped
+
+
+@pytest.mark.parametrize("text", ["你好，世界！", "emoji 😀🎉 mix", "naïve café — 漢字 🙂"])
+def test_split_characters_never_emit_replacement(tok: Any, text: str) -> None:
+    ids = tok(text).input_ids
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # some character is split over tokens
+    deltas, reasons, _ = run(tok, ids)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert reasons[-1] == "length" and all(r is None for r in reasons[:-1])
+
+
+def test_partial_character_at_finish_is_sent(tok: Any) -> None:
+    ids = tok("a😀").input_ids
+    cut = ids[:-1]  # the emoji's last byte never comes
+    deltas, _, _ = run(tok, cut)
+    assert "".join(deltas) == tok.decode(cut)  # what a full decode gives, nothing held back
+
+
+def test_stop_string_across_tokens_is_trimmed(tok: Any) -> None:
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = tok(text).input_ids
+    deltas, reasons, stopped = run(tok, ids, stop=["own fo"])
+    assert "".join(deltas) == "The quick br"
+    assert reasons[-1] == "stop" and reasons.count("stop") == 1
+    assert stopped == [7]  # the scheduler is told once; later tokens are dropped
+    assert all("o" not in d for d in deltas[2:])  # no part of the stop string went out
+
+
+def test_earliest_stop_string_wins(tok: Any) -> None:
+    ids = tok("one two three four").input_ids
+    deltas, _, _ = run(tok, ids, stop=["four", "two"], per_step=len(ids))
+    assert "".join(deltas) == "one "
+
+
+def test_held_back_text_is_flushed_at_finish(tok: Any) -> None:
+    text = "over the lazy dog"
+    ids = tok(text).input_ids
+    deltas, reasons, stopped = run(tok, ids, stop=["dog!"])
+    assert not deltas[-2].endswith("dog")  # " dog" might begin "dog!": held back...
+    assert "".join(deltas) == text and reasons[-1] == "length"  # ...and sent at the end
+    assert stopped == []
+
+
+def test_stop_found_on_the_finishing_step(tok: Any) -> None:
+    ids = tok("hello world").input_ids
+    deltas, reasons, stopped = run(tok, ids, stop=["world"], finish="stop")
+    assert "".join(deltas) == "hello " and reasons[-1] == "stop"
+    assert stopped == []  # the scheduler already finished it
+
+
+def test_every_flag_has_help() -> None:
+    parser = build_parser()
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 24
+    for a in flags:
+        assert a.help and len(a.help) > 10, a.option_strings
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl.serve", "--help"], capture_output=True, text=True, timeout=60, cwd="/"
+    )
+    assert out.returncode == 0
+    for needed in (
+        "--model",
+        "--host",
+        "--port",
+        "--device",
+        "--dtype",
+        "--served-model-name",
+        "--max-model-len",
+        "--api-key",
+        "--num-tokenizers",
+        "--chat-template",
+        "--shell",
+        "--page-size",
+        "--num-pages",
+        "--max-running-requests",
+        "--attention-backend",
+        "--max-prefill-tokens",
+        "--seed",
+        "--cache",
+        "--disable-overlap",
+        "--disable-cuda-graph",
+        "--cuda-graph-max-bs",
+    ):
+        assert needed in out.stdout
+
+
+def test_args_map_onto_configs(tiny_model_path: Callable[[str], Path]) -> None:
+    model = str(tiny_model_path("llama3"))
+    args = parse_args(
+        [
+            "--model",
+            model,
+            "--device",
+            "cpu",
+            "--page-size",
+            "4",
+            "--num-pages",
+            "64",
+            "--max-running-requests",
+            "8",
+            "--seed",
+            "3",
+            "--max-model-len",
+            "256",
+            "--cache",
+            "naive",
+            "--disable-overlap",
+            "--disable-cuda-graph",
+            "--cuda-graph-max-bs",
+            "16",
+            "--max-prefill-tokens",
+            "512",
+        ]
+    )
+    assert args.served_model_name == "llama3" and args.port == 8000 and args.host == "127.0.0.1"
+    cfg = args.engine_config()
+    assert (cfg.page_size, cfg.num_pages, cfg.max_running_requests, cfg.seed, cfg.max_model_len, cfg.device) == (
+        4,
+        64,
+        8,
+        3,
+        256,
+        "cpu",
+    )
+    assert args.scheduler_options() == {
+        "cache": "naive",
+        "overlap": False,
+        "cuda_graph": False,
+        "cuda_graph_max_bs": 16,
+        "max_prefill_tokens": 512,
+    }
+    assert parse_args(["--model", model, "--device", "cpu"]).scheduler_options() == {}
+    with pytest.raises(ValueError, match="num_tokenizers"):
+        parse_args(["--model", model, "--device", "cpu", "--num-tokenizers", "-1"])
+
+
+def test_scheduler_options_checked_before_the_model_loads() -> None:
+    scheduler_builder({"cache": "naive", "overlap": False, "cuda_graph": False, "max_prefill_tokens": 64})
+    for bad, name in (
+        ({"cache": "lru"}, "cache"),
+        ({"cuda_graph_max_bs": 0}, "cuda_graph_max_bs"),
+        ({"max_prefill_tokens": 0}, "max_prefill_tokens"),
+        ({"new_token_ratio": 0.5}, "new_token_ratio"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            scheduler_builder(bad)
+
+
+def test_build_sampling() -> None:
+    d = build_sampling({"temperature": 0, "top_k": 0, "stop": "x", "max_tokens": None})
+    assert d["top_k"] == -1 and d["stop"] == ["x"] and d["max_tokens"] is None
+    assert d["temperature"] == 0 and d["top_p"] == 1.0
+    for fields, param in (
+        ({"presence_penalty": 0.1}, "presence_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+        ({"logit_bias": {"1": 2}}, "logit_bias"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": -3}, "max_tokens"),
+    ):
+        with pytest.raises(ServingError) as e:
+            build_sampling(fields)
+        assert e.value.param == param and e.value.status == 400
+    with pytest.raises(ServingError) as e:
+        build_sampling({"max_tokens": 0}, "max_completion_tokens")
+    assert e.value.param == "max_completion_tokens" and "max_completion_tokens" in e.value.message
+
+
+def test_tokenizer_worker_checks_and_templates(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
+    from minisgl.message import StartMsg, TokenizeMsg
+    from minisgl.models.source import resolve_model
+    from minisgl.tokenizer.load import load_tokenizer
+    from minisgl.tokenizer.worker import RequestError, TokenizeHandler
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m.role }}:{{ m.content }}>>{% endfor %}")
+    tok = load_tokenizer(resolve_model(tiny_model_path("llama3")), template)
+    h = TokenizeHandler(tok, None, None, seed=0)  # type: ignore[arg-type]
+    h.start(StartMsg(max_model_len=64, vocab_size=len(tok), extra_eos_ids=[]))
+    msgs = h.prepare(TokenizeMsg([1, 2], messages=[{"role": "user", "content": "hi"}], sampling={"seed": 5}))
+    assert tok.decode(msgs[0].input_ids) == "<<user:hi>>"
+    assert [m.uid for m in msgs] == [1, 2] and [m.seed for m in msgs] == [5, 6]
+    assert msgs[0].sampling["max_tokens"] == 64 - len(msgs[0].input_ids)  # the rest of the context
+    assert msgs[0].detok.prompt_tokens == len(msgs[0].input_ids)
+    for msg, param in (
+        (TokenizeMsg([1], text="word " * 80), "prompt"),
+        (TokenizeMsg([1], text=""), "prompt"),
+        (TokenizeMsg([1], input_ids=[len(tok) + 5], prompt_field="input_ids"), "input_ids"),
+        (
+            TokenizeMsg([1], text="hi", sampling={"max_tokens": 100}, max_tokens_field="max_completion_tokens"),
+            "max_completion_tokens",
+        ),
+    ):
+        with pytest.raises(RequestError) as e:
+            h.prepare(msg)
+        assert e.value.param == param and param in str(e.value)
