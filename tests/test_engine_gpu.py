@@ -19,6 +19,24 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
+# bf16 keeps 8 bits of mantissa: two implementations of the same math may flip a greedy choice
+# only where the reference's two candidates are this close (relative to the logits' scale).
+BF16_TIE = 0.01
+
+
+def assert_same_or_bf16_tie(ref: LLM, want: list[list[int]], got: list[list[int]]) -> None:
+    """Sequences must match up to their first difference, and that difference must be a
+    near-tie in the reference's own logits at that step (after it, the contexts differ)."""
+    for prompt, w, g in zip(PROMPTS, want, got):
+        i = next((j for j, (a, b) in enumerate(zip(w, g)) if a != b), None)
+        if i is None:
+            continue
+        logits = ref.engine.score([prompt + w[:i]])[0][-1]
+        gap = (logits[w[i]] - logits[g[i]]).abs().item()
+        scale = logits.abs().max().item()
+        assert gap <= BF16_TIE * scale, f"step {i}: {w[i]} vs {g[i]} differ by {gap:.4g} (scale {scale:.3g})"
+
+
 @pytest.fixture(scope="module")
 def cpu_tokens(tiny_model_path) -> dict[str, list[list[int]]]:
     return {m: greedy(LLM(str(tiny_model_path(m)), device="cpu", dtype="float32")) for m in MODELS}
@@ -38,8 +56,10 @@ def test_torch_backend_gpu_bf16_close_to_cpu(tiny_model_path, name: str) -> None
     for r, g in zip(ref, got):
         rel = (g - r).norm() / r.norm()
         assert rel < 2e-2, f"bf16 logits differ by {rel:.3g} (relative)"
-        agree = (g.argmax(-1) == r.argmax(-1)).float().mean()
-        assert agree > 0.9
+        # Where the argmax differs, the fp32 reference's two candidates must be a near-tie.
+        a, b = r.argmax(-1), g.argmax(-1)
+        gaps = (r.gather(1, a[:, None]) - r.gather(1, b[:, None])).squeeze(1)
+        assert (gaps <= BF16_TIE * r.abs().amax(-1)).all(), gaps.max()
 
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
@@ -47,9 +67,13 @@ def test_torch_backend_gpu_bf16_close_to_cpu(tiny_model_path, name: str) -> None
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_kernel_backends_equal_torch(tiny_model_path, backend: str, name: str, dtype: str) -> None:
     path = str(tiny_model_path(name))
-    want = greedy(LLM(path, device="cuda", dtype=dtype, attention_backend="torch"))
+    ref = LLM(path, device="cuda", dtype=dtype, attention_backend="torch")
+    want = greedy(ref)
     got = greedy(LLM(path, device="cuda", dtype=dtype, attention_backend=backend, disable_cuda_graph=True))
-    assert got == want
+    if dtype == "float16":
+        assert got == want
+    else:
+        assert_same_or_bf16_tie(ref, want, got)
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])

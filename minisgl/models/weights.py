@@ -38,10 +38,11 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def fill_dummy(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights of the real shapes (benchmarks without checkpoints). Norm weights are
     ones and other weights small, so activations stay in a realistic range."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.fill_(1.0)
             continue
-        values = torch.empty(p.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=gen)
-        p.data.copy_(values)
+        # Drawn where the weight lives (an 8B model in seconds on a GPU), in its dtype.
+        gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+        p.data.uniform_(-0.02, 0.02, generator=gen)

@@ -23,6 +23,7 @@ class ServerArgs:
     max_model_len: int | None = None
     api_key: str | None = None
     num_tokenizers: int = 1
+    tokenizer: str | None = None
     chat_template: str | None = None
     shell: bool = False
     # engine
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokenizer worker processes; 0 lets the detokenizer process tokenize too",
     )
     add("--chat-template", default=None, help="Jinja chat template file overriding the model's")
+    add("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
     add("--shell", action="store_true", help="chat with the model in this terminal (no HTTP)")
     g = p.add_argument_group("engine")
     g.add_argument("--page-size", type=int, default=d.page_size, help="KV-cache page size in tokens")

@@ -29,7 +29,7 @@ def load_server_tokenizer(args: Any) -> Any:
     from minisgl.models.source import resolve_model
     from minisgl.tokenizer.load import load_tokenizer
 
-    return load_tokenizer(resolve_model(args.model), args.chat_template)
+    return load_tokenizer(resolve_model(args.model), args.chat_template, args.tokenizer)
 
 
 class TokenizeHandler:

