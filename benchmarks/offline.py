@@ -36,14 +36,26 @@ def workload(n: int, max_in: int, max_out: int) -> tuple[list[list[int]], list[S
     return prompts, params
 
 
-def gpu_idle_share(timeline) -> float | None:
-    decode = [(s, e) for mode, s, e in timeline if mode == "decode"]
-    if len(decode) < 2:
+def gpu_breakdown(timeline) -> dict[str, float] | None:
+    """Device time per step kind, and the idle share of the decode phase: 1 - (device time of
+    every step between the first and the last decode step) / (that span)."""
+    if not timeline:
         return None
-    decode[-1][1].synchronize()
-    busy = sum(s.elapsed_time(e) for s, e in decode)
-    span = decode[0][0].elapsed_time(decode[-1][1])
-    return max(0.0, 1.0 - busy / span)
+    timeline[-1][3].synchronize()
+    first = next((i for i, t in enumerate(timeline) if t[0] == "decode"), None)
+    last = max((i for i, t in enumerate(timeline) if t[0] == "decode"), default=None)
+    if first is None or last == first:
+        return None
+    out: dict[str, float] = {}
+    for mode in ("extend", "decode"):
+        steps = [t for t in timeline if t[0] == mode]
+        out[f"{mode}_steps"] = len(steps)
+        out[f"{mode}_ms"] = sum(s.elapsed_time(e) for _, _, s, e in steps)
+        out[f"{mode}_mean_bs"] = sum(t[1] for t in steps) / max(1, len(steps))
+    busy = sum(s.elapsed_time(e) for _, _, s, e in timeline[first : last + 1])
+    span = timeline[first][2].elapsed_time(timeline[last][3])
+    out["idle"] = max(0.0, 1.0 - busy / span)
+    return out
 
 
 def main() -> None:
@@ -78,7 +90,9 @@ def main() -> None:
         cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp,
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
-    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    # Warm-up: Triton compiles each kernel once per specialization (batch sizes, sampling
+    # options); a few requests of the workload's kind keep those compiles out of the timing.
+    llm.generate(prompts[:8], [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16)] * 8, use_tqdm=False)
     llm.scheduler.gpu_timeline = []
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -89,7 +103,8 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
     n_out = sum(len(o["token_ids"]) for o in out)
     n_in = sum(len(p) for p in prompts)
-    idle = gpu_idle_share(llm.scheduler.gpu_timeline) if llm.scheduler.gpu_timeline else None
+    gb = gpu_breakdown(llm.scheduler.gpu_timeline)
+    idle = None if gb is None else gb["idle"]
     s = llm.scheduler.cfg
     print(f"model {args.model} ({args.load_format}), device {llm.engine.device}, dtype {llm.engine.dtype}, "
           f"attention {llm.engine.attn.name}, overlap {s.overlap}, cuda graphs {llm.engine.graphs is not None}")
@@ -99,6 +114,12 @@ def main() -> None:
     print(f"| {len(prompts)} | {n_in} | {n_out} | {elapsed:.2f} | {n_out / elapsed:,.0f} | "
           f"{(n_in + n_out) / elapsed:,.0f} | {idle_s} |")
     print(f"retractions: {llm.scheduler.num_retractions}")
+    if gb is not None:
+        print(
+            f"device time: {gb['decode_steps']:.0f} decode steps {gb['decode_ms'] / 1000:.2f} s "
+            f"(mean batch {gb['decode_mean_bs']:.0f}, {gb['decode_ms'] / max(1, gb['decode_steps']):.2f} ms/step); "
+            f"{gb['extend_steps']:.0f} prefill steps {gb['extend_ms'] / 1000:.2f} s"
+        )
     if args.decode_latency:
         llm.scheduler.gpu_timeline = None
         n = 128

@@ -172,22 +172,23 @@ class Engine:
         pos = [p for pre, n in zip(prefix_lens, ext) for p in range(pre, pre + n)]
         tok_rows = [r for r, n in zip(rows, ext) for _ in range(n)]
 
-        def t(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-        positions = t(pos, torch.int64)
-        out_slots = self.table.req_to_slot[t(tok_rows, torch.int64), positions]
-        req_rows = t(rows, torch.int32)
-        if new_tokens is None:
-            input_ids = self.token_buffer[req_rows]
-        else:
-            input_ids = t([tok for toks in new_tokens for tok in toks], torch.int64)
+        # Every index tensor in one host-to-device copy, then views (fewer tiny copies/step).
+        b, n = len(rows), len(pos)
+        host = pos + tok_rows + rows + seq + list(prefix_lens) + cu + [c - 1 for c in cu[1:]]
+        if new_tokens is not None:
+            host += [tok for toks in new_tokens for tok in toks]
+        flat = torch.tensor(host, dtype=torch.int64).to(dev, non_blocking=True)
+        positions, tok_rows_d = flat[:n], flat[n : 2 * n]
+        meta = flat[2 * n : 2 * n + 4 * b + 1].to(torch.int32)
+        sample_rows = flat[2 * n + 4 * b + 1 : 2 * n + 5 * b + 1]
+        req_rows = meta[:b]
+        out_slots = self.table.req_to_slot[tok_rows_d, positions]
+        input_ids = self.token_buffer[req_rows] if new_tokens is None else flat[2 * n + 5 * b + 1 :]
         return ForwardBatch(
-            mode=mode, input_ids=input_ids, positions=positions, out_slots=out_slots,
-            req_rows=req_rows, seq_lens=t(seq, torch.int32), prefix_lens=t(prefix_lens, torch.int32),
-            cu_seqlens_q=t(cu, torch.int32), sample_rows=t([c - 1 for c in cu[1:]], torch.int64),
-            req_to_slot=self.table.req_to_slot, seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens),
-            max_seq_len=max(seq), max_extend_len=max(ext),
+            mode=mode, input_ids=input_ids, positions=positions, out_slots=out_slots, req_rows=req_rows,
+            seq_lens=meta[b : 2 * b], prefix_lens=meta[2 * b : 3 * b], cu_seqlens_q=meta[3 * b : 4 * b + 1],
+            sample_rows=sample_rows, req_to_slot=self.table.req_to_slot, seq_lens_cpu=seq,
+            prefix_lens_cpu=list(prefix_lens), max_seq_len=max(seq), max_extend_len=max(ext),
         )
 
     def enable_cuda_graphs(self, max_bs: int | None) -> None:
@@ -235,6 +236,14 @@ class Engine:
 
     def set_slots(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table.req_to_slot[row, start : start + slots.numel()] = slots.to(self.device)
+
+    def write_slots(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
+        """req_to_slot[rows[i], cols[i]] = slots[i], all in one host-to-device copy (a decode
+        step with page size 1 gives every request a new slot: one copy each would dominate)."""
+        if not rows:
+            return
+        idx = torch.tensor([rows, cols, slots], dtype=torch.int64).to(self.device, non_blocking=True)
+        self.table.req_to_slot[idx[0], idx[1]] = idx[2].to(torch.int32)
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:

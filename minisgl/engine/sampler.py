@@ -30,12 +30,11 @@ class SamplingTensors:
         temperature: list[float], top_k: list[int], top_p: list[float], min_p: list[float],
         seeds: list[int], steps: list[int], device: torch.device,
     ) -> SamplingTensors:
-        def t(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+        # Two host-to-device copies (floats, integers) instead of six.
+        f = torch.tensor([temperature, top_p, min_p], dtype=torch.float32).to(device, non_blocking=True)
+        i = torch.tensor([top_k, seeds, steps], dtype=torch.int64).to(device, non_blocking=True)
         return SamplingTensors(
-            t(temperature, torch.float32), t(top_k, torch.int32), t(top_p, torch.float32),
-            t(min_p, torch.float32), t(seeds, torch.int64), t(steps, torch.int64),
+            f[0], i[0].to(torch.int32), f[1], f[2], i[1], i[2],
             all_greedy=all(x == 0.0 for x in temperature),
         )
 

@@ -93,6 +93,11 @@ class PageAllocator:
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
 
+    def slot_ids(self, pages: list[int]) -> list[int]:
+        """Slot ids of whole pages, in order (host list)."""
+        ps = self.page_size
+        return [p * ps + i for p in pages for i in range(ps)] if ps > 1 else list(pages)
+
     def slots_of(self, pages: list[int]) -> torch.Tensor:
         """int32 slot ids of whole pages, in order."""
         p = torch.tensor(pages, dtype=torch.int32)

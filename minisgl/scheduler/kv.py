@@ -18,6 +18,21 @@ class RequestKV:
         self.cache = cache
         self.page_size = engine.cfg.page_size
         self.allocator = engine.allocator
+        # Request-table writes wait here and go to the device in one copy (flush) per step.
+        # Keyed by (row, position): a row freed and reused before a flush keeps the last write
+        # only (one scatter with duplicate indices would pick a winner at random).
+        self._pending: dict[tuple[int, int], int] = {}
+
+    def _write(self, row: int, start: int, pages: list[int]) -> None:
+        for i, slot in enumerate(self.allocator.slot_ids(pages)):
+            self._pending[(row, start + i)] = slot
+
+    def flush(self) -> None:
+        """Sends the pending request-table writes (before the batch that reads them)."""
+        if self._pending:
+            keys = list(self._pending)
+            self.engine.write_slots([k[0] for k in keys], [k[1] for k in keys], list(self._pending.values()))
+            self._pending = {}
 
     @property
     def available_pages(self) -> int:
@@ -40,7 +55,7 @@ class RequestKV:
         req.cache_hit_tokens = max(req.cache_hit_tokens, min(match.matched_tokens, len(req.prompt)))
         req.row = self.engine.table.allocate_row()
         if req.pages:
-            self.engine.set_slots(req.row, 0, self.allocator.slots_of(req.pages))
+            self._write(req.row, 0, req.pages)
 
     def grow(self, req: Request, tokens: int) -> bool:
         """Ensures slots for positions [0, tokens); evicts cached prefixes if it must.
@@ -53,7 +68,7 @@ class RequestKV:
         start = len(req.pages) * self.page_size
         new = self.allocator.allocate(need)
         req.pages.extend(new)
-        self.engine.set_slots(req.row, start, self.allocator.slots_of(new))
+        self._write(req.row, start, new)
         return True
 
     def reserve(self, pages: int) -> bool:
@@ -87,7 +102,7 @@ class RequestKV:
         new_m = len(match.pages)
         if new_m > old_m:  # positions whose pages were replaced by the cached copies
             changed = match.pages[old_m:new_m]
-            self.engine.set_slots(req.row, old_m * self.page_size, self.allocator.slots_of(changed))
+            self._write(req.row, old_m * self.page_size, changed)
         req.match, req.pages = match, pages
 
     def check_integrity(self, active: list[Request]) -> None:

@@ -51,7 +51,7 @@ class Scheduler:
         self._pending_done: list[Request] = []  # processed early (by a drain) during step()
         self.num_retractions = 0
         # (start, end) CUDA events around each step's device work, when a benchmark asks.
-        self.gpu_timeline: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] | None = None
+        self.gpu_timeline: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] | None = None
         if engine.device.type == "cuda" and self.cfg.cuda_graph:
             engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs)
 
@@ -242,6 +242,7 @@ class Scheduler:
         if timed:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
+        self.kv.flush()
         batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new)
         st = SamplingTensors.build(
             [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
@@ -252,7 +253,7 @@ class Scheduler:
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self.gpu_timeline.append((mode, start, end))
+            self.gpu_timeline.append((mode, len(reqs), start, end))
         event = None
         if tokens.device.type == "cuda":
             tokens = tokens.to("cpu", non_blocking=True)

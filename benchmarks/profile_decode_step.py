@@ -1,0 +1,73 @@
+"""Where a decode step's device time goes: one decode batch (B requests at context L) through
+the engine, timed as a CUDA-graph replay and profiled eagerly per kernel, against the
+bandwidth floor (weights + KV bytes read / the measured copy bandwidth).
+
+    python benchmarks/profile_decode_step.py --model benchmarks/configs/qwen3-0.6b --batch 128 --context 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from minisgl import LLM
+from minisgl.kvcache.pool import KVPool
+
+
+def time_ms(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--context", type=int, default=1024)
+    args = ap.parse_args()
+    llm = LLM(args.model, load_format="dummy", tokenizer=args.tokenizer, cuda_graph_max_bs=args.batch)
+    eng = llm.engine
+    rows = [eng.table.allocate_row() for _ in range(args.batch)]
+    cols, slots, rr = [], [], []
+    for row in rows:
+        pages = eng.allocator.allocate(-(-args.context // eng.cfg.page_size))
+        ids = eng.allocator.slot_ids(pages)[: args.context]
+        rr += [row] * len(ids)
+        cols += range(len(ids))
+        slots += ids
+    eng.write_slots(rr, cols, slots)
+    batch = eng.build_batch("decode", rows, [args.context - 1] * args.batch, None)
+    graph_ms = time_ms(lambda: eng.forward(batch))
+    eager_ms = time_ms(lambda: eng.forward_eager(batch))
+    mc = eng.model_config
+    per_token = KVPool.bytes_per_token_for(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.dtype)
+    kv_bytes = args.batch * args.context * per_token
+    w_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+    big = torch.empty(1 << 28, dtype=torch.float32, device=eng.device)
+    copy_ms = time_ms(lambda: big.clone(), reps=10)
+    bw = 2 * big.numel() * 4 / (copy_ms * 1e-3)
+    floor_ms = (kv_bytes + w_bytes) / bw * 1e3
+    print(f"decode step, batch {args.batch} x context {args.context}: graph {graph_ms:.2f} ms, eager {eager_ms:.2f} ms")
+    print(f"floor (weights {w_bytes / 1e9:.2f} GB + KV {kv_bytes / 1e9:.2f} GB at copy bw {bw / 1e9:.0f} GB/s): "
+          f"{floor_ms:.2f} ms -> {floor_ms / graph_ms * 100:.0f}% of floor")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            eng.forward_eager(batch)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
