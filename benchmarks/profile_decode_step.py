@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--prefill-requests", type=int, default=8)
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", tokenizer=args.tokenizer, cuda_graph_max_bs=args.batch)
     eng = llm.engine
@@ -62,11 +63,24 @@ def main() -> None:
     print(f"decode step, batch {args.batch} x context {args.context}: graph {graph_ms:.2f} ms, eager {eager_ms:.2f} ms")
     print(f"floor (weights {w_bytes / 1e9:.2f} GB + KV {kv_bytes / 1e9:.2f} GB at copy bw {bw / 1e9:.0f} GB/s): "
           f"{floor_ms:.2f} ms -> {floor_ms / graph_ms * 100:.0f}% of floor")
+    profile(lambda: eng.forward_eager(batch))
+    # A prefill step: the first `--prefill-requests` requests' whole contexts as one extend.
+    n = args.prefill_requests
+    gen = torch.Generator().manual_seed(0)
+    toks = torch.randint(0, 10000, (n, args.context), generator=gen).tolist()
+    extend = eng.build_batch("extend", rows[:n], [0] * n, toks)
+    prefill_ms = time_ms(lambda: eng.forward(extend), reps=5)
+    rate = n * args.context / prefill_ms
+    print(f"prefill step, {n} x {args.context} tokens: {prefill_ms:.2f} ms ({rate:,.0f} tokens/ms)")
+    profile(lambda: eng.forward(extend))
+
+
+def profile(fn) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            eng.forward_eager(batch)
+            fn()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
 
 
 if __name__ == "__main__":

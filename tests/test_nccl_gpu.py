@@ -100,3 +100,51 @@ def test_tp2_gpu_equals_tp1(tiny_model_path, name: str, custom_nccl: bool) -> No
         if w != g:
             top2 = logits[-1].topk(2).values
             assert (top2[0] - top2[1]).abs() < 0.05 * top2[0].abs(), (prompt, w, g)
+
+
+def test_two_nodes_one_gpu_each(tiny_model_path, tmp_path) -> None:
+    """--nnodes 2 on one host: node 0 (GPU 0) serves, node 1 (GPU 1) joins over the rendezvous;
+    answers equal a single-GPU server's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import httpx
+
+    from minisgl import LLM, SamplingParams
+
+    path = str(tiny_model_path("llama3"))
+    want = LLM(path, device="cuda", dtype="float16").generate(
+        ["Hello there"], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )[0]["text"]
+    addr = f"127.0.0.1:{_free_port()}"
+    common = [sys.executable, "-m", "minisgl.serve", "--model", path, "--dtype", "float16", "--tp", "2",
+              "--nnodes", "2", "--dist-init-addr", addr]
+    procs = []
+    try:
+        for node in (1, 0):
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(node)}
+            cmd = common + ["--node-rank", str(node)] + (["--port", "0"] if node == 0 else [])
+            procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT))
+        url = None
+        for line in procs[1].stdout:  # node 0
+            m = re.search(r"serving \S+ at (http://\S+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "node 0 never became ready"
+        with httpx.Client(base_url=url, timeout=120) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            r = http.post("/v1/completions", json={"model": model, "prompt": "Hello there", "max_tokens": 10,
+                                                   "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)

@@ -173,20 +173,28 @@ class Engine:
         tok_rows = [r for r, n in zip(rows, ext) for _ in range(n)]
 
         # Every index tensor in one host-to-device copy, then views (fewer tiny copies/step).
+        # Each view starts on a 16-byte boundary: Triton specializes kernels on pointer
+        # alignment, so offsets that moved with the batch size would recompile kernels.
         b, n = len(rows), len(pos)
-        host = pos + tok_rows + rows + seq + list(prefix_lens) + cu + [c - 1 for c in cu[1:]]
+        n2, b4 = n + n % 2, -(-(b + 1) // 4) * 4  # int64 segments: even; int32 segments: x4
+        meta_host = [*rows, *[0] * (b4 - b), *seq, *[0] * (b4 - b), *prefix_lens, *[0] * (b4 - b), *cu]
+        meta_host += [0] * (4 * b4 - len(meta_host))
+        host = [*pos, *[0] * (n2 - n), *tok_rows, *[0] * (n2 - n), *meta_host, *[c - 1 for c in cu[1:]]]
+        host += [0] * ((2 * n2 + 4 * b4 + b) % 2)
         if new_tokens is not None:
             host += [tok for toks in new_tokens for tok in toks]
         flat = torch.tensor(host, dtype=torch.int64).to(dev, non_blocking=True)
-        positions, tok_rows_d = flat[:n], flat[n : 2 * n]
-        meta = flat[2 * n : 2 * n + 4 * b + 1].to(torch.int32)
-        sample_rows = flat[2 * n + 4 * b + 1 : 2 * n + 5 * b + 1]
+        positions, tok_rows_d = flat[:n], flat[n2 : n2 + n]
+        meta = flat[2 * n2 : 2 * n2 + 4 * b4].to(torch.int32)
+        rest = 2 * n2 + 4 * b4
+        sample_rows = flat[rest : rest + b]
         req_rows = meta[:b]
         out_slots = self.table.req_to_slot[tok_rows_d, positions]
-        input_ids = self.token_buffer[req_rows] if new_tokens is None else flat[2 * n + 5 * b + 1 :]
+        input_ids = self.token_buffer[req_rows] if new_tokens is None else flat[rest + b + b % 2 :]
         return ForwardBatch(
             mode=mode, input_ids=input_ids, positions=positions, out_slots=out_slots, req_rows=req_rows,
-            seq_lens=meta[b : 2 * b], prefix_lens=meta[2 * b : 3 * b], cu_seqlens_q=meta[3 * b : 4 * b + 1],
+            seq_lens=meta[b4 : b4 + b], prefix_lens=meta[2 * b4 : 2 * b4 + b],
+            cu_seqlens_q=meta[3 * b4 : 3 * b4 + b + 1],
             sample_rows=sample_rows, req_to_slot=self.table.req_to_slot, seq_lens_cpu=seq,
             prefix_lens_cpu=list(prefix_lens), max_seq_len=max(seq), max_extend_len=max(ext),
         )
