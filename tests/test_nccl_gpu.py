@@ -70,9 +70,15 @@ def test_nccl_collectives_two_gpus() -> None:
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=300)
+        p.join(timeout=150)
+    # A rank that failed leaves the other blocked in a collective: kill, then report.
+    hung = [i for i, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
     msgs = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert all(p.exitcode == 0 for p in procs) and not msgs, msgs
+    assert not hung and all(p.exitcode == 0 for p in procs) and not msgs, (hung, msgs)
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
@@ -111,6 +117,7 @@ def test_two_nodes_one_gpu_each(tiny_model_path, tmp_path) -> None:
     import re
     import subprocess
     import sys
+    import time
 
     import httpx
 
@@ -131,12 +138,17 @@ def test_two_nodes_one_gpu_each(tiny_model_path, tmp_path) -> None:
             procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT))
         url = None
+        deadline = time.monotonic() + 240
+        lines: list[str] = []
         for line in procs[1].stdout:  # node 0
+            lines.append(line)
             m = re.search(r"serving \S+ at (http://\S+)", line)
             if m:
                 url = m.group(1)
                 break
-        assert url, "node 0 never became ready"
+            if time.monotonic() > deadline:
+                break
+        assert url, "node 0 never became ready:\n" + "".join(lines[-30:])
         with httpx.Client(base_url=url, timeout=120) as http:
             model = http.get("/v1/models").json()["data"][0]["id"]
             r = http.post("/v1/completions", json={"model": model, "prompt": "Hello there", "max_tokens": 10,
