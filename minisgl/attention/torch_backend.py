@@ -35,11 +35,9 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
         ops.store_kv(k_cache, v_cache, k, v, batch.out_slots)
         out = torch.empty_like(q)
-        starts = batch.cu_seqlens_q.tolist() if batch.cu_seqlens_q.device.type == "cpu" else None
-        if starts is None:
-            starts = [0]
-            for s, p in zip(batch.seq_lens_cpu, batch.prefix_lens_cpu):
-                starts.append(starts[-1] + s - p)
+        starts = [0]  # offsets of each request's new tokens, from host lengths (no device sync)
+        for s, p in zip(batch.seq_lens_cpu, batch.prefix_lens_cpu):
+            starts.append(starts[-1] + s - p)
         for i, (seq_len, prefix) in enumerate(zip(batch.seq_lens_cpu, batch.prefix_lens_cpu)):
             lo, hi = starts[i], starts[i + 1]
             slots = batch.req_to_slot[batch.req_rows[i], :seq_len].long()

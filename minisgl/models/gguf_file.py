@@ -7,6 +7,7 @@ layout); we undo that permutation so the weights match the Hugging Face (neox) l
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,10 @@ def find_gguf(path: Path) -> Path | None:
     return None
 
 
+@functools.lru_cache(maxsize=2)
 def _reader(path: Path):
+    # Parsing the header (the whole vocabulary) takes seconds; config, weights and tokenizer
+    # all read the same file, so parse it once. The reader memory-maps the tensor data.
     import gguf
 
     return gguf.GGUFReader(str(path))
@@ -113,7 +117,7 @@ def iter_gguf(path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tens
         array = dequantize(t.data, t.tensor_type)
         # GGUF lists dims fastest-first; the dequantized array is already row-major [out, in].
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        w = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).reshape(shape)
+        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)  # writable copy
         if permute and name.endswith("q_proj.weight"):
             w = _unpermute(w, cfg["num_attention_heads"])
         elif permute and name.endswith("k_proj.weight"):
