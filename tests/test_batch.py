@@ -29,7 +29,7 @@ def test_batch_values_and_alignment(engine, b: int, mode: str) -> None:
         new = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in lens]
         slots = torch.randperm(5000, generator=gen)[: 30 * b].int() + 1
         for i, r in enumerate(rows):
-            engine.set_slots(r, 0, slots[30 * i : 30 * (i + 1)])
+            engine.write_slots([r] * 30, list(range(30)), slots[30 * i : 30 * (i + 1)].tolist())
         if mode == "decode":
             engine.token_buffer[torch.tensor(rows)] = torch.tensor([t[0] for t in new])
         batch = engine.build_batch(mode, rows, prefix, None if mode == "decode" else new)
@@ -60,3 +60,13 @@ def test_sampling_tensors_aligned(b: int) -> None:
         t = getattr(st, name)
         assert t.data_ptr() % 16 == 0 and t.shape == (b,) and t.is_contiguous(), name
     assert st.top_k.tolist() == [3] * b and st.seeds.tolist() == [7] * b and st.steps.tolist() == [2] * b
+
+
+def test_engine_greedy_sample_logprobs(engine) -> None:
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 777, generator=gen) * 4
+    st = SamplingTensors.build([0.0] * 5, [-1] * 5, [1.0] * 5, [0.0] * 5, [0] * 5, [0] * 5, torch.device("cpu"))
+    tokens, logprobs = engine.sample(logits, st)
+    assert torch.equal(tokens, logits.argmax(-1))
+    ref = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs.double(), ref, rtol=1e-5, atol=1e-5)

@@ -18,7 +18,7 @@ def test_extend_after_cached_prefix_equals_scratch(tiny_model_path) -> None:
 
     row = eng.table.allocate_row()
     pages = eng.allocator.allocate(8)
-    eng.set_slots(row, 0, eng.allocator.slots_of(pages)[:32])
+    eng.write_slots([row] * 32, list(range(32)), eng.allocator.slot_ids(pages)[:32])
     try:
         # Three extends: 9 tokens, then 7 more on top of those, then the last 7; then decode.
         pieces = [(0, prompt[:9]), (9, prompt[9:16]), (16, prompt[16:])]

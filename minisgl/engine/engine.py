@@ -225,25 +225,21 @@ class Engine:
         """(tokens, logprobs of the chosen tokens under the raw logits)."""
         if st.all_greedy:  # no randomness: skip the sampling kernel
             tokens = logits.argmax(dim=-1)
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            # log_softmax at one index, without writing a [B, vocab] tensor every step.
+            logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
             return tokens, logprobs
         return ops.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
 
     @torch.inference_mode()
-    def run_batch(self, batch: ForwardBatch, st: SamplingTensors | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def run_batch(self, batch: ForwardBatch, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward + sample; the sampled tokens also go to `token_buffer` (the next decode's
-        inputs). `st=None` (a prefill chunk that samples nothing) only runs the forward."""
+        inputs). A prefill chunk's row samples too; the scheduler drops that token."""
         logits = self.forward(batch)
-        if st is None:
-            return None
         tokens, logprobs = self.sample(logits, st)
         self.token_buffer[batch.req_rows.long()] = tokens
         return tokens, logprobs
 
     # ---- helpers for tests and prompt scoring ----
-
-    def set_slots(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table.req_to_slot[row, start : start + slots.numel()] = slots.to(self.device)
 
     def write_slots(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
         """req_to_slot[rows[i], cols[i]] = slots[i], all in one host-to-device copy (a decode
@@ -265,7 +261,7 @@ class Engine:
             row = self.table.allocate_row()
             pages = self.allocator.allocate(pages_needed)
             try:
-                self.set_slots(row, 0, self.allocator.slots_of(pages)[: len(ids)])
+                self.write_slots([row] * len(ids), list(range(len(ids))), self.allocator.slot_ids(pages)[: len(ids)])
                 batch = self.build_batch("extend", [row], [0], [list(ids)])
                 out.append(self.forward(batch, all_positions=True).cpu())
             finally:

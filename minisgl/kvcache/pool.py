@@ -98,12 +98,6 @@ class PageAllocator:
         ps = self.page_size
         return [p * ps + i for p in pages for i in range(ps)] if ps > 1 else list(pages)
 
-    def slots_of(self, pages: list[int]) -> torch.Tensor:
-        """int32 slot ids of whole pages, in order."""
-        p = torch.tensor(pages, dtype=torch.int32)
-        off = torch.arange(self.page_size, dtype=torch.int32)
-        return (p[:, None] * self.page_size + off[None, :]).reshape(-1)
-
 
 class RequestTable:
     """`req_to_slot` [max_requests + 1, max_context] int32 on the device, plus free rows."""
