@@ -35,6 +35,18 @@ def pytest_configure(config: pytest.Config) -> None:
             f"minisgl was imported from {Path(minisgl.__file__).parent}, which has no compiled "
             "minisgl._C: install the package (`pip install .`) and run the tests against it"
         )
+    # The ops fall back to their torch reference (logging once) when a fast path is missing;
+    # kernel tests would then compare the reference with itself. Refuse to run that way.
+    import torch
+
+    from minisgl import _C, env
+
+    if env.DISABLE_KERNELS:
+        raise pytest.UsageError("MINISGL_DISABLE_KERNELS is set: kernel tests would test the references only")
+    if torch.cuda.is_available() and not _C.has_cuda:
+        raise pytest.UsageError("a GPU is present but minisgl._C was built without CUDA kernels")
+    if (torch.cuda.is_available() or env.TRITON_INTERPRET) and importlib.util.find_spec("triton") is None:
+        raise pytest.UsageError("Triton kernels would run but triton is not installed")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

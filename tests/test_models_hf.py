@@ -112,11 +112,19 @@ def test_bfloat16_runs_and_mostly_agrees(name: str, tiny_model_path: Callable[[s
     llm = LLM(str(path), device="cpu", dtype="bfloat16")
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(99)
-    prompts = [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)] * 2
+    prompts = [torch.randint(0, 40000, (n,), generator=gen).tolist() for n in (3, 9, 17, 30)]
     outs = llm.generate(prompts, greedy(4))
     assert all(len(o["token_ids"]) == 4 for o in outs)
-    first_equal = sum(o["token_ids"][0] == hf_greedy(hf, p, 1)[0] for p, o in zip(prompts, outs, strict=True))
-    assert first_equal >= len(prompts) // 2, f"only {first_equal}/{len(prompts)} first tokens agree"
+    for p, o in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1]
+        want, got = int(ref.argmax()), o["token_ids"][0]
+        # bf16 may only flip a near-tie of the fp32 reference (1% of the logit scale).
+        gap = (ref[want] - ref[got]).item()
+        assert gap <= 0.01 * ref.abs().max().item(), f"first token {got} vs {want}: gap {gap:.4g}"
+    rel = [(s.float() - hf(torch.tensor([p])).logits[0].detach()).norm() / s.norm() for s, p in
+           zip(llm.engine.score(prompts), prompts)]
+    assert max(rel) < 2e-2, f"bf16 logits differ by {max(rel):.3g} (relative) from fp32 transformers"
 
 
 # --- stopping, ordering and the result format (one model is enough) ---------------------

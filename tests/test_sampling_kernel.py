@@ -45,17 +45,6 @@ def filtered(logits: torch.Tensor, p: dict) -> torch.Tensor:
     return K.filtered_probs_reference(logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"])
 
 
-def test_reference_matches_engine_sampler() -> None:
-    sampler = pytest.importorskip("minisgl.engine.sampler")
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 500, generator=gen) * 3
-    p = {k: v.cpu() for k, v in params([0.0, 1.0, 0.6, 1.4, 1.0, 1.0], [-1, 40, -1, 7, 0, 499],
-                                       [1.0, 0.9, 0.5, 1.0, 0.7, 0.95], [0, 0, 0.05, 0.2, 0, 0]).items()}
-    st = sampler.SamplingTensors(p["temperature"], p["top_k"], p["top_p"], p["min_p"], p["seeds"],
-                                 p["steps"], all_greedy=False)
-    assert torch.equal(filtered(logits, p), sampler.filtered_probs_reference(logits, st))
-
-
 # Rows: (temperature, top_k, top_p, min_p) covering each filter alone, combined, and no-ops.
 ROWS = [
     (1.0, 50, 1.0, 0.0), (0.7, -1, 0.9, 0.0), (1.0, 10, 0.5, 0.0), (1.3, 20, 0.8, 0.1),
