@@ -91,21 +91,18 @@ def test_tp2_gpu_equals_tp1(tiny_model_path, name: str, custom_nccl: bool) -> No
     path = str(tiny_model_path(name))
     prompts = [[5, 6, 7, 8, 9] * 5, list(range(300, 317)), [42]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    from test_engine_gpu import assert_same_or_bf16_tie
+
     one = LLM(path, device="cuda", dtype="bfloat16")
     want = [o["token_ids"] for o in one.generate(prompts, params, use_tqdm=False)]
-    want_logits = one.engine.score(prompts)
-    del one
     two = LLM(path, device="cuda", dtype="bfloat16", tp_size=2, custom_nccl=custom_nccl)
     try:
         got = [o["token_ids"] for o in two.generate(prompts, params, use_tqdm=False)]
     finally:
         two.shutdown()
-    # bf16 partial sums reduced in another order: allow a flip only where the reference's
-    # top two logits were within bf16 noise.
-    for w, g, logits, prompt in zip(want, got, want_logits, prompts):
-        if w != g:
-            top2 = logits[-1].topk(2).values
-            assert (top2[0] - top2[1]).abs() < 0.05 * top2[0].abs(), (prompt, w, g)
+    # bf16 partial sums reduced in another order: a flip is allowed only at a near-tie of the
+    # TP=1 logits at the step where the sequences first differ.
+    assert_same_or_bf16_tie(one, want, got, prompts)
 
 
 def test_two_nodes_one_gpu_each(tiny_model_path, tmp_path) -> None:
