@@ -237,3 +237,12 @@ def test_tokenizer_worker_checks_and_templates(tiny_model_path: Callable[[str], 
         with pytest.raises(RequestError) as e:
             h.prepare(msg)
         assert e.value.param == param and param in str(e.value)
+
+
+def test_detokenizer_drops_state_of_aborted_request(tok: Any) -> None:
+    detok = Detokenizer(tok)
+    ids = tok("Hello there, how are you").input_ids
+    detok.process(DetokenizeMsg([TokenOut(7, ids[:3], None, None, DetokInit(3, None))]))
+    assert 7 in detok.states
+    replies, _ = detok.process(DetokenizeMsg([TokenOut(7, [], None, "abort")]))
+    assert replies == [] and 7 not in detok.states

@@ -53,27 +53,12 @@ def row_uniforms(seeds: list[int], steps: list[int]) -> torch.Tensor:
 
 def filtered_probs_reference(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """fp32 [B, V] probabilities after temperature, top-k, top-p and min-p (rows sum to 1).
-    Greedy rows (temperature 0) come out one-hot on the argmax."""
-    logits = logits.float()
-    greedy = st.temperature <= 0
-    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
-    probs = torch.softmax(logits / temp[:, None], dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), vocab).to(torch.int64)
-    keep = rank < k[:, None]
-    sorted_p = sorted_p * keep
-    sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
-    before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
-    keep &= before < st.top_p[:, None]
-    keep &= sorted_p >= st.min_p[:, None] * sorted_p[:, :1]
-    keep[:, 0] = True  # the most likely token always survives
-    sorted_p = sorted_p * keep
-    filtered = torch.zeros_like(probs).scatter_(1, order, sorted_p)
-    filtered = filtered / filtered.sum(dim=-1, keepdim=True)
-    onehot = torch.zeros_like(filtered).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], onehot, filtered)
+    Greedy rows (temperature 0) come out one-hot on the argmax. The math lives beside the
+    sampling kernel (minisgl.kernels.sampling); tests/test_sampler.py checks it against an
+    independent numpy statement of the same filters."""
+    from minisgl.kernels.sampling import filtered_probs_reference as reference
+
+    return reference(logits, st.temperature, st.top_k, st.top_p, st.min_p)
 
 
 def sample_reference(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ class TokenOut:
     uid: int
     token_ids: list[int]
     logprobs: list[float] | None = None  # of the chosen tokens, when the request asked
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (client gone: drop state)
     init: DetokInit | None = None  # set on the request's first TokenOut only
 
 

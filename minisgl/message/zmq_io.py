@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from minisgl.message.codec import decode, encode
 
@@ -39,6 +38,3 @@ def recv_nowait(sock: zmq.Socket) -> Any | None:
     except zmq.Again:
         return None
 
-
-async def recv_async(sock: zmq.asyncio.Socket) -> Any:
-    return decode(await sock.recv())

@@ -36,20 +36,13 @@ def paged_decode_attention_reference(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """fp32 math, one request at a time over its gathered K/V; returns q's dtype [B, Hq, D].
-    A request of length 0 (a padding row) gives zeros."""
-    batch, num_heads, dim = q.shape
-    group = num_heads // k_cache.size(1)
-    out = torch.zeros(batch, num_heads, dim, dtype=torch.float32, device=q.device)
-    for i, (row, n) in enumerate(zip(req_rows.tolist(), seq_lens.tolist(), strict=True)):
-        if n <= 0:
-            continue
-        slots = req_to_slot[row, :n].long()
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * scale
-        out[i] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v)
-    return out.to(q.dtype)
+    """fp32 math, one request at a time over its gathered K/V (the reference beside the
+    Triton decode kernel); returns q's dtype [B, Hq, D]. A length-0 row (padding) gives zeros."""
+    from minisgl.kernels.decode_attention import decode_attention_reference
+
+    return decode_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens.clamp(min=0), scale).to(
+        q.dtype
+    )
 
 
 @functools.lru_cache(maxsize=1024)

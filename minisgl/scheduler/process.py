@@ -2,9 +2,9 @@
 
 Rank 0 alone talks to the outside: it pulls requests and aborts from the tokenizers (and
 stop-string aborts from the detokenizer), steps the scheduler, and pushes new token ids to
-the detokenizer and stats/errors to the API server. With tensor parallelism, rank 0 will
-publish each received input list to ranks 1..N-1 (see `receive`), so every rank applies the
-same inputs in the same order and forms the same batches.
+the detokenizer and stats/errors to the API server. With tensor parallelism, rank 0
+broadcasts each step's inputs to ranks 1..N-1 (scheduler/tp_sync.py), so every rank applies
+the same inputs in the same order and forms the same batches.
 """
 
 from __future__ import annotations
@@ -98,6 +98,9 @@ class SchedulerProcess:
             req = self.reqs.get(msg.uid)
             if req is not None:  # unknown: already finished (requests and aborts are in order)
                 self.inputs.append(("finish", msg.uid, msg.reason))
+                if msg.reason == "abort" and msg.uid not in self.inits:
+                    # The detokenizer holds its decode state (it saw tokens): let it drop it.
+                    send(self.to_detok, DetokenizeMsg([TokenOut(msg.uid, [], None, "abort")]))
                 self._forget(msg.uid)
         else:
             log.warning("scheduler: ignoring unexpected %s", type(msg).__name__)
@@ -133,11 +136,12 @@ class SchedulerProcess:
             logprobs = req.logprobs[start:] if uid in self.want_logprobs else None
             init = self.inits.pop(uid, None)
             if init is not None:  # first tokens: the prefill is done, its cache hits known
-                self.cache_hit_tokens += getattr(req, "cache_hit_tokens", 0)
+                self.cache_hit_tokens += req.cache_hit_tokens
             items.append(TokenOut(uid, req.output[start:], logprobs, req.finish_reason, init))
             self.sent[uid] = len(req.output)
             if req.finished:
                 self._forget(uid)
+                self.synced.pop(uid, None)
         if items:
             send(self.to_detok, DetokenizeMsg(items))
 
@@ -162,8 +166,6 @@ class SchedulerProcess:
                 self.apply(msg)
             inputs, self.inputs = self.inputs, []
             apply_inputs(self.sched, self.sync.exchange(inputs), self.synced)
-            for uid in [u for u, r in self.synced.items() if r.finished]:
-                del self.synced[uid]
             if self.sched.has_work:
                 self.emit(self.sched.step())
             # Idle now: report at once (freed slots must show before we block on the socket).

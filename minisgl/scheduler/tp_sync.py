@@ -39,7 +39,7 @@ def apply_inputs(scheduler, inputs: list[Input], requests: dict[int, Request]) -
             requests[req.uid] = req
             scheduler.add(req)
         elif item[0] == "finish":
-            req = requests.get(item[1])
+            req = requests.pop(item[1], None)
             if req is not None:
                 scheduler.finish(req, item[2])
         elif item[0] == "shutdown":

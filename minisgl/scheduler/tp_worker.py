@@ -26,9 +26,9 @@ def run_tp_worker(
     requests: dict[int, Request] = {}
     while apply_inputs(scheduler, sync.exchange(None), requests):
         if scheduler.has_work:
-            scheduler.step()
-        for uid in [u for u, r in requests.items() if r.finished and r.match is None]:
-            del requests[uid]
+            for req in scheduler.step():  # finished ones leave the map (aborts left in apply)
+                if req.finished:
+                    requests.pop(req.uid, None)
     import torch.distributed as dist
 
     dist.destroy_process_group()

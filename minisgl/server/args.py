@@ -116,7 +116,6 @@ class Addresses:
     scheduler: str  # scheduler rank 0's PULL: requests and aborts
     detokenizer: str  # detokenizer's PULL: tokens (and, with 0 tokenizers, requests)
     tokenizers: list[str]  # one PULL per tokenizer worker
-    scheduler_broadcast: str  # rank 0's PUB to ranks 1..N-1 (tensor parallel, later)
 
     @staticmethod
     def ipc(folder: str | Path, num_tokenizers: int) -> Addresses:
@@ -128,7 +127,6 @@ class Addresses:
             scheduler=a("scheduler"),
             detokenizer=a("detokenizer"),
             tokenizers=[a(f"tokenizer{i}") for i in range(num_tokenizers)],
-            scheduler_broadcast=a("scheduler_broadcast"),
         )
 
 

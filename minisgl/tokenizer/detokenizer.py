@@ -101,6 +101,9 @@ class Detokenizer:
         return replies, stopped
 
     def _one(self, item: TokenOut, stopped: list[int]) -> UserReply | None:
+        if item.finish_reason == "abort":  # the client left: drop the state, reply to no one
+            self.states.pop(item.uid, None)
+            return None
         st = self.states.get(item.uid)
         if st is None:
             if item.init is None:
