@@ -16,10 +16,12 @@ from tqdm import tqdm
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampling_params import SamplingParams
+from minisgl.message import DetokInit
 from minisgl.scheduler.config import SchedulerConfig, scheduler_config
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp_sync import Input, InputSync, apply_inputs
+from minisgl.tokenizer.incremental import DecodeState
 from minisgl.tokenizer.load import load_tokenizer
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device", "dtype"}
@@ -141,10 +143,13 @@ class LLM:
             self.scheduler.add_check(r)
         self._inputs.extend(("add", r) for r in reqs)
         texts: dict[int, str] = {}
+        # Requests with stop strings decode incrementally, as the server's detokenizer does.
+        decoders = {r.uid: DecodeState(self.tokenizer, DetokInit(len(r.prompt), r.params.stop)) for r in reqs
+                    if r.params.stop}
         with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm) as bar:
             while self._inputs or self.scheduler.has_work:
                 for req in self._step():
-                    if self._check_stop_strings(req, texts) or req.finished:
+                    if self._check_stop_strings(req, decoders, texts) or req.finished:
                         bar.update(1)
         for r in reqs:
             self._requests.pop(r.uid, None)
@@ -157,14 +162,15 @@ class LLM:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _check_stop_strings(self, req: Request, texts: dict[int, str]) -> bool:
+    def _check_stop_strings(self, req: Request, decoders: dict[int, DecodeState], texts: dict[int, str]) -> bool:
         """True when a stop string just ended `req` (the scheduler frees it next step)."""
-        stops = req.params.stop
-        if not stops or req.uid in texts or req.finished:
+        state = decoders.get(req.uid)
+        if state is None or req.uid in texts or req.finished:
             return False
-        text = self._decode(req.output)
-        hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-        if hits:
-            texts[req.uid] = text[: min(hits)]  # the stop string itself is not returned
-            self._inputs.append(("finish", req.uid, "stop"))
-        return bool(hits)
+        state.add(req.output[len(state.ids) :])
+        cut = state.find_stop()
+        if cut is None:
+            return False
+        texts[req.uid] = state.text[:cut]  # the stop string itself is not returned
+        self._inputs.append(("finish", req.uid, "stop"))
+        return True

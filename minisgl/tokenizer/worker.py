@@ -57,8 +57,10 @@ class TokenizeHandler:
                 for user_msg in self.prepare(msg):
                     send(self.to_scheduler, user_msg)
             except RequestError as e:
-                reply = UserReply(uid=msg.uids[0], error=str(e), error_param=e.param)
-                send(self.to_api, ReplyBatch([reply]))
+                # Every choice (n > 1) gets the error: the API then forgets them all, rather
+                # than aborting the others (which would count them as client aborts).
+                replies = [UserReply(uid=uid, error=str(e), error_param=e.param) for uid in msg.uids]
+                send(self.to_api, ReplyBatch(replies))
         else:
             log.warning("tokenizer: ignoring unexpected %s", type(msg).__name__)
 
