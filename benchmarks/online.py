@@ -58,11 +58,10 @@ def load_tokenizer(name: str | None) -> Any:
     return load(resolve_model(name))
 
 
-def random_prompt(tok: Any, length: int, rng: random.Random) -> str:
+def random_prompt(tok: Any, vocab: list[int], length: int, rng: random.Random) -> str:
     """Text that encodes to exactly `length` tokens (random ids decode to text whose
-    re-encoding may merge or split; trim and top up until it round-trips)."""
-    special = set(tok.all_special_ids)
-    vocab = [i for i in range(len(tok)) if i not in special]
+    re-encoding may merge or split; trim and top up until it round-trips). `vocab`: the
+    non-special token ids."""
     ids = [rng.choice(vocab) for _ in range(length)]
     for _ in range(20):
         text = tok.decode(ids)
@@ -226,7 +225,9 @@ def main() -> None:
     tok = load_tokenizer(args.tokenizer)
     rng = random.Random(args.seed)
     n = args.num_prompts + args.warmup
-    prompts = [(random_prompt(tok, args.input_len, rng), args.input_len) for _ in range(n)]
+    special = set(tok.all_special_ids)
+    vocab = [i for i in range(len(tok)) if i not in special]
+    prompts = [(random_prompt(tok, vocab, args.input_len, rng), args.input_len) for _ in range(n)]
     results, duration = asyncio.run(run(args, prompts))
     summary = report(args, results, duration)
     if args.json:

@@ -246,3 +246,19 @@ def test_detokenizer_drops_state_of_aborted_request(tok: Any) -> None:
     assert 7 in detok.states
     replies, _ = detok.process(DetokenizeMsg([TokenOut(7, [], None, "abort")]))
     assert replies == [] and 7 not in detok.states
+
+
+def test_server_engine_defaults_match_engine_config() -> None:
+    import dataclasses
+
+    from minisgl.engine.config import EngineConfig
+    from minisgl.server.args import ServerArgs
+
+    server, engine = ServerArgs(), EngineConfig()
+    shared = [f.name for f in dataclasses.fields(EngineConfig) if hasattr(server, f.name)]
+    assert len(shared) >= 12
+    for name in shared:
+        if name not in ("model", "device"):  # the server resolves these itself
+            assert getattr(server, name) == getattr(engine, name), name
+    cfg = ServerArgs(tp=2, dist_init_addr="127.0.0.1:1", page_size=4).engine_config(tp_rank=1)
+    assert (cfg.tp_rank, cfg.tp_size, cfg.page_size, cfg.custom_nccl) == (1, 2, 4, True)

@@ -64,25 +64,9 @@ class ServerArgs:
     def engine_config(self, tp_rank: int = 0) -> Any:
         from minisgl.engine.config import EngineConfig
 
-        return EngineConfig(
-            model=self.model,
-            device=self.device,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            page_size=self.page_size,
-            num_pages=self.num_pages,
-            max_running_requests=self.max_running_requests,
-            attention_backend=self.attention_backend,
-            load_format=self.load_format,
-            seed=self.seed,
-            tp_rank=tp_rank,
-            tp_size=self.tp,
-            dist_init_addr=self.dist_init_addr,
-            nnodes=self.nnodes,
-            custom_nccl=not self.disable_custom_nccl,
-            gpu_memory_fraction=self.gpu_memory_fraction,
-            cpu_kv_cache_gb=self.cpu_kv_cache_gb,
-        )
+        # The engine fields ServerArgs shares by name, plus the renamed TP ones.
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(self, f.name)}
+        return EngineConfig(**shared, tp_rank=tp_rank, tp_size=self.tp, custom_nccl=not self.disable_custom_nccl)
 
     @property
     def local_ranks(self) -> list[int]:
