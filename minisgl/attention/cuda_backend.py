@@ -12,14 +12,17 @@ from __future__ import annotations
 import torch
 
 from minisgl import ops
-from minisgl.attention.base import AttentionBackend
+from minisgl.attention.triton_backend import TritonAttentionBackend
 from minisgl.engine.batch import ForwardBatch
 from minisgl.kvcache.pool import KVPool
+from minisgl.ops.decode_attention import _HEAD_DIMS
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+SUPPORTED_HEAD_DIMS = _HEAD_DIMS
 
 
-class CudaAttentionBackend(AttentionBackend):
+class CudaAttentionBackend(TritonAttentionBackend):
+    """Extend (prefill) as the Triton backend; decode through minisgl._C."""
+
     name = "cuda"
 
     def __init__(self, pool: KVPool, num_q_heads: int, scale: float) -> None:
@@ -38,23 +41,9 @@ class CudaAttentionBackend(AttentionBackend):
                 f"attention backend 'cuda' supports 1..8 query heads per KV head, got {num_q_heads} / {pool.kv_heads}"
             )
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
-        k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
-        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots)
-        if not batch.is_decode:
-            return ops.extend_attention(
-                q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.prefix_lens, batch.seq_lens,
-                batch.cu_seqlens_q, batch.max_extend_len, self.scale,
-            )
         return ops.paged_decode_attention(
-            q,
-            k_cache,
-            v_cache,
-            batch.req_to_slot,
-            batch.req_rows,
-            batch.seq_lens,
-            self.scale,
-            batch.max_seq_len,
+            q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens, self.scale, batch.max_seq_len
         )

@@ -24,11 +24,15 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
         ops.store_kv(k_cache, v_cache, k, v, batch.out_slots)
         if batch.is_decode:
-            return ops.decode_attention_triton(
-                q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens,
-                batch.max_seq_len, self.scale,
-            )
+            return self._decode(q, k_cache, v_cache, batch)
         return ops.extend_attention(
             q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.prefix_lens,
             batch.seq_lens, batch.cu_seqlens_q, batch.max_extend_len, self.scale,
+        )
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        return ops.decode_attention_triton(
+            q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens, batch.max_seq_len, self.scale
         )
