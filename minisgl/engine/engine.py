@@ -10,6 +10,7 @@ from minisgl.distributed.communicator import make_communicator
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.config import DTYPES, EngineConfig
+from minisgl.engine.prompt import check_prompt
 from minisgl.engine.sampler import SamplingTensors
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
@@ -270,14 +271,4 @@ class Engine:
         return out
 
     def check_prompt(self, ids: list[int]) -> None:
-        if len(ids) == 0:
-            raise ValueError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but the context is {self.max_model_len} tokens "
-                "(at least one must be left to generate)"
-            )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        check_prompt(ids, self.max_model_len, self.model_config.vocab_size)

@@ -106,12 +106,11 @@ class SchedulerProcess:
             log.warning("scheduler: ignoring unexpected %s", type(msg).__name__)
 
     def add(self, msg: UserMsg) -> None:
-        param: str | None = None  # the API and tokenizer checked these already; this is a backstop
+        # The tokenizer checked the prompt and the sampling fields; what is left to refuse is a
+        # request the KV pool could never hold (then fewer max_tokens would fit).
+        param = "max_tokens"
         try:
             params = SamplingParams(**msg.sampling)
-            param = "prompt"
-            self.engine.check_prompt(msg.input_ids)
-            param = "max_tokens"  # a request the KV pool can never hold: fewer tokens fit
             limit = min(len(msg.input_ids) + params.max_tokens, self.engine.max_model_len)
             req = Request(msg.uid, list(msg.input_ids), params, msg.seed, self.eos_ids, limit)
             self.sched.add_check(req)

@@ -14,18 +14,9 @@ from typing import Any
 
 from minisgl.message import TokenizeMsg
 from minisgl.server.frontend import Frontend
+from minisgl.server.serving import build_sampling
 
-SHELL_SAMPLING = {
-    "max_tokens": None,
-    "temperature": 0.7,
-    "top_p": 0.9,
-    "top_k": -1,
-    "min_p": 0.0,
-    "seed": None,
-    "stop": None,
-    "stop_token_ids": None,
-    "ignore_eos": False,
-}
+SHELL_SAMPLING = build_sampling({"temperature": 0.7, "top_p": 0.9})
 
 
 class _LineReader:

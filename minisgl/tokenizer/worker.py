@@ -9,6 +9,7 @@ from typing import Any
 
 import zmq
 
+from minisgl.engine.prompt import check_prompt
 from minisgl.engine.sampling_params import SamplingParams
 from minisgl.logging_setup import get_logger
 from minisgl.message import AbortMsg, DetokInit, ReplyBatch, StartMsg, TokenizeMsg, UserMsg, UserReply
@@ -66,12 +67,6 @@ class TokenizeHandler:
 
     def prompt_ids(self, msg: TokenizeMsg) -> list[int]:
         if msg.input_ids is not None:
-            bad = next((t for t in msg.input_ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise RequestError(
-                    f"{msg.prompt_field}: token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                    msg.prompt_field,
-                )
             return list(msg.input_ids)
         if msg.messages is not None:
             try:
@@ -85,14 +80,10 @@ class TokenizeHandler:
     def prepare(self, msg: TokenizeMsg) -> list[UserMsg]:
         ids = self.prompt_ids(msg)
         field, limit = msg.prompt_field, self.max_model_len
-        if not ids:
-            raise RequestError(f"{field}: the prompt is empty", field)
-        if len(ids) >= limit:
-            raise RequestError(
-                f"{field}: the prompt has {len(ids)} tokens but the context is {limit} tokens "
-                "(at least one must be left to generate)",
-                field,
-            )
+        try:
+            check_prompt(ids, limit, self.vocab_size)
+        except ValueError as e:
+            raise RequestError(f"{field}: {e}", field) from e
         sampling = dict(msg.sampling)
         room = limit - len(ids)
         max_tokens = sampling.get("max_tokens")
