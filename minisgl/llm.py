@@ -90,16 +90,19 @@ class LLM:
         """Stops the tensor-parallel worker processes (no-op without TP)."""
         if not self._workers:
             return
+        import torch.distributed as dist
+
         self._sync.exchange([("shutdown",)])
+        # Every rank destroys the group now, together: an NCCL group's teardown is collective
+        # (it flushes with the peers), so waiting for the workers first would deadlock. It also
+        # lets a later LLM in this process start a fresh group.
+        if dist.is_initialized():
+            dist.destroy_process_group()
         for proc in self._workers:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
         self._workers = []
-        import torch.distributed as dist
-
-        if dist.is_initialized():  # a later LLM in this process starts a fresh group
-            dist.destroy_process_group()
 
     def _step(self) -> list[Request]:
         """One lockstep step: broadcast this step's inputs to every rank, apply, step."""

@@ -1,5 +1,5 @@
-"""Our NCCL communicator on two GPUs: all-reduce and all-gather are exact for every dtype
-and for sizes from 1 element to 256 MB, eagerly and under CUDA-graph replay."""
+"""Tensor parallelism on two GPUs: our NCCL collectives, TP=2 against TP=1 offline and through
+the server (one host, and two "nodes" of one GPU each)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,8 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.gpu
-
-SIZES = [1, 7, 1023, 65536 + 3, 1 << 20, 64 << 20]  # elements; 64 Mi fp32 = 256 MB
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def _free_port() -> int:
@@ -21,64 +17,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, errors) -> None:
-    try:
-        from minisgl.distributed.communicator import make_communicator
-        from minisgl.distributed.info import TPInfo
-
-        dev = torch.device("cuda", rank)
-        torch.cuda.set_device(dev)
-        comm, _ = make_communicator(TPInfo(rank, 2), dev, f"127.0.0.1:{port}", custom_nccl=True)
-        for dtype in DTYPES:
-            for n in SIZES:
-                if dtype != torch.float32 and n == SIZES[-1]:
-                    n = 128 << 20  # 256 MB in 2-byte types too
-                # Integers (small) are exact in every dtype, so the sum must match exactly.
-                gen = torch.Generator(device=dev).manual_seed(1000 + n)
-                base = torch.randint(-8, 8, (2, n), generator=gen, device=dev).to(dtype)
-                x = base[rank].clone()
-                comm.all_reduce(x)
-                torch.testing.assert_close(x, base[0] + base[1], rtol=0, atol=0)
-                g = comm.all_gather(base[rank, : min(n, 4096)].reshape(1, -1), dim=-1)
-                torch.testing.assert_close(g, base[:, : min(n, 4096)].reshape(1, -1), rtol=0, atol=0)
-        # Under CUDA-graph replay, with new data each replay.
-        buf = torch.empty(4097, device=dev)
-        comm.all_reduce(buf)  # warm up outside capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            comm.all_reduce(buf)
-        for step in range(3):
-            gen = torch.Generator(device=dev).manual_seed(step)
-            both = torch.randn(2, 4097, generator=gen, device=dev).round()
-            buf.copy_(both[rank])
-            graph.replay()
-            torch.cuda.synchronize()
-            torch.testing.assert_close(buf, both.sum(0), rtol=0, atol=0)
-        comm.destroy()
-    except Exception as e:  # noqa: BLE001 - reported to the parent
-        errors.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-
-
 def test_nccl_collectives_two_gpus() -> None:
+    """Our NCCL communicator on two GPUs (tests/nccl_collectives_worker.py, one process per
+    rank): all-reduce and all-gather exact for every dtype, 1 element to 256 MB, eager and
+    under CUDA-graph replay."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, errors)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=150)
-    # A rank that failed leaves the other blocked in a collective: kill, then report.
-    hung = [i for i, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).with_name("nccl_collectives_worker.py"))
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen([sys.executable, script, str(r), port], text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT)
+        for r in range(2)
+    ]
+    outs, hung = [], []
+    for r, p in enumerate(procs):
+        try:
+            outs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:  # a rank that failed leaves the other blocked in a collective
+            hung.append(r)
             p.kill()
-            p.join(10)
-    msgs = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
-    assert not hung and all(p.exitcode == 0 for p in procs) and not msgs, (hung, msgs)
+            outs.append(p.communicate()[0])
+    report = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{o[-3000:]}" for r, (p, o) in enumerate(zip(procs, outs)))
+    assert not hung and all(p.returncode == 0 for p in procs), f"hung ranks {hung}\n{report}"
+    assert all(f"rank {r}: ok" in outs[r] for r in range(2)), report
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
@@ -105,6 +71,39 @@ def test_tp2_gpu_equals_tp1(tiny_model_path, name: str, custom_nccl: bool) -> No
     assert_same_or_bf16_tie(one, want, got, prompts)
 
 
+def test_server_tp2_gpu_equals_one_gpu(tiny_model_path, tmp_path) -> None:
+    """`python -m minisgl.serve --tp 2` on two GPUs answers, through the openai client, exactly
+    what one GPU answers (fp32, so a reduction-order flip would need an exact tie)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import openai
+    from server_harness import Server, child_pids
+
+    from minisgl import LLM, SamplingParams
+
+    path = str(tiny_model_path("qwen3"))
+    prompts = ["Hello there", "The quick brown fox", "1 2 3 4 5 6"]
+    want = LLM(path, device="cuda", dtype="float32").generate(
+        prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
+    server = Server("--model", path, "--device", "cuda", "--tp", "2", "--dtype", "float32", cwd=tmp_path)
+    try:
+        assert len(child_pids(server.proc.pid)) >= 4  # scheduler ranks 0 and 1, tokenizer, detokenizer
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120)
+        model = client.models.list().data[0].id
+        got = client.completions.create(model=model, prompt=prompts, max_tokens=16, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [w["text"] for w in want]
+        streamed = "".join(
+            chunk.choices[0].text
+            for chunk in client.completions.create(model=model, prompt=prompts[1], max_tokens=16, temperature=0,
+                                                   stream=True, extra_body={"ignore_eos": True})
+        )
+        assert streamed == want[1]["text"]
+    finally:
+        assert server.stop() == 0, server.output[-3000:]
+
+
 def test_two_nodes_one_gpu_each(tiny_model_path, tmp_path) -> None:
     """--nnodes 2 on one host: node 0 (GPU 0) serves, node 1 (GPU 1) joins over the rendezvous;
     answers equal a single-GPU server's."""
@@ -121,11 +120,11 @@ def test_two_nodes_one_gpu_each(tiny_model_path, tmp_path) -> None:
     from minisgl import LLM, SamplingParams
 
     path = str(tiny_model_path("llama3"))
-    want = LLM(path, device="cuda", dtype="float16").generate(
+    want = LLM(path, device="cuda", dtype="float32").generate(
         ["Hello there"], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), use_tqdm=False
     )[0]["text"]
     addr = f"127.0.0.1:{_free_port()}"
-    common = [sys.executable, "-m", "minisgl.serve", "--model", path, "--dtype", "float16", "--tp", "2",
+    common = [sys.executable, "-m", "minisgl.serve", "--model", path, "--dtype", "float32", "--tp", "2",
               "--nnodes", "2", "--dist-init-addr", addr]
     procs = []
     try:

@@ -31,4 +31,4 @@ def run_tp_worker(
                     requests.pop(req.uid, None)
     import torch.distributed as dist
 
-    dist.destroy_process_group()
+    dist.destroy_process_group()  # collective: rank 0 does the same after its shutdown input
