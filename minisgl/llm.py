@@ -47,6 +47,7 @@ class LLM:
         engine_opts = {k: v for k, v in options.items() if k in _ENGINE_OPTIONS}
         cfg = EngineConfig(model=model, device=device, dtype=dtype, **engine_opts)
         self._workers: list[mp.process.BaseProcess] = []
+        self._closed = False
         if cfg.tp_size > 1:
             cfg = self._start_tp_workers(cfg, options)
         self.engine = Engine(cfg)
@@ -63,7 +64,7 @@ class LLM:
         self._inputs: list[Input] = []
         self._next_uid = 0
         self._rng = random.Random(self.engine.cfg.seed)
-        if self._workers:
+        if self.engine.tp.size > 1:
             atexit.register(self.shutdown)
 
     def _start_tp_workers(self, cfg: EngineConfig, options: dict[str, Any]) -> EngineConfig:
@@ -87,17 +88,14 @@ class LLM:
         return cfg
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel worker processes (no-op without TP)."""
-        if not self._workers:
+        """Stops the tensor-parallel ranks and frees their communicators (no-op without TP)."""
+        if self.engine.tp.size == 1 or self._closed:
             return
-        import torch.distributed as dist
-
         self._sync.exchange([("shutdown",)])
-        # Every rank destroys the group now, together: an NCCL group's teardown is collective
-        # (it flushes with the peers), so waiting for the workers first would deadlock. It also
-        # lets a later LLM in this process start a fresh group.
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        # Every rank tears down now, together: NCCL teardown is collective, so waiting for the
+        # workers first would deadlock. It also lets a later LLM here start a fresh group.
+        self.engine.shutdown()
+        self._closed = True
         for proc in self._workers:
             proc.join(timeout=30)
             if proc.is_alive():
@@ -131,6 +129,8 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
         """One {"text", "token_ids"} dict per prompt, in input order (generated part only)."""
+        if self._closed:
+            raise RuntimeError("this LLM was shut down; make a new one")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None:

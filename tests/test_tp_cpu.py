@@ -24,6 +24,8 @@ def test_tp2_equals_tp1(tiny_model_path, name: str) -> None:
         two.shutdown()
     assert got == want
     assert [o["token_ids"] for o in sampled] == [o["token_ids"] for o in again]
+    with pytest.raises(RuntimeError, match="shut down"):
+        two.generate(prompts, params, use_tqdm=False)
 
 
 def test_tp_must_divide_heads(tiny_model_path) -> None:

@@ -43,3 +43,6 @@ class Communicator:
         if self.tp.size == 1:
             return x
         raise NotImplementedError("multi-rank communicators come with tensor parallelism")
+
+    def destroy(self) -> None:
+        """Frees the communicator's resources (collective where the backend's teardown is)."""

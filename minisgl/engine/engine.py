@@ -41,11 +41,16 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 def make_backend(name: str, pool: KVPool, num_q_heads: int, scale: float, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        # GPU: our CUDA decode kernel + Triton extend where _C has CUDA, else all-Triton.
+        # GPU: our CUDA decode kernel + Triton extend where _C has CUDA, else all-Triton. A
+        # float32 KV cache gets torch's exact math: our CUDA kernel takes 16-bit caches only and
+        # Triton's fp32 dots round through TF32.
         from minisgl.ops._backend import compiled
 
         ext = compiled()
-        name = "torch" if device.type != "cuda" else ("cuda" if ext is not None and ext.has_cuda else "triton")
+        if device.type != "cuda" or pool.dtype == torch.float32:
+            name = "torch"
+        else:
+            name = "cuda" if ext is not None and ext.has_cuda else "triton"
     if name == "torch":
         from minisgl.attention.torch_backend import TorchAttentionBackend
 
@@ -149,6 +154,20 @@ class Engine:
                 raise ValueError(f"not enough GPU memory for one {self.max_model_len}-token request's KV cache")
             pages = need
         return pages
+
+    def shutdown(self) -> None:
+        """Frees the CUDA graphs, then the communicators. With TP every rank must call it
+        together: NCCL teardown is collective, and it waits until no captured graph still
+        references the communicator (so the graphs go first)."""
+        self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.comm.destroy()
+        if self.tp.size > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     # ---- one step ----
 

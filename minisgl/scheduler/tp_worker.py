@@ -29,6 +29,4 @@ def run_tp_worker(
             for req in scheduler.step():  # finished ones leave the map (aborts left in apply)
                 if req.finished:
                     requests.pop(req.uid, None)
-    import torch.distributed as dist
-
-    dist.destroy_process_group()  # collective: rank 0 does the same after its shutdown input
+    engine.shutdown()  # collective: rank 0 does the same after sending the shutdown input
