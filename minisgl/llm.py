@@ -158,7 +158,7 @@ class LLM:
             self._requests.pop(r.uid, None)
         return [
             {"text": texts.get(r.uid) if r.uid in texts else self._decode(r.output), "token_ids": list(r.output),
-             "finish_reason": r.finish_reason}
+             "finish_reason": "stop" if r.uid in texts else r.finish_reason}
             for r in reqs
         ]
 
@@ -166,14 +166,18 @@ class LLM:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _check_stop_strings(self, req: Request, decoders: dict[int, DecodeState], texts: dict[int, str]) -> bool:
-        """True when a stop string just ended `req` (the scheduler frees it next step)."""
+        """True when a stop string ended `req`: now (the scheduler frees it next step), or in the
+        tokens that finished it anyway (length or EOS), as the server's detokenizer sees it."""
         state = decoders.get(req.uid)
-        if state is None or req.uid in texts or req.finished:
+        if state is None or req.uid in texts:
             return False
         state.add(req.output[len(state.ids) :])
+        if req.finished:
+            state.finalize()
         cut = state.find_stop()
         if cut is None:
             return False
         texts[req.uid] = state.text[:cut]  # the stop string itself is not returned
-        self._inputs.append(("finish", req.uid, "stop"))
+        if not req.finished:
+            self._inputs.append(("finish", req.uid, "stop"))
         return True

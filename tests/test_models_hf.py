@@ -194,6 +194,26 @@ def test_stop_string_is_not_returned(llama: Pair) -> None:
     assert len(out["token_ids"]) < len(ref_ids)
 
 
+def test_stop_string_completed_by_the_last_token(llama: Pair) -> None:
+    """The token that completes a stop string is also the max_tokens-th: still a stop."""
+    prompt = llama.id_prompts()[3]
+    ref_ids = llama.ref(prompt)
+    decode = lambda ids: llama.hf_tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    # The first n whose text grows by a fresh, non-blank piece at token n; the stop string is
+    # that piece's last 2 characters (or fewer), so it completes exactly at token n.
+    for n in range(2, len(ref_ids) + 1):
+        before, text = decode(ref_ids[: n - 1]), decode(ref_ids[:n])
+        stop = text[len(before) :][-2:]
+        if text.startswith(before) and stop.strip() and text.find(stop) == len(text) - len(stop):
+            break
+    else:
+        pytest.skip("no token with a fresh suffix")
+    out = llama.llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, stop=[stop], ignore_eos=True))[0]
+    assert out["token_ids"] == ref_ids[:n]
+    assert out["text"] == text[: len(text) - len(stop)]
+    assert out["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize("where", ["config.json", "generation_config.json"])
 def test_eos_stops_generation(llama: Pair, where: str, tmp_path: Path) -> None:
     import json
