@@ -37,6 +37,13 @@ class TorchDistCommunicator(Communicator):
         return torch.cat(parts, dim=dim)
 
 
+def min_across_ranks(value: int, group: object) -> int:
+    """The smallest of every rank's `value`, over the host (gloo) group."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
+
+
 def make_communicator(
     tp: TPInfo, device: torch.device, init_addr: str | None, custom_nccl: bool = True
 ) -> tuple[Communicator, object]:

@@ -6,7 +6,7 @@ import torch
 
 from minisgl import ops
 from minisgl.attention.base import AttentionBackend
-from minisgl.distributed.communicator import make_communicator
+from minisgl.distributed.communicator import make_communicator, min_across_ranks
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.config import DTYPES, EngineConfig
@@ -89,6 +89,10 @@ class Engine:
         self.num_q_heads = self.model.model.layers[0].self_attn.num_heads
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         num_pages = cfg.num_pages or self._default_num_pages(kv_heads)
+        if self.tp.size > 1:
+            # Every rank must admit, evict and retract alike (lockstep): the same pool on all,
+            # sized by the rank with the least free memory.
+            num_pages = min_across_ranks(num_pages, self.cpu_group)
         self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages, cfg.page_size)
         self.table = RequestTable(cfg.max_running_requests, self.max_model_len, self.device)
