@@ -270,6 +270,12 @@ def test_bad_arguments_raise(name: str, bad, match: str) -> None:
         paged_decode_attention(**args, scale=0.1, max_seq_len=5)
 
 
+def test_max_seq_len_below_one_raises() -> None:
+    c = make_case([3, 5], 2, 2, 64, torch.float32, 1, "cpu")
+    with pytest.raises(ValueError, match="max_seq_len"):
+        paged_decode_attention(**c, scale=0.1, max_seq_len=0)
+
+
 def test_bad_group_raises() -> None:
     c = make_case([3], 1, 9, 64, torch.float32, 1, "cpu")
     with pytest.raises(ValueError, match="q heads must be 1..8 times"):

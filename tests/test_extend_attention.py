@@ -116,6 +116,11 @@ def test_bad_arguments_name_the_argument() -> None:
         ops.extend_attention(**{**c, "k_cache": c["k_cache"].half()})
     with pytest.raises(ValueError, match="multiple of kv heads"):
         ops.extend_attention(**{**c, "q": torch.randn(3, 3, 16, device=DEV)})
+    with pytest.raises(ValueError, match="multiple of kv heads"):  # zero KV heads: no ZeroDivisionError
+        ops.extend_attention(**{**c, "k_cache": c["k_cache"][:, :0], "v_cache": c["v_cache"][:, :0]})
+    for bad in (0, 2, 4):  # 3 new tokens in 1 request
+        with pytest.raises(ValueError, match="max_extend_len"):
+            ops.extend_attention(**{**c, "max_extend_len": bad})
 
 
 @gpu

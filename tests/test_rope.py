@@ -99,6 +99,8 @@ def test_bad_arguments_name_the_argument() -> None:
     pos = torch.arange(3)
     with pytest.raises(ValueError, match="positions"):
         ops.apply_rope(q, k, pos.int(), cache)
+    with pytest.raises(ValueError, match="positions must be contiguous"):
+        ops.apply_rope(q, k, torch.arange(6)[::2], cache)
     with pytest.raises(ValueError, match="k"):
         ops.apply_rope(q, torch.randn(3, 2, 6), pos, cache)
     with pytest.raises(ValueError, match="cos_sin_cache"):

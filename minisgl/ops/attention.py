@@ -26,7 +26,7 @@ def _check_cache(q: torch.Tensor, k_cache: object, v_cache: object, req_to_slot:
     check_tensor("v_cache", v_cache, dtype=q.dtype, ndim=3)
     check_shape("k_cache", k_cache, (None, None, q.shape[2]))
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
-    if q.shape[1] % k_cache.shape[1]:
+    if k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k_cache.shape[1]})")
     check_tensor("req_to_slot", req_to_slot, dtype=torch.int32, ndim=2)
     check_inner_contiguous("req_to_slot", req_to_slot)
@@ -64,6 +64,13 @@ def extend_attention(
     check_tensor("cu_seqlens_q", cu_seqlens_q, dtype=torch.int32, ndim=1)
     check_shape("cu_seqlens_q", cu_seqlens_q, (b + 1,))
     check_contiguous("cu_seqlens_q", cu_seqlens_q)
+    t = q.shape[0]
+    # The kernel's grid covers max_extend_len rows per request: too small leaves rows unwritten.
+    if t and (b < 1 or not -(-t // b) <= max_extend_len <= t):
+        raise ValueError(
+            f"max_extend_len ({max_extend_len}) must be the longest request's new-token count: "
+            f"between ceil(T/B) and T for T={t} tokens in B={b} requests"
+        )
     if out is not None:
         _check_out(out, q)
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, req_to_slot=req_to_slot,

@@ -132,6 +132,8 @@ def paged_decode_attention(
     Returns out [B, Hq, D] in q's dtype (written into `out` if given). `num_splits`
     overrides the split policy (1..256; for tuning and tests)."""
     _check(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, out)
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1 (a bound on seq_lens), got {max_seq_len}")
     if not use_cuda_kernel("paged_decode_attention", q):
         ref = paged_decode_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, scale)
         if out is None:
@@ -148,7 +150,7 @@ def paged_decode_attention(
         return out
     dtype = _KERNEL_DTYPES[q.dtype]
     if num_splits is None:
-        bound = max(int(max_seq_len), 1)
+        bound = int(max_seq_len)
         splits = _num_splits(q.device.index or 0, batch, kv_heads, group, dim, dtype, bound)
     elif not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be in 1..256, got {num_splits}")

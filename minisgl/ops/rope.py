@@ -6,7 +6,7 @@ import torch
 
 from minisgl.kernels import rope as _k
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
-from minisgl.ops._checks import check_inner_contiguous, check_same_device, check_shape, check_tensor
+from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -22,6 +22,7 @@ def apply_rope(
     check_shape("k", k, (q.shape[0], None, q.shape[2]))
     check_tensor("positions", positions, dtype=torch.int64, ndim=1)
     check_shape("positions", positions, (q.shape[0],))
+    check_contiguous("positions", positions)  # the kernel reads positions[t] at offset t
     check_tensor("cos_sin_cache", cos_sin_cache, dtype=torch.float32, ndim=2)
     rot = cos_sin_cache.shape[1]
     if rot % 2 or rot > q.shape[2] or rot == 0:
