@@ -97,6 +97,9 @@ PYBIND11_MODULE(_C, m) {
 #endif
   // NCCL: loaded at run time (see nccl.h); raw bytes for the 128-byte unique id.
   m.def("nccl_load", &minisgl::nccl_load, py::arg("path"));
+  m.attr("NCCL_FLOAT16") = static_cast<int>(minisgl::kNcclFloat16);
+  m.attr("NCCL_FLOAT32") = static_cast<int>(minisgl::kNcclFloat32);
+  m.attr("NCCL_BFLOAT16") = static_cast<int>(minisgl::kNcclBfloat16);
   m.def("nccl_version", &minisgl::nccl_version);
   m.def("nccl_unique_id", []() { return py::bytes(minisgl::nccl_unique_id()); });
   m.def(

@@ -29,8 +29,8 @@ NcclApi api;
 void* handle = nullptr;
 
 template <typename Fn>
-void resolve(Fn& fn, const char* name) {
-  fn = reinterpret_cast<Fn>(dlsym(handle, name));
+void resolve(void* lib, Fn& fn, const char* name) {
+  fn = reinterpret_cast<Fn>(dlsym(lib, name));
   if (fn == nullptr) throw std::runtime_error(std::string("libnccl lacks ") + name);
 }
 
@@ -52,14 +52,23 @@ void nccl_load(const std::string& path) {
   const char* name = path.empty() ? "libnccl.so.2" : path.c_str();
   void* h = dlopen(name, RTLD_NOW | RTLD_GLOBAL);
   if (h == nullptr) throw std::runtime_error(std::string("cannot load NCCL: ") + dlerror());
+  // Resolve everything before committing: a library missing a symbol leaves us unloaded, so a
+  // later call fails again with the reason instead of calling a null entry point.
+  NcclApi loaded_api;
+  try {
+    resolve(h, loaded_api.get_version, "ncclGetVersion");
+    resolve(h, loaded_api.get_unique_id, "ncclGetUniqueId");
+    resolve(h, loaded_api.comm_init_rank, "ncclCommInitRank");
+    resolve(h, loaded_api.comm_destroy, "ncclCommDestroy");
+    resolve(h, loaded_api.all_reduce, "ncclAllReduce");
+    resolve(h, loaded_api.all_gather, "ncclAllGather");
+    resolve(h, loaded_api.error_string, "ncclGetErrorString");
+  } catch (...) {
+    dlclose(h);
+    throw;
+  }
+  api = loaded_api;
   handle = h;
-  resolve(api.get_version, "ncclGetVersion");
-  resolve(api.get_unique_id, "ncclGetUniqueId");
-  resolve(api.comm_init_rank, "ncclCommInitRank");
-  resolve(api.comm_destroy, "ncclCommDestroy");
-  resolve(api.all_reduce, "ncclAllReduce");
-  resolve(api.all_gather, "ncclAllGather");
-  resolve(api.error_string, "ncclGetErrorString");
 }
 
 std::string nccl_version() {

@@ -46,6 +46,21 @@ def test_ranks_agree_on_the_smallest_value() -> None:
     assert [f"rank {r}: 993" in o for r, o in enumerate(outs)] == [True, True], outs
 
 
+def test_nccl_load_of_a_wrong_library_fails_every_time() -> None:
+    """A library lacking NCCL's symbols leaves the bindings unloaded (no null entry points)."""
+    import ctypes.util
+
+    from minisgl import _C
+
+    assert (_C.NCCL_FLOAT16, _C.NCCL_FLOAT32, _C.NCCL_BFLOAT16) == (6, 7, 9)  # nccl.h's ncclDataType_t
+    libc = ctypes.util.find_library("c") or "libc.so.6"
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="libnccl lacks ncclGetVersion"):
+            _C.nccl_load(libc)
+    with pytest.raises(RuntimeError, match="not loaded"):
+        _C.nccl_version()
+
+
 def test_tp_must_divide_heads(tiny_model_path) -> None:
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(str(tiny_model_path("llama3")), device="cpu", tp_size=3)

@@ -13,7 +13,6 @@ from minisgl import env
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.logging_setup import get_logger
 
-_DTYPE_CODES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
 log = get_logger("minisgl.distributed")
 
 
@@ -39,6 +38,8 @@ class NcclCommunicator(Communicator):
         from minisgl import _C
 
         self._C = _C
+        # NCCL's dtype values, from the one place that declares them (csrc/nccl.h).
+        self._codes = {torch.float16: _C.NCCL_FLOAT16, torch.float32: _C.NCCL_FLOAT32, torch.bfloat16: _C.NCCL_BFLOAT16}
         _C.nccl_load(find_libnccl())
         box = [_C.nccl_unique_id() if tp.rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=cpu_group)  # rendezvous over gloo
@@ -49,11 +50,11 @@ class NcclCommunicator(Communicator):
             log.info("NCCL %s communicator over %d ranks (minisgl._C bindings)", _C.nccl_version(), tp.size)
 
     def _code(self, x: torch.Tensor) -> int:
-        if x.dtype not in _DTYPE_CODES:
+        if x.dtype not in self._codes:
             raise ValueError(f"NCCL collectives take float16, bfloat16 or float32, got {x.dtype}")
         if not x.is_contiguous() or x.device != self.device:
             raise ValueError(f"NCCL collectives need a contiguous tensor on {self.device}")
-        return _DTYPE_CODES[x.dtype]
+        return self._codes[x.dtype]
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """In-place sum across ranks; returns x."""
