@@ -29,7 +29,9 @@ def assert_same_or_bf16_tie(
 ) -> None:
     """Sequences must match up to their first difference, and that difference must be a
     near-tie in the reference's own logits at that step (after it, the contexts differ)."""
+    assert len(want) == len(got) == len(prompts), (len(want), len(got), len(prompts))
     for prompt, w, g in zip(prompts, want, got):
+        assert len(g) == len(w), f"{len(g)} tokens, want {len(w)}"  # a short or empty answer is no tie
         i = next((j for j, (a, b) in enumerate(zip(w, g)) if a != b), None)
         if i is None:
             continue

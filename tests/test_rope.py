@@ -63,10 +63,10 @@ def test_partial_rotary_leaves_the_tail() -> None:
 @needs_triton
 def test_llama3_scaled_table_matches_transformers() -> None:
     """Model layer's llama3 table + our kernel == transformers' Llama rotary at long positions."""
-    rotary = pytest.importorskip("minisgl.layers.rotary")
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+    from minisgl.layers import rotary
     from minisgl.models.config import RopeScaling
 
     d, theta, max_pos = 64, 500000.0, 32768
