@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import multiprocessing as mp
 import random
 import socket
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,8 +64,13 @@ class LLM:
         self._inputs: list[Input] = []
         self._next_uid = 0
         self._rng = random.Random(self.engine.cfg.seed)
-        if self.engine.tp.size > 1:
-            atexit.register(self.shutdown)
+        # With TP: shut the ranks down when this LLM is collected or at exit, whichever comes
+        # first (a finalizer, so that it holds no reference to the LLM itself).
+        self._finalizer = (
+            weakref.finalize(self, _shutdown_ranks, self._sync, self.engine, self._workers)
+            if self.engine.tp.size > 1
+            else None
+        )
 
     def _start_tp_workers(self, cfg: EngineConfig, options: dict[str, Any]) -> EngineConfig:
         from minisgl.engine.engine import load_model_config
@@ -88,19 +93,11 @@ class LLM:
         return cfg
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel ranks and frees their communicators (no-op without TP)."""
-        if self.engine.tp.size == 1 or self._closed:
-            return
-        self._sync.exchange([("shutdown",)])
-        # Every rank tears down now, together: NCCL teardown is collective, so waiting for the
-        # workers first would deadlock. It also lets a later LLM here start a fresh group.
-        self.engine.shutdown()
-        self._closed = True
-        for proc in self._workers:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-        self._workers = []
+        """Stops the tensor-parallel ranks and frees their communicators (no-op without TP).
+        Also done when the LLM is garbage-collected, or at exit."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs once
+            self._closed = True
 
     def _step(self) -> list[Request]:
         """One lockstep step: broadcast this step's inputs to every rank, apply, step."""
@@ -181,3 +178,14 @@ class LLM:
         if not req.finished:
             self._inputs.append(("finish", req.uid, "stop"))
         return True
+
+
+def _shutdown_ranks(sync: InputSync, engine: Engine, workers: list[mp.process.BaseProcess]) -> None:
+    sync.exchange([("shutdown",)])
+    # Every rank tears down now, together: NCCL teardown is collective, so waiting for the
+    # workers first would deadlock. It also lets a later LLM here start a fresh group.
+    engine.shutdown()
+    for proc in workers:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()

@@ -61,6 +61,25 @@ def test_nccl_load_of_a_wrong_library_fails_every_time() -> None:
         _C.nccl_version()
 
 
+def test_tp_workers_stop_when_the_llm_is_collected(tiny_model_path) -> None:
+    import gc
+
+    two = LLM(str(tiny_model_path("llama3")), device="cpu", dtype="float32", tp_size=2)
+    workers = list(two._workers)
+    assert workers and all(p.is_alive() for p in workers)
+    del two
+    gc.collect()
+    for p in workers:
+        p.join(timeout=30)
+    assert not any(p.is_alive() for p in workers)
+    # The process group was torn down: a new TP LLM in this process works.
+    again = LLM(str(tiny_model_path("llama3")), device="cpu", dtype="float32", tp_size=2)
+    try:
+        assert again.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    finally:
+        again.shutdown()
+
+
 def test_tp_must_divide_heads(tiny_model_path) -> None:
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(str(tiny_model_path("llama3")), device="cpu", tp_size=3)
