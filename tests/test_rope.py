@@ -93,6 +93,72 @@ def test_llama3_scaled_table_matches_transformers() -> None:
     torch.testing.assert_close(kk.cpu(), want_k[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
 
 
+def _check_qk_norm(dtype: torch.dtype, t: int, hq: int, hkv: int, d: int, seed: int, wdtype=None) -> None:
+    """Fused q/k RMSNorm + RoPE against the unfused reference, on strided views of one qkv."""
+    gen = torch.Generator().manual_seed(seed)
+    max_pos = 4096
+    cache = K.build_cos_sin_cache(_inv_freq(d), max_pos).to(DEV)
+    qkv, q, k = _fused_qkv(t, hq, hkv, d, dtype, gen)
+    qkv.mul_(3.0)  # norms that are not 1, so a missing normalization shows
+    positions = torch.randint(0, max_pos, (t,), generator=gen).to(DEV)
+    wq = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEV, wdtype or dtype)
+    wk = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEV, wdtype or dtype)
+    ref_qkv = qkv.clone()
+    rq, rk = ref_qkv[:, : hq * d].view(t, hq, d), ref_qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    K.qk_norm_rope_reference(rq, rk, positions, cache, wq, wk, 1e-6)
+    ops.qk_norm_rope(q, k, positions, cache, wq, wk, 1e-6)
+    eps = torch.finfo(dtype).eps
+    # The norm's fp32 sum runs in another order: its rounding to the dtype may move one step,
+    # and the rotation carries that step on.
+    torch.testing.assert_close(qkv.float(), ref_qkv.float(), rtol=2 * eps, atol=4 * eps)
+    v0 = (hq + hkv) * d
+    assert torch.equal(qkv[:, v0:], ref_qkv[:, v0:]), "v must be untouched"
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 2, 64), (7, 3, 1, 128), (19, 8, 8, 32)])
+def test_qk_norm_rope_matches_reference(dtype: torch.dtype, t: int, hq: int, hkv: int, d: int) -> None:
+    _check_qk_norm(dtype, t, hq, hkv, d, seed=3 * t + hq + d)
+
+
+@needs_triton
+def test_qk_norm_rope_fp32_weights() -> None:
+    _check_qk_norm(torch.bfloat16, 5, 4, 2, 64, seed=11, wdtype=torch.float32)
+
+
+def test_qk_norm_reference_is_rmsnorm_then_rope() -> None:
+    """The reference against independent fp64 math (HF Qwen3: weight * normed, then rotate)."""
+    gen = torch.Generator().manual_seed(2)
+    t, hq, hkv, d = 6, 4, 2, 32
+    cache = K.build_cos_sin_cache(_inv_freq(d), 64)
+    q, k = torch.randn(t, hq, d, generator=gen), torch.randn(t, hkv, d, generator=gen)
+    wq, wk = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
+    pos = torch.randint(0, 64, (t,), generator=gen)
+    want = []
+    for x, w in ((q, wq), (k, wk)):
+        x64 = x.double()
+        n = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+        cos, sin = cache[pos].double()[:, None, : d // 2], cache[pos].double()[:, None, d // 2 :]
+        a, b = n[..., : d // 2], n[..., d // 2 :]
+        want.append(torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1))
+    K.qk_norm_rope_reference(q, k, pos, cache, wq, wk, 1e-6)
+    torch.testing.assert_close(q.double(), want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.double(), want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_qk_norm_rope_bad_arguments() -> None:
+    q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    cache = K.build_cos_sin_cache(_inv_freq(8), 16)
+    pos, w = torch.arange(3), torch.ones(8)
+    with pytest.raises(ValueError, match="k_weight"):
+        ops.qk_norm_rope(q, k, pos, cache, w, torch.ones(6), 1e-6)
+    with pytest.raises(ValueError, match="q_weight"):
+        ops.qk_norm_rope(q, k, pos, cache, w.double(), w, 1e-6)
+    with pytest.raises(ValueError, match="full rotary"):
+        ops.qk_norm_rope(q, k, pos, K.build_cos_sin_cache(_inv_freq(4), 16), w, w, 1e-6)
+
+
 def test_bad_arguments_name_the_argument() -> None:
     q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
     cache = K.build_cos_sin_cache(_inv_freq(8), 16)
@@ -114,3 +180,10 @@ def test_bad_arguments_name_the_argument() -> None:
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_bf16_real_sizes(d: int) -> None:
     _check(torch.bfloat16, 8192, 32, 8, d, d, seed=d)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_qk_norm_rope_bf16_real_sizes(d: int) -> None:
+    _check_qk_norm(torch.bfloat16, 4096, 32, 8, d, seed=d)

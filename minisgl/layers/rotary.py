@@ -48,3 +48,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotates q [T, Hq, D] and k [T, Hkv, D] in place."""
         ops.apply_rope(q, k, positions, self.cos_sin_cache)
+
+    def forward_with_qk_norm(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+        k_weight: torch.Tensor, eps: float,
+    ) -> None:
+        """Qwen3: RMSNorm of each q and k head, then the rotation, in place, in one kernel."""
+        ops.qk_norm_rope(q, k, positions, self.cos_sin_cache, q_weight, k_weight, eps)

@@ -48,10 +48,10 @@ class LlamaAttention(nn.Module):
         q = qkv[:, :q_size].view(t, self.num_heads, d)
         k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, d)
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, d)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, d)).view(t, self.num_heads, d)
-            k = self.k_norm(k.reshape(-1, d)).view(t, self.num_kv_heads, d)
-        self.rope(positions, q, k)
+        if self.qk_norm:  # in place on the qkv views: no copies of q and k, one launch
+            self.rope.forward_with_qk_norm(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        else:
+            self.rope(positions, q, k)
         o = attn.forward(q, k, v, self.layer_id, batch)
         return self.o_proj(o.reshape(t, q_size))
 

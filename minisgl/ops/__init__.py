@@ -6,7 +6,7 @@ from minisgl.ops.attention import decode_attention_triton, extend_attention
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
-from minisgl.ops.rope import apply_rope
+from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
 from minisgl.ops.store import store_kv, store_kv_reference
 
@@ -19,6 +19,7 @@ __all__ = [
     "fused_add_rmsnorm",
     "paged_decode_attention",
     "paged_decode_attention_reference",
+    "qk_norm_rope",
     "rmsnorm",
     "sample",
     "silu_and_mul",

@@ -11,12 +11,7 @@ from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> None:
-    """Rotates q [T, Hq, D] and k [T, Hkv, D] in place (each head's last dim packed; row and
-    head strides free, e.g. views of a fused qkv output). positions: int64 [T], each in
-    [0, max_pos); cos_sin_cache: fp32 [max_pos, R], R even and <= D (cos | sin halves)."""
+def _check(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     check_tensor("q", q, dtype=_DTYPES, ndim=3)
     check_tensor("k", k, dtype=q.dtype, ndim=3)
     check_shape("k", k, (q.shape[0], None, q.shape[2]))
@@ -30,8 +25,44 @@ def apply_rope(
     check_same_device(q=q, k=k, positions=positions, cos_sin_cache=cos_sin_cache)
     for name, t in (("q", q), ("k", k), ("cos_sin_cache", cos_sin_cache)):
         check_inner_contiguous(name, t)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """Rotates q [T, Hq, D] and k [T, Hkv, D] in place (each head's last dim packed; row and
+    head strides free, e.g. views of a fused qkv output). positions: int64 [T], each in
+    [0, max_pos); cos_sin_cache: fp32 [max_pos, R], R even and <= D (cos | sin halves)."""
+    _check(q, k, positions, cos_sin_cache)
     if use_triton("apply_rope", q):
         _k.apply_rope(q, k, positions, cos_sin_cache)
         return
     log_cpu_reference_once("apply_rope")
     _k.apply_rope_reference(q, k, positions, cos_sin_cache)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+) -> None:
+    """Qwen3's attention input: RMSNorm of every q and k head (weights [D], q's dtype or fp32),
+    then RoPE, in place; arguments as `apply_rope`, but the rotation must cover the whole head
+    (cos_sin_cache [max_pos, D])."""
+    _check(q, k, positions, cos_sin_cache)
+    if cos_sin_cache.shape[1] != q.shape[2]:
+        raise ValueError(f"qk_norm_rope needs full rotary: cos_sin_cache width {cos_sin_cache.shape[1]} != head_dim")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        check_tensor(name, w, dtype=(q.dtype, torch.float32), ndim=1)
+        check_shape(name, w, (q.shape[2],))
+        check_inner_contiguous(name, w)
+    check_same_device(q=q, q_weight=q_weight, k_weight=k_weight)
+    if use_triton("qk_norm_rope", q):
+        _k.qk_norm_rope(q, k, positions, cos_sin_cache, q_weight, k_weight, float(eps))
+        return
+    log_cpu_reference_once("qk_norm_rope")
+    _k.qk_norm_rope_reference(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
