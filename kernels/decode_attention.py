@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.extend_attention import dot_precision
+
 
 @triton.jit
 def _decode_split_kernel(
@@ -28,7 +30,7 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -58,7 +60,7 @@ def _decode_split_kernel(
         slots = tl.load(slot_base + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(k_base + slots[None, :] * stride_kt + offs_d[:, None],
                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, BLOCK_N]
-        qk = tl.dot(q, k) * qk_scale
+        qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -66,7 +68,7 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slots[:, None] * stride_vt + offs_d[None, :],
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     # An empty slice (short request) leaves l_i = 0: it gets lse = -inf and weight 0 in stage 2.
     nonempty = l_i > 0
@@ -136,7 +138,7 @@ def decode_attention(
         v_cache.stride(1), req_to_slot.stride(0), mid.stride(0), mid.stride(1), mid.stride(2),
         lse.stride(0), lse.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
-        NUM_SPLITS=splits, num_warps=4, num_stages=2,
+        NUM_SPLITS=splits, DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(b, hq)](
         mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),

@@ -23,7 +23,7 @@ import triton.language as tl
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end,
                  q_pos, stride_kt, stride_vt, qk_scale, offs_d, mask_d,
-                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
     offs_n = start + tl.arange(0, BLOCK_N)
     if MASKED:
         mask_n = offs_n < kv_end
@@ -38,7 +38,7 @@ def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v
     else:
         k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
-    qk = tl.dot(q, k)
+    qk = tl.dot(q, k, input_precision=DOT_PREC)
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))
@@ -47,7 +47,7 @@ def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -57,7 +57,7 @@ def _extend_attn_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_rt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     head = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -92,20 +92,28 @@ def _extend_attn_kernel(
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
-            stride_kt, stride_vt, qk_scale, offs_d, mask_d, False, EVEN_D, BLOCK_N)
+            stride_kt, stride_vt, qk_scale, offs_d, mask_d, False, EVEN_D, BLOCK_N, DOT_PREC)
     for start in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
-            stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N)
+            stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
     out = acc / l_i[:, None]
     o_ptrs = Out + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get exact fp32 products: tl.dot's default would round them to TF32 (about
+    1e-3 relative), far from what a float32 cache promises. 16-bit inputs are exact either way."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). Interpreter: small tiles keep CI fast."""
     if device.type != "cuda":
         return (32, 32, 4, 1)
+    if dtype == torch.float32:  # ieee dots run on FMA units: smaller tiles, fewer registers
+        return (64, 32, 4, 2)
     # Chosen on an H100 (benchmarks/RESULTS.md) among configs that the compiler's resource
     # report (sm_90) shows without register spills; a padded head dim spills at 128 x 128.
     if head_dim <= 128:
@@ -134,7 +142,8 @@ def extend_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), req_to_slot.stride(0),
         GROUP=hq // k_cache.shape[1], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
