@@ -89,6 +89,9 @@ def test_cuda_graph_and_overlap_equal_eager(tiny_model_path, name: str, page_siz
     )
     fast = LLM(path, device="cuda", dtype="bfloat16", page_size=page_size, cuda_graph_max_bs=8)
     assert fast.engine.graphs is not None and fast.scheduler.cfg.overlap
+    # Every captured size writes its logits into the one shared buffer (none keeps its own).
+    runner = fast.engine.graphs
+    assert {out.data_ptr() for out in runner.outputs.values()} == {runner.logits.data_ptr()}
     many = PROMPTS * 3  # 12 requests: decode batches of several graph sizes, with padding
     p = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     a = [o["token_ids"] for o in eager.generate(many, p, use_tqdm=False)]

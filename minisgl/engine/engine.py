@@ -240,9 +240,11 @@ class Engine:
             return self.graphs.replay(batch)
         return self.forward_eager(batch, all_positions)
 
-    def forward_eager(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
+    def forward_eager(
+        self, batch: ForwardBatch, all_positions: bool = False, logits_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         self.attn.prepare(batch)
-        return self.model(batch, self.attn, all_positions=all_positions)
+        return self.model(batch, self.attn, all_positions=all_positions, logits_out=logits_out)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:

@@ -128,12 +128,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
         self._rope = rope
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend, all_positions: bool = False) -> torch.Tensor:
-        """fp32 logits of each request's last new token [B, vocab] (every token: [T, vocab])."""
+    def forward(
+        self, batch: ForwardBatch, attn: AttentionBackend, all_positions: bool = False,
+        logits_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """fp32 logits of each request's last new token [B, vocab] (every token: [T, vocab]),
+        written into `logits_out` when given (CUDA graphs: one buffer shared by every size)."""
         h = self.model(batch, attn)
         if not all_positions:
             h = h[batch.sample_rows]
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)
+        if logits_out is None:
+            return logits.float()
+        return logits_out.copy_(logits)
 
     def expected_tensors(self) -> set[str]:
         """Checkpoint tensor names this model needs (unsharded HF names)."""
