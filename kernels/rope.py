@@ -7,6 +7,7 @@ dims of each head rotate. For i < R/2: x1 = x[i], x2 = x[i + R/2];
 
 One program rotates every q and k head of one token: the token's cos/sin row is read once.
 Traffic per token: read + write of (Hq + Hkv) * R elements, plus one R-float table row.
+`qk_norm_rope` is the same kernel with Qwen3's per-head RMSNorm of q and k first (QK_NORM).
 """
 
 from __future__ import annotations
@@ -17,21 +18,30 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(Base, stride_h, n_heads, cos, sin, offs_d, mask_d, HALF: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
+def _rotate_heads(Base, stride_h, n_heads, W, eps, cos, sin, offs_d, mask_d, HALF: tl.constexpr,
+                  BLOCK_H: tl.constexpr, QK_NORM: tl.constexpr):
     offs_h = tl.arange(0, BLOCK_H)
     mask = (offs_h < n_heads)[:, None] & mask_d[None, :]
     p1 = Base + offs_h[:, None] * stride_h + offs_d[None, :]
+    dt = Base.dtype.element_ty
     x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(Base.dtype.element_ty), mask=mask)
-    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(Base.dtype.element_ty), mask=mask)
+    if QK_NORM:
+        # RMSNorm over each whole head (both halves; full rotary), rounded as ops.rmsnorm rounds.
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(W + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    tl.store(p1, (x1 * cos - x2 * sin).to(dt), mask=mask)
+    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(dt), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
-    Q, K, Pos, Cache, stride_qt, stride_qh, stride_kt, stride_kh, stride_c, HQ, HKV,
+    Q, K, Pos, Cache, WQ, WK, stride_qt, stride_qh, stride_kt, stride_kh, stride_c, HQ, HKV, eps,
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t)
@@ -39,14 +49,12 @@ def _rope_kernel(
     mask_d = offs_d < HALF
     cos = tl.load(Cache + pos * stride_c + offs_d, mask=mask_d, other=0.0)[None, :]
     sin = tl.load(Cache + pos * stride_c + HALF + offs_d, mask=mask_d, other=0.0)[None, :]
-    _rotate_heads(Q + t * stride_qt, stride_qh, HQ, cos, sin, offs_d, mask_d, HALF, BLOCK_HQ)
-    _rotate_heads(K + t * stride_kt, stride_kh, HKV, cos, sin, offs_d, mask_d, HALF, BLOCK_HK)
+    _rotate_heads(Q + t * stride_qt, stride_qh, HQ, WQ, eps, cos, sin, offs_d, mask_d, HALF, BLOCK_HQ, QK_NORM)
+    _rotate_heads(K + t * stride_kt, stride_kh, HKV, WK, eps, cos, sin, offs_d, mask_d, HALF, BLOCK_HK, QK_NORM)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> None:
-    """q [T, Hq, D], k [T, Hkv, D] (last dim packed, any head/row strides), positions [T],
-    cos_sin_cache [max_pos, R] fp32 with R even, R <= D. Rotates q and k in place."""
+def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> None:
     t, hq, _ = q.shape
     if t == 0:
         return
@@ -55,64 +63,26 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     block_hq, block_hk = triton.next_power_of_2(hq), triton.next_power_of_2(hkv)
     block_d = triton.next_power_of_2(half)
     num_warps = 4 if block_hq * block_d <= 2048 else 8
+    norm = q_weight is not None
     _rope_kernel[(t,)](
-        q, k, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos_sin_cache.stride(0), hq, hkv, HALF=half, BLOCK_D=block_d, BLOCK_HQ=block_hq,
-        BLOCK_HK=block_hk, num_warps=num_warps,
+        q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), hq, hkv, eps,
+        HALF=half, BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, QK_NORM=norm, num_warps=num_warps,
     )
 
 
-@triton.jit
-def _norm_rotate_heads(Base, stride_h, n_heads, W, eps, cos, sin, offs_d, mask_d, HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr):
-    # RMSNorm over each whole head (its two halves), rounded as ops.rmsnorm rounds, then rotated.
-    offs_h = tl.arange(0, BLOCK_H)
-    mask = (offs_h < n_heads)[:, None] & mask_d[None, :]
-    p1 = Base + offs_h[:, None] * stride_h + offs_d[None, :]
-    dt = Base.dtype.element_ty
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-    w1 = tl.load(W + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(W + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    h1 = ((x1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-    h2 = ((x2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    tl.store(p1, (h1 * cos - h2 * sin).to(dt), mask=mask)
-    tl.store(p1 + HALF, (h2 * cos + h1 * sin).to(dt), mask=mask)
-
-
-@triton.jit
-def _qk_norm_rope_kernel(
-    Q, K, Pos, Cache, WQ, WK, stride_qt, stride_qh, stride_kt, stride_kh, stride_c, HQ, HKV, eps,
-    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(Pos + t)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HALF
-    cos = tl.load(Cache + pos * stride_c + offs_d, mask=mask_d, other=0.0)[None, :]
-    sin = tl.load(Cache + pos * stride_c + HALF + offs_d, mask=mask_d, other=0.0)[None, :]
-    _norm_rotate_heads(Q + t * stride_qt, stride_qh, HQ, WQ, eps, cos, sin, offs_d, mask_d, HALF, BLOCK_HQ)
-    _norm_rotate_heads(K + t * stride_kt, stride_kh, HKV, WK, eps, cos, sin, offs_d, mask_d, HALF, BLOCK_HK)
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> None:
+    """q [T, Hq, D], k [T, Hkv, D] (last dim packed, any head/row strides), positions [T],
+    cos_sin_cache [max_pos, R] fp32 with R even, R <= D. Rotates q and k in place."""
+    _launch(q, k, positions, cos_sin_cache, None, None, 0.0)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                  q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> None:
     """Qwen3's per-head q/k RMSNorm followed by RoPE, in place, in one launch (instead of two
     norms on copies of q and k, then the rotation). Full rotary only: cos_sin_cache [max_pos, D]."""
-    t, hq, d = q.shape
-    if t == 0:
-        return
-    hkv = k.shape[1]
-    half = d // 2
-    block_hq, block_hk = triton.next_power_of_2(hq), triton.next_power_of_2(hkv)
-    block_d = triton.next_power_of_2(half)
-    num_warps = 4 if block_hq * block_d <= 2048 else 8
-    _qk_norm_rope_kernel[(t,)](
-        q, k, positions, cos_sin_cache, q_weight, k_weight, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos_sin_cache.stride(0), hq, hkv, eps, HALF=half, BLOCK_D=block_d, BLOCK_HQ=block_hq,
-        BLOCK_HK=block_hk, num_warps=num_warps,
-    )
+    _launch(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
 
 
 def qk_norm_rope_reference(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,

@@ -4,6 +4,7 @@ dtype's rounding floor), page sizes 1 and 16 with permuted pages, prefixes 0 and
 
 from __future__ import annotations
 
+import attention_rule
 import pytest
 import torch
 
@@ -57,13 +58,7 @@ def make_case(prefix: list[int], ext: list[int], hq: int, hkv: int, d: int, dtyp
 def assert_fa3_rule(out: torch.Tensor, c: dict) -> None:
     args = (c["q"], c["k_cache"], c["v_cache"], c["req_to_slot"], c["req_rows"], c["prefix_lens"],
             c["cu_seqlens_q"], c["scale"])
-    gold = K.extend_attention_reference(*args, compute_dtype=torch.float64)
-    same = K.extend_attention_reference(*args, compute_dtype=out.dtype)
-    floor = 2 * ((gold + 0.3 - 0.3).to(out.dtype).double() - gold).abs().max().item()
-    err = (out.double() - gold).abs().max().item()
-    base = (same.double() - gold).abs().max().item()
-    assert torch.isfinite(out).all()
-    assert err <= 2 * base + floor, f"kernel error {err:.3g} > 2 x torch {base:.3g} + {floor:.3g}"
+    attention_rule.assert_fa3_rule(out, K.extend_attention_reference, *args)
 
 
 CASES = [  # (prefix_lens, extend_lens)

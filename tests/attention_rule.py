@@ -1,0 +1,20 @@
+"""The accuracy rule of the attention kernel tests (FlashAttention-3's): against fp64 math, the
+kernel's max error may be at most twice torch's own error when it computes in the output
+dtype, plus two rounding steps of that dtype (the floor for outputs rounded once)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def assert_fa3_rule(out: torch.Tensor, reference: Callable[..., torch.Tensor], *args: object) -> None:
+    """`reference(*args, compute_dtype=...)` is the attention reference for the same inputs."""
+    gold = reference(*args, compute_dtype=torch.float64)
+    same = reference(*args, compute_dtype=out.dtype)
+    floor = 2 * ((gold + 0.3 - 0.3).to(out.dtype).double() - gold).abs().max().item()
+    err = (out.double() - gold).abs().max().item()
+    base = (same.double() - gold).abs().max().item()
+    assert torch.isfinite(out).all()
+    assert err <= 2 * base + floor, f"kernel error {err:.3g} > 2 x torch {base:.3g} + {floor:.3g}"
