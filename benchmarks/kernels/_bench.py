@@ -73,6 +73,16 @@ def ceilings(gib: float = 1.0) -> tuple[float, float]:
     return 2 * n * 4 / t_copy / 1e3, n * 4 / t_read / 1e3
 
 
+def gemm_tflops(n: int = 8192) -> float:
+    """Dense bf16 matmul throughput (cuBLAS, n x n x n, 2n^3 FLOPs): the compute ceiling that
+    attention's tensor-core work is held against."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    t = time_calls([lambda: torch.matmul(a, b, out=out)], reps=20)
+    return 2 * n**3 / t / 1e6
+
+
 def print_ceilings(copy_gbs: float, read_gbs: float) -> None:
     dev = torch.cuda.get_device_properties(0)
     print(f"device: {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}")
