@@ -1,5 +1,6 @@
-"""End to end on the GPU: the torch backend on the GPU gives the CPU's greedy tokens, the
-kernel backends give the torch backend's, and CUDA graphs + overlap give eager's."""
+"""End to end on the GPU: the default path (bf16, our kernels, CUDA graphs, overlap) gives
+transformers' greedy tokens, the torch backend on the GPU gives the CPU's, the kernel backends
+give the torch backend's, and CUDA graphs + overlap give eager's."""
 
 from __future__ import annotations
 
@@ -39,6 +40,32 @@ def assert_same_or_bf16_tie(
         gap = (logits[w[i]] - logits[g[i]]).abs().item()
         scale = logits.abs().max().item()
         assert gap <= BF16_TIE * scale, f"step {i}: {w[i]} vs {g[i]} differ by {gap:.4g} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_default_gpu_path_matches_transformers(tiny_model_path, name: str) -> None:
+    """Straight against transformers (fp32 on the GPU, step-by-step greedy): the default
+    serving path must give its tokens, except after a bf16 near-tie in transformers' logits."""
+    from transformers import AutoModelForCausalLM
+
+    path = str(tiny_model_path(name))
+    llm = LLM(path, device="cuda")
+    assert llm.engine.dtype == torch.bfloat16 and llm.engine.graphs is not None
+    got = greedy(llm)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    for prompt, g in zip(PROMPTS, got):
+        ids = torch.tensor([prompt], device="cuda")
+        for i in range(GREEDY.max_tokens):
+            with torch.no_grad():
+                logits = hf(ids).logits[0, -1].float()
+            want = int(logits.argmax())
+            assert i < len(g), f"{len(g)} tokens, want {GREEDY.max_tokens}"
+            if g[i] != want:
+                gap = (logits[want] - logits[g[i]]).abs().item()
+                scale = logits.abs().max().item()
+                assert gap <= BF16_TIE * scale, f"step {i}: {want} vs {g[i]} differ by {gap:.4g} (scale {scale:.3g})"
+                break  # after a tie the contexts differ
+            ids = torch.cat([ids, torch.tensor([[want]], device="cuda")], dim=1)
 
 
 @pytest.fixture(scope="module")
