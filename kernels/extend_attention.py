@@ -32,7 +32,12 @@ def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v
         slots = tl.load(slot_base + offs_n).to(tl.int64)
     k_ptrs = KCache + kv_off_k + slots[None, :] * stride_kt + offs_d[:, None]  # [D, BLOCK_N]
     v_ptrs = VCache + kv_off_v + slots[:, None] * stride_vt + offs_d[None, :]  # [BLOCK_N, D]
-    if EVEN_D:
+    if MASKED:
+        # Columns past the context read slot 0 (the dummy slot). Its K and V are stale pool
+        # memory, possibly NaN, and a masked score's weight of 0 times NaN is NaN: load 0s.
+        k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    elif EVEN_D:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     else:

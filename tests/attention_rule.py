@@ -1,6 +1,7 @@
-"""The accuracy rule of the attention kernel tests (FlashAttention-3's): against fp64 math, the
-kernel's max error may be at most twice torch's own error when it computes in the output
-dtype, plus two rounding steps of that dtype (the floor for outputs rounded once)."""
+"""Shared by the attention kernel tests. The accuracy rule (FlashAttention-3's): against fp64
+math, the kernel's max error may be at most twice torch's own error when it computes in the
+output dtype, plus two rounding steps of that dtype (the floor for outputs rounded once).
+And NaN in the cache slots no request owns, which no kernel may let through."""
 
 from __future__ import annotations
 
@@ -18,3 +19,13 @@ def assert_fa3_rule(out: torch.Tensor, reference: Callable[..., torch.Tensor], *
     base = (same.double() - gold).abs().max().item()
     assert torch.isfinite(out).all()
     assert err <= 2 * base + floor, f"kernel error {err:.3g} > 2 x torch {base:.3g} + {floor:.3g}"
+
+
+def poison_unused_slots(c: dict, seq_lens: list[int]) -> None:
+    """NaN in every cache slot no request owns (the dummy page included): a kernel that loads
+    one and weighs it by 0 still gets NaN (0 x NaN), as stale pool memory would give it."""
+    used = torch.zeros(c["k_cache"].shape[0], dtype=torch.bool, device=c["k_cache"].device)
+    for row, n in zip(c["req_rows"].tolist(), seq_lens):
+        used[c["req_to_slot"][row, :n].long()] = True
+    c["k_cache"][~used] = float("nan")
+    c["v_cache"][~used] = float("nan")

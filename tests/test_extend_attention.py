@@ -89,6 +89,16 @@ def test_extend_head_layouts(hq: int, hkv: int, d: int) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_unused_cache_slots_never_reach_the_output(page_size: int, dtype: torch.dtype) -> None:
+    prefix, ext = [5, 0, 40], [7, 1, 29]  # context ends inside a key tile
+    c = make_case(prefix, ext, 4, 2, 64, dtype, page_size, seed=7 + page_size)
+    attention_rule.poison_unused_slots(c, [p + e for p, e in zip(prefix, ext)])
+    assert_fa3_rule(ops.extend_attention(**c), c)
+
+
+@needs_triton
 def test_extend_fp32_and_out_and_strided_q() -> None:
     c = make_case([3, 40], [18, 9], 4, 2, 64, torch.float32, page_size=1, seed=11)
     qkv = torch.randn(c["q"].shape[0], 8 * 64, device=DEV)

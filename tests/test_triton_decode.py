@@ -74,6 +74,14 @@ def test_decode_head_layouts(hq: int, hkv: int, d: int) -> None:
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_unused_cache_slots_never_reach_the_output(dtype: torch.dtype) -> None:
+    c = make_case([5, 130, 1], 4, 2, 64, dtype, 16, seed=21)
+    attention_rule.poison_unused_slots(c, [5, 130, 1])
+    assert_fa3_rule(ops.decode_attention_triton(**c), c)
+
+
+@needs_triton
 def test_decode_bound_larger_than_lengths_and_out() -> None:
     """A CUDA-graph style call: max_seq_len is a loose bound; results go into `out`."""
     c = make_case([3, 40], 4, 2, 64, torch.float32, 1, seed=4)
