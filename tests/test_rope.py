@@ -31,19 +31,34 @@ def _fused_qkv(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, gen: torch
     return qkv, q, k
 
 
-def _check(dtype: torch.dtype, t: int, hq: int, hkv: int, d: int, rot: int, seed: int) -> None:
+def _check(
+    dtype: torch.dtype, t: int, hq: int, hkv: int, d: int, rot: int, seed: int, norm: bool = False, wdtype=None
+) -> None:
+    """ops.apply_rope (or, with `norm`, the fused ops.qk_norm_rope) against the torch reference
+    on strided views of one qkv output; v must stay untouched."""
     gen = torch.Generator().manual_seed(seed)
     max_pos = 4096
     cache = K.build_cos_sin_cache(_inv_freq(rot), max_pos).to(DEV)
     qkv, q, k = _fused_qkv(t, hq, hkv, d, dtype, gen)
+    if norm:
+        qkv.mul_(3.0)  # norms that are not 1, so a missing normalization shows
     positions = torch.randint(0, max_pos, (t,), generator=gen).to(DEV)
     ref_qkv = qkv.clone()
-    _, rq, rk = ref_qkv, ref_qkv[:, : hq * d].view(t, hq, d), ref_qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-    K.apply_rope_reference(rq, rk, positions, cache)
-    ops.apply_rope(q, k, positions, cache)
+    rq, rk = ref_qkv[:, : hq * d].view(t, hq, d), ref_qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
     eps = torch.finfo(dtype).eps
-    # fp32 math in both; FMA contraction may move one fp32 ulp, rarely one step of the dtype.
-    torch.testing.assert_close(qkv.float(), ref_qkv.float(), rtol=2 * eps, atol=2 * eps)
+    if norm:
+        wq = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEV, wdtype or dtype)
+        wk = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEV, wdtype or dtype)
+        K.qk_norm_rope_reference(rq, rk, positions, cache, wq, wk, 1e-6)
+        ops.qk_norm_rope(q, k, positions, cache, wq, wk, 1e-6)
+        # The norm's fp32 sum runs in another order: its rounding to the dtype may move one
+        # step, and the rotation carries that step on.
+        atol = 4 * eps
+    else:
+        K.apply_rope_reference(rq, rk, positions, cache)
+        ops.apply_rope(q, k, positions, cache)
+        atol = 2 * eps  # fp32 math in both; FMA contraction may move one step of the dtype
+    torch.testing.assert_close(qkv.float(), ref_qkv.float(), rtol=2 * eps, atol=atol)
     v0 = (hq + hkv) * d
     assert torch.equal(qkv[:, v0:], ref_qkv[:, v0:]), "v must be untouched"
 
@@ -93,38 +108,16 @@ def test_llama3_scaled_table_matches_transformers() -> None:
     torch.testing.assert_close(kk.cpu(), want_k[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
 
 
-def _check_qk_norm(dtype: torch.dtype, t: int, hq: int, hkv: int, d: int, seed: int, wdtype=None) -> None:
-    """Fused q/k RMSNorm + RoPE against the unfused reference, on strided views of one qkv."""
-    gen = torch.Generator().manual_seed(seed)
-    max_pos = 4096
-    cache = K.build_cos_sin_cache(_inv_freq(d), max_pos).to(DEV)
-    qkv, q, k = _fused_qkv(t, hq, hkv, d, dtype, gen)
-    qkv.mul_(3.0)  # norms that are not 1, so a missing normalization shows
-    positions = torch.randint(0, max_pos, (t,), generator=gen).to(DEV)
-    wq = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEV, wdtype or dtype)
-    wk = (1 + 0.5 * torch.randn(d, generator=gen)).to(DEV, wdtype or dtype)
-    ref_qkv = qkv.clone()
-    rq, rk = ref_qkv[:, : hq * d].view(t, hq, d), ref_qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-    K.qk_norm_rope_reference(rq, rk, positions, cache, wq, wk, 1e-6)
-    ops.qk_norm_rope(q, k, positions, cache, wq, wk, 1e-6)
-    eps = torch.finfo(dtype).eps
-    # The norm's fp32 sum runs in another order: its rounding to the dtype may move one step,
-    # and the rotation carries that step on.
-    torch.testing.assert_close(qkv.float(), ref_qkv.float(), rtol=2 * eps, atol=4 * eps)
-    v0 = (hq + hkv) * d
-    assert torch.equal(qkv[:, v0:], ref_qkv[:, v0:]), "v must be untouched"
-
-
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 2, 64), (7, 3, 1, 128), (19, 8, 8, 32)])
 def test_qk_norm_rope_matches_reference(dtype: torch.dtype, t: int, hq: int, hkv: int, d: int) -> None:
-    _check_qk_norm(dtype, t, hq, hkv, d, seed=3 * t + hq + d)
+    _check(dtype, t, hq, hkv, d, d, seed=3 * t + hq + d, norm=True)
 
 
 @needs_triton
 def test_qk_norm_rope_fp32_weights() -> None:
-    _check_qk_norm(torch.bfloat16, 5, 4, 2, 64, seed=11, wdtype=torch.float32)
+    _check(torch.bfloat16, 5, 4, 2, 64, 64, seed=11, norm=True, wdtype=torch.float32)
 
 
 def test_qk_norm_reference_is_rmsnorm_then_rope() -> None:
@@ -186,4 +179,4 @@ def test_gpu_bf16_real_sizes(d: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_qk_norm_rope_bf16_real_sizes(d: int) -> None:
-    _check_qk_norm(torch.bfloat16, 4096, 32, 8, d, seed=d)
+    _check(torch.bfloat16, 4096, 32, 8, d, d, seed=d, norm=True)
