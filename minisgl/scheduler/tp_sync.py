@@ -4,6 +4,10 @@ Only rank 0 sees the outside world (new requests, aborts, stop strings found on 
 Before every scheduler step it broadcasts what changed; every rank applies the same inputs
 in the same order and then steps, so the deterministic schedulers form identical batches
 without shipping batches around.
+
+The broadcast goes over the ranks' gloo group, not the ZMQ PUB socket DESIGN.md sketches: a
+collective every rank enters once per step is the lockstep itself (no rank can run ahead or
+miss a message), and gloo's TCP rendezvous already spans nodes.
 """
 
 from __future__ import annotations
