@@ -4,6 +4,7 @@ give the torch backend's, and CUDA graphs + overlap give eager's."""
 
 from __future__ import annotations
 
+import bf16_tie
 import pytest
 import torch
 
@@ -20,26 +21,8 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-# bf16 keeps 8 bits of mantissa: two implementations of the same math may flip a greedy choice
-# only where the reference's two candidates are this close (relative to the logits' scale).
-BF16_TIE = 0.01
-
-
-def assert_same_or_bf16_tie(
-    ref: LLM, want: list[list[int]], got: list[list[int]], prompts: list[list[int]] = PROMPTS
-) -> None:
-    """Sequences must match up to their first difference, and that difference must be a
-    near-tie in the reference's own logits at that step (after it, the contexts differ)."""
-    assert len(want) == len(got) == len(prompts), (len(want), len(got), len(prompts))
-    for prompt, w, g in zip(prompts, want, got):
-        assert len(g) == len(w), f"{len(g)} tokens, want {len(w)}"  # a short or empty answer is no tie
-        i = next((j for j, (a, b) in enumerate(zip(w, g)) if a != b), None)
-        if i is None:
-            continue
-        logits = ref.engine.score([prompt + w[:i]])[0][-1]
-        gap = (logits[w[i]] - logits[g[i]]).abs().item()
-        scale = logits.abs().max().item()
-        assert gap <= BF16_TIE * scale, f"step {i}: {w[i]} vs {g[i]} differ by {gap:.4g} (scale {scale:.3g})"
+def assert_same_or_bf16_tie(ref: LLM, want: list[list[int]], got: list[list[int]]) -> None:
+    bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(ref), want, got, PROMPTS)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -61,9 +44,7 @@ def test_default_gpu_path_matches_transformers(tiny_model_path, name: str) -> No
             want = int(logits.argmax())
             assert i < len(g), f"{len(g)} tokens, want {GREEDY.max_tokens}"
             if g[i] != want:
-                gap = (logits[want] - logits[g[i]]).abs().item()
-                scale = logits.abs().max().item()
-                assert gap <= BF16_TIE * scale, f"step {i}: {want} vs {g[i]} differ by {gap:.4g} (scale {scale:.3g})"
+                bf16_tie.assert_near_tie(logits, want, g[i], i)
                 break  # after a tie the contexts differ
             ids = torch.cat([ids, torch.tensor([[want]], device="cuda")], dim=1)
 
@@ -90,7 +71,7 @@ def test_torch_backend_gpu_bf16_close_to_cpu(tiny_model_path, name: str) -> None
         # Where the argmax differs, the fp32 reference's two candidates must be a near-tie.
         a, b = r.argmax(-1), g.argmax(-1)
         gaps = (r.gather(1, a[:, None]) - r.gather(1, b[:, None])).squeeze(1)
-        assert (gaps <= BF16_TIE * r.abs().amax(-1)).all(), gaps.max()
+        assert (gaps <= bf16_tie.BF16_TIE * r.abs().amax(-1)).all(), gaps.max()
 
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])

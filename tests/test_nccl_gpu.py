@@ -3,19 +3,22 @@ the server (one host, and two "nodes" of one GPU each)."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
+from bf16_tie import assert_same_or_bf16_tie, engine_scorer
+from rank_scripts import free_port, run_ranks
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[5, 6, 7, 8, 9] * 5, list(range(300, 317)), [42]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _one_gpu(path: str, max_tokens: int):  # noqa: ANN202 - (LLM, greedy ids of PROMPTS)
+    """The TP=1 reference: one GPU, bf16, and its greedy answers to PROMPTS."""
+    from minisgl import LLM, SamplingParams
+
+    one = LLM(path, device="cuda", dtype="bfloat16")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return one, [o["token_ids"] for o in one.generate(PROMPTS, params, use_tqdm=False)]
 
 
 def test_nccl_collectives_two_gpus() -> None:
@@ -24,28 +27,8 @@ def test_nccl_collectives_two_gpus() -> None:
     under CUDA-graph replay."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = str(Path(__file__).with_name("nccl_collectives_worker.py"))
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen([sys.executable, script, str(r), port], text=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT)
-        for r in range(2)
-    ]
-    outs, hung = [], []
-    for r, p in enumerate(procs):
-        try:
-            outs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:  # a rank that failed leaves the other blocked in a collective
-            hung.append(r)
-            p.kill()
-            outs.append(p.communicate()[0])
-    report = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{o[-3000:]}" for r, (p, o) in enumerate(zip(procs, outs)))
-    assert not hung and all(p.returncode == 0 for p in procs), f"hung ranks {hung}\n{report}"
-    assert all(f"rank {r}: ok" in outs[r] for r in range(2)), report
+    outs = run_ranks("nccl_collectives_worker.py", 2, timeout=240)
+    assert all(f"rank {r}: ok" in outs[r] for r in range(2)), outs
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
@@ -56,20 +39,16 @@ def test_tp2_gpu_equals_tp1(tiny_model_path, name: str, custom_nccl: bool) -> No
     from minisgl import LLM, SamplingParams
 
     path = str(tiny_model_path(name))
-    prompts = PROMPTS
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    from test_engine_gpu import assert_same_or_bf16_tie
-
-    one = LLM(path, device="cuda", dtype="bfloat16")
-    want = [o["token_ids"] for o in one.generate(prompts, params, use_tqdm=False)]
+    one, want = _one_gpu(path, 12)
     two = LLM(path, device="cuda", dtype="bfloat16", tp_size=2, custom_nccl=custom_nccl)
     try:
-        got = [o["token_ids"] for o in two.generate(prompts, params, use_tqdm=False)]
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        got = [o["token_ids"] for o in two.generate(PROMPTS, params, use_tqdm=False)]
     finally:
         two.shutdown()
     # bf16 partial sums reduced in another order: a flip is allowed only at a near-tie of the
     # TP=1 logits at the step where the sequences first differ.
-    assert_same_or_bf16_tie(one, want, got, prompts)
+    assert_same_or_bf16_tie(engine_scorer(one), want, got, PROMPTS)
 
 
 def _server_ids(http, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # noqa: ANN001
@@ -91,14 +70,9 @@ def test_server_tp2_gpu_equals_one_gpu(tiny_model_path, tmp_path) -> None:
     import httpx
     import openai
     from server_harness import Server, child_pids
-    from test_engine_gpu import assert_same_or_bf16_tie
-
-    from minisgl import LLM, SamplingParams
 
     path = str(tiny_model_path("qwen3"))
-    one = LLM(path, device="cuda", dtype="bfloat16")
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    want = [o["token_ids"] for o in one.generate(PROMPTS, params, use_tqdm=False)]
+    one, want = _one_gpu(path, 16)
     server = Server("--model", path, "--device", "cuda", "--tp", "2", "--dtype", "bfloat16", cwd=tmp_path)
     try:
         assert len(child_pids(server.proc.pid)) >= 4  # scheduler ranks 0 and 1, tokenizer, detokenizer
@@ -106,7 +80,7 @@ def test_server_tp2_gpu_equals_one_gpu(tiny_model_path, tmp_path) -> None:
             got = _server_ids(http, PROMPTS, 16)
             native = http.post("/generate", json={"text": "Hello there", "sampling_params": {
                 "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}).json()["text"]
-        assert_same_or_bf16_tie(one, want, got, PROMPTS)
+        assert_same_or_bf16_tie(engine_scorer(one), want, got, PROMPTS)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120)
         model = client.models.list().data[0].id
         kw = dict(model=model, prompt="Hello there", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
@@ -128,15 +102,10 @@ def test_two_nodes_one_gpu_each(tiny_model_path, tmp_path) -> None:
     import time
 
     import httpx
-    from test_engine_gpu import assert_same_or_bf16_tie
-
-    from minisgl import LLM, SamplingParams
 
     path = str(tiny_model_path("llama3"))
-    one = LLM(path, device="cuda", dtype="bfloat16")
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    want = [o["token_ids"] for o in one.generate(PROMPTS, params, use_tqdm=False)]
-    addr = f"127.0.0.1:{_free_port()}"
+    one, want = _one_gpu(path, 12)
+    addr = f"127.0.0.1:{free_port()}"
     common = [sys.executable, "-m", "minisgl.serve", "--model", path, "--dtype", "bfloat16", "--tp", "2",
               "--nnodes", "2", "--dist-init-addr", addr]
     procs = []
@@ -160,7 +129,7 @@ def test_two_nodes_one_gpu_each(tiny_model_path, tmp_path) -> None:
         assert url, "node 0 never became ready:\n" + "".join(lines[-30:])
         with httpx.Client(base_url=url, timeout=120) as http:
             got = _server_ids(http, PROMPTS, 12)
-        assert_same_or_bf16_tie(one, want, got, PROMPTS)
+        assert_same_or_bf16_tie(engine_scorer(one), want, got, PROMPTS)
     finally:
         for p in procs:
             p.terminate()

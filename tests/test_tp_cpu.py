@@ -30,19 +30,9 @@ def test_tp2_equals_tp1(tiny_model_path, name: str) -> None:
 
 def test_ranks_agree_on_the_smallest_value() -> None:
     """The KV pool size every rank uses: the minimum over ranks (tests/gloo_min_worker.py)."""
-    import socket
-    import subprocess
-    import sys
-    from pathlib import Path
+    from rank_scripts import run_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    script = str(Path(__file__).with_name("gloo_min_worker.py"))
-    procs = [subprocess.Popen([sys.executable, script, str(r), port], text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    outs = run_ranks("gloo_min_worker.py", 2, timeout=120)
     assert [f"rank {r}: 993" in o for r, o in enumerate(outs)] == [True, True], outs
 
 

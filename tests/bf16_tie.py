@@ -1,0 +1,37 @@
+"""The bf16 tie rule of the end-to-end tests. bf16 keeps 8 bits of mantissa: two
+implementations of the same math may flip a greedy choice only where the reference's two
+candidates are this close (relative to the logits' scale)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+BF16_TIE = 0.01
+
+
+def assert_near_tie(logits: torch.Tensor, want: int, got: int, step: int) -> None:
+    """`got` may replace the reference's `want` only if `logits` (the reference's) nearly tie them."""
+    gap = (logits[want] - logits[got]).abs().item()
+    scale = logits.abs().max().item()
+    assert gap <= BF16_TIE * scale, f"step {step}: {want} vs {got} differ by {gap:.4g} (scale {scale:.3g})"
+
+
+def assert_same_or_bf16_tie(
+    score: Callable[[list[int]], torch.Tensor], want: list[list[int]], got: list[list[int]], prompts: list[list[int]]
+) -> None:
+    """Sequences must match up to their first difference, and that difference must be a near-tie
+    in the reference's logits at that step (after it, the contexts differ). `score(ids)` gives
+    the reference's next-token logits after `ids`."""
+    assert len(want) == len(got) == len(prompts), (len(want), len(got), len(prompts))
+    for prompt, w, g in zip(prompts, want, got):
+        assert len(g) == len(w), f"{len(g)} tokens, want {len(w)}"  # a short or empty answer is no tie
+        i = next((j for j, (a, b) in enumerate(zip(w, g)) if a != b), None)
+        if i is not None:
+            assert_near_tie(score(prompt + w[:i]), w[i], g[i], i)
+
+
+def engine_scorer(llm) -> Callable[[list[int]], torch.Tensor]:  # noqa: ANN001 - a minisgl.LLM
+    """Next-token logits from a minisgl LLM's engine."""
+    return lambda ids: llm.engine.score([ids])[0][-1]
