@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from profile_decode_step import time_ms  # benchmarks/ is on sys.path when run as a script
 
 from minisgl import LLM, SamplingParams
 
@@ -46,14 +47,7 @@ def main() -> None:
         slots = eng.allocator.slot_ids(pages)[:n]
         eng.write_slots([row] * n, list(range(n)), slots)
         batch = eng.build_batch("extend", [row], [0], [prompts[0]])
-        gpu = []
-        for _ in range(5):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            eng.forward(batch)
-            e.record()
-            e.synchronize()
-            gpu.append(s.elapsed_time(e))
+        gpu_ms = time_ms(lambda b=batch: eng.forward(b), reps=5)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         eng.forward(batch)
@@ -62,7 +56,7 @@ def main() -> None:
         eng.allocator.free(pages)
         eng.table.free_row(row)
         print(f"prefill of {n} tokens: generate(max_tokens=1) wall {statistics.median(walls):.2f} ms (median of "
-              f"{len(walls)}), forward GPU {statistics.median(gpu):.2f} ms, forward host launch {launch:.2f} ms")
+              f"{len(walls)}), forward GPU {gpu_ms:.2f} ms, forward host launch {launch:.2f} ms")
         fresh = [[2000 + (11 * i + j) % 50000 for j in range(n)] for i in range(3)]  # not in the radix cache
         prof = cProfile.Profile()
         prof.enable()
