@@ -42,8 +42,9 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 def make_backend(name: str, pool: KVPool, num_q_heads: int, scale: float, device: torch.device) -> AttentionBackend:
     if name == "auto":
         # GPU: our CUDA decode kernel + Triton extend where _C has CUDA, else all-Triton. A
-        # float32 KV cache gets torch's exact math: our CUDA kernel takes 16-bit caches only and
-        # Triton's fp32 dots round through TF32.
+        # float32 KV cache gets the torch backend: our CUDA kernel takes 16-bit caches only,
+        # and float32 is the reference dtype, whose math the torch backend shares with the CPU.
+        # (The Triton kernels are exact in fp32 too, with ieee dots; `triton` can be chosen.)
         from minisgl.ops._backend import compiled
 
         ext = compiled()
