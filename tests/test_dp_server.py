@@ -51,6 +51,8 @@ def test_both_replicas_start_and_report(server: Server, http: httpx.Client) -> N
     assert "dp controller ready" in server.output
     info = http.get("/server_info").json()
     assert (info["dp_size"], info["served_model_name"]) == (2, NAME)
+    assert http.get("/model_info").json()["architectures"] == ["LlamaForCausalLM"]
+    assert http.get("/health_generate").json() == {"status": "ok"}  # one token generated
     # Every replica reports from the start, before it has seen a request.
     assert wait_for(lambda: len(http.get("/get_load").json()) == 2, 10)
     assert [e["dp_rank"] for e in http.get("/get_load").json()] == [0, 1]
