@@ -18,15 +18,18 @@ wait_health() {  # URL: up to 180 s for a server (or the router's workers) to co
   echo "no answer from $1"; return 1
 }
 
-# --two-gpu (issue 21; needs 2 GPUs, ~8 min): offline --dp 2 vs --dp 1 (Qwen3-0.6B shapes;
-# target >= 1.9x on the standard workload, and the 512-request workload for scaling at equal
-# per-replica load); then under the same Poisson load (Qwen3-8B shapes, 1024 in / 256 out,
-# $RATES req/s, default 8; $ONLINE_PROMPTS requests, default 128): one server on GPU 0, two
-# servers (GPU 0, GPU 1) behind sglang-router (cache_aware), one server with --dp 2.
-# Tables: benchmarks/scaling_table.py $OUT.
+# --two-gpu (issue 21; needs 2 GPUs, ~9 min; set MINISGL_TEST_SMOLLM2_TOKENIZER as for the GPU
+# tests): tests/test_dp_gpu.py (replicas on GPUs 0 and 1, tokens equal to one replica); offline
+# --dp 2 vs --dp 1 (Qwen3-0.6B shapes; target >= 1.9x on the standard workload; also 512
+# requests, for scaling at equal per-replica load); then under the same Poisson load (Qwen3-8B
+# shapes, 1024 in / 256 out, $RATES req/s, default 8; $ONLINE_PROMPTS requests, default 128):
+# one server on GPU 0, two servers (GPUs 0, 1) behind sglang-router (cache_aware), one server
+# with --dp 2. Tables at the end (benchmarks/scaling_table.py $OUT).
 if [ "${1:-}" = "--two-gpu" ]; then
   gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
   [ "$gpus" -ge 2 ] || { echo "--two-gpu needs 2 GPUs, found $gpus"; exit 1; }
+  echo "== tests/test_dp_gpu.py (replicas on GPUs 0 and 1, equal to one replica)"
+  timeout 300 python3 -m pytest -q -m gpu tests/test_dp_gpu.py 2>&1 | tail -3
   for run in "1 256 offline_dp1" "2 256 offline_dp2" "2 512 offline_dp2_x2"; do
     set -- $run
     echo "== offline --dp $1, $2 requests"

@@ -45,9 +45,9 @@ def _replica_main(
 ) -> None:
     from minisgl.dp.placement import share_cpu
     from minisgl.llm import LLM
-    from minisgl.server.child import die_with_parent
 
-    die_with_parent()
+    # No PR_SET_PDEATHSIG here (it fires when the *thread* that started us ends, and an LLM
+    # may live in any thread): if the parent dies, our recv() below ends with EOFError.
     share_cpu(device, dp_size)
     try:
         llm = LLM(model, device=device, dtype=dtype, **options)
@@ -75,8 +75,9 @@ class ReplicaPool:
     def __init__(self, dp_size: int, model: str | None, device: str, dtype: str, options: dict[str, Any]) -> None:
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
         self.conns: list[Connection] = []
-        # Not daemonic: a replica with tp_size > 1 starts its own rank processes. They die with
-        # us (PR_SET_PDEATHSIG) and are stopped by shutdown() (the LLM's finalizer) otherwise.
+        # Not daemonic: a replica with tp_size > 1 starts its own rank processes. shutdown()
+        # (also the LLM's finalizer, at exit) stops them; a replica whose parent died stops at
+        # its next read of the pipe.
         self.procs: list[mp.process.BaseProcess] = []
         for r in range(1, dp_size):
             parent, child = ctx.Pipe()

@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--dist-init-addr", default=None,
-        help="HOST:PORT of the rank-0 rendezvous (default: a free local port; required with --nnodes > 1)",
+        help="HOST:PORT of the rank-0 rendezvous (default: a free local port; required with --nnodes > 1); "
+        "with --dp, replica r uses PORT + r",
     )
     t.add_argument(
         "--disable-custom-nccl", action="store_true",

@@ -17,7 +17,7 @@ log = get_logger("minisgl.server")
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
+def _die_with_parent() -> None:
     # Linux: the kernel sends SIGTERM to us when the launcher dies, however it dies (even
     # SIGKILL), so no orphan keeps a GPU or a socket.
     try:
@@ -28,7 +28,7 @@ def die_with_parent() -> None:
 
 def child_main(name: str, target: Callable[..., None], conn: Connection, *args: Any) -> None:
     """Entry point of every child (spawned, so it must be importable)."""
-    die_with_parent()
+    _die_with_parent()
     # Ctrl-C reaches the whole process group; the launcher alone handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

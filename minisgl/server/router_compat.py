@@ -89,10 +89,12 @@ class RouterFieldsShim:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            parsed = None
+        parsed = None
+        if any(b'"%s"' % k.encode() in body for k in ROUTER_NEUTRAL_FIELDS[scope["path"]]):
+            try:  # only bodies naming one of the fields are parsed here (a substring test is cheap)
+                parsed = json.loads(body)
+            except ValueError:
+                pass
         stripped = strip_neutral_fields(scope["path"], parsed)
         if parsed is not None and stripped != parsed:
             body = json.dumps(stripped).encode()
