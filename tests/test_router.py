@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 from router_harness import Router
 from server_harness import Server, alive, child_pids, metric, wait_for
@@ -62,40 +63,51 @@ def _received(server: Server) -> float:
 
 
 def _job(i: int, rng: random.Random) -> tuple[str, dict[str, Any], int]:
-    """One request of a route in turn: (path, body, tokens it must generate)."""
+    """One request of a route in turn: (route, body, tokens it must generate)."""
     n = rng.randint(1, 5)
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 30)))
     if i % 3 == 0:
-        return "/v1/completions", {"model": NAME, "prompt": text, "max_tokens": n, "ignore_eos": True}, n
+        return "/v1/completions", {"model": NAME, "prompt": text, "max_tokens": n}, n
     if i % 3 == 1:
-        msgs = [{"role": "user", "content": text}]
-        return "/v1/chat/completions", {"model": NAME, "messages": msgs, "max_tokens": n, "ignore_eos": True}, n
+        return "/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": text}],
+                                        "max_tokens": n}, n
     return "/generate", {"text": text, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}}, n
 
 
-def _tokens(path: str, body: dict[str, Any]) -> int:
-    return body["meta_info"]["completion_tokens"] if path == "/generate" else body["usage"]["completion_tokens"]
-
-
 def _traffic(url: str, jobs: list, concurrency: int, after: tuple[int, Callable[[], Any]] | None = None) -> list:
-    """Runs `jobs` at `concurrency`; `after = (k, action)` calls action once k requests are done.
-    Returns (status, generated tokens or error text) per job."""
+    """Runs `jobs` at `concurrency` (the OpenAI routes through the openai client, /generate with
+    httpx); `after = (k, action)` calls action once k requests are done. Returns (status,
+    generated tokens or the error) per job."""
     done = 0
 
     async def run() -> list:
         sem = asyncio.Semaphore(concurrency)
 
-        async def one(c: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        async def send(c: httpx.AsyncClient, oai: openai.AsyncOpenAI, path: str, body: dict) -> tuple[int, Any]:
+            if path == "/generate":
+                r = await c.post(path, json=body)
+                return r.status_code, r.json()["meta_info"]["completion_tokens"] if r.status_code == 200 else r.text
+            create = oai.completions.create if path == "/v1/completions" else oai.chat.completions.create
+            try:
+                out = await create(**body, extra_body={"ignore_eos": True})
+            except openai.APIStatusError as e:
+                return e.status_code, str(e)
+            return 200, out.usage.completion_tokens
+
+        async def one(c: httpx.AsyncClient, oai: openai.AsyncOpenAI, path: str, body: dict) -> tuple[int, Any]:
             nonlocal done
             async with sem:
-                r = await c.post(path, json=body)
+                result = await send(c, oai, path, body)
             done += 1
             if after is not None and done == after[0]:
                 after[1]()
-            return r.status_code, (_tokens(path, r.json()) if r.status_code == 200 else r.text)
+            return result
 
-        async with httpx.AsyncClient(base_url=url, timeout=300) as c:
-            return await asyncio.gather(*(one(c, p, b) for p, b, _ in jobs))
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=300) as c,
+            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as oai,
+        ):
+            return await asyncio.gather(*(one(c, oai, p, b) for p, b, _ in jobs))
 
     return asyncio.run(run())
 
