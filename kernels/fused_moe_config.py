@@ -1,0 +1,78 @@
+"""Tile configs of the fused MoE GEMMs: tuned ones from fused_moe_configs.json, else a default.
+
+The JSON (written by benchmarks/kernels/tune_fused_moe.py on the GPU it describes) maps
+  device name -> "E=..,top_k=..,I=..,H=..,dtype=.." -> M (tokens) -> config
+where I is the per-rank expert intermediate size and a config is
+  {"block_m": .., "up": {block_n, block_k, group_m, num_warps, num_stages}, "down": {...}}.
+A lookup takes the entry of the largest tuned M <= T (the smallest one below all of them).
+BLOCK_M is shared by both GEMMs: they read the same alignment.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_FILE = Path(__file__).with_name("fused_moe_configs.json")
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeTileConfig:
+    block_m: int
+    up: GemmTile
+    down: GemmTile
+
+    def to_dict(self) -> dict:
+        return {"block_m": self.block_m, "up": asdict(self.up), "down": asdict(self.down)}
+
+    @staticmethod
+    def from_dict(d: dict) -> MoeTileConfig:
+        return MoeTileConfig(int(d["block_m"]), GemmTile(**d["up"]), GemmTile(**d["down"]))
+
+
+def shape_key(num_experts: int, top_k: int, inter: int, hidden: int, dtype: torch.dtype) -> str:
+    return f"E={num_experts},top_k={top_k},I={inter},H={hidden},dtype={str(dtype).removeprefix('torch.')}"
+
+
+@functools.cache
+def _tuned(path: Path = CONFIG_FILE) -> dict:
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def default_config(num_experts: int, top_k: int, num_tokens: int, dtype: torch.dtype) -> MoeTileConfig:
+    """Untuned: BLOCK_M near the mean rows per expert; narrow N tiles while few rows (more
+    programs to stream the weights), wide ones when the GEMMs are compute-bound. Shared memory
+    stays under ~100 KB (any sm_80+ GPU)."""
+    if dtype == torch.float32:  # ieee dots run on the FMA units: small tiles
+        return MoeTileConfig(16, GemmTile(32, 32), GemmTile(32, 32))
+    per_expert = num_tokens * top_k / num_experts
+    if per_expert <= 16:
+        return MoeTileConfig(16, GemmTile(32, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))
+    if per_expert <= 64:
+        return MoeTileConfig(32, GemmTile(64, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
+    return MoeTileConfig(64, GemmTile(64, 64, 8, 4, 4), GemmTile(128, 64, 8, 4, 3))
+
+
+def get_config(num_experts: int, top_k: int, inter: int, hidden: int, num_tokens: int, dtype: torch.dtype,
+               device_name: str | None) -> MoeTileConfig:
+    table = _tuned().get(device_name or "", {}).get(shape_key(num_experts, top_k, inter, hidden, dtype))
+    if not table:
+        return default_config(num_experts, top_k, num_tokens, dtype)
+    sizes = sorted(int(m) for m in table)
+    below = [m for m in sizes if m <= num_tokens]
+    return MoeTileConfig.from_dict(table[str(below[-1] if below else sizes[0])])
