@@ -22,7 +22,8 @@ import triton.language as tl
 from minisgl.kernels.fused_moe_config import GemmTile
 
 
-@triton.jit
+# The row counts vary with every batch size: not specializing on them keeps one compile per tile.
+@triton.jit(do_not_specialize=["num_valid", "num_blocks"])
 def _moe_gemm_kernel(
     A, W, C, TopkWeights, SortedIds, ExpertIds,
     num_valid, N, K, num_blocks,

@@ -5,7 +5,8 @@ The JSON (written by benchmarks/kernels/tune_fused_moe.py on the GPU it describe
 where I is the per-rank expert intermediate size and a config is
   {"block_m": .., "up": {block_n, block_k, group_m, num_warps, num_stages}, "down": {...}}.
 A lookup takes the entry of the largest tuned M <= T (the smallest one below all of them).
-BLOCK_M is shared by both GEMMs: they read the same alignment.
+BLOCK_M is shared by both GEMMs: they read the same alignment. use_config_file() points the
+lookups at another JSON (a fresh tuning run, before it is committed and installed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 CONFIG_FILE = Path(__file__).with_name("fused_moe_configs.json")
+_config_file = CONFIG_FILE
 
 
 @dataclass(frozen=True)
@@ -48,10 +50,17 @@ def shape_key(num_experts: int, top_k: int, inter: int, hidden: int, dtype: torc
 
 
 @functools.cache
-def _tuned(path: Path = CONFIG_FILE) -> dict:
+def load_configs(path: Path) -> dict:
     if not path.exists():
         return {}
     return json.loads(path.read_text())
+
+
+def use_config_file(path: Path) -> None:
+    global _config_file
+    if not path.exists():
+        raise ValueError(f"fused MoE config file {path} does not exist")
+    _config_file = path
 
 
 def default_config(num_experts: int, top_k: int, num_tokens: int, dtype: torch.dtype) -> MoeTileConfig:
@@ -68,9 +77,15 @@ def default_config(num_experts: int, top_k: int, num_tokens: int, dtype: torch.d
     return MoeTileConfig(64, GemmTile(64, 64, 8, 4, 4), GemmTile(128, 64, 8, 4, 3))
 
 
+def is_tuned(num_experts: int, top_k: int, inter: int, hidden: int, dtype: torch.dtype, device_name: str | None
+             ) -> bool:
+    return shape_key(num_experts, top_k, inter, hidden, dtype) in load_configs(_config_file).get(device_name or "", {})
+
+
 def get_config(num_experts: int, top_k: int, inter: int, hidden: int, num_tokens: int, dtype: torch.dtype,
                device_name: str | None) -> MoeTileConfig:
-    table = _tuned().get(device_name or "", {}).get(shape_key(num_experts, top_k, inter, hidden, dtype))
+    key = shape_key(num_experts, top_k, inter, hidden, dtype)
+    table = load_configs(_config_file).get(device_name or "", {}).get(key)
     if not table:
         return default_config(num_experts, top_k, num_tokens, dtype)
     sizes = sorted(int(m) for m in table)

@@ -4,18 +4,22 @@ can run, else the torch references (the CPU path, which the model tests hold to 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import torch
 
+from minisgl import env
 from minisgl.kernels import fused_moe as _gemm
 from minisgl.kernels import moe_align as _align
 from minisgl.kernels import moe_routing as _route
-from minisgl.kernels.fused_moe_config import MoeTileConfig, get_config
+from minisgl.kernels.fused_moe_config import MoeTileConfig, get_config, use_config_file
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORING = ("softmax", "sigmoid")
+if env.FUSED_MOE_CONFIGS:
+    use_config_file(Path(env.FUSED_MOE_CONFIGS))
 
 
 def _check_routing(logits: object, top_k: int, scoring: str) -> None:
