@@ -4,8 +4,12 @@ The JSON (written by benchmarks/kernels/tune_fused_moe.py on the GPU it describe
   device name -> "E=..,top_k=..,I=..,H=..,dtype=.." -> M (tokens) -> config
 where I is the per-rank expert intermediate size and a config is
   {"block_m": .., "up": {block_n, block_k, group_m, num_warps, num_stages}, "down": {...}}.
-A lookup takes the entry of the largest tuned M <= T (the smallest one below all of them).
-BLOCK_M is shared by both GEMMs: they read the same alignment. use_config_file() points the
+A lookup rounds T up to a power of two and takes the smallest tuned M at or above it (the
+largest tuned M past all of them). The rounding is the invariant CUDA graphs need: a decode
+batch padded to its graph size (the smallest of 1, 2, 4, 8 and multiples of 16 that holds it)
+rounds to the same power of two as the batch itself, so eager and graphed steps run the same
+tiles and give bitwise the same rows. BLOCK_M is shared by both GEMMs: they read the same
+alignment. use_config_file() points the
 lookups at another JSON (a fresh tuning run, before it is committed and installed).
 """
 
@@ -63,13 +67,17 @@ def use_config_file(path: Path) -> None:
     _config_file = path
 
 
+def token_bucket(num_tokens: int) -> int:
+    return 1 << max(0, num_tokens - 1).bit_length()
+
+
 def default_config(num_experts: int, top_k: int, num_tokens: int, dtype: torch.dtype) -> MoeTileConfig:
     """Untuned: BLOCK_M near the mean rows per expert; narrow N tiles while few rows (more
     programs to stream the weights), wide ones when the GEMMs are compute-bound. Shared memory
     stays under ~100 KB (any sm_80+ GPU)."""
     if dtype == torch.float32:  # ieee dots run on the FMA units: small tiles
         return MoeTileConfig(16, GemmTile(32, 32), GemmTile(32, 32))
-    per_expert = num_tokens * top_k / num_experts
+    per_expert = token_bucket(num_tokens) * top_k / num_experts
     if per_expert <= 16:
         return MoeTileConfig(16, GemmTile(32, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))
     if per_expert <= 64:
@@ -89,5 +97,5 @@ def get_config(num_experts: int, top_k: int, inter: int, hidden: int, num_tokens
     if not table:
         return default_config(num_experts, top_k, num_tokens, dtype)
     sizes = sorted(int(m) for m in table)
-    below = [m for m in sizes if m <= num_tokens]
-    return MoeTileConfig.from_dict(table[str(below[-1] if below else sizes[0])])
+    bucket = token_bucket(num_tokens)
+    return MoeTileConfig.from_dict(table[str(next((m for m in sizes if m >= bucket), sizes[-1]))])

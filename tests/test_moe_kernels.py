@@ -121,15 +121,15 @@ def test_route_and_align_in_one_kernel(t: int, e: int, k: int) -> None:
 
 def experts_case(t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, seed: int, shared: bool = False):
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=gen).to(DEV, dtype)
-    w13 = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to(DEV, dtype)
-    w2 = (torch.randn(e, h, i, generator=gen) / i**0.5).to(DEV, dtype)
+    dgen = torch.Generator(device=DEV).manual_seed(seed)  # drawn where they live (GBs at real shapes)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=dgen, device=DEV).mul_(scale).to(dtype)
+
+    x, w13, w2 = randn(t, h), randn(e, 2 * i, h, scale=h**-0.5), randn(e, h, i, scale=i**-0.5)
     ids = random_ids(t, e, k, gen)
     weights = torch.rand(t, k, generator=gen).to(DEV)
-    extra = {}
-    if shared:
-        extra = dict(shared=torch.randn(t, h, generator=gen).to(DEV, dtype),
-                     shared_gate=torch.randn(t, 1, generator=gen).to(DEV, dtype))
+    extra = dict(shared=randn(t, h), shared_gate=randn(t, 1)) if shared else {}
     return x, w13, w2, weights, ids, extra
 
 

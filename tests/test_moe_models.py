@@ -5,6 +5,7 @@ Triton kernels (interpreted) inside the model."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -208,3 +209,35 @@ def test_triton_path_matches_transformers(tiny_model_path) -> None:
     assert llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
                         use_tqdm=False)[0]["token_ids"] == hf_greedy(hf, prompt, 3)
 
+
+
+# ---- tile configs ----------------------------------------------------------------------------
+
+
+def test_a_padded_graph_batch_takes_the_same_tiles(tmp_path: Path) -> None:
+    """Decode batches run eagerly at their size and in CUDA graphs padded to the ladder size: the
+    tile config (and so every bit of the result) must be the same for both."""
+    import bisect
+
+    from minisgl.engine.cuda_graph import batch_size_ladder
+    from minisgl.kernels import fused_moe_config as C
+
+    tiles = [C.MoeTileConfig(bm, C.GemmTile(n, 64), C.GemmTile(64, 128)) for bm in (16, 32, 64) for n in (32, 64)]
+    sizes = [1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512]
+    table = {"GPU X": {C.shape_key(128, 8, 768, 2048, torch.bfloat16): {
+        str(m): tiles[i % len(tiles)].to_dict() for i, m in enumerate(sizes)}}}
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps(table))
+    C.use_config_file(path)
+    try:
+        for max_bs in (8, 160, 256):
+            ladder = batch_size_ladder(max_bs)
+            for bs in range(1, max_bs + 1):
+                padded = ladder[bisect.bisect_left(ladder, bs)]
+                for device in ("GPU X", None):  # tuned, and the default
+                    got = [C.get_config(128, 8, 768, 2048, t, torch.bfloat16, device) for t in (bs, padded)]
+                    assert got[0] == got[1], (max_bs, bs, padded, device)
+        assert C.get_config(128, 8, 768, 2048, 3, torch.bfloat16, "GPU X") == tiles[2]  # M=4's entry
+        assert C.get_config(128, 8, 768, 2048, 9000, torch.bfloat16, "GPU X") == tiles[10 % len(tiles)]
+    finally:
+        C.use_config_file(C.CONFIG_FILE)
