@@ -99,7 +99,7 @@ def _route_align_small_kernel(
 
 
 @triton.jit
-def _count_kernel(Ids, Counts, N, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+def _count_kernel(Ids, Counts, N, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(Ids + offs, mask=offs < N, other=-1)
@@ -160,7 +160,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     counts = torch.empty(chunks, block_e, dtype=torch.int32, device=topk_ids.device)
     prefix = torch.empty_like(counts)
     starts = torch.empty(block_e, dtype=torch.int32, device=topk_ids.device)
-    _count_kernel[(chunks,)](topk_ids, counts, n, num_experts, CHUNK=chunk, BLOCK_E=block_e, num_warps=4)
+    _count_kernel[(chunks,)](topk_ids, counts, n, CHUNK=chunk, BLOCK_E=block_e, num_warps=4)
     _offsets_kernel[(1,)](
         counts, prefix, starts, sorted_ids, expert_ids, n, chunks, expert_ids.numel(), BLOCK_E=block_e,
         BLOCK_P=max(1, 2048 // block_e), BLOCK_M=block_m, BLOCK_B=_block_b(block_e, block_m), num_warps=4,
