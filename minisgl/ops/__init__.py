@@ -5,9 +5,11 @@ from minisgl.ops.activation import silu_and_mul
 from minisgl.ops.attention import decode_attention_triton, extend_attention
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
+from minisgl.ops.linear import linear
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
+from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
 from minisgl.ops.store import store_kv, store_kv_reference
 
 __all__ = [
@@ -17,12 +19,15 @@ __all__ = [
     "embedding_lookup_reference",
     "extend_attention",
     "fused_add_rmsnorm",
+    "linear",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "qk_norm_rope",
     "rmsnorm",
     "sample",
     "silu_and_mul",
+    "skinny_gemm",
+    "skinny_gemm_reference",
     "store_kv",
     "store_kv_reference",
 ]
