@@ -29,6 +29,9 @@
 // puts gate row g and up row g of the same x row in one thread (accumulators c0/c2, c1/c3),
 // so the epilogue writes silu(gate) * up = y [M, inter] with no exchange.
 //
+// No residual-add epilogue: in the model the add is already fused into the next RMSNorm
+// (fused_add_rmsnorm reads both anyway), and with TP o/down's output is all-reduced before it.
+//
 // Memory traffic: W once (N_w * K * 2 bytes), x once per block from L2/L1, y written once;
 // with splits, 2 * tiles * splits * RT * MT * 512 bytes of fp32 partials through L2.
 //
