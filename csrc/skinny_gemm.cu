@@ -68,7 +68,7 @@ int skinny_gemm_config(int cfg, int* row_tiles, int* chunks, int* max_m) {
 int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* workspace,
                 int64_t workspace_bytes, int* counters, int64_t num_counters, int m, int n, int k,
                 int64_t x_stride, int64_t w_stride, int64_t y_stride, int silu, int dtype, int cfg,
-                int warps, int num_splits, void* stream) {
+                int warps, int num_splits, int pdl, void* stream) {
   if (cfg < 0 || cfg >= kNumConfigs || m < 1 || m > kConfigs[cfg].max_mt * 8 || n < 1 || k < 8 || k % 8 != 0 || warps < 1 ||
       warps > skinny::kMaxWarps || num_splits < 1 || num_splits > kMaxSplits || x_stride % 8 != 0 ||
       w_stride % 8 != 0 || !aligned16(x) || !aligned16(w) || (silu != 0 && silu != 1))
@@ -91,9 +91,27 @@ int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* 
   }
   Params p{x, w, bias, y, workspace, counters, x_stride, w_stride, y_stride, m, n, k, silu,
            static_cast<int>(per_split), num_splits};
-  const size_t smem = static_cast<size_t>(warps) * c.rt * mt * 128 * sizeof(float);
-  fn<<<dim3(static_cast<unsigned>(tiles), num_splits), warps * 32, smem, static_cast<cudaStream_t>(stream)>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  cudaLaunchConfig_t launch = {};
+  launch.gridDim = dim3(static_cast<unsigned>(tiles), num_splits);
+  launch.blockDim = dim3(warps * 32);
+  launch.dynamicSmemBytes = static_cast<size_t>(warps) * c.rt * mt * 128 * sizeof(float);
+  launch.stream = static_cast<cudaStream_t>(stream);
+  // Programmatic dependent launch (Hopper+): this grid may start while the previous kernel
+  // finishes; the kernel loads its first W group, then waits for it (griddepcontrol.wait).
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if (pdl) {
+    int device = 0, major = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    if (major >= 9) {
+      launch.attrs = attr;
+      launch.numAttrs = 1;
+    }
+  }
+  return static_cast<int>(cudaLaunchKernelEx(&launch, fn, p));
 }
 
 }  // namespace minisgl

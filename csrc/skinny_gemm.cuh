@@ -154,21 +154,37 @@ struct Rows {
   bool x_ok[MT];
 };
 
+// k_end and the offsets are multiples of 8: a thread's 8-element piece is all in or all out.
 template <typename T, int MT, int RT, int U>
-__device__ __forceinline__ void load_group(Group<MT, RT, U>& grp, const Rows<T, MT, RT>& rows, int k0, int k_end,
-                                           int quad) {
+__device__ __forceinline__ void load_group_w(Group<MT, RT, U>& grp, const Rows<T, MT, RT>& rows, int k0, int k_end,
+                                             int quad) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int kk = k0 + u * kChunk + 8 * quad;
-    const bool in_k = kk < k_end;  // k_end and kk are multiples of 8: a piece is all in or all out
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
-      grp.lo[r][u] = load_w(rows.lo[r] + kk, in_k && rows.lo_ok[r]);
-      grp.hi[r][u] = load_w(rows.hi[r] + kk, in_k && rows.hi_ok[r]);
+      grp.lo[r][u] = load_w(rows.lo[r] + kk, kk < k_end && rows.lo_ok[r]);
+      grp.hi[r][u] = load_w(rows.hi[r] + kk, kk < k_end && rows.hi_ok[r]);
     }
-#pragma unroll
-    for (int t = 0; t < MT; ++t) grp.x[t][u] = load_x(rows.x[t] + kk, in_k && rows.x_ok[t]);
   }
+}
+
+template <typename T, int MT, int RT, int U>
+__device__ __forceinline__ void load_group_x(Group<MT, RT, U>& grp, const Rows<T, MT, RT>& rows, int k0, int k_end,
+                                             int quad) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int kk = k0 + u * kChunk + 8 * quad;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) grp.x[t][u] = load_x(rows.x[t] + kk, kk < k_end && rows.x_ok[t]);
+  }
+}
+
+template <typename T, int MT, int RT, int U>
+__device__ __forceinline__ void load_group(Group<MT, RT, U>& grp, const Rows<T, MT, RT>& rows, int k0, int k_end,
+                                           int quad) {
+  load_group_w<T, MT, RT, U>(grp, rows, k0, k_end, quad);
+  load_group_x<T, MT, RT, U>(grp, rows, k0, k_end, quad);
 }
 
 template <typename T, int MT, int RT, int U>
@@ -269,12 +285,23 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gemm_kernel(const Param
   constexpr int kGroup = U * kChunk;
   const int stride = warps * kGroup;
   int k0 = k_begin + warp * kGroup;
+  // Programmatic dependent launch (sm_90, when the launch asks for it): the previous kernel
+  // on the stream may still be running here. W is never written during inference, so the
+  // first group of W is loaded before griddepcontrol.wait; x, and every global write (y, the
+  // workspace, the counters), only after it. And this grid lets the next one launch as its
+  // blocks retire. Without the launch attribute both instructions are no-ops.
+  const bool has_work = k0 < k_end;
+  Group<MT, RT, U> cur, nxt;
+  if (has_work) load_group_w<T, MT, RT, U>(cur, rows, k0, k_end, quad);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   // Software pipeline: the next group's loads are issued before this group's MMAs, so a
   // thread always has a whole group in flight. (Without it, ptxas moved each load down to
   // its MMA: 3 loads in flight per thread instead of RT * 2 * U + MT * U.)
-  if (k0 < k_end) {
-    Group<MT, RT, U> cur, nxt;
-    load_group<T, MT, RT, U>(cur, rows, k0, k_end, quad);
+  if (has_work) {
+    load_group_x<T, MT, RT, U>(cur, rows, k0, k_end, quad);
     for (; k0 + stride < k_end; k0 += stride) {
       load_group<T, MT, RT, U>(nxt, rows, k0 + stride, k_end, quad);
       mma_group<T, MT, RT, U>(acc, cur);

@@ -130,6 +130,45 @@ def test_split_k_is_deterministic() -> None:
 
 
 @gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_dependent_launches_read_the_previous_output(graph: bool) -> None:
+    """Programmatic dependent launch: each GEMM may start while the previous one runs, so
+    reading its input (the previous output) before griddepcontrol.wait would read stale data.
+    A chain of 6 split-K GEMMs, each consuming the last one's output, against the chain
+    computed launch by launch without PDL."""
+    from minisgl.ops.skinny_gemm import launch
+
+    m, d = 4, 2048
+    x, _, _ = make(m, d, d, torch.bfloat16, "cuda", seed=30)
+    ws = [make(m, d, d, torch.bfloat16, "cuda", seed=31 + i)[1] for i in range(6)]
+    outs = [torch.empty(m, d, dtype=torch.bfloat16, device="cuda") for _ in ws]
+    cfg = SkinnyConfig(1, 4, 4)
+
+    def chain(pdl: bool) -> None:
+        h = x
+        for w, o in zip(ws, outs):
+            launch(h, w, None, o, False, cfg, pdl=pdl)
+            h = o
+
+    chain(False)
+    want = [o.clone() for o in outs]
+    for o in outs:
+        o.fill_(float("nan"))
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            chain(True)
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+    else:
+        chain(True)
+    torch.cuda.synchronize()
+    for o, w in zip(outs, want):
+        assert torch.equal(o, w)
+
+
+@gpu
 def test_misaligned_x_falls_back_to_cublas() -> None:
     """x starting 2 bytes past a 16-byte boundary cannot take vector loads: cuBLAS, same answer."""
     x, w, _ = make(4, 256, 512, torch.bfloat16, "cuda", seed=5, pad=8)

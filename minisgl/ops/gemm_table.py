@@ -9,6 +9,7 @@ the choice is always a measurement, never a guess.
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import os
 import tempfile
@@ -27,6 +28,11 @@ MARGIN = 0.01
 # From `benchmarks/kernels/skinny_gemm.py --sweep` (its "candidate set" line).
 CANDIDATE_PAIRS: tuple[tuple[int, int], ...] = ((1, 4), (0, 4), (2, 4), (1, 8))
 SPLITS = (1, 2, 4, 8)
+
+
+@functools.cache
+def _parse(choice: str) -> SkinnyConfig:
+    return SkinnyConfig.parse(choice)
 
 
 @dataclass(frozen=True, order=True)
@@ -103,7 +109,7 @@ class GemmTable:
 
     def set(self, shape: GemmShape, m: int, choice: str) -> None:
         if choice != CUBLAS:
-            SkinnyConfig.parse(choice)  # a malformed choice fails here, not at a launch
+            _parse(choice)  # a malformed choice fails here, not at a launch
         self.choices.setdefault(shape, {})[m] = choice
 
     def lookup(self, shape: GemmShape, m: int) -> SkinnyConfig | None:
@@ -116,7 +122,7 @@ class GemmTable:
         if i == len(ms):
             return None
         choice = by_m[ms[i]]
-        return None if choice == CUBLAS else SkinnyConfig.parse(choice)
+        return None if choice == CUBLAS else _parse(choice)
 
     def has(self, shape: GemmShape, m: int) -> bool:
         return m in self.choices.get(shape, {})

@@ -119,7 +119,7 @@ class GraphTimer:
             return time_graph([lambda w=w: cublas_linear(x, w, None, shape.silu, None) for w in ws])
         cfg = SkinnyConfig.parse(choice)
         out = torch.empty(m, shape.n // 2 if shape.silu else shape.n, dtype=x.dtype, device=self.device)
-        return time_graph([lambda w=w: launch(x, w, None, out, shape.silu, cfg) for w in ws])
+        return time_graph([lambda w=w: launch(x, w, None, out, shape.silu, cfg, pdl=False) for w in ws])
 
 
 def rotation(weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -148,8 +148,7 @@ def tune_gemms(
     for w, silu in calls:
         if w.dtype not in (torch.float16, torch.bfloat16) or w.dim() != 2 or (silu and w.size(0) % 2):
             continue
-        probe = torch.empty(1, w.size(1), dtype=w.dtype, device=device)
-        if not vector_aligned(probe, w):
+        if not vector_aligned(w[:1], w):  # (w[:1] stands in for x: same K, aligned like w)
             continue  # linear() would fall back for it anyway
         shape = GemmShape(str(w.dtype).removeprefix("torch."), w.size(0), w.size(1), silu)
         by_shape.setdefault(shape, []).append(w)

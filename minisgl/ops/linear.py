@@ -15,7 +15,7 @@ import torch
 from minisgl import env
 from minisgl.logging_setup import log_once
 from minisgl.ops.gemm_table import GemmShape, GemmTable
-from minisgl.ops.skinny_gemm import MAX_M, cublas_linear, launch, vector_aligned
+from minisgl.ops.skinny_gemm import MAX_M, counters, cublas_linear, launch, vector_aligned
 
 _tables: dict[int, GemmTable] = {}
 
@@ -35,6 +35,10 @@ def _index(device: torch.device) -> int:
 
 
 def install_table(device: torch.device, table: GemmTable) -> None:
+    """Later calls on `device` follow `table`. Call it outside CUDA-graph capture: it also
+    allocates the split-K counters (a start that reads the table from the cache times nothing)."""
+    if device.type == "cuda" and table.choices:
+        counters(device)
     _tables[_index(device)] = table
 
 
@@ -56,6 +60,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cfg = table.lookup(GemmShape(str(x.dtype).removeprefix("torch."), weight.size(0), weight.size(1), silu), m)
     if cfg is None:
         return cublas_linear(x, weight, bias, silu, None)
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return cublas_linear(x, weight, bias, silu, None)  # torch reports (or handles) the mix
     if x.stride(1) != 1 or weight.stride(1) != 1 or not vector_aligned(x, weight):
         log_once(
             f"linear:align:{weight.shape}",

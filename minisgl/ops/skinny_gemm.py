@@ -22,6 +22,10 @@ from minisgl.ops.activation import silu_and_mul
 
 MAX_M = 32
 MAX_WARPS = 8
+# Launch as a programmatic dependent of the previous kernel (sm_90+): the launch and the first
+# loads of W overlap that kernel's tail. Timings for the dispatch table are taken without it
+# (the conservative figure: in the model most GEMMs follow a kernel that is not ours).
+PDL = True
 MAX_SPLITS = 64
 _KERNEL_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -226,6 +230,7 @@ def launch(
     out: torch.Tensor,
     silu: bool,
     cfg: SkinnyConfig,
+    pdl: bool = PDL,
 ) -> None:
     """The launch alone, for callers that checked the arguments (the dispatch in ops.linear)."""
     m, k = x.shape
@@ -252,6 +257,6 @@ def launch(
         x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(),
         0 if ws is None else ws.data_ptr(), ws_bytes, 0 if ctr is None else ctr.data_ptr(),
         0 if ctr is None else ctr.numel(), m, n_out, k, x_stride, w_stride, y_stride,
-        silu, _KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, splits, current_stream(x.device),
+        silu, _KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, splits, pdl, current_stream(x.device),
     )
     # fmt: on
