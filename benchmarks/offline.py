@@ -4,6 +4,7 @@ randint(0, 10000); then each max_tokens = randint(100, 1024); temperature 0.6; i
 That is 133,966 output tokens for 256 requests.
 
     python benchmarks/offline.py --model benchmarks/configs/qwen3-0.6b --load-format dummy
+    python benchmarks/offline.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --decode-latency
 
 It also reports the GPU-idle share of the decode phase: 1 - (sum of per-step device time,
 from CUDA events around each step) / (wall time between the first and last decode step).
@@ -120,6 +121,13 @@ def main() -> None:
             f"(mean batch {gb['decode_mean_bs']:.0f}, {gb['decode_ms'] / max(1, gb['decode_steps']):.2f} ms/step); "
             f"{gb['extend_steps']:.0f} prefill steps {gb['extend_ms'] / 1000:.2f} s"
         )
+        if llm.engine.device.type == "cuda":
+            from weight_floor import decode_weight_bytes, read_bandwidth
+
+            w, bw = decode_weight_bytes(llm.engine.model, gb["decode_mean_bs"]), read_bandwidth(llm.engine.device)
+            print(f"decode weights floor: {w / 1e9:.2f} GB read per step at the mean batch (weight_floor.py) / "
+                  f"{bw / 1e9:,.0f} GB/s read ceiling (this run) = {w / bw * 1e3:.2f} ms/step; "
+                  f"measured {gb['decode_ms'] / max(1, gb['decode_steps']):.2f} ms/step (KV reads excluded)")
     if args.decode_latency:
         llm.scheduler.gpu_timeline = None
         n = 128
