@@ -16,6 +16,10 @@ from minisgl.server.metrics import Metrics
 from minisgl.server.protocol_types import Limits
 
 VOCAB, CONTEXT = 1000, 64
+# SamplingParams' fields once issue 14's device side is in: the contract of the whole server.
+ENGINE_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                 "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                 "min_tokens", "top_logprobs", "prompt_logprobs"}
 OUTPUT = [10, 11, 12]  # every generation: these tokens, then "length"
 TEXTS = {10: "ab", 11: "\ufffd", 12: "c"}
 BYTES = {10: b"ab", 11: b"\xe2\x82", 12: b"c"}  # a partial character in the middle
@@ -75,6 +79,6 @@ def make_client(api_key: str | None = None, defaults: dict[str, Any] | None = No
     frontend = Frontend(Addresses("ipc://unused", "ipc://unused", "ipc://unused", ["ipc://unused"]), 1, Metrics())
     backend = ScriptedBackend(frontend)
     frontend._push = [backend]
-    info = ServerInfo("tiny", Limits(VOCAB, CONTEXT), defaults or {}, 4096, api_key)
+    info = ServerInfo("tiny", Limits(VOCAB, CONTEXT), defaults or {}, 4096, api_key, engine_fields=ENGINE_FIELDS)
     # The client must not raise the app's exceptions: the point is what the server answers.
     return TestClient(build_app(frontend, info), raise_server_exceptions=False), backend

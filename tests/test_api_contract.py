@@ -25,10 +25,10 @@ def client(app):  # noqa: ANN001, ANN201
     return app[0]
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def any_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shapes rendered here do not depend on the engine build: accept the sampling fields
-    of issue 14 even where this build's SamplingParams lacks them (the device-side half)."""
+    """The contract does not depend on the engine build: the fake server takes issue 14's
+    sampling fields even where this build's SamplingParams lacks them (the device side)."""
     from minisgl.engine.sampling_params import SamplingParams
     from minisgl.server import build
 
@@ -197,7 +197,7 @@ def test_tokenize_and_detokenize_routes(app) -> None:  # noqa: ANN001
     assert client.post("/detokenize", json={"tokens": [10, 12]}).json() == {"prompt": "abc"}
 
 
-def test_chat_logprob_shapes(client, any_engine) -> None:  # noqa: ANN001
+def test_chat_logprob_shapes(client) -> None:  # noqa: ANN001
     body = {"messages": HI, "logprobs": True, "top_logprobs": 2}
     content = client.post(CHAT, json=body).json()["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == ["ab", "\ufffd", "c"]
@@ -213,7 +213,7 @@ def test_chat_logprob_shapes(client, any_engine) -> None:  # noqa: ANN001
     assert client.post(CHAT, json={"messages": HI}).json()["choices"][0]["logprobs"] is None
 
 
-def test_completion_logprobs_echo_and_prompt_logprobs(client, any_engine) -> None:  # noqa: ANN001
+def test_completion_logprobs_echo_and_prompt_logprobs(client) -> None:  # noqa: ANN001
     body = {"prompt": [7, 8], "logprobs": 1, "echo": True, "max_tokens": 3}
     choice = client.post(CMPL, json=body).json()["choices"][0]
     assert choice["text"] == "PROMPTab\ufffdc"  # a token-id prompt echoes as its decoded text
@@ -236,3 +236,16 @@ def test_completion_logprobs_echo_and_prompt_logprobs(client, any_engine) -> Non
                            "8": {"logprob": -2.0, "rank": None, "decoded_token": "P"}}]
     chat = client.post(CHAT, json={"messages": HI, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][1] == {"8": {"logprob": -2.0, "rank": None, "decoded_token": "P"}}
+
+
+def test_schema_of_an_engine_without_issue_14_fields_admits_only_their_neutral_values() -> None:
+    from minisgl.server.protocol import Protocol
+    from minisgl.server.protocol_types import Limits
+
+    old = Protocol(Limits(VOCAB, CONTEXT), {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"})
+    props = old.completion.model_json_schema()["properties"]
+    assert props["presence_penalty"]["anyOf"][0] == {"maximum": 0.0, "minimum": 0.0, "type": "number"}
+    assert "no top_logprobs" in props["logprobs"]["description"] and props["prompt_logprobs"]["type"] == "null"
+    assert old.completion(prompt="x", presence_penalty=0, logprobs=0).min_tokens == 0
+    with pytest.raises(ValueError, match="less than or equal to 0"):
+        old.completion(prompt="x", presence_penalty=0.5)

@@ -232,6 +232,10 @@ def test_bad_input_gets_400(http: httpx.Client, path: str, body: dict, param: st
 def test_malformed_json_and_wrong_model(http: httpx.Client) -> None:
     r = http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = http.post(CHAT, content=b'{"messages": "\xff"}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+    for r, status in ((http.get("/v1/nowhere"), 404), (http.put(CHAT), 405)):
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
     err = http.post(CHAT, json={"model": "gpt-9", "messages": HI}).json()["error"]
     assert err["code"] == "model_not_found" and err["param"] == "model"
     assert http.post(CHAT, json={"model": "gpt-9", "messages": HI}).status_code == 404

@@ -12,6 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -48,6 +49,7 @@ class ServerInfo:
     api_key: str | None = None
     started: float = 0.0
     workers_alive: Callable[[], bool] = field(default=lambda: True)
+    engine_fields: set[str] | None = None  # SamplingParams' fields (None: this build's)
 
     def model_card(self) -> dict[str, Any]:
         return {
@@ -62,7 +64,7 @@ class ServerInfo:
 
 def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
     app = FastAPI(title="minisgl", version=package_version(), redoc_url=None)
-    P = Protocol(info.limits)
+    P = Protocol(info.limits, info.engine_fields)
     builder = Builder(info.model_name, info.limits, info.sampling_defaults)
     _install_error_handlers(app)
     openapi_doc.install(app, info.api_key is not None, package_version())
@@ -148,7 +150,7 @@ def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
         return {"object": "list", "data": [info.model_card()]}
 
     @app.get("/v1/models/{model_id:path}", responses=openapi_doc.errors(404))
-    async def model(model_id: str) -> dict[str, Any]:
+    async def model(model_id: str = PathParam(examples=[info.model_name])) -> dict[str, Any]:
         builder.check_model(model_id)
         return info.model_card()
 

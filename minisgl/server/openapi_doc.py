@@ -22,6 +22,15 @@ _ERROR_TEXT = {
 }
 
 
+# OpenAPI 3.1 reads a text/event-stream schema as that of one event.
+_SSE_EVENT = {
+    "type": "object",
+    "description": "one Server-Sent Event: `data` is a JSON chunk (or an error object), and `[DONE]` last",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
+
+
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """FastAPI `responses=` entries for these error statuses (plus the 413 and 500 any route
     can answer)."""
@@ -33,7 +42,7 @@ def streams(description: str) -> dict[int | str, dict[str, Any]]:
     return {
         200: {
             "description": description,
-            "content": {"text/event-stream": {"schema": {"type": "string", "description": "data: {json} events"}}},
+            "content": {"text/event-stream": {"schema": _SSE_EVENT}},
         }
     }
 

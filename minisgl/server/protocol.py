@@ -12,19 +12,22 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from minisgl.engine.sampling_params import SamplingParams
 from minisgl.server.protocol_types import (
-    INT64_MAX,
-    INT64_MIN,
-    MAX_LOGPROBS,
+        MAX_LOGPROBS,
     MAX_N,
+    SEED_MAX,
+    SEED_MIN,
+    Int,
     Limits,
     completion_prompt,
+    int_in,
     logit_bias,
     token_ids,
 )
 
 Penalty = Annotated[float, Field(ge=-2, le=2)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Logprobs = int_in(0, MAX_LOGPROBS)
 NO_EFFECT = "accepted for compatibility; does not change the output"
 SPACES = (
     "with skip_special_tokens false: true puts a space between special tokens and the text around them, "
@@ -58,11 +61,11 @@ class SamplingFields(Strict):
     """What chat and completions share: OpenAI's fields, then vLLM/SGLang extensions."""
 
     model: str | None = Field(default=None, description="must be the served model's name (else 404)")
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: Annotated[float, Field(ge=0)] | None = Field(default=None, description="0: greedy")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = Field(
+    n: int_in(1, MAX_N) = 1
+    seed: int_in(SEED_MIN, SEED_MAX) | None = Field(
         default=None, description="with n > 1, choice i uses seed + i"
     )
     stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None
@@ -76,14 +79,14 @@ class SamplingFields(Strict):
     store: bool | None = Field(default=None, description=NO_EFFECT)
     service_tier: str | None = Field(default=None, description=NO_EFFECT)
     # vLLM / SGLang extensions
-    top_k: int | None = Field(default=None, description="0 or -1: off")
+    top_k: Int | None = Field(default=None, description="0 or -1: off")
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    min_tokens: int = Field(
+    min_tokens: Int = Field(
         default=0, description="EOS and stop_token_ids are masked until this many tokens (<= max_tokens; not "
         "expressible in the schema)"
     )
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool | None = Field(default=None, description=SPACES)
@@ -101,7 +104,7 @@ class SamplingFields(Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, description="max_tokens, by its newer name")
+    max_completion_tokens: Int | None = Field(default=None, description="max_tokens, by its newer name")
     logprobs: bool = False
     top_logprobs: Logprobs | None = Field(default=None, description="> 0 needs logprobs: true (not expressible)")
     response_format: ResponseFormat | None = None
@@ -114,21 +117,21 @@ class CompletionRequest(SamplingFields):
                                       "alternatives per token")
     echo: bool = Field(default=False, description="return the prompt before the completion (and, with "
                        "logprobs, the prompt tokens' logprobs)")
-    best_of: Annotated[int, Field(ge=1, le=1)] | None = Field(default=None, description="only 1 is supported")
+    best_of: int_in(1, 1) | None = Field(default=None, description="only 1 is supported")
 
 
 class GenerateSampling(Strict):
     """SGLang's sampling_params of /generate."""
 
-    max_new_tokens: int | None = None
-    min_new_tokens: int = 0
+    max_new_tokens: Int | None = None
+    min_new_tokens: Int = 0
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    seed: int_in(SEED_MIN, SEED_MAX) | None = None
     stop: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool | None = Field(default=None, description=SPACES)
@@ -155,7 +158,7 @@ class GenerateRequest(Strict):
     model_config = ConfigDict(json_schema_extra=_ONE_OF_TEXT_IDS)
     # Absent, not null, when unused: the schema's oneOf counts present keys.
     text: str = Field(default=None, min_length=1)  # type: ignore[assignment]
-    input_ids: list[int] = Field(default=None)  # type: ignore[assignment]
+    input_ids: list[Int] = Field(default=None)  # type: ignore[assignment]
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     stream: bool = False
     return_logprob: bool = False
@@ -184,7 +187,7 @@ class TokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 class ErrorBody(BaseModel):
@@ -201,16 +204,53 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-class Protocol:
-    """The request models of one server, bounded by its model's vocabulary and context."""
+def _neutral_only(needs: str, value: Any, default: Any) -> Any:
+    """The type of a field this engine build cannot honour: only its neutral value (so the
+    schema still tells the truth), with a description that says why."""
+    why = Field(default=default, description=f"this engine build has no {needs}: only {value!r} is accepted")
+    if value is None:
+        return (None, why)
+    if isinstance(value, dict):
+        return (Annotated[dict[str, float], Field(max_length=0)] | None, why)
+    kind = int_in(value, value) if isinstance(value, int) else Annotated[float, Field(ge=value, le=value)]
+    return (kind if default is not None else kind | None, why)
 
-    def __init__(self, limits: Limits) -> None:
+
+# Request field -> (the SamplingParams field it needs, its neutral value): issue 14's device side.
+_ENGINE_FEATURES = {
+    "presence_penalty": ("presence_penalty", 0.0),
+    "frequency_penalty": ("frequency_penalty", 0.0),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "logit_bias": ("logit_bias", {}),
+    "min_tokens": ("min_tokens", 0),
+    "min_new_tokens": ("min_tokens", 0),
+    "top_logprobs": ("top_logprobs", 0),
+    "top_logprobs_num": ("top_logprobs", 0),
+    "logprobs": ("top_logprobs", 0),  # completions' (k alternatives), not chat's (a bool)
+    "prompt_logprobs": ("prompt_logprobs", None),
+}
+
+
+class Protocol:
+    """The request models of one server, bounded by its model's vocabulary and context, and
+    by what its engine build can do (`engine_fields`: SamplingParams' fields)."""
+
+    def __init__(self, limits: Limits, engine_fields: set[str] | None = None) -> None:
         self.limits = limits
+        engine_fields = set(SamplingParams.__dataclass_fields__) if engine_fields is None else engine_fields
         ids_field = Annotated[token_ids(limits), Field()] | None
-        new_tokens = Annotated[int, Field(ge=1, le=limits.max_new_tokens)] | None
-        min_new = Annotated[int, Field(ge=0, le=limits.max_new_tokens)]
-        top_k = Annotated[int, Field(ge=-1, le=limits.vocab_size)] | None
+        new_tokens = int_in(1, limits.max_new_tokens) | None
+        min_new = int_in(0, limits.max_new_tokens)
+        top_k = int_in(-1, limits.vocab_size) | None
         bias = logit_bias(limits) | None
+        missing = {name: f for name, f in _ENGINE_FEATURES.items() if f[0] not in engine_fields}
+
+        def model(name: str, base: type[BaseModel], **fields: Any) -> Any:
+            for k, (needs, neutral) in missing.items():
+                if k in base.model_fields and base.model_fields[k].annotation is not bool:
+                    fields[k] = _neutral_only(needs, neutral, base.model_fields[k].default)
+            return create_model(name, __base__=base, **fields)
+
         shared: dict[str, Any] = {
             "max_tokens": (new_tokens, None),
             "min_tokens": (min_new, 0),
@@ -218,23 +258,22 @@ class Protocol:
             "stop_token_ids": (ids_field, None),
             "logit_bias": (bias, None),
         }
-        self.chat = create_model(
-            "ChatCompletionRequest", __base__=ChatCompletionRequest, max_completion_tokens=(new_tokens, None), **shared
-        )
-        prompt = (completion_prompt(limits), ...)
-        self.completion = create_model("CompletionRequest", __base__=CompletionRequest, prompt=prompt, **shared)
-        sampling = create_model(
+        self.chat = model("ChatCompletionRequest", ChatCompletionRequest, max_completion_tokens=(new_tokens, None),
+                          **shared)
+        self.completion = model("CompletionRequest", CompletionRequest, prompt=(completion_prompt(limits), ...),
+                                **shared)
+        sampling = model(
             "GenerateSampling",
-            __base__=GenerateSampling,
+            GenerateSampling,
             max_new_tokens=(new_tokens, None),
             min_new_tokens=(min_new, 0),
             top_k=(top_k, None),
             stop_token_ids=(ids_field, None),
             logit_bias=(bias, None),
         )
-        self.generate = create_model(
+        self.generate = model(
             "GenerateRequest",
-            __base__=GenerateRequest,
+            GenerateRequest,
             input_ids=(token_ids(limits, min_items=1, max_items=limits.max_new_tokens), None),
             sampling_params=(sampling, Field(default_factory=sampling)),
         )

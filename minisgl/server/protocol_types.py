@@ -13,8 +13,24 @@ from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema
 MAX_LOGPROBS = 20  # alternatives per position, as OpenAI allows for top_logprobs
 MAX_N = 128  # choices per prompt
 MAX_PROMPTS = 64  # prompts in one completions request
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Seeds: JSON's interoperable integers (RFC 8259 section 6: exact in a double), which every
+# client and schema validator compares exactly; int64 bounds would not be (2^63 - 1 rounds).
+SEED_MIN, SEED_MAX = -(2**53 - 1), 2**53 - 1
 _CANONICAL_INT = re.compile(r"0|[1-9][0-9]*")
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 1.0 as an integer; Python's json reads it as a float.
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+def int_in(ge: int | None = None, le: int | None = None) -> Any:
+    """An integer in [ge, le] (or a float with no fraction). The bounds sit inside, on the int:
+    outside the BeforeValidator pydantic could not state them in the JSON schema."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+Int = int_in()
 
 
 @dataclass(frozen=True)
@@ -69,7 +85,7 @@ def token_ids(limits: Limits, *, min_items: int = 0, max_items: int | None = Non
     if max_items is not None:
         schema["maxItems"] = max_items
     return Annotated[
-        list[Annotated[int, Field(strict=True)]],
+        list[Int],
         Field(min_length=min_items, max_length=max_items),
         AfterValidator(_token_id_checker(limits)),
         WithJsonSchema(schema),
@@ -116,7 +132,8 @@ def completion_prompt(limits: Limits) -> Any:
             if not p:
                 raise ValueError(f"{where}must not be empty")
             return p
-        if isinstance(p, list) and p and all(type(t) is int for t in p):
+        if isinstance(p, list) and p and all(type(_integral(t)) is int for t in p):
+            p = [_integral(t) for t in p]
             if len(p) > limits.max_new_tokens:
                 raise ValueError(f"{where}has {len(p)} tokens; the context is {limits.max_model_len}")
             try:
@@ -126,7 +143,7 @@ def completion_prompt(limits: Limits) -> Any:
         raise ValueError(f"{where}must be a non-empty string or a non-empty list of token ids")
 
     def parse(value: Any) -> list[str | list[int]]:
-        if isinstance(value, str) or (isinstance(value, list) and value and type(value[0]) is int):
+        if isinstance(value, str) or (isinstance(value, list) and value and type(_integral(value[0])) is int):
             return [one(value, "")]
         if not isinstance(value, list) or not value:
             raise ValueError("must be a non-empty string, list of strings, list of token ids, or list of those lists")
