@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tiny_models  # noqa: E402
 from server_harness import Server  # noqa: E402
-from test_server_fuzz import run_schemathesis, server_args  # noqa: E402
+from test_server_fuzz import greedy_model, run_schemathesis, server_args  # noqa: E402
 
 
 def build_model(root: Path) -> Path:
@@ -40,7 +40,7 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.randrange(1 << 32)
     print(f"fuzz_api: seed {seed}, {args.max_examples} examples per operation", flush=True)
     with tempfile.TemporaryDirectory(prefix="minisgl-fuzz-") as tmp:
-        model = args.model or build_model(Path(tmp))
+        model = args.model or greedy_model(build_model(Path(tmp)), Path(tmp) / "greedy")
         server = Server(*server_args(model), cwd=Path(tmp))
         try:
             t0 = time.monotonic()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import httpx
 import openai
 import pytest
 import torch
-from server_harness import Server
+from server_harness import Server, model_variant
 
 from minisgl.engine.sampling_params import SamplingParams
 
@@ -37,12 +36,8 @@ NEEDS_DEVICE_SIDE = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_path: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("greedy_default") / "llama3"
-    shutil.copytree(tiny_model_path("llama3"), out)
-    gen = json.loads((out / "generation_config.json").read_text())
-    (out / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0, "top_k": 5}))
-    cfg = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": CONTEXT}))
-    return out
+    return model_variant(tiny_model_path("llama3"), out, {"temperature": 0.0, "top_k": 5},
+                         {"max_position_embeddings": CONTEXT})
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from minisgl.message import (
 )
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.server.child import report_ready
-from minisgl.tokenizer.large_inputs import LARGE_INPUT_BYTES, Job, LargeInputs
+from minisgl.tokenizer.large_inputs import LARGE_INPUT_BYTES, Job, LargeInputs, release_free_memory
 from minisgl.tokenizer.length_bound import bytes_per_token_bound, min_tokens
 from minisgl.tokenizer.token_bytes import TokenTable
 
@@ -109,10 +109,14 @@ class TokenizeHandler:
                 for uid in pending.uids:
                     self.pending.pop(uid, None)
         elif isinstance(msg, TokenizeMsg):
+            chars = len(msg.text or "") + sum(len(str(m.get("content") or "")) for m in msg.messages or [])
+            large = chars > LARGE_INPUT_BYTES
             try:
                 self.submit(msg)
             except RequestError as e:
                 self.refuse(msg, e)
+            if large:  # refused, or handed to a child: its text is garbage now
+                release_free_memory()
         elif isinstance(msg, DecodeMsg):
             reply = UserReply(msg.uid, text=self.tok.decode(msg.token_ids), finish_reason="stop")
             send(self.to_api, ReplyBatch([reply]))
