@@ -68,6 +68,5 @@ def test_model_card_defaults_make_the_readme_curl_answer(server: Server, client:
     card = httpx.get(f"{server.url}/v1/models/{model}", timeout=60).json()
     assert (card["sampling_defaults"]["temperature"], card["sampling_defaults"]["top_p"]) == (0.2, 0.9)
     assert "temperature=0.2 (model), top_p=0.9 (model)" in server.output
-    for seed in (1, 2):
-        out = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=16, seed=seed)
-        assert "Paris" in out.choices[0].message.content
+    out = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, seed=1)
+    assert "Paris" in out.choices[0].message.content
