@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.models.quant_config import QUANTIZATION_CHOICES
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
@@ -24,6 +26,7 @@ class EngineConfig:
     max_running_requests: int = 256
     attention_backend: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None  # "fp8": quantize a 16-bit checkpoint's linear weights on load
     seed: int = 0
     tp_rank: int = 0
     tp_size: int = 1
@@ -43,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose from {ATTENTION_BACKENDS}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; choose from {LOAD_FORMATS}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose from {QUANTIZATION_CHOICES}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from minisgl import ops
@@ -16,8 +18,10 @@ from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.quant_config import resolve as resolve_quantization
 from minisgl.models.source import ModelSource, resolve_model
 from minisgl.models.weights import fill_dummy, iter_safetensors
+from minisgl.ops.fp8 import check_fp8_device
 
 log = get_logger("minisgl.engine")
 
@@ -77,7 +81,11 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.source = resolve_model(cfg.model)
         self.model_config = load_model_config(self.source)
+        quant = resolve_quantization(self.model_config.quantization, cfg.quantization)
+        self.model_config = dataclasses.replace(self.model_config, quantization=quant)
         mc = self.model_config
+        if quant is not None:
+            check_fp8_device(self.device)
         self.dtype = resolve_dtype(cfg.dtype, mc, self.device)
         self.max_model_len = self._context_length(mc)
         mc.check_tp(cfg.tp_size)
@@ -106,8 +114,9 @@ class Engine:
         self.graphs = None  # CudaGraphRunner once enable_cuda_graphs() ran
         self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device)
         log.info(
-            "engine ready: %s (%s) on %s, %s, context %d, KV pool %d tokens in pages of %d, attention %s",
+            "engine ready: %s (%s) on %s, %s%s, context %d, KV pool %d tokens in pages of %d, attention %s",
             self.source.name, mc.architecture, self.device, str(self.dtype).removeprefix("torch."),
+            "" if quant is None else f", FP8 weights ({quant.method}, {quant.weights} scales)",
             self.max_model_len, self.pool.num_slots - cfg.page_size, cfg.page_size, self.attn.name,
         )
 

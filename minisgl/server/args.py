@@ -44,6 +44,7 @@ class ServerArgs:
     max_running_requests: int = 256
     attention_backend: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     gpu_memory_fraction: float = 0.85
     cpu_kv_cache_gb: float = 1.0
@@ -265,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-format",
         default=d.load_format,
         help="auto (read the weights) or dummy (random weights of the real shapes)",
+    )
+    g.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=["fp8"],
+        help="fp8: quantize a 16-bit checkpoint's linear weights to FP8 e4m3 on load (per-channel scales); "
+        "FP8 checkpoints load as FP8 without it",
     )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights and for drawing per-request seeds")
     g.add_argument(
