@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b", help="HF folder, GGUF or config-only folder")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's, else Qwen3's)")
     ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (dummy: FP8 values)")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)
@@ -90,7 +91,7 @@ def main() -> None:
         attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens, page_size=args.page_size, cache=args.cache,
         disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
-        cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp, quantization=args.quantization,
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
     # Warm-up: Triton compiles each kernel once per specialization (batch sizes, sampling

@@ -1,0 +1,82 @@
+"""FP8 GEMM microbenchmark on Llama-3.1-8B's linear shapes: bf16 cuBLAS (F.linear) vs the FP8
+paths, each including the per-token activation quantization it needs:
+  triton-block: our Triton GEMM with 128 x 128 block weight scales (activations per 128 group);
+  triton-chan:  our Triton GEMM with per-channel weight scales (activations per token);
+  scaled_mm:    torch._scaled_mm (cuBLASLt) with the same per-channel/per-token scales;
+  quant:        the activation quant kernel alone (per 128 group).
+
+    python benchmarks/kernels/fp8_gemm.py [--quick]
+
+TFLOP/s = 2 M N K / time; GB/s = (N K (1 byte fp8, 2 bf16) + M K 2 + M N 2) / time, against the
+read ceiling measured in this run. "best fp8" names the fastest FP8 path and its speedup over
+bf16: the data behind ops/fp8_gemm.py's choice (scaled_mm for per-channel, Triton for block).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from _bench import ceilings, gemm_tflops, num_sets, print_ceilings, print_table, time_calls
+
+from minisgl.kernels.fp8_gemm import quantize_tokens
+from minisgl.ops.fp8 import quantize_blocks, quantize_rows
+from minisgl.ops.fp8_gemm import fp8_gemm
+
+SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down_proj": (4096, 14336)}
+MS = (1, 16, 32, 512, 2048, 8192)
+
+
+COLUMNS = ("bf16", "triton-block", "triton-chan", "scaled_mm", "quant")
+
+
+def measure(x: torch.Tensor, k: int, w16: list, blocks: list, chans: list) -> dict[str, float]:
+    """Microseconds per call of each path; the weight sets rotate (inputs from HBM)."""
+    return {
+        "bf16": time_calls([lambda w=w: F.linear(x, w) for w in w16]),
+        "triton-block": time_calls([lambda b=b: fp8_gemm(x, b[0], b[1], 128, backend="triton") for b in blocks]),
+        "triton-chan": time_calls([lambda c=c: fp8_gemm(x, c[0], c[1], k, backend="triton") for c in chans]),
+        "scaled_mm": time_calls([lambda c=c: fp8_gemm(x, c[0], c[1], k, backend="scaled_mm") for c in chans]),
+        "quant": time_calls([lambda: quantize_tokens(x, 128)]),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="M = 1, 32, 2048 only")
+    args = ap.parse_args()
+    ms = (1, 32, 2048) if args.quick else MS
+    copy_gbs, read_gbs = ceilings()
+    print_ceilings(copy_gbs, read_gbs)
+    print(f"bf16 dense GEMM ceiling: {gemm_tflops():,.0f} TFLOP/s (cuBLAS 8192^3)")
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        sets = num_sets(n * k)
+        w16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(sets)]
+        blocks = []
+        for w in w16:
+            q, s = quantize_blocks(w)
+            blocks.append((q, s.repeat_interleave(128, 0)[:n].contiguous()))
+        chans = [quantize_rows(w) for w in w16]
+        for m in ms:
+            t = measure(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), k, w16, blocks, chans)
+            fp8 = {key: v for key, v in t.items() if key not in ("bf16", "quant")}
+            best = min(fp8, key=fp8.get)
+            flops = 2 * m * n * k
+            gbs = (n * k + 2 * m * k + 2 * m * n) / fp8[best] / 1e3
+            rows.append([
+                name, str(m), *(f"{t[key]:.1f}" for key in COLUMNS),
+                best, f"{t['bf16'] / fp8[best]:.2f}x", f"{flops / fp8[best] / 1e6:.0f}", f"{gbs:,.0f}",
+                f"{100 * gbs / read_gbs:.0f}%",
+            ])
+    print_table(
+        "FP8 GEMM vs bf16 cuBLAS (us per call, median of CUDA-graph replays; FP8 paths include activation quant)",
+        ["layer", "M", "bf16", "triton-block", "triton-chan", "scaled_mm", "quant", "best fp8", "vs bf16",
+         "TFLOP/s", "GB/s", "% read"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
