@@ -43,6 +43,10 @@ def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v
     else:
         k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+    # An FP8 cache: e4m3 values are exact in q's 16/32-bit dtype; their per-tensor scales are
+    # folded into qk_scale (K) and applied to the output (V) by the wrapper.
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     qk = tl.dot(q, k, input_precision=DOT_PREC)
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -130,9 +134,10 @@ def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
     max_extend_len: int, scale: float, out: torch.Tensor | None = None,
-    config: tuple[int, ...] | None = None,
+    config: tuple[int, ...] | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype."""
+    """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype. An FP8 cache
+    holds K / k_scale and V / v_scale (per-tensor scales)."""
     t, hq, d = q.shape
     if out is None:
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -143,13 +148,15 @@ def extend_attention(
     grid = (hq, triton.cdiv(max_extend_len, block_m), b)
     _extend_attn_kernel[grid](
         q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens, cu_seqlens_q,
-        scale * math.log2(math.e),
+        scale * k_scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), req_to_slot.stride(0),
         GROUP=hq // k_cache.shape[1], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
+    if v_scale != 1.0:
+        out.mul_(v_scale)
     return out
 
 

@@ -31,7 +31,7 @@ class CudaAttentionBackend(TritonAttentionBackend):
         if pool.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"attention backend 'cuda' needs a float16 or bfloat16 KV cache, got {pool.dtype}; "
-                "use --dtype bfloat16 or another attention backend"
+                "use --dtype bfloat16 or another attention backend (an FP8 KV cache: triton)"
             )
         if pool.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"attention backend 'cuda' supports head_dim {SUPPORTED_HEAD_DIMS}, got {pool.head_dim}")
@@ -42,7 +42,8 @@ class CudaAttentionBackend(TritonAttentionBackend):
             )
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+        k_scale: float = 1.0, v_scale: float = 1.0,  # always 1.0: the pool is 16-bit (checked above)
     ) -> torch.Tensor:
         return ops.paged_decode_attention(
             q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens, self.scale, batch.max_seq_len

@@ -22,17 +22,20 @@ class TritonAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
-        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots)
+        ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]  # FP8 cache: K / ks, V / vs
+        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots, ks, vs)
         if batch.is_decode:
-            return self._decode(q, k_cache, v_cache, batch)
+            return self._decode(q, k_cache, v_cache, batch, ks, vs)
         return ops.extend_attention(
             q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.prefix_lens,
-            batch.seq_lens, batch.cu_seqlens_q, batch.max_extend_len, self.scale,
+            batch.seq_lens, batch.cu_seqlens_q, batch.max_extend_len, self.scale, k_scale=ks, v_scale=vs,
         )
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+        k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         return ops.decode_attention_triton(
-            q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens, batch.max_seq_len, self.scale
+            q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens, batch.max_seq_len, self.scale,
+            k_scale=k_scale, v_scale=v_scale,
         )

@@ -54,6 +54,8 @@ def make_backend(name: str, pool: KVPool, num_q_heads: int, scale: float, device
         ext = compiled()
         if device.type != "cuda" or pool.dtype == torch.float32:
             name = "torch"
+        elif pool.dtype == torch.float8_e4m3fn:  # our CUDA decode kernel reads 16-bit caches only
+            name = "triton"
         else:
             name = "cuda" if ext is not None and ext.has_cuda else "triton"
     if name == "torch":
@@ -87,6 +89,9 @@ class Engine:
         if quant is not None:
             check_fp8_device(self.device)
         self.dtype = resolve_dtype(cfg.dtype, mc, self.device)
+        self.kv_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        if self.kv_dtype == torch.float8_e4m3fn:
+            check_fp8_device(self.device)
         self.max_model_len = self._context_length(mc)
         mc.check_tp(cfg.tp_size)
         self.tp = TPInfo(cfg.tp_rank, cfg.tp_size)
@@ -104,7 +109,9 @@ class Engine:
             # Every rank must admit, evict and retract alike (lockstep): the same pool on all,
             # sized by the rank with the least free memory.
             num_pages = min_across_ranks(num_pages, self.cpu_group)
-        self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
+        self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.kv_dtype, self.device)
+        if self.kv_dtype == torch.float8_e4m3fn:
+            self._set_kv_scales()
         self.allocator = PageAllocator(num_pages, cfg.page_size)
         self.table = RequestTable(cfg.max_running_requests, self.max_model_len, self.device)
         # The last sampled token of each request-table row. Decode steps read their input ids
@@ -151,6 +158,18 @@ class Engine:
             model.load_weights(iter_safetensors(self.source.path))
         return model.eval()
 
+    def _set_kv_scales(self) -> None:
+        """An FP8 pool's per-tensor scales: the checkpoint's k_scale / v_scale, else 1.0 (as vLLM)."""
+        scales = self.model.kv_scales
+        self.pool.k_scales = [scales.get((i, "k_scale"), 1.0) for i in range(self.pool.num_layers)]
+        self.pool.v_scales = [scales.get((i, "v_scale"), 1.0) for i in range(self.pool.num_layers)]
+        ratio = torch.empty((), dtype=self.dtype).element_size()
+        log.info(
+            "KV cache in fp8_e4m3 (scales %s): %d bytes per token, so the pool holds %dx the tokens of %s",
+            "from the checkpoint" if scales else "1.0", self.pool.bytes_per_token, ratio,
+            str(self.dtype).removeprefix("torch."),
+        )
+
     def _tune_gemms(self) -> None:
         """Measures (or loads from the cache) where the skinny GEMM beats cuBLAS for this
         rank's linear layers at each decode batch size up to 32 (ops.gemm_tuning)."""
@@ -163,7 +182,7 @@ class Engine:
 
     def _default_num_pages(self, kv_heads: int) -> int:
         mc, ps = self.model_config, self.cfg.page_size
-        per_token = KVPool.bytes_per_token_for(mc.num_layers, kv_heads, mc.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token_for(mc.num_layers, kv_heads, mc.head_dim, self.kv_dtype)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free

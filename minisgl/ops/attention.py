@@ -19,11 +19,13 @@ from minisgl.ops._checks import (
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8 = torch.float8_e4m3fn
 
 
 def _check_cache(q: torch.Tensor, k_cache: object, v_cache: object, req_to_slot: object) -> None:
-    check_tensor("k_cache", k_cache, dtype=q.dtype, ndim=3)
-    check_tensor("v_cache", v_cache, dtype=q.dtype, ndim=3)
+    """The cache is q's dtype, or FP8 e4m3 (K / k_scale, V / v_scale) for 16/32-bit q."""
+    check_tensor("k_cache", k_cache, dtype=(q.dtype, _FP8), ndim=3)
+    check_tensor("v_cache", v_cache, dtype=k_cache.dtype, ndim=3)
     check_shape("k_cache", k_cache, (None, None, q.shape[2]))
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     if k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
@@ -51,6 +53,7 @@ def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, max_extend_len: int, scale: float, out: torch.Tensor | None = None,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, Hq, D] (head dim packed, row/head strides free); k_cache, v_cache [S, Hkv, D]
     holding every position's K/V, the new tokens' included; req_rows, prefix_lens, seq_lens
@@ -78,10 +81,10 @@ def extend_attention(
                       cu_seqlens_q=cu_seqlens_q)
     if use_triton("extend_attention", q):
         return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
-                                     cu_seqlens_q, max_extend_len, scale, out)
+                                     cu_seqlens_q, max_extend_len, scale, out, k_scale=k_scale, v_scale=v_scale)
     log_cpu_reference_once("extend_attention")
     ref = _ext.extend_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows,
-                                          prefix_lens, cu_seqlens_q, scale)
+                                          prefix_lens, cu_seqlens_q, scale * k_scale) * v_scale
     if out is None:
         return ref.to(q.dtype)
     out.copy_(ref)
@@ -91,7 +94,7 @@ def extend_attention(
 def decode_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [B, Hq, D]: one new token per request (its K/V already stored), attending to
     positions 0..seq_lens[b]-1; seq_lens[b] <= max_seq_len (a fixed bound keeps a captured CUDA
@@ -107,10 +110,10 @@ def decode_attention_triton(
                       req_rows=req_rows, seq_lens=seq_lens)
     if use_triton("decode_attention_triton", q):
         return _dec.decode_attention(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens,
-                                     max_seq_len, scale, out)
+                                     max_seq_len, scale, out, k_scale=k_scale, v_scale=v_scale)
     log_cpu_reference_once("decode_attention_triton")
     ref = _dec.decode_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens,
-                                          scale)
+                                          scale * k_scale) * v_scale
     if out is None:
         return ref.to(q.dtype)
     out.copy_(ref)
