@@ -37,9 +37,18 @@ def measure(x: torch.Tensor, k: int, w16: list, blocks: list, chans: list) -> di
         "bf16": time_calls([lambda w=w: F.linear(x, w) for w in w16]),
         "triton-block": time_calls([lambda b=b: fp8_gemm(x, b[0], b[1], 128, backend="triton") for b in blocks]),
         "triton-chan": time_calls([lambda c=c: fp8_gemm(x, c[0], c[1], k, backend="triton") for c in chans]),
-        "scaled_mm": time_calls([lambda c=c: fp8_gemm(x, c[0], c[1], k, backend="scaled_mm") for c in chans]),
+        "scaled_mm": scaled_mm_time(x, k, chans),
         "quant": time_calls([lambda: quantize_tokens(x, 128)]),
     }
+
+
+def scaled_mm_time(x: torch.Tensor, k: int, chans: list) -> float:
+    """inf where this torch build's torch._scaled_mm refuses the shape (its rules vary)."""
+    try:
+        return time_calls([lambda c=c: fp8_gemm(x, c[0], c[1], k, backend="scaled_mm") for c in chans])
+    except RuntimeError as e:
+        print(f"torch._scaled_mm refused M={x.size(0)} K={k}: {str(e).splitlines()[0]}")
+        return float("inf")
 
 
 def main() -> None:

@@ -13,13 +13,16 @@ import torch
 from minisgl.logging_setup import log_once
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (M, N, K) that torch._scaled_mm refused on this torch build (its shape rules vary by version):
+# they take the Triton GEMM, said once in the log.
+_refused: set[tuple[int, int, int]] = set()
 
 
 def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
     """torch._scaled_mm with row-wise scales: one scale per weight row, K and N multiples of 16,
-    16-bit output."""
+    bf16 output (the only output type it takes with row-wise scales)."""
     n, k = weight.shape
-    return scale.size(1) == 1 and k % 16 == 0 and n % 16 == 0 and x.dtype in (torch.float16, torch.bfloat16)
+    return scale.size(1) == 1 and k % 16 == 0 and n % 16 == 0 and x.dtype == torch.bfloat16
 
 
 def fp8_gemm(
@@ -37,12 +40,20 @@ def fp8_gemm(
     k = x.size(1)
     group = block_k if scale.size(1) > 1 else k
     xq, xs = quantize_tokens(x, group)
+    key = (x.size(0), weight.size(0), k)
     use_scaled_mm = backend == "scaled_mm" or (backend == "auto" and scaled_mm_fits(x, weight, scale))
-    if use_scaled_mm:
-        return torch._scaled_mm(
-            xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), bias=bias, out_dtype=x.dtype
-        )
-    if backend == "auto" and scale.size(1) == 1:
-        log_once(f"fp8:scaled_mm:{tuple(weight.shape)}",
-                 f"fp8 linear {tuple(weight.shape)}: shape outside torch._scaled_mm's rules, Triton GEMM instead")
+    if use_scaled_mm and key not in _refused:
+        try:
+            y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+        except RuntimeError as e:  # a shape rule of this torch build (checked before any launch)
+            if backend == "scaled_mm":
+                raise
+            _refused.add(key)
+            log_once(f"fp8:scaled_mm:{key}", f"torch._scaled_mm refused (M, N, K) = {key} ({e}); Triton GEMM instead")
+        else:
+            return y if bias is None else y + bias
+    if backend == "auto" and scale.size(1) == 1 and not use_scaled_mm:
+        log_once(f"fp8:scaled_mm:{tuple(weight.shape)}:{x.dtype}",
+                 f"fp8 linear {tuple(weight.shape)} in {x.dtype}: outside torch._scaled_mm's row-wise rules "
+                 "(bf16, K and N multiples of 16), Triton GEMM instead")
     return fp8_scaled_mm(xq, xs, weight, scale, block_k, x.dtype, bias)
