@@ -30,6 +30,7 @@ class EngineConfig:
     dist_init_addr: str | None = None  # HOST:PORT of the TP rendezvous (rank 0 listens)
     nnodes: int = 1  # machines the TP ranks span; each holds tp_size // nnodes consecutive ranks
     custom_nccl: bool = True  # our NCCL bindings; False: torch.distributed's NCCL
+    custom_all_reduce: bool = True  # small all-reduces over peer memory (with custom_nccl only)
     gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV)
     cpu_kv_cache_gb: float = 1.0  # KV pool size on the CPU when num_pages is not given
 

@@ -46,6 +46,7 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     disable_custom_nccl: bool = False
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.nnodes < 1 or self.tp % self.nnodes != 0:
@@ -66,7 +67,10 @@ class ServerArgs:
 
         # The engine fields ServerArgs shares by name, plus the renamed TP ones.
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(self, f.name)}
-        return EngineConfig(**shared, tp_rank=tp_rank, tp_size=self.tp, custom_nccl=not self.disable_custom_nccl)
+        return EngineConfig(
+            **shared, tp_rank=tp_rank, tp_size=self.tp, custom_nccl=not self.disable_custom_nccl,
+            custom_all_reduce=not self.disable_custom_all_reduce,
+        )
 
     @property
     def local_ranks(self) -> list[int]:
@@ -226,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--disable-custom-nccl", action="store_true",
         help="reduce through torch.distributed's NCCL instead of minisgl's own NCCL bindings",
+    )
+    t.add_argument(
+        "--disable-custom-all-reduce", action="store_true",
+        help="send every all-reduce through NCCL, not small ones through the one-shot peer-memory kernel",
     )
     return p
 
