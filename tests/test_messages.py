@@ -44,6 +44,7 @@ SAMPLES = [
     UserReply(2, error="prompt: too long", error_param="prompt"),
     ReplyBatch([UserReply(1, "a"), UserReply(2, "b", finish_reason="length")]),
     StatsMsg(1, 2, 300, 4096, 1000, 250),
+    StatsMsg(1, 2, 300, 4096, 1000, 250, dp_rank=3, load_tokens=1300, received=17),
     ReadyMsg("scheduler", None, {"max_model_len": 512, "eos_token_ids": [2, 3]}),
     ReadyMsg("tokenizer0", "ValueError: no such model"),
     StartMsg(512, 49152, [2]),
