@@ -26,13 +26,18 @@ class FakeC:
     NCCL_FLOAT16, NCCL_FLOAT32, NCCL_BFLOAT16 = 6, 7, 9
     CUSTOM_ALL_REDUCE_MAX_WORLD, CUSTOM_ALL_REDUCE_MAX_BLOCKS = 8, 128
 
-    def __init__(self, rank: int, fail: str | None = None) -> None:
+    def __init__(self, rank: int, fail: str | None = None, log: list | None = None) -> None:
         self.rank, self.fail, self.calls = rank, fail, []
+        self.log = [] if log is None else log  # (rank, call) of every rank, in time order
+
+    def record(self, call: tuple) -> None:
+        self.calls.append(call)
+        self.log.append((self.rank, call))
 
     def custom_all_reduce_alloc(self, device: int, buffer_bytes: int) -> int:
         if self.fail == "alloc":
             raise RuntimeError("out of memory")
-        self.calls.append(("alloc", device, buffer_bytes, 0x1000 * (self.rank + 1)))
+        self.record(("alloc", device, buffer_bytes, 0x1000 * (self.rank + 1)))
         return 0x1000 * (self.rank + 1)
 
     def peer_memory_handle(self, device: int, base: int) -> bytes:
@@ -43,20 +48,20 @@ class FakeC:
             raise RuntimeError("peer access is not supported")
         owner = int(handle.split(b":")[0].removeprefix(b"rank"))
         mapped = 0x100000 * (owner + 1) + self.rank
-        self.calls.append(("open", device, handle.rstrip(b"\0").decode(), mapped))
+        self.record(("open", device, handle.rstrip(b"\0").decode(), mapped))
         return mapped
 
     def peer_memory_close(self, device: int, base: int) -> None:
-        self.calls.append(("close", device, base))
+        self.record(("close", device, base))
 
     def custom_all_reduce_free(self, device: int, base: int) -> None:
-        self.calls.append(("free", device, base))
+        self.record(("free", device, base))
 
     def custom_all_reduce(self, bases, rank, inp, out, n, dtype, buffer_bytes, max_blocks, stream) -> None:  # noqa: ANN001
-        self.calls.append(("reduce", tuple(bases), rank, inp == out, n, dtype, buffer_bytes, max_blocks, stream))
+        self.record(("reduce", tuple(bases), rank, inp == out, n, dtype, buffer_bytes, max_blocks, stream))
 
     def nccl_all_reduce(self, comm, send, recv, count, dtype, stream) -> None:  # noqa: ANN001
-        self.calls.append(("nccl", count, dtype))
+        self.record(("nccl", count, dtype))
 
 
 def in_threads(world: int, fn: Callable[[int, car.Gather], Any]) -> list[Any]:
@@ -147,7 +152,8 @@ def test_peer_access_rule() -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_set_up_opens_every_peer_in_rank_order_and_dispatches_by_size(world: int) -> None:
-    libs = [FakeC(r) for r in range(world)]
+    events: list = []
+    libs = [FakeC(r, log=events) for r in range(world)]
     comms = set_up(world, libs)
     for r, (c, lib) in enumerate(zip(comms, libs)):
         assert isinstance(c, car.CustomAllReduce), c
@@ -166,12 +172,22 @@ def test_set_up_opens_every_peer_in_rank_order_and_dispatches_by_size(world: int
         with pytest.raises(ValueError, match=f"contiguous tensor on cuda:{r}"):
             c.check(torch.ones(4, 4).t())
         lib.calls.clear()
-        c.destroy()
-        assert sorted(lib.calls) == sorted([("close", r, 0x100000 * (p + 1) + r) for p in peers]
-                                           + [("free", r, 0x1000 * (r + 1))])
+    events.clear()
+    in_threads(world, lambda r, g: comms[r].destroy())  # collective, as the engine's shutdown
+    # No region is freed before every peer has unmapped it (cudaFree of a mapped region is undefined).
+    frees = [i for i, (_, call) in enumerate(events) if call[0] == "free"]
+    closes = [i for i, (_, call) in enumerate(events) if call[0] == "close"]
+    assert len(closes) == world * (world - 1) and max(closes) < min(frees), events
+    for r, (c, lib) in enumerate(zip(comms, libs)):
+        peers = [p for p in range(world) if p != r]
+        # Every mapping closed, then (after the ranks met) this rank's region freed.
+        assert lib.calls == [("close", r, 0x100000 * (p + 1) + r) for p in peers] + [("free", r, 0x1000 * (r + 1))]
+        small = torch.ones(4, dtype=torch.bfloat16)
         with pytest.raises(RuntimeError, match="destroyed"):
             c.all_reduce(small)
         assert not c.takes(small)
+        c.destroy()  # again: nothing, and no collective
+        assert len(lib.calls) == world
 
 
 @pytest.fixture

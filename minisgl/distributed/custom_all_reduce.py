@@ -109,6 +109,8 @@ class CustomAllReduce:
         self.bases: tuple[int, ...] = ()  # every rank's region, in rank order
         self._own = 0
         self._opened: list[int] = []
+        self._gather = gather
+        self._live = False  # set up (or being set up) and not yet destroyed: destroy() is collective
         if tp.size == 1:
             return
         if max_bytes <= 0 or not 1 <= max_blocks <= lib.CUSTOM_ALL_REDUCE_MAX_BLOCKS:
@@ -116,6 +118,7 @@ class CustomAllReduce:
         if tp.size > lib.CUSTOM_ALL_REDUCE_MAX_WORLD:
             raise ValueError(f"the one-shot all-reduce takes at most {lib.CUSTOM_ALL_REDUCE_MAX_WORLD} ranks")
         self._ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        self._live = True
         self._set_up(gather)
 
     def _set_up(self, gather: Gather) -> None:
@@ -175,17 +178,25 @@ class CustomAllReduce:
         return x
 
     def destroy(self) -> None:
-        """Unmaps the peers' regions and frees this rank's. A peer that has not finished
-        reading this rank's region keeps it alive until it unmaps it (CUDA IPC semantics)."""
-        if self._opened or self._own:
-            torch.cuda.synchronize(self.device)  # this rank's last kernel has finished with them
+        """Unmaps the peers' regions and frees this rank's. Collective (every rank calls it, as
+        NCCL's teardown): a region is freed only once every peer has unmapped it, since
+        cudaFree of a region still mapped in another process is undefined."""
+        if not self._live:
+            return
+        self._live = False
+        self.bases = ()
+        torch.cuda.synchronize(self.device)  # this rank's last kernel has finished with every region
         for p in self._opened:
             self._C.peer_memory_close(self._ordinal, p)
         self._opened = []
+        try:
+            self._gather(None)  # every rank has unmapped this rank's region
+        except RuntimeError as e:  # a peer is gone: keep the region (the process is ending anyway)
+            log.warning("one-shot all-reduce teardown: the ranks did not meet (%s); region not freed", e)
+            return
         if self._own:
             self._C.custom_all_reduce_free(self._ordinal, self._own)
             self._own = 0
-        self.bases = ()
 
 
 def set_up_custom_all_reduce(
