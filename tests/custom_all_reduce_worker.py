@@ -26,7 +26,8 @@ class DeviceWords:
     """A torch view of raw device memory (__cuda_array_interface__): the signal words."""
 
     def __init__(self, ptr: int, n: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<i8", "data": (ptr, False), "version": 3}
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<i8", "data": (ptr, False), "strides": None,
+                                         "version": 3}
 
 
 def epoch_of(base: int) -> tuple[int, int]:
