@@ -4,6 +4,8 @@ bindings, what our communicator's all_reduce does (one-shot up to its threshold,
 and torch.distributed (NCCL) as the named baseline.
 
     python benchmarks/kernels/allreduce.py --gpus 2
+    python benchmarks/kernels/allreduce.py --gpus 1    # one GPU: the kernel's own floor
+
 
 Bus bandwidth = 2 (n - 1) / n * bytes / time (NCCL's convention, comparable across n).
 Ceiling, measured in the same run: every rank copies 256 MB to the next rank's GPU at the
@@ -15,6 +17,10 @@ buffers (bf16); the ranks meet at a gloo barrier before each replay; median of r
 It then prints the data the runtime takes (minisgl/distributed/custom_all_reduce.py): the
 largest size up to which the one-shot kernel beats NCCL at every size (MAX_BYTES_BY_WORLD), and
 the one-shot kernel's block cap (MAX_BLOCKS) swept over candidates.
+
+With --gpus 1 it times the one-shot kernel at world size 1 (stage the message, the flag barrier
+with itself, read it back: every step but the peer reads over the link) against a torch device
+copy of the same bytes, 1 KB .. 2 MB: a floor under the two-GPU latency, and no more than that.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ def time_graph(fn: Callable[[torch.Tensor], object], bufs: list[torch.Tensor], r
             fn(b)
     times = []
     for i in range(reps + 2):
-        dist.barrier()  # gloo: the ranks start each replay within a few µs of each other
+        if dist.is_initialized():
+            dist.barrier()  # gloo: the ranks start each replay within a few µs of each other
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         g.replay()
@@ -167,10 +174,41 @@ def report(world: int, dev: torch.device, ceiling: float, rows: list, sweep: dic
     print(f"data: MAX_BLOCKS = {min(geo, key=geo.get)} (lowest geometric mean up to the threshold)")
 
 
+def one_gpu() -> None:
+    """The kernel at world size 1 on GPU 0 (no process group): its fixed cost by size."""
+    from minisgl import _C
+    from minisgl.distributed.custom_all_reduce import MAX_BLOCKS
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    top = max(SWEEP_SIZES)
+    base = _C.custom_all_reduce_alloc(0, top)
+
+    def one_shot(b: torch.Tensor) -> None:
+        _C.custom_all_reduce((base,), 0, b.data_ptr(), b.data_ptr(), b.numel(), _C.NCCL_BFLOAT16, top,
+                             MAX_BLOCKS, torch.cuda.current_stream().cuda_stream)
+
+    print(f"one-shot all-reduce at world size 1, bf16, {torch.cuda.get_device_name(dev)}, {MAX_BLOCKS} blocks at most")
+    print("baseline: torch copy_ of the same bytes (one read + one write; the kernel does two of each)")
+    print("| size | one-shot µs | torch copy µs | one-shot / copy |")
+    print("|---|---|---|---|")
+    for size in SWEEP_SIZES:
+        bufs = buffers(size, dev)
+        src = torch.randn(size // 2, device=dev, dtype=torch.bfloat16)
+        t_one = time_graph(one_shot, bufs)
+        t_copy = time_graph(lambda b, src=src: b.copy_(src), bufs)
+        print(f"| {label(size)} | {t_one:.1f} | {t_copy:.1f} | {t_one / t_copy:.2f}x |")
+    torch.cuda.synchronize()
+    _C.custom_all_reduce_free(0, base)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=2)
     args = ap.parse_args()
+    if args.gpus == 1:
+        one_gpu()
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
