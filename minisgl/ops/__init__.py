@@ -5,12 +5,15 @@ from minisgl.ops.activation import silu_and_mul
 from minisgl.ops.attention import decode_attention_triton, extend_attention
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
+from minisgl.ops.logprobs import top_logprobs
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
+from minisgl.ops.penalties import apply_penalties
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
 from minisgl.ops.store import store_kv, store_kv_reference
 
 __all__ = [
+    "apply_penalties",
     "apply_rope",
     "decode_attention_triton",
     "embedding_lookup",
@@ -25,4 +28,5 @@ __all__ = [
     "silu_and_mul",
     "store_kv",
     "store_kv_reference",
+    "top_logprobs",
 ]
