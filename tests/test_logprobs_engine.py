@@ -77,13 +77,23 @@ def check_prompt_logprobs(hf, prompt: list[int], got: list, k: int) -> None:
             assert top == []
 
 
-def test_prompt_logprobs_chunked_and_with_a_warm_cache(hf, llm) -> None:
+def test_prompt_logprobs_chunked_and_with_a_warm_cache(hf, llm, monkeypatch) -> None:
     prompt = list(range(200, 223))  # 23 tokens: 4 chunks of at most 7
     greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     want = llm.generate([prompt], greedy, use_tqdm=False)[0]["token_ids"]  # now the cache holds the prompt
     sched = llm.scheduler
     assert sched.cache.cached_pages >= len(prompt) // 4
-    for k in (0, 3):
+    extra_rows: list[int] = []  # logits rows each step computed for prompt logprobs
+    build = llm.engine.build_batch
+
+    def spy(*args, **kwargs):
+        extra_rows.append(len(args[4] if len(args) > 4 else kwargs.get("extra_logit_rows") or []))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "build_batch", spy)
+    for k, rows in ((0, 512), (3, 5)):  # prefill chunks of 7 (the budget), then of 5 (logits rows)
+        sched.prompt_logprob_rows = rows
+        extra_rows.clear()
         asking = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=k)
         req = llm._make_request(prompt, asking)
         other = llm._make_request(PROMPTS[1], greedy)  # shares the extend steps, asks nothing
@@ -94,6 +104,7 @@ def test_prompt_logprobs_chunked_and_with_a_warm_cache(hf, llm) -> None:
         assert req.cache_hit_tokens == 0, "a prompt_logprobs request computes every position"
         assert req.output == want and other.prompt_logprobs is None
         check_prompt_logprobs(hf, prompt, req.prompt_logprobs, k)
+        assert sum(extra_rows) == len(prompt) - 1 and max(extra_rows) == min(7, rows)
     # Its KV still went to the cache: a plain repeat hits it.
     again = llm._make_request(prompt, greedy)
     sched.add(again)

@@ -56,6 +56,9 @@ class Scheduler:
         self._decode_next = False
         self._pending_done: list[Request] = []  # processed early (by a drain) during step()
         self.num_retractions = 0
+        # Prompt positions whose logits one step may compute for prompt logprobs: they are
+        # [rows, vocab] fp32 (~300 MB at 512 x 152k), so long prompts that ask take more steps.
+        self.prompt_logprob_rows = 512
         # (start, end) CUDA events around each step's device work, when a benchmark asks.
         self.gpu_timeline: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] | None = None
         if engine.device.type == "cuda" and self.cfg.cuda_graph:
@@ -153,10 +156,11 @@ class Scheduler:
         samples: list[bool] = []
         reserved = self._reserved_pages()
         table = self.engine.table
+        logit_rows = self.prompt_logprob_rows
         while budget > 0:
             if self.prefilling is not None:
                 req = self.prefilling
-            elif self.waiting and table.free_rows > 0:
+            elif self.waiting and table.free_rows > 0 and (logit_rows or not self.waiting[0].needs_prompt_logprobs):
                 req = self.waiting[0]
                 match = self.kv.match(req)
                 tokens_needed = req.seq_len + int(req.remaining_tokens * self.new_token_ratio)
@@ -172,6 +176,9 @@ class Scheduler:
                 break
             tokens = req.tokens()
             chunk = min(len(tokens) - req.cached_len, budget)
+            if req.needs_prompt_logprobs:
+                chunk = min(chunk, logit_rows)
+                logit_rows -= chunk
             if not self.kv.grow(req, req.cached_len + chunk):
                 if req is not self.prefilling:  # undo the admission; try again later
                     self.kv.release(req)
