@@ -170,7 +170,13 @@ def sample_with_plan(
 ) -> StepOutput:
     """logits fp32 [B + E, V]: the B sampled rows, then E extra rows for prompt logprobs.
     Logprobs are of the raw logits, so they are taken before the penalty op changes them in
-    place; a penalized row's chosen-token logprob comes from a copy of its raw row."""
+    place; a penalized row's chosen-token logprob comes from a copy of its raw row.
+
+    Order (the hook points for another per-row logits processor, e.g. a grammar mask): raw
+    logprobs (prompt, alternatives) -> penalties/bias/min_tokens in place -> [a mask goes
+    here, in place on `logits[:b]`, before `sample`] -> sample -> raw chosen logprobs -> count
+    update. A processor that must run on a row makes the step build a plan (LogitsPlan.build
+    returns None only when no row needs anything): with no plan, Engine.run_batch just samples."""
     b = st.temperature.numel()
     out = StepOutput(tokens=logits.new_empty(0, dtype=torch.int64), logprobs=logits.new_empty(0))
     if plan.prompt_targets is not None:
