@@ -56,9 +56,7 @@ def make_backend(name: str, pool: KVPool, num_q_heads: int, scale: float, device
         ext = compiled()
         if device.type != "cuda" or pool.dtype == torch.float32:
             name = "torch"
-        elif pool.dtype == torch.float8_e4m3fn:  # our CUDA decode kernel reads 16-bit caches only
-            name = "triton"
-        else:
+        else:  # 16-bit and FP8 e4m3 caches alike
             name = "cuda" if ext is not None and ext.has_cuda else "triton"
     if name == "torch":
         from minisgl.attention.torch_backend import TorchAttentionBackend
@@ -176,12 +174,16 @@ class Engine:
 
     def _tune_gemms(self) -> None:
         """Measures (or loads from the cache) where the skinny GEMM beats cuBLAS for this
-        rank's linear layers at each decode batch size up to 32 (ops.gemm_tuning)."""
+        rank's linear layers at each decode batch size up to 32 (ops.gemm_tuning), and for FP8
+        layers where the FP8 skinny kernel beats the FP8 GEMM (ops.fp8_tuning)."""
         from minisgl.engine.cuda_graph import batch_size_ladder
-        from minisgl.layers.linear import gemm_calls
+        from minisgl.layers.linear import fp8_gemm_calls, gemm_calls
+        from minisgl.ops.fp8_tuning import tune_fp8_gemms
         from minisgl.ops.gemm_tuning import tune_gemms
 
-        tune_gemms(gemm_calls(self.model), self.device, batch_size_ladder(min(32, self.cfg.max_running_requests)))
+        ms = batch_size_ladder(min(32, self.cfg.max_running_requests))
+        tune_gemms(gemm_calls(self.model), self.device, ms)
+        tune_fp8_gemms(fp8_gemm_calls(self.model), self.device, ms, self.dtype)  # FP8 layers: skinny vs FP8 GEMM
         torch.cuda.empty_cache()  # the timing buffers must not shrink the KV pool sized next
 
     def _default_num_pages(self, kv_heads: int) -> int:

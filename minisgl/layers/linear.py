@@ -210,5 +210,15 @@ class RowParallelLinear(_Fp8Mixin):
 
 
 def gemm_calls(model: nn.Module) -> list[tuple[torch.Tensor, bool]]:
-    """(weight, silu) of every GEMM the model runs through ops.linear, one per layer call."""
+    """(weight, silu) of every GEMM the model runs through ops.linear, one per layer call (FP8
+    layers' e4m3 weights among them are skipped by the 16-bit tuning: see fp8_gemm_calls)."""
     return [call for mod in model.modules() if hasattr(mod, "gemm_calls") for call in mod.gemm_calls()]
+
+
+def fp8_gemm_calls(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, int, bool]]:
+    """(weight e4m3, weight_scale, block_k, silu) of every FP8 layer (ops.fp8_tuning times them)."""
+    return [
+        (mod.weight, mod.weight_scale, mod.block_k, bool(getattr(mod, "silu_and_mul", False)))
+        for mod in model.modules()
+        if isinstance(mod, _Fp8Mixin) and mod.weight_scale is not None
+    ]

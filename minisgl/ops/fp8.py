@@ -10,7 +10,8 @@ W[n, k] = weight[n, k] * weight_scale[n, k // block_k].
 `fp8_linear` on the CPU is the reference: dequantize, matmul in fp32 (activations stay
 unquantized, so an FP8 checkpoint matches transformers on its dequantized weights). On CUDA the
 activations are quantized per token (per token and 128-wide K group with block scales) by our
-Triton kernel and the FP8 x FP8 GEMM runs on tensor cores (ops/fp8_gemm.py).
+Triton kernel and the FP8 x FP8 GEMM runs on tensor cores (ops/fp8_gemm.py); at M <= 32, where
+the measured table says so, the weight-only FP8 skinny kernel instead (ops/skinny_fp8.py).
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ def fp8_linear(
         return fp8_linear_reference(x, weight, scale, block_k, bias, silu)
     from minisgl.ops.activation import silu_and_mul
     from minisgl.ops.fp8_gemm import fp8_gemm
+    from minisgl.ops.skinny_fp8 import fp8_skinny_linear
 
+    y = fp8_skinny_linear(x, weight, scale, block_k, bias, silu)  # M <= 32 where the table chose it
+    if y is not None:
+        return y
     y = fp8_gemm(x, weight, scale, block_k, bias)
     return silu_and_mul(y) if silu else y
