@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_fp8_kernel(const Params
     fp8_mma_group<T, MT, RT, U>(acc, cur);
   }
 
-  reduce_store<T, MT, RT>(p, acc, red, tile, split, tile_row0);
+  reduce_store<T, true, MT, RT>(p, acc, red, tile, split, tile_row0);
 }
 
 }  // namespace skinny

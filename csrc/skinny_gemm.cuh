@@ -216,7 +216,9 @@ struct Tile {
   static constexpr int kItems = kPairs * 32;  // per warp (and per block after the reduction)
 };
 
-template <typename T>
+// kFp8: the FP8 kernel's epilogue (per-channel scales when p.block_scales == 0); the 16-bit
+// kernel's is built without that code (it kept the bf16 kernel's registers as they were).
+template <typename T, bool kFp8>
 __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r, int t, int q, int lane, float lo,
                                            float hi) {
   const int g = lane >> 2, quad = lane & 3;
@@ -224,7 +226,7 @@ __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r
   if (m >= p.m) return;
   T* y = static_cast<T*>(p.y) + static_cast<int64_t>(m) * p.y_stride;
   const T* bias = static_cast<const T*>(p.bias);
-  const bool chan = p.scale != nullptr && !p.block_scales;  // per-channel FP8 scales
+  const bool chan = kFp8 && !p.block_scales;  // per-channel FP8 scales
   if (p.silu) {
     const int j = tile_row0 + 8 * r + g;  // output column; gate row j, up row n + j
     if (j >= p.n) return;
@@ -251,7 +253,7 @@ __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r
 // The end of a block: its warps' accumulators summed in shared memory `red` (fixed order), then
 // either the epilogue, or (split-K) this split's partials to the workspace and, in the last
 // block of the tile to arrive, the sum over splits and the epilogue.
-template <typename T, int MT, int RT>
+template <typename T, bool kFp8, int MT, int RT>
 __device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)[RT][MT][4], float* red, int tile,
                                              int split, int tile_row0) {
   using Tl = Tile<MT, RT>;
@@ -282,7 +284,7 @@ __device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)
     if (part != nullptr) {
       part[it] = make_float2(lo, hi);
     } else {
-      store_pair<T>(p, tile_row0, rtm / MT, rtm % MT, q, ln, lo, hi);
+      store_pair<T, kFp8>(p, tile_row0, rtm / MT, rtm % MT, q, ln, lo, hi);
     }
   }
   if (part == nullptr) return;
@@ -309,7 +311,7 @@ __device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)
       hi += v.y;
     }
     const int pair = it >> 5, rtm = pair >> 1;
-    store_pair<T>(p, tile_row0, rtm / MT, rtm % MT, pair & 1, it & 31, lo, hi);
+    store_pair<T, kFp8>(p, tile_row0, rtm / MT, rtm % MT, pair & 1, it & 31, lo, hi);
   }
 }
 
@@ -387,7 +389,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gemm_kernel(const Param
     mma_group<T, MT, RT, U>(acc, cur);
   }
 
-  reduce_store<T, MT, RT>(p, acc, red, tile, split, tile_row0);
+  reduce_store<T, false, MT, RT>(p, acc, red, tile, split, tile_row0);
 }
 
 }  // namespace skinny
