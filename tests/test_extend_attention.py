@@ -183,3 +183,39 @@ def test_triton_backend_matches_torch_backend(page_size: int) -> None:
             got = backends[1].forward(q, k, v, layer, b)
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
     assert torch.equal(pools[0]._k, pools[1]._k) and torch.equal(pools[0]._v, pools[1]._v)
+
+
+@needs_triton
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_tile_map_launch_matches_reference(page_size: int, dtype: torch.dtype) -> None:
+    """The CUDA-graph launch: grid sized by a bucket's capacity, tiles read on the device.
+    Decode-like 1-token rows, a chunk with a prefix, and padding: 2 empty padding requests
+    and 5 padding tokens past the last request; those rows stay as they were (NaN here)."""
+    prefix, ext = [30, 0, 41, 3, 0, 0], [1, 70, 1, 33, 0, 0]
+    c = make_case(prefix, ext, 4, 2, 64, dtype, page_size, seed=5 + page_size)
+    attention_rule.poison_unused_slots(c, [p + e for p, e in zip(prefix, ext)])
+    real = sum(ext)
+    q = torch.randn(real + 5, 4, 64, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
+    q[:real] = c["q"]
+    block_m = ops.extend_block_m(64, dtype, torch.device(DEV))
+    cap = ops.extend_tile_capacity(real + 5, len(ext), block_m)
+    flat = ops.extend_tile_map(prefix, ext, block_m, cap)
+    tiles = torch.tensor(flat, dtype=torch.int32, device=DEV).view(-1, 2)
+    assert tiles.shape[0] == cap and (tiles[:, 0] >= 0).sum() == sum(-(-e // block_m) for e in ext)
+    out = torch.full_like(q, float("nan"))
+    ops.extend_attention(**{**c, "q": q, "max_extend_len": 0}, out=out, tiles=tiles)
+    assert torch.isnan(out[real:]).all()
+    assert_fa3_rule(out[:real], c)
+
+
+def test_tile_map_order_and_capacity() -> None:
+    # Requests (prefix, new): tiles of 4 rows; the tile seeing most keys goes first.
+    flat = K.tile_map([0, 10, 2], [9, 1, 0], 4, capacity=6)
+    pairs = list(zip(flat[::2], flat[1::2]))
+    assert pairs[:4] == [(1, 0), (0, 8), (0, 4), (0, 0)] and pairs[4:] == [(-1, 0), (-1, 0)]
+    for t, b in [(1, 1), (7, 3), (300, 5), (8192, 256)]:  # the bound holds for any split of T
+        for lens in ([t - b + 1] + [1] * (b - 1), [t // b] * (b - 1) + [t - (t // b) * (b - 1)]):
+            assert len(K.tile_map([0] * b, lens, 128)) // 2 <= K.tile_capacity(t, b, 128)
+    with pytest.raises(ValueError, match="capacity"):
+        K.tile_map([0], [9], 4, capacity=2)

@@ -9,6 +9,7 @@ import torch
 
 from minisgl.kernels import decode_attention as _dec
 from minisgl.kernels import extend_attention as _ext
+from minisgl.ops import _checks
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import (
     check_contiguous,
@@ -51,12 +52,21 @@ def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, max_extend_len: int, scale: float, out: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] (head dim packed, row/head strides free); k_cache, v_cache [S, Hkv, D]
     holding every position's K/V, the new tokens' included; req_rows, prefix_lens, seq_lens
     int32 [B]; cu_seqlens_q int32 [B+1] (new tokens of request b: rows cu[b]..cu[b+1]-1 of q,
     at positions prefix_lens[b]..seq_lens[b]-1); max_extend_len >= every request's new-token
-    count. Causal attention per request; returns [T, Hq, D] in q's dtype (into `out` if given)."""
+    count. Causal attention per request; returns [T, Hq, D] in q's dtype (into `out` if given).
+
+    `tiles` (int32 [capacity, 2], from `extend_tile_map` with `extend_block_m(...)`) switches
+    to the launch a CUDA graph can hold: grid (Hq, capacity), each program reading its
+    (request, first query) on the device; `max_extend_len` is then unused, and rows of q past
+    cu_seqlens_q[B] (bucket padding) are left unwritten. Batch-level checks are the caller's."""
+    if not _checks.enabled():
+        return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, cu_seqlens_q, max_extend_len,
+                       scale, out, tiles)
     check_tensor("q", q, dtype=_DTYPES, ndim=3)
     _check_cache(q, k_cache, v_cache, req_to_slot)
     b = req_rows.shape[0] if isinstance(req_rows, torch.Tensor) else -1
@@ -65,8 +75,13 @@ def extend_attention(
     check_shape("cu_seqlens_q", cu_seqlens_q, (b + 1,))
     check_contiguous("cu_seqlens_q", cu_seqlens_q)
     t = q.shape[0]
+    if tiles is not None:
+        check_tensor("tiles", tiles, dtype=torch.int32, ndim=2)
+        check_shape("tiles", tiles, (None, 2))
+        check_contiguous("tiles", tiles)
+        check_same_device(q=q, tiles=tiles)
     # The kernel's grid covers max_extend_len rows per request: too small leaves rows unwritten.
-    if t and (b < 1 or not -(-t // b) <= max_extend_len <= t):
+    elif t and (b < 1 or not -(-t // b) <= max_extend_len <= t):
         raise ValueError(
             f"max_extend_len ({max_extend_len}) must be the longest request's new-token count: "
             f"between ceil(T/B) and T for T={t} tokens in B={b} requests"
@@ -76,16 +91,37 @@ def extend_attention(
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, req_to_slot=req_to_slot,
                       req_rows=req_rows, prefix_lens=prefix_lens, seq_lens=seq_lens,
                       cu_seqlens_q=cu_seqlens_q)
+    return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, cu_seqlens_q, max_extend_len,
+                   scale, out, tiles)
+
+
+def _extend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
+    req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_extend_len: int,
+    scale: float, out: torch.Tensor | None, tiles: torch.Tensor | None,
+) -> torch.Tensor:
     if use_triton("extend_attention", q):
         return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
-                                     cu_seqlens_q, max_extend_len, scale, out)
+                                     cu_seqlens_q, max_extend_len, scale, out, tiles=tiles)
     log_cpu_reference_once("extend_attention")
-    ref = _ext.extend_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows,
+    # The reference needs every row's tokens contiguous from 0: bucket padding rows past
+    # cu_seqlens_q[B] are computed on a prefix and left as they were.
+    n = int(cu_seqlens_q[-1]) if tiles is not None else q.shape[0]
+    ref = _ext.extend_attention_reference(q[:n], k_cache, v_cache, req_to_slot, req_rows,
                                           prefix_lens, cu_seqlens_q, scale)
     if out is None:
-        return ref.to(q.dtype)
-    out.copy_(ref)
+        out = torch.empty_like(q)
+    out[:n].copy_(ref)
     return out
+
+
+def extend_block_m(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The query-tile height `extend_attention` uses for these inputs (the `tiles` unit)."""
+    return _ext.default_config(head_dim, dtype, device)[0]
+
+
+extend_tile_map = _ext.tile_map
+extend_tile_capacity = _ext.tile_capacity
 
 
 def decode_attention_triton(
