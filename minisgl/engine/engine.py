@@ -12,12 +12,15 @@ from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.config import DTYPES, EngineConfig
 from minisgl.engine.prompt import check_prompt
 from minisgl.engine.sampler import SamplingTensors
+from minisgl.engine.step_builder import StepBuilder, host_to_device
+from minisgl.engine.step_layout import StepLayout, StepSpec
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.source import ModelSource, resolve_model
 from minisgl.models.weights import fill_dummy, iter_safetensors
+from minisgl.ops import _checks
 
 log = get_logger("minisgl.engine")
 
@@ -103,6 +106,9 @@ class Engine:
         self.token_buffer = torch.zeros(cfg.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.graphs = None  # CudaGraphRunner once enable_cuda_graphs() ran
         self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device)
+        block_m = getattr(self.attn, "tile_block_m", None)  # backends that take the extend tile map
+        self.steps = StepBuilder(self.table, self.token_buffer, self.device, self.max_model_len, mc.vocab_size,
+                                 block_m)
         log.info(
             "engine ready: %s (%s) on %s, %s, context %d, KV pool %d tokens in pages of %d, attention %s",
             self.source.name, mc.architecture, self.device, str(self.dtype).removeprefix("torch."),
@@ -177,75 +183,68 @@ class Engine:
     # ---- one step ----
 
     def build_batch(
-        self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int]] | None
+        self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int] | None] | None,
+        use_graphs: bool = True,
     ) -> ForwardBatch:
         """A batch for requests at table rows `rows`, each with `prefix_lens[i]` tokens already
         in the KV cache and `new_tokens[i]` to run now. The slots of the new tokens must
-        already be written to the request table. Decode may pass `new_tokens=None`: each row's
-        input is then its last sampled token, read on the device from `token_buffer`."""
-        dev = self.device
-        if new_tokens is None:
-            if mode != "decode":
-                raise ValueError("only decode batches may take their inputs from the token buffer")
-            ext = [1] * len(rows)
-        else:
-            ext = [len(t) for t in new_tokens]
-        seq = [p + n for p, n in zip(prefix_lens, ext)]
-        cu = [0]
-        for n in ext:
-            cu.append(cu[-1] + n)
-        pos = [p for pre, n in zip(prefix_lens, ext) for p in range(pre, pre + n)]
-        tok_rows = [r for r, n in zip(rows, ext) for _ in range(n)]
+        already be written to the request table. A request's input None means one token, its
+        last sampled one, read on the device from `token_buffer` (so step N+1 can launch
+        before the host has read step N's tokens): all of a decode step (`new_tokens=None`),
+        or the leading requests of a "mixed" step (decodes riding along with an extend).
+        The step is checked here, once; its indices go to the device in one copy, into a
+        captured graph's buffers when one fits (`use_graphs`)."""
+        return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs)
 
-        # Every index tensor in one host-to-device copy, then views (fewer tiny copies/step).
-        # Each view starts on a 16-byte boundary: Triton specializes kernels on pointer
-        # alignment, so offsets that moved with the batch size would recompile kernels.
-        b, n = len(rows), len(pos)
-        n2, b4 = n + n % 2, -(-(b + 1) // 4) * 4  # int64 segments: even; int32 segments: x4
-        meta_host = [*rows, *[0] * (b4 - b), *seq, *[0] * (b4 - b), *prefix_lens, *[0] * (b4 - b), *cu]
-        meta_host += [0] * (4 * b4 - len(meta_host))
-        host = [*pos, *[0] * (n2 - n), *tok_rows, *[0] * (n2 - n), *meta_host, *[c - 1 for c in cu[1:]]]
-        host += [0] * ((2 * n2 + 4 * b4 + b) % 2)
-        if new_tokens is not None:
-            host += [tok for toks in new_tokens for tok in toks]
-        flat = torch.tensor(host, dtype=torch.int64).to(dev, non_blocking=True)
-        positions, tok_rows_d = flat[:n], flat[n2 : n2 + n]
-        meta = flat[2 * n2 : 2 * n2 + 4 * b4].to(torch.int32)
-        rest = 2 * n2 + 4 * b4
-        sample_rows = flat[rest : rest + b]
-        req_rows = meta[:b]
-        out_slots = self.table.req_to_slot[tok_rows_d, positions]
-        input_ids = self.token_buffer[req_rows] if new_tokens is None else flat[rest + b + b % 2 :]
-        return ForwardBatch(
-            mode=mode, input_ids=input_ids, positions=positions, out_slots=out_slots, req_rows=req_rows,
-            seq_lens=meta[b4 : b4 + b], prefix_lens=meta[2 * b4 : 2 * b4 + b],
-            cu_seqlens_q=meta[3 * b4 : 3 * b4 + b + 1],
-            sample_rows=sample_rows, req_to_slot=self.table.req_to_slot, seq_lens_cpu=seq,
-            prefix_lens_cpu=list(prefix_lens), max_seq_len=max(seq), max_extend_len=max(ext),
-        )
-
-    def enable_cuda_graphs(self, max_bs: int | None) -> None:
-        """Captures decode graphs up to `max_bs` (default: from GPU memory)."""
-        from minisgl.engine.cuda_graph import CudaGraphRunner
+    def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0) -> None:
+        """Captures decode graphs up to `max_bs` requests (default: from GPU memory) and extend /
+        mixed graphs up to `max_tokens` tokens per step (0: none)."""
+        from minisgl.engine.cuda_graph import CudaGraphRunner, batch_size_ladder, token_bucket_ladder
 
         if self.attn.name == "torch":
             raise ValueError("CUDA graphs need the 'triton' or 'cuda' attention backend (or disable CUDA graphs)")
         if max_bs is None:
             total = torch.cuda.get_device_properties(self.device).total_memory
             max_bs = 256 if total >= 40 * (1 << 30) else 128
-        self.graphs = CudaGraphRunner(self, min(max_bs, self.cfg.max_running_requests))
+        max_bs = min(max_bs, self.cfg.max_running_requests)
+        reqs, bm, dk = self.cfg.max_running_requests, self.steps.block_m, self.steps.decode_kernel
+        decode = [StepLayout("decode", b, b) for b in batch_size_ladder(max_bs)]
+        extend = [StepLayout("extend", t, min(t, reqs), ops.extend_tile_capacity(t, min(t, reqs), bm),
+                             min(t, reqs) if dk else 0)
+                  for t in (token_bucket_ladder(max_tokens) if max_tokens > 0 else [])]
+        table, buffer, bound = self.table.req_to_slot, self.token_buffer, self.max_model_len
+        alloc, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+        self.graphs = CudaGraphRunner(
+            decode, extend, lambda layout, buf: layout.views(buf, table, buffer, bound),
+            lambda batch, out: self.forward_eager(batch, logits_out=out), self.steps.count_tiles,
+            lambda layout, buf: self.steps.upload(StepSpec(layout.mode, [], [], []), layout, buf),
+            self.model_config.vocab_size, self.device,
+        )
+        self.steps.graphs = self.graphs
+        gib = 1 << 30
+        log.info("captured %s; graph memory +%.2f GiB allocated, +%.2f GiB reserved", self.graphs.describe(),
+                 (torch.cuda.memory_allocated(self.device) - alloc) / gib,
+                 (torch.cuda.memory_reserved(self.device) - reserved) / gib)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
-        if self.graphs is not None and not all_positions and self.graphs.can_run(batch):
+        if batch.graph is None:
+            return self.forward_eager(batch, all_positions)
+        if not all_positions:
             return self.graphs.replay(batch)
-        return self.forward_eager(batch, all_positions)
+        # Every position's logits: the captured graph has only the sampled rows'. Run the
+        # step eagerly over the graph's (padded) buffers instead.
+        full = self.graphs.views(batch.graph, self.graphs.buffer)
+        return self.forward_eager(full, all_positions=True)[: batch.num_tokens]
 
     def forward_eager(
         self, batch: ForwardBatch, all_positions: bool = False, logits_out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        self.attn.prepare(batch)
-        return self.model(batch, self.attn, all_positions=all_positions, logits_out=logits_out)
+        """The model on `batch`, layer by layer. The batch was checked when it was built: the
+        ops skip their per-call argument checks here."""
+        with _checks.trusted():
+            self.attn.prepare(batch)
+            return self.model(batch, self.attn, all_positions=all_positions, logits_out=logits_out)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,7 +272,7 @@ class Engine:
         step with page size 1 gives every request a new slot: one copy each would dominate)."""
         if not rows:
             return
-        idx = torch.tensor([rows, cols, slots], dtype=torch.int64).to(self.device, non_blocking=True)
+        idx = host_to_device([rows, cols, slots], torch.int64, self.device)
         self.table.req_to_slot[idx[0], idx[1]] = idx[2].to(torch.int32)
 
     @torch.inference_mode()
@@ -289,7 +288,7 @@ class Engine:
             pages = self.allocator.allocate(pages_needed)
             try:
                 self.write_slots([row] * len(ids), list(range(len(ids))), self.allocator.slot_ids(pages)[: len(ids)])
-                batch = self.build_batch("extend", [row], [0], [list(ids)])
+                batch = self.build_batch("extend", [row], [0], [list(ids)], use_graphs=False)
                 out.append(self.forward(batch, all_positions=True).cpu())
             finally:
                 self.allocator.free(pages)

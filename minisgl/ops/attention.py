@@ -132,15 +132,16 @@ def decode_attention_triton(
     """q [B, Hq, D]: one new token per request (its K/V already stored), attending to
     positions 0..seq_lens[b]-1; seq_lens[b] <= max_seq_len (a fixed bound keeps a captured CUDA
     graph valid). Split-K flash decoding; returns [B, Hq, D] in q's dtype."""
-    check_tensor("q", q, dtype=_DTYPES, ndim=3)
-    _check_cache(q, k_cache, v_cache, req_to_slot)
-    _check_lens(q.shape[0], req_rows=req_rows, seq_lens=seq_lens)
-    if out is not None:
-        _check_out(out, q)
-    if max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, req_to_slot=req_to_slot,
-                      req_rows=req_rows, seq_lens=seq_lens)
+    if _checks.enabled():
+        check_tensor("q", q, dtype=_DTYPES, ndim=3)
+        _check_cache(q, k_cache, v_cache, req_to_slot)
+        _check_lens(q.shape[0], req_rows=req_rows, seq_lens=seq_lens)
+        if out is not None:
+            _check_out(out, q)
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, req_to_slot=req_to_slot,
+                          req_rows=req_rows, seq_lens=seq_lens)
     if use_triton("decode_attention_triton", q):
         return _dec.decode_attention(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens,
                                      max_seq_len, scale, out)

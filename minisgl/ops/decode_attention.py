@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from minisgl.ops import _checks
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 from minisgl.ops._checks import (
     check_contiguous,
@@ -131,9 +132,10 @@ def paged_decode_attention(
     should pass the same bound (e.g. the context length) on every replay.
     Returns out [B, Hq, D] in q's dtype (written into `out` if given). `num_splits`
     overrides the split policy (1..256; for tuning and tests)."""
-    _check(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, out)
-    if max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be >= 1 (a bound on seq_lens), got {max_seq_len}")
+    if _checks.enabled():
+        _check(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, out)
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1 (a bound on seq_lens), got {max_seq_len}")
     if not use_cuda_kernel("paged_decode_attention", q):
         ref = paged_decode_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, scale)
         if out is None:
@@ -142,7 +144,8 @@ def paged_decode_attention(
         return out
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _check_kernel_layout(q, k_cache, v_cache, out)
+    if _checks.enabled():
+        _check_kernel_layout(q, k_cache, v_cache, out)
     batch, num_heads, dim = q.shape
     kv_heads = k_cache.size(1)
     group = num_heads // kv_heads
