@@ -48,8 +48,7 @@ def paged_decode_attention_reference(
 
 @functools.lru_cache(maxsize=1024)
 def _num_splits(device: int, batch: int, kv_heads: int, group: int, dim: int, dtype: int, max_len: int) -> int:
-    # `device` is part of the key only: the SM count and occupancy are read for the current device.
-    return compiled().paged_decode_num_splits(batch, kv_heads, group, dim, dtype, max_len)
+    return compiled().paged_decode_num_splits(device, batch, kv_heads, group, dim, dtype, max_len)
 
 
 def _check(
@@ -170,7 +169,8 @@ def paged_decode_attention(
         req_rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
         0 if part_o is None else part_o.data_ptr(), 0 if part_lse is None else part_lse.data_ptr(),
         batch, kv_heads, group, dim, dtype, q.stride(0), out.stride(0), k_cache.stride(0),
-        req_to_slot.stride(0), req_to_slot.size(1), splits, float(scale), current_stream(q.device),
+        req_to_slot.stride(0), req_to_slot.size(1), splits, float(scale), q.device.index or 0,
+        current_stream(q.device),
     )
     # fmt: on
     return out
