@@ -4,21 +4,25 @@ run (benchmarks/graph_prototypes.py holds them; DESIGN.md §4 records the choice
 Qwen3-8B shapes, dummy weights, bf16. For each T: one request of T new tokens ("single"),
 and one chunk of T tokens plus `--decodes` decoding requests at `--decode-context` tokens
 ("mixed", T + decodes tokens). Designs, each on the same steps:
-  eager          today's engine.forward_eager (Python per layer, per-op checks), the baseline
-  eager-trusted  the same with the ops' argument checks skipped (ops._checks.trusted)
+  eager-checked  the engine's model layer by layer with every op checking its arguments (as
+                 main did before the step was checked once)
+  eager          engine.forward_eager: the same, the step checked once, the ops' checks skipped;
+                 the baseline
   a-tiles        (a) whole forward in one graph per token bucket; every attention row,
                  decode rows included, as extend-kernel tiles from a device-side tile map
   a-decode       (a) with the decode rows of a mixed step through the paged decode kernel
                  over min(bucket, decodes) rows in the same graph; tiles for the rest
   b-piecewise    (b) 37 graphs per bucket (the pieces between attention calls), attention
                  (KV store + extend kernel) launched eagerly between them
+  engine         the engine's own graphs (the real path, built from the choice): its token-bucket
+                 ladder (so a step may run padded in a larger bucket) and mixed steps as "mixed"
 Columns: host = time to submit the step (host lists -> device buffers -> replay/launches),
 GPU = CUDA events around the step (an eager step bound by the host shows its host time
 here too), wall = submit until the step's results are ready. Buckets are the step sizes
-themselves (no padding), so the rows compare designs, not padding. The logits of every
+themselves (no padding, but for "engine"), so the rows compare designs, not padding. The logits of every
 design are checked against eager's (max |diff| / max |eager logit|).
 
-    python benchmarks/graph_designs.py                        # the H100 run (~2-4 minutes)
+    python benchmarks/graph_designs.py                        # the H100 run (~3-5 minutes)
     python benchmarks/graph_designs.py --tiny --device cpu    # shape logic on the CPU
 """
 
@@ -73,7 +77,7 @@ def build_engine(args: argparse.Namespace, max_tokens: int) -> Engine:
         (Path(model) / "config.json").write_text(json.dumps(TINY))
     slots = args.decodes * (args.decode_context + 2) + max_tokens + 64
     cfg = EngineConfig(model=model, device=args.device, load_format="dummy", max_model_len=args.max_model_len,
-                       num_pages=slots, page_size=1, max_running_requests=args.decodes + 1)
+                       num_pages=slots, page_size=1, max_running_requests=args.max_running)
     eng = Engine(cfg)
     gen = torch.Generator(device=eng.device).manual_seed(0)
     eng.pool._k.normal_(generator=gen)  # the decodes' cached contexts: finite, not zeros
@@ -113,8 +117,9 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, default=64)
     ap.add_argument("--decode-context", type=int, default=640)
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--max-running", type=int, default=256, help="requests a step may hold (the servers' default)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--designs", nargs="+", default=["a-tiles", "a-decode", "b-piecewise"])
+    ap.add_argument("--designs", nargs="+", default=["a-tiles", "a-decode", "b-piecewise", "engine"])
     args = ap.parse_args()
     eng = build_engine(args, max(args.tokens))
     cuda = eng.device.type == "cuda"
@@ -127,19 +132,30 @@ def main() -> None:
     ref: dict[tuple[str, int], torch.Tensor] = {}
     for case, t, step in steps:
         def eager(step: Step = step) -> torch.Tensor:
-            batch = eng.build_batch("extend", step.rows, step.prefix, step.new)
-            return eng.forward_eager(batch)
+            return eng.forward_eager(eng.build_batch("extend", step.rows, step.prefix, step.new, use_graphs=False))
 
-        def eager_trusted(step: Step = step) -> torch.Tensor:
-            with _checks.trusted():
-                return eager(step)
+        def eager_checked(step: Step = step) -> torch.Tensor:
+            batch = eng.build_batch("extend", step.rows, step.prefix, step.new, use_graphs=False)
+            assert _checks.enabled()
+            eng.attn.prepare(batch)
+            return eng.model(batch, eng.attn)
 
         with torch.inference_mode():
             ref[(case, t)] = eager().float().clone()
+            results[(case, t, "eager-checked")] = (*timed(eager_checked, args.reps, cuda), 0.0)
             results[(case, t, "eager")] = (*timed(eager, args.reps, cuda), 0.0)
-            results[(case, t, "eager-trusted")] = (*timed(eager_trusted, args.reps, cuda), 0.0)
 
-    captures = [measure(eng, args, design, steps, block_m, ref, results) for design in args.designs]
+    captures = [measure(eng, args, d, steps, block_m, ref, results) for d in args.designs if d != "engine"]
+    if "engine" in args.designs:
+        try:
+            if cuda:
+                captures.append(measure_engine(eng, args, steps, ref, results))
+            else:
+                print("engine: its CUDA graphs need a GPU (skipped)")
+                args.designs.remove("engine")
+        except Exception as e:  # the prototypes' numbers above still print
+            print(f"engine design failed: {type(e).__name__}: {e}")
+            args.designs.remove("engine")
     print_tables(args, results, captures)
 
 
@@ -157,9 +173,9 @@ def measure(eng: Engine, args: argparse.Namespace, design: str, steps: list, blo
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    meta = StaticMeta(eng, args.decodes + 1, args.decodes, block_m)
+    meta = StaticMeta(eng, args.max_running, args.max_running, block_m)
     meta.allocate(buckets, decode_kernel)
-    logits = torch.empty(args.decodes + 1, eng.model_config.vocab_size, dtype=torch.float32, device=eng.device)
+    logits = torch.empty(args.max_running, eng.model_config.vocab_size, dtype=torch.float32, device=eng.device)
     if design == "b-piecewise":
         runner = Piecewise(eng, meta, logits, max(buckets))
     else:
@@ -186,8 +202,36 @@ def measure(eng: Engine, args: argparse.Namespace, design: str, steps: list, blo
     return design, len(buckets), seconds, alloc / 2**30, res / 2**30
 
 
+def measure_engine(eng: Engine, args: argparse.Namespace, steps: list, ref: dict, results: dict) -> tuple:
+    """The real path: Engine.enable_cuda_graphs (one decode graph, the extend ladder up to the
+    largest step), then build_batch + forward per step; mixed steps as mode "mixed"."""
+    torch.cuda.synchronize()
+    alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    t0 = time.perf_counter()
+    eng.enable_cuda_graphs(1, max(step.num_tokens for _, _, step in steps))
+    seconds = time.perf_counter() - t0
+    alloc, res = torch.cuda.memory_allocated() - alloc0, torch.cuda.memory_reserved() - res0
+    for case, t, step in steps:
+        nd = step.num_decodes
+        if nd:  # decodes read their input from the token buffer, as the scheduler's do
+            ids = torch.tensor([x[0] for x in step.new[:nd]], device=eng.device)
+            eng.token_buffer[torch.tensor(step.rows[:nd], device=eng.device)] = ids
+        mode = "mixed" if nd else "extend"
+        new = [None] * nd + step.new[nd:]
+
+        def run(step: Step = step, mode: str = mode, new: list = new) -> torch.Tensor:
+            return eng.forward(eng.build_batch(mode, step.rows, step.prefix, new))
+
+        with torch.inference_mode():
+            got = run().float()
+            want = ref[(case, t)]
+            diff = ((got - want).abs().max() / want.abs().max()).item()
+            results[(case, t, "engine")] = (*timed(run, args.reps, True), diff)
+    return "engine", len(eng.graphs.graphs), seconds, alloc / 2**30, res / 2**30
+
+
 def print_tables(args: argparse.Namespace, results: dict, captures: list) -> None:
-    designs = ["eager", "eager-trusted", *args.designs]
+    designs = ["eager-checked", "eager", *args.designs]
     print("\n| case | new tokens | design | host submit ms | GPU ms | wall ms | wall vs eager | logits rel. diff |")
     print("|---|---|---|---|---|---|---|---|")
     for case in ("single", "mixed"):
@@ -198,7 +242,7 @@ def print_tables(args: argparse.Namespace, results: dict, captures: list) -> Non
                 total = t + (args.decodes if case == "mixed" else 0)
                 print(f"| {case} | {total} | {d} | {host:.2f} | {gpu:.2f} | {wall:.2f} | {base / wall:.2f}x | "
                       f"{diff:.1e} |")
-    print("\n| design | buckets captured | warm-up + capture s | graph memory allocated GiB | reserved GiB |")
+    print("\n| design | graphs captured | warm-up + capture s | graph memory allocated GiB | reserved GiB |")
     print("|---|---|---|---|---|")
     for design, n, seconds, alloc, res in captures:
         print(f"| {design} | {n} | {seconds:.2f} | {alloc:.3f} | {res:.3f} |")

@@ -86,14 +86,17 @@ class CudaGraphRunner:
                 fill_empty(layout, self.buffer)  # a step of padding only: valid indices
                 out = self.logits[: layout.requests]
                 self.forward(self.views(layout, self.buffer), out)  # compiles, picks GEMMs: outside capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    batch = self.views(layout, self.buffer)
-                    self.outputs[layout] = self.forward(batch, out)
-                self.graphs[layout], self.static[layout] = graph, batch
+                self._record(layout, out, pool, stream)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
+
+    def _record(self, layout: StepLayout, out: torch.Tensor, pool: object, stream: torch.cuda.Stream) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            batch = self.views(layout, self.buffer)
+            self.outputs[layout] = self.forward(batch, out)
+        self.graphs[layout], self.static[layout] = graph, batch
 
     def layout_for(self, spec: StepSpec) -> StepLayout | None:
         """The smallest captured layout `spec` fits, or None (run it eagerly)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from minisgl import ops
-from minisgl.attention.base import AttentionBackend
+from minisgl.attention.select import make_backend
 from minisgl.distributed.communicator import make_communicator, min_across_ranks
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.batch import ForwardBatch
@@ -40,34 +40,6 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
         return ModelConfig.from_dict(gguf_config(source.path))
     return ModelConfig.from_folder(source.path)
-
-
-def make_backend(name: str, pool: KVPool, num_q_heads: int, scale: float, device: torch.device) -> AttentionBackend:
-    if name == "auto":
-        # GPU: our CUDA decode kernel + Triton extend where _C has CUDA, else all-Triton. A
-        # float32 KV cache gets the torch backend: our CUDA kernel takes 16-bit caches only,
-        # and float32 is the reference dtype, whose math the torch backend shares with the CPU.
-        # (The Triton kernels are exact in fp32 too, with ieee dots; `triton` can be chosen.)
-        from minisgl.ops._backend import compiled
-
-        ext = compiled()
-        if device.type != "cuda" or pool.dtype == torch.float32:
-            name = "torch"
-        else:
-            name = "cuda" if ext is not None and ext.has_cuda else "triton"
-    if name == "torch":
-        from minisgl.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend(pool, num_q_heads, scale)
-    if device.type != "cuda":
-        raise ValueError(f"attention_backend {name!r} needs a CUDA device; use 'torch' on {device}")
-    if name == "triton":
-        from minisgl.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(pool, num_q_heads, scale)
-    from minisgl.attention.cuda_backend import CudaAttentionBackend
-
-    return CudaAttentionBackend(pool, num_q_heads, scale)
 
 
 class Engine:
@@ -196,15 +168,18 @@ class Engine:
         captured graph's buffers when one fits (`use_graphs`)."""
         return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs)
 
-    def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0) -> None:
+    def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0, runner_cls: type | None = None) -> None:
         """Captures decode graphs up to `max_bs` requests (default: from GPU memory) and extend /
-        mixed graphs up to `max_tokens` tokens per step (0: none)."""
+        mixed graphs up to `max_tokens` tokens per step (0: none). `runner_cls`: a
+        CudaGraphRunner subclass (tests replay "graphs" on the CPU with one)."""
         from minisgl.engine.cuda_graph import CudaGraphRunner, batch_size_ladder, token_bucket_ladder
 
+        runner_cls = runner_cls or CudaGraphRunner
+        cuda = self.device.type == "cuda"
         if self.attn.name == "torch":
             raise ValueError("CUDA graphs need the 'triton' or 'cuda' attention backend (or disable CUDA graphs)")
         if max_bs is None:
-            total = torch.cuda.get_device_properties(self.device).total_memory
+            total = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
             max_bs = 256 if total >= 40 * (1 << 30) else 128
         max_bs = min(max_bs, self.cfg.max_running_requests)
         reqs, bm, dk = self.cfg.max_running_requests, self.steps.block_m, self.steps.decode_kernel
@@ -213,8 +188,10 @@ class Engine:
                              min(t, reqs) if dk else 0)
                   for t in (token_bucket_ladder(max_tokens) if max_tokens > 0 else [])]
         table, buffer, bound = self.table.req_to_slot, self.token_buffer, self.max_model_len
-        alloc, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
-        self.graphs = CudaGraphRunner(
+        mem = (lambda: (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))) if cuda \
+            else (lambda: (0, 0))
+        alloc, reserved = mem()
+        self.graphs = runner_cls(
             decode, extend, lambda layout, buf: layout.views(buf, table, buffer, bound),
             lambda batch, out: self.forward_eager(batch, logits_out=out), self.steps.count_tiles,
             lambda layout, buf: self.steps.upload(StepSpec(layout.mode, [], [], []), layout, buf),
@@ -222,29 +199,33 @@ class Engine:
         )
         self.steps.graphs = self.graphs
         gib = 1 << 30
+        alloc2, reserved2 = mem()
         log.info("captured %s; graph memory +%.2f GiB allocated, +%.2f GiB reserved", self.graphs.describe(),
-                 (torch.cuda.memory_allocated(self.device) - alloc) / gib,
-                 (torch.cuda.memory_reserved(self.device) - reserved) / gib)
+                 (alloc2 - alloc) / gib, (reserved2 - reserved) / gib)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
-        if batch.graph is None:
-            return self.forward_eager(batch, all_positions)
-        if not all_positions:
+        """fp32 logits of each request's last new token [B, vocab] (every token's: [T, vocab]),
+        from the step's captured graph when it has one (the graph keeps the sampled rows only:
+        every position's logits come from an eager run)."""
+        if batch.graph is not None and not all_positions:
             return self.graphs.replay(batch)
-        # Every position's logits: the captured graph has only the sampled rows'. Run the
-        # step eagerly over the graph's (padded) buffers instead.
-        full = self.graphs.views(batch.graph, self.graphs.buffer)
-        return self.forward_eager(full, all_positions=True)[: batch.num_tokens]
+        return self.forward_eager(batch, all_positions)
 
     def forward_eager(
         self, batch: ForwardBatch, all_positions: bool = False, logits_out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The model on `batch`, layer by layer. The batch was checked when it was built: the
-        ops skip their per-call argument checks here."""
+        ops skip their per-call argument checks here. A graph's step (built last) runs over
+        the graph's padded buffers, and the padding rows are cut off."""
+        rows = None
+        if batch.graph is not None:
+            rows = batch.num_tokens if all_positions else batch.batch_size
+            batch = self.graphs.views(batch.graph, self.graphs.buffer)
         with _checks.trusted():
             self.attn.prepare(batch)
-            return self.model(batch, self.attn, all_positions=all_positions, logits_out=logits_out)
+            out = self.model(batch, self.attn, all_positions=all_positions, logits_out=logits_out)
+        return out if rows is None else out[:rows]
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,14 +104,20 @@ def _extend(
         return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
                                      cu_seqlens_q, max_extend_len, scale, out, tiles=tiles)
     log_cpu_reference_once("extend_attention")
-    # The reference needs every row's tokens contiguous from 0: bucket padding rows past
-    # cu_seqlens_q[B] are computed on a prefix and left as they were.
-    n = int(cu_seqlens_q[-1]) if tiles is not None else q.shape[0]
-    ref = _ext.extend_attention_reference(q[:n], k_cache, v_cache, req_to_slot, req_rows,
-                                          prefix_lens, cu_seqlens_q, scale)
+    if tiles is None:
+        ref = _ext.extend_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
+                                              cu_seqlens_q, scale)
+        return ref.to(q.dtype) if out is None else out.copy_(ref)
+    # As the kernel: only the requests the tiles cover, only their rows (a mixed step's decode
+    # rows and the bucket's padding rows are left as they are).
     if out is None:
-        out = torch.empty_like(q)
-    out[:n].copy_(ref)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    for b in sorted(set(tiles[:, 0].tolist()) - {-1}):
+        lo, hi = cu[b], cu[b + 1]
+        one = torch.tensor([0, hi - lo], dtype=cu_seqlens_q.dtype, device=q.device)
+        out[lo:hi] = _ext.extend_attention_reference(q[lo:hi], k_cache, v_cache, req_to_slot, req_rows[b : b + 1],
+                                                     prefix_lens[b : b + 1], one, scale)
     return out
 
 
