@@ -228,6 +228,15 @@ class Engine:
         return out if rows is None else out[:rows]
 
     @torch.inference_mode()
+    def warm_up_sampling(self) -> None:
+        """Compiles the sampling kernel now rather than at the first request that samples (its
+        specialization depends on the vocabulary and the 16-byte-aligned inputs only)."""
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        logits = torch.randn(2, self.model_config.vocab_size, generator=gen, device=self.device)
+        st = SamplingTensors.build([0.8, 1.0], [20, -1], [0.9, 1.0], [0.05, 0.0], [1, 2], [0, 0], self.device)
+        self.sample(logits, st)
+
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logprobs of the chosen tokens under the raw logits)."""
         if st.all_greedy:  # no randomness: skip the sampling kernel

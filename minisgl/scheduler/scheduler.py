@@ -55,8 +55,11 @@ class Scheduler:
         self.num_retractions = 0
         # (start, end) CUDA events around each step's device work, when a benchmark asks.
         self.gpu_timeline: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] | None = None
-        if engine.device.type == "cuda" and self.cfg.cuda_graph:
-            engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, self.graph_max_tokens)
+        if engine.device.type == "cuda":
+            # Everything the serving path runs is compiled (and captured) before it serves.
+            if self.cfg.cuda_graph:
+                engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, self.graph_max_tokens)
+            engine.warm_up_sampling()
 
     @property
     def graph_max_tokens(self) -> int:
