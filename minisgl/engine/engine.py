@@ -142,7 +142,7 @@ class Engine:
         """Frees the CUDA graphs, then the communicators. With TP every rank must call it
         together: NCCL teardown is collective, and it waits until no captured graph still
         references the communicator (so the graphs go first)."""
-        self.graphs = None
+        self.graphs = self.steps.graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.comm.destroy()
