@@ -46,13 +46,14 @@ def embedding_lookup(
 ) -> torch.Tensor:
     """weight [rows, hidden] (row stride free); ids int32/int64 [n]. Rows for ids in
     [start, end) (default: all of weight's rows), zeros elsewhere; returns [n, hidden]."""
-    end = weight.size(0) + start if end is None else end
-    n, hidden = ids.size(0), weight.size(1)
     if _checks.enabled():
         check_tensor("weight", weight, dtype=_DTYPES, ndim=2)
         check_tensor("ids", ids, dtype=_ID_DTYPES, ndim=1)
         check_contiguous("ids", ids)
         check_inner_contiguous("weight", weight, inner_dims=1)
+    end = weight.size(0) + start if end is None else end
+    n, hidden = ids.size(0), weight.size(1)
+    if _checks.enabled():
         if not 0 <= end - start <= weight.size(0):
             raise ValueError(f"end - start must be in [0, {weight.size(0)}] (weight's rows), got [{start}, {end})")
         if out is not None:
