@@ -29,27 +29,27 @@ def main() -> None:
               max_running_requests=args.max_bs, max_prefill_tokens=args.max_prefill_tokens,
               mixed_chunk_tokens=args.mixed_chunk_tokens)
     eng = llm.engine
-    max_tokens = llm.scheduler.graph_max_tokens
+    max_tokens, max_mixed = llm.scheduler.graph_max_tokens
     gib = 1 << 30
     vocab = eng.model_config.vocab_size
     print(f"{eng.model_config.architecture}, vocab {vocab}; logits buffer [{args.max_bs}, {vocab}] fp32 = "
           f"{args.max_bs * vocab * 4 / gib:.3f} GiB")
     print("| graphs | count | capture s (incl. warm-up) | allocated GiB | reserved GiB |")
     print("|---|---|---|---|---|")
-    for label, max_bs, tokens in (("decode ladder", args.max_bs, 0), ("decode + extend ladders", args.max_bs,
-                                                                       max_tokens)):
+    for label, tokens, mixed in (("decode ladder", 0, 0), ("decode + prefill + mixed ladders", max_tokens, max_mixed)):
         eng.graphs, eng.steps.graphs = None, None
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         t0 = time.perf_counter()
-        eng.enable_cuda_graphs(max_bs, tokens)
+        eng.enable_cuda_graphs(args.max_bs, tokens, mixed)
         seconds = time.perf_counter() - t0
         n = len(eng.graphs.graphs)
         alloc, res = torch.cuda.memory_allocated() - alloc0, torch.cuda.memory_reserved() - res0
         print(f"| {label} | {n} | {seconds:.1f} | {alloc / gib:.3f} | {res / gib:.3f} |")
     print(f"decode batch sizes {batch_size_ladder(args.max_bs)}")
-    print(f"token buckets {token_bucket_ladder(max_tokens)}")
+    print(f"prefill token buckets {token_bucket_ladder(max_tokens)}")
+    print(f"mixed token buckets {token_bucket_ladder(max_mixed)}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ and one chunk of T tokens plus `--decodes` decoding requests at `--decode-contex
   a-tiles        (a) whole forward in one graph per token bucket; every attention row,
                  decode rows included, as extend-kernel tiles from a device-side tile map
   a-decode       (a) with the decode rows of a mixed step through the paged decode kernel
-                 over min(bucket, decodes) rows in the same graph; tiles for the rest
+                 over min(bucket, max requests) rows in the same graph; tiles for the rest
+                 (here in the single-request graphs too; the engine captures its prefill
+                 graphs without those rows, and only its mixed graphs have them)
   b-piecewise    (b) 37 graphs per bucket (the pieces between attention calls), attention
                  (KV store + extend kernel) launched eagerly between them
   engine         the engine's own graphs (the real path, built from the choice): its token-bucket
@@ -203,12 +205,13 @@ def measure(eng: Engine, args: argparse.Namespace, design: str, steps: list, blo
 
 
 def measure_engine(eng: Engine, args: argparse.Namespace, steps: list, ref: dict, results: dict) -> tuple:
-    """The real path: Engine.enable_cuda_graphs (one decode graph, the extend ladder up to the
-    largest step), then build_batch + forward per step; mixed steps as mode "mixed"."""
+    """The real path: Engine.enable_cuda_graphs (one decode graph, the prefill and mixed ladders
+    up to the largest step), then build_batch + forward per step; mixed steps as mode "mixed"."""
     torch.cuda.synchronize()
     alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     t0 = time.perf_counter()
-    eng.enable_cuda_graphs(1, max(step.num_tokens for _, _, step in steps))
+    largest = max(step.num_tokens for _, _, step in steps)
+    eng.enable_cuda_graphs(1, largest, largest)
     seconds = time.perf_counter() - t0
     alloc, res = torch.cuda.memory_allocated() - alloc0, torch.cuda.memory_reserved() - res0
     for case, t, step in steps:

@@ -40,8 +40,8 @@ class _Replay:
 
 class ReplayRunner(CudaGraphRunner):
     def _capture_all(self, fill_empty) -> None:  # noqa: ANN001
-        self.replays = {"decode": 0, "extend": 0}
-        for layout in [*self.decode, *self.extend]:
+        self.replays = {"decode": 0, "extend": 0, "mixed": 0}
+        for layout in [*self.decode, *self.extend, *self.mixed]:
             fill_empty(layout, self.buffer)
             out = self.logits[: layout.requests]
             batch = self.views(layout, self.buffer)
@@ -54,7 +54,7 @@ def graph_llm(path: str, decode_kernel: bool, **options) -> LLM:
     eng = llm.engine
     eng.attn = TritonAttentionBackend(eng.pool, eng.num_q_heads, eng.model_config.head_dim**-0.5)
     eng.steps.block_m, eng.steps.decode_kernel = eng.attn.tile_block_m, decode_kernel
-    eng.enable_cuda_graphs(4, llm.scheduler.graph_max_tokens, runner_cls=ReplayRunner)
+    eng.enable_cuda_graphs(4, *llm.scheduler.graph_max_tokens, runner_cls=ReplayRunner)
     return llm
 
 
@@ -72,7 +72,8 @@ def test_replayed_graphs_equal_eager(tiny_model_path, decode_kernel: bool) -> No
     llm = graph_llm(path, decode_kernel, **opts)
     eng = llm.engine
     runner = eng.graphs
-    assert [x.tokens for x in runner.extend] == [16, 32, 48]  # up to max(48, 6 + 20)
+    assert [x.tokens for x in runner.extend] == [16, 32, 48]  # up to max_prefill_tokens
+    assert [x.tokens for x in runner.mixed] == ([16, 26] if decode_kernel else [])  # 6 decodes + 20
     eng.pool._k.fill_(math.nan)  # every slot unused so far; padding may write only the dummy
     eng.pool._v.fill_(math.nan)
     handed_out: set[int] = set()
@@ -86,7 +87,8 @@ def test_replayed_graphs_equal_eager(tiny_model_path, decode_kernel: bool) -> No
     eng.allocator.allocate = allocate_and_record
     got = [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     assert got == want
-    assert runner.replays["extend"] > 3 and runner.replays["decode"] > 3
+    assert runner.replays["extend"] >= 1 and runner.replays["decode"] > 3
+    assert runner.replays["mixed" if decode_kernel else "extend"] > 3
     written = (~torch.isnan(eng.pool._k)).any(-1).any(-1).any(0)  # [slots]: written in some layer
     stray = set(written.nonzero().flatten().tolist()) - handed_out - {DUMMY_SLOT}
     assert not stray, f"padding wrote KV slots {sorted(stray)[:8]} that no request owns"

@@ -108,3 +108,21 @@ def engine(tiny_model_path):
 def test_bad_steps_are_refused_once_at_build(engine, mode, rows, prefix, new, match) -> None:
     with pytest.raises(ValueError, match=match):
         engine.build_batch(mode, rows, prefix, new)
+
+
+def test_trusted_skips_the_ops_checks_only_inside() -> None:
+    from minisgl import ops
+    from minisgl.ops import _checks
+
+    x, short = torch.randn(3, 8), torch.ones(4)
+    with pytest.raises(ValueError, match="weight"):
+        ops.rmsnorm(x, short, 1e-6)
+    with pytest.raises(RuntimeError):  # unchecked: torch itself fails, later and less clearly
+        with _checks.trusted():
+            with _checks.trusted():
+                pass
+            assert not _checks.enabled()  # nesting keeps the outer block trusted
+            ops.rmsnorm(x, short, 1e-6)
+    assert _checks.enabled()
+    with pytest.raises(ValueError, match="weight"):
+        ops.rmsnorm(x, short, 1e-6)

@@ -4,10 +4,12 @@ Two ladders of `StepLayout`s, each captured as one graph of the whole forward (e
 LM head) in one shared memory pool:
 - decode: a batch-size ladder; the decode kernel's launch depends on the batch size and the
   context-length bound only;
-- extend: a total-token ladder up to the largest step the scheduler forms (prefill, chunked
-  prefill, prefix hits and mixed prefill + decode steps alike), with room for
-  min(bucket, max requests) requests; extend attention runs in tile-map mode and the decode
-  rows of a mixed step through the decode kernel, so no launch depends on the step's lengths.
+- extend: a total-token ladder up to the largest prefill step (prefill, chunked prefill,
+  prefix hits), with room for min(bucket, max requests) requests; extend attention runs in
+  tile-map mode, so no launch depends on the step's lengths;
+- mixed: the same up to the largest mixed step (every decode + a prefill chunk), plus the
+  decode kernel over min(bucket, max requests) leading rows for the decodes (without this
+  ladder, mixed steps take the extend graphs, their decodes as one-row tiles).
 
 A step replays the smallest layout that fits it: the host fills the static index buffer (one
 copy, see step_builder) and launches one graph. Padding tokens write K/V only to the dummy
@@ -23,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from minisgl import ops
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.step_layout import StepLayout, StepSpec
 from minisgl.logging_setup import get_logger
@@ -46,6 +49,22 @@ def token_bucket_ladder(max_tokens: int) -> list[int]:
     return [s for s in sizes if s < max_tokens] + [max_tokens]
 
 
+def graph_layouts(
+    max_bs: int, max_tokens: int, max_mixed_tokens: int, max_requests: int, block_m: int, decode_kernel: bool
+) -> tuple[list[StepLayout], list[StepLayout]]:
+    """(decode layouts, extend + mixed layouts) to capture. Without the decode kernel for a
+    mixed step's decodes there is no mixed ladder: those steps take the extend graphs."""
+
+    def ladder(mode: str, top: int, decodes: bool) -> list[StepLayout]:
+        caps = [(t, min(t, max_requests)) for t in (token_bucket_ladder(top) if top > 0 else [])]
+        return [StepLayout(mode, t, b, ops.extend_tile_capacity(t, b, block_m), b if decodes else 0) for t, b in caps]
+
+    decode = [StepLayout("decode", b, b) for b in batch_size_ladder(max_bs)]
+    if decode_kernel:
+        return decode, ladder("extend", max_tokens, False) + ladder("mixed", max_mixed_tokens, True)
+    return decode, ladder("extend", max(max_tokens, max_mixed_tokens), False)
+
+
 class CudaGraphRunner:
     """`views(layout, buffer)` builds a layout's ForwardBatch over the static buffer (graph-safe);
     `forward(batch, logits_out)` runs the model; `count_tiles(spec, decode_kernel)` counts a
@@ -59,11 +78,11 @@ class CudaGraphRunner:
         vocab_size: int, device: torch.device,
     ) -> None:
         self.decode = sorted(decode, key=lambda x: x.tokens)
-        self.extend = sorted(extend, key=lambda x: x.tokens)
-        self._decode_keys = [x.tokens for x in self.decode]
-        self._extend_keys = [x.tokens for x in self.extend]
+        self.extend = sorted((x for x in extend if x.mode == "extend"), key=lambda x: x.tokens)
+        self.mixed = sorted((x for x in extend if x.mode == "mixed"), key=lambda x: x.tokens)
+        self._keys = {m: [x.tokens for x in getattr(self, m)] for m in ("decode", "extend", "mixed")}
         self.views, self.forward, self.count_tiles, self.device = views, forward, count_tiles, device
-        layouts = [*self.decode, *self.extend]
+        layouts = [*self.decode, *self.extend, *self.mixed]
         self.buffer = torch.zeros(max(x.size for x in layouts), dtype=torch.int64, device=device)
         # One fp32 logits buffer for every graph: each graph's own output would stay allocated
         # for the runner's lifetime (~1.3 GiB over the decode ladder at 256 x 152k vocab).
@@ -82,7 +101,7 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             # Largest first: the smaller graphs reuse its pool memory.
-            for layout in sorted([*self.decode, *self.extend], key=lambda x: -x.size):
+            for layout in sorted([*self.decode, *self.extend, *self.mixed], key=lambda x: -x.size):
                 fill_empty(layout, self.buffer)  # a step of padding only: valid indices
                 out = self.logits[: layout.requests]
                 self.forward(self.views(layout, self.buffer), out)  # compiles, picks GEMMs: outside capture
@@ -101,10 +120,11 @@ class CudaGraphRunner:
     def layout_for(self, spec: StepSpec) -> StepLayout | None:
         """The smallest captured layout `spec` fits, or None (run it eagerly)."""
         if spec.mode == "decode":
-            i = bisect.bisect_left(self._decode_keys, len(spec.rows))
+            i = bisect.bisect_left(self._keys["decode"], len(spec.rows))
             return self.decode[i] if i < len(self.decode) else None
-        i = bisect.bisect_left(self._extend_keys, spec.num_tokens)
-        for layout in self.extend[i:]:
+        mode = "mixed" if spec.mode == "mixed" and self.mixed else "extend"
+        i = bisect.bisect_left(self._keys[mode], spec.num_tokens)
+        for layout in getattr(self, mode)[i:]:
             if layout.fits(spec, self.count_tiles(spec, layout.decodes > 0)):
                 return layout
         return None
@@ -127,5 +147,6 @@ class CudaGraphRunner:
         return self.outputs[batch.graph][: batch.batch_size]
 
     def describe(self) -> str:
-        return (f"{len(self.graphs)} CUDA graphs (decode batch sizes {self._decode_keys}, "
-                f"extend/mixed token buckets {self._extend_keys}) in {self.capture_seconds:.1f} s")
+        k = self._keys
+        return (f"{len(self.graphs)} CUDA graphs (decode batch sizes {k['decode']}, prefill token buckets "
+                f"{k['extend']}, mixed token buckets {k['mixed']}) in {self.capture_seconds:.1f} s")

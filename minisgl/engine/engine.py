@@ -13,7 +13,7 @@ from minisgl.engine.config import DTYPES, EngineConfig
 from minisgl.engine.prompt import check_prompt
 from minisgl.engine.sampler import SamplingTensors
 from minisgl.engine.step_builder import StepBuilder, host_to_device
-from minisgl.engine.step_layout import StepLayout, StepSpec
+from minisgl.engine.step_layout import StepSpec
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
 from minisgl.models.config import ModelConfig
@@ -168,11 +168,14 @@ class Engine:
         captured graph's buffers when one fits (`use_graphs`)."""
         return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs)
 
-    def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0, runner_cls: type | None = None) -> None:
-        """Captures decode graphs up to `max_bs` requests (default: from GPU memory) and extend /
-        mixed graphs up to `max_tokens` tokens per step (0: none). `runner_cls`: a
-        CudaGraphRunner subclass (tests replay "graphs" on the CPU with one)."""
-        from minisgl.engine.cuda_graph import CudaGraphRunner, batch_size_ladder, token_bucket_ladder
+    def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0, max_mixed_tokens: int = 0,
+                           runner_cls: type | None = None) -> None:
+        """Captures decode graphs up to `max_bs` requests (default: from GPU memory), extend
+        graphs up to `max_tokens` tokens per step and mixed ones (decodes + a prefill chunk) up
+        to `max_mixed_tokens` (0: none of that kind; mixed steps then take the extend graphs,
+        decodes as one-row tiles). `runner_cls`: a CudaGraphRunner subclass (tests replay
+        "graphs" on the CPU with one)."""
+        from minisgl.engine.cuda_graph import CudaGraphRunner, graph_layouts
 
         runner_cls = runner_cls or CudaGraphRunner
         cuda = self.device.type == "cuda"
@@ -181,12 +184,8 @@ class Engine:
         if max_bs is None:
             total = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
             max_bs = 256 if total >= 40 * (1 << 30) else 128
-        max_bs = min(max_bs, self.cfg.max_running_requests)
-        reqs, bm, dk = self.cfg.max_running_requests, self.steps.block_m, self.steps.decode_kernel
-        decode = [StepLayout("decode", b, b) for b in batch_size_ladder(max_bs)]
-        extend = [StepLayout("extend", t, min(t, reqs), ops.extend_tile_capacity(t, min(t, reqs), bm),
-                             min(t, reqs) if dk else 0)
-                  for t in (token_bucket_ladder(max_tokens) if max_tokens > 0 else [])]
+        decode, extend = graph_layouts(min(max_bs, self.cfg.max_running_requests), max_tokens, max_mixed_tokens,
+                                       self.cfg.max_running_requests, self.steps.block_m, self.steps.decode_kernel)
         table, buffer, bound = self.table.req_to_slot, self.token_buffer, self.max_model_len
         mem = (lambda: (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))) if cuda \
             else (lambda: (0, 0))

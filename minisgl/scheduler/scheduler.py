@@ -58,16 +58,18 @@ class Scheduler:
         if engine.device.type == "cuda":
             # Everything the serving path runs is compiled (and captured) before it serves.
             if self.cfg.cuda_graph:
-                engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, self.graph_max_tokens)
+                engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, *self.graph_max_tokens)
             engine.warm_up_sampling()
 
     @property
-    def graph_max_tokens(self) -> int:
-        """The largest step this scheduler forms (the extend graphs' top bucket), unless capped."""
+    def graph_max_tokens(self) -> tuple[int, int]:
+        """The largest prefill step and the largest mixed step (0: none) this scheduler forms:
+        the tops of the extend and mixed graph ladders, unless `cuda_graph_max_tokens` caps them."""
         cfg = self.cfg
-        mixed = min(cfg.mixed_chunk_tokens, cfg.max_prefill_tokens)
-        largest = max(cfg.max_prefill_tokens, self.engine.cfg.max_running_requests + mixed if mixed else 0)
-        return largest if cfg.cuda_graph_max_tokens is None else min(largest, cfg.cuda_graph_max_tokens)
+        chunk = min(cfg.mixed_chunk_tokens, cfg.max_prefill_tokens)
+        mixed = self.engine.cfg.max_running_requests + chunk if chunk else 0
+        cap = cfg.cuda_graph_max_tokens
+        return (cfg.max_prefill_tokens, mixed) if cap is None else (min(cfg.max_prefill_tokens, cap), min(mixed, cap))
 
     # ---- requests in and out ----
 
