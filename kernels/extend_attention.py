@@ -73,11 +73,11 @@ def _extend_attn_kernel(
     if TILED:
         b = tl.load(Tiles + 2 * tl.program_id(1))
         m_start = tl.load(Tiles + 2 * tl.program_id(1) + 1)
-        if b < 0:
-            return
     else:
         b = tl.program_id(2)
         m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    if b < 0:  # an unused tile
+        return
     q_start = tl.load(CuSeqlensQ + b)
     ext = tl.load(CuSeqlensQ + b + 1) - q_start
     if m_start >= ext:
