@@ -208,6 +208,7 @@ def measure_engine(eng: Engine, args: argparse.Namespace, steps: list, ref: dict
     """The real path: Engine.enable_cuda_graphs (one decode graph, the prefill and mixed ladders
     up to the largest step), then build_batch + forward per step; mixed steps as mode "mixed"."""
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the prototypes' graphs are gone
     alloc0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     t0 = time.perf_counter()
     largest = max(step.num_tokens for _, _, step in steps)
