@@ -62,14 +62,18 @@ PROMPTS = [list(range(300, 317)), [42], list(range(1000, 1070)), [5, 6, 7, 8] * 
 PARAMS = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 14, 6, 11, 8)]
 
 
-@pytest.mark.parametrize("decode_kernel", [True, False], ids=["decode-rows", "decode-tiles"])
-def test_replayed_graphs_equal_eager(tiny_model_path, decode_kernel: bool) -> None:
-    path = str(tiny_model_path("qwen3"))
-    opts = dict(max_prefill_tokens=48, mixed_chunk_tokens=20, max_running_requests=6, page_size=2)
-    want = [o["token_ids"] for o in LLM(path, device="cpu", dtype="float32", **opts).generate(
-        PROMPTS, PARAMS, use_tqdm=False)]
+OPTS = dict(max_prefill_tokens=48, mixed_chunk_tokens=20, max_running_requests=6, page_size=2)
 
-    llm = graph_llm(path, decode_kernel, **opts)
+
+@pytest.fixture(scope="module")
+def eager_tokens(tiny_model_path) -> list[list[int]]:
+    llm = LLM(str(tiny_model_path("qwen3")), device="cpu", dtype="float32", **OPTS)
+    return [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("decode_kernel", [True, False], ids=["decode-rows", "decode-tiles"])
+def test_replayed_graphs_equal_eager(tiny_model_path, eager_tokens, decode_kernel: bool) -> None:
+    llm = graph_llm(str(tiny_model_path("qwen3")), decode_kernel, **OPTS)
     eng = llm.engine
     runner = eng.graphs
     assert [x.tokens for x in runner.extend] == [16, 32, 48]  # up to max_prefill_tokens
@@ -86,7 +90,7 @@ def test_replayed_graphs_equal_eager(tiny_model_path, decode_kernel: bool) -> No
 
     eng.allocator.allocate = allocate_and_record
     got = [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-    assert got == want
+    assert got == eager_tokens
     assert runner.replays["extend"] >= 1 and runner.replays["decode"] > 3
     assert runner.replays["mixed" if decode_kernel else "extend"] > 3
     written = (~torch.isnan(eng.pool._k)).any(-1).any(-1).any(0)  # [slots]: written in some layer
