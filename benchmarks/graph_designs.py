@@ -22,7 +22,8 @@ Columns: host = time to submit the step (host lists -> device buffers -> replay/
 GPU = CUDA events around the step (an eager step bound by the host shows its host time
 here too), wall = submit until the step's results are ready. Buckets are the step sizes
 themselves (no padding, but for "engine"), so the rows compare designs, not padding. The logits of every
-design are checked against eager's (max |diff| / max |eager logit|).
+design are checked against eager's (max |diff| / max |eager logit|); the last line gives the
+rounding baseline for the mixed rows (the same decodes as a decode step vs one-row tiles).
 
     python benchmarks/graph_designs.py                        # the H100 run (~3-5 minutes)
     python benchmarks/graph_designs.py --tiny --device cpu    # shape logic on the CPU
@@ -132,6 +133,7 @@ def main() -> None:
           f"context {args.decode_context}")
     results: dict[tuple[str, int, str], tuple[float, float, float, float]] = {}
     ref: dict[tuple[str, int], torch.Tensor] = {}
+    baseline: dict[int, float] = {}
     for case, t, step in steps:
         def eager(step: Step = step) -> torch.Tensor:
             return eng.forward_eager(eng.build_batch("extend", step.rows, step.prefix, step.new, use_graphs=False))
@@ -144,6 +146,8 @@ def main() -> None:
 
         with torch.inference_mode():
             ref[(case, t)] = eager().float().clone()
+            if step.num_decodes:
+                baseline[t] = decode_step_baseline(eng, step, ref[(case, t)])
             results[(case, t, "eager-checked")] = (*timed(eager_checked, args.reps, cuda), 0.0)
             results[(case, t, "eager")] = (*timed(eager, args.reps, cuda), 0.0)
 
@@ -159,6 +163,23 @@ def main() -> None:
             print(f"engine design failed: {type(e).__name__}: {e}")
             args.designs.remove("engine")
     print_tables(args, results, captures)
+    if baseline:
+        worst = max(baseline.values())
+        print(f"rounding baseline: the mixed steps' decodes run alone as an eager decode step (the decode kernel) "
+              f"vs eager's one-row tiles: up to {worst:.1e}. Two correct kernels of different rounding differ by "
+              "this much after the dummy layers (the tiles round P to the cache dtype before P.V, the decode kernel "
+              "keeps fp32): a-decode's and engine's mixed rows may differ from eager by about as much; far more "
+              "would be a bug")
+
+
+def decode_step_baseline(eng: Engine, step: Step, want: torch.Tensor) -> float:
+    """max |diff| / max |logit| between the step's decode rows in `want` (eager: one-row
+    extend tiles) and the same decodes run as an eager decode step (the decode kernel): what
+    two correct kernels of different rounding give after 36 dummy layers."""
+    nd = step.num_decodes
+    batch = eng.build_batch("decode", step.rows[:nd], step.prefix[:nd], step.new[:nd], use_graphs=False)
+    got = eng.forward_eager(batch).float()
+    return ((got - want[:nd]).abs().max() / want[:nd].abs().max()).item()
 
 
 def measure(eng: Engine, args: argparse.Namespace, design: str, steps: list, block_m: int, ref: dict,

@@ -21,29 +21,11 @@ needs_triton = pytest.mark.skipif(
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def paged_table(seq_lens: list[int], page_size: int, gen: torch.Generator, spare_rows: int = 2):
-    """req_to_slot [B + spare, max_ctx] over randomly permuted pages (page 0 = dummy, unused);
-    requests get rows in shuffled order. Returns (table, rows int32 [B], num_slots)."""
-    b = len(seq_lens)
-    pages_needed = sum(-(-s // page_size) for s in seq_lens)
-    num_pages = pages_needed + 3
-    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
-    max_ctx = max(seq_lens) + 5
-    table = torch.zeros(b + spare_rows, max_ctx, dtype=torch.int32)
-    rows = torch.randperm(b + spare_rows, generator=gen)[:b].to(torch.int32)
-    for i, s in enumerate(seq_lens):
-        n = -(-s // page_size)
-        pages, perm = torch.tensor(perm[:n]), perm[n:]
-        slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[:s]
-        table[rows[i], :s] = slots.to(torch.int32)
-    return table.to(DEV), rows.to(DEV), num_pages * page_size
-
-
 def make_case(prefix: list[int], ext: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype,
               page_size: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     seq = [p + e for p, e in zip(prefix, ext)]
-    table, rows, num_slots = paged_table(seq, page_size, gen)
+    table, rows, num_slots = attention_rule.paged_table(seq, page_size, gen, DEV)
     k_cache = torch.randn(num_slots, hkv, d, generator=gen).to(DEV, dtype)
     v_cache = torch.randn(num_slots, hkv, d, generator=gen).to(DEV, dtype)
     t = sum(ext)
@@ -152,7 +134,7 @@ def test_triton_backend_matches_torch_backend(page_size: int) -> None:
     hq, hkv, d, layers = 4, 2, 64, 2
     prefix, ext = [0, 21], [13, 6]
     seq = [p + e for p, e in zip(prefix, ext)]
-    table, rows, num_slots = paged_table([s + 1 for s in seq], page_size, gen)
+    table, rows, num_slots = attention_rule.paged_table([s + 1 for s in seq], page_size, gen, DEV)
     pools = [KVPool(layers, num_slots // page_size, page_size, hkv, d, torch.float16, torch.device(DEV))
              for _ in range(2)]
     cached = torch.randn((2, *pools[0]._k.shape), generator=gen).half()

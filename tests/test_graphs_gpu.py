@@ -27,12 +27,15 @@ def compare(eager: torch.Tensor, graph: torch.Tensor, what: str) -> None:
             bf16_tie.assert_near_tie(e, want, got, i)
 
 
-def step_both_ways(eng, mode: str, rows: list[int], prefix: list[int], new: list) -> None:  # noqa: ANN001
-    """The same step eagerly and through its graph (each writes the same slots' K/V)."""
+def step_both_ways(eng, mode: str, rows: list[int], prefix: list[int], new: list) -> torch.Tensor:  # noqa: ANN001
+    """The same step eagerly and through its graph (each writes the same slots' K/V); returns
+    the graph's logits."""
     eager = eng.forward(eng.build_batch(mode, rows, prefix, new, use_graphs=False)).float().clone()
     batch = eng.build_batch(mode, rows, prefix, new)
     assert batch.graph is not None, f"{mode} step of {batch.num_tokens} tokens found no graph"
-    compare(eager, eng.forward(batch).float(), f"{mode} {[0 if t is None else len(t) for t in new]}")
+    got = eng.forward(batch).float().clone()
+    compare(eager, got, f"{mode} {[0 if t is None else len(t) for t in new]}")
+    return got
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
@@ -59,7 +62,11 @@ def test_graph_steps_equal_eager(tiny_model_path, name: str, page_size: int, bac
     # Mixed: a, b, d decode (inputs from the token buffer), e prefills 9 tokens.
     eng.token_buffer[torch.tensor([a, b, d], device="cuda")] = torch.tensor(
         [seqs[0][37], seqs[1][150], seqs[3][20]], device="cuda")
-    step_both_ways(eng, "mixed", [a, b, d, e], [37, 150, 20, 0], [None, None, None, seqs[4][:9]])
+    got = step_both_ways(eng, "mixed", [a, b, d, e], [37, 150, 20, 0], [None, None, None, seqs[4][:9]])
+    # Eager and graph share the decode kernel for the decodes: also against scoring each whole
+    # sequence from scratch (extend tiles only), so a wrong decode row cannot hide in both.
+    scratch = [seqs[0][:38], seqs[1][:151], seqs[3][:21], seqs[4][:9]]
+    compare(torch.stack([eng.score([s])[0][-1] for s in scratch]).to(got.device), got, "mixed vs scratch")
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
