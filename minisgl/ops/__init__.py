@@ -11,9 +11,12 @@ from minisgl.ops.attention import (
 )
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
+from minisgl.ops.linear import linear
+from minisgl.ops.moe import fused_experts, fused_moe, moe_align, moe_route
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
+from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
 from minisgl.ops.store import store_kv, store_kv_reference
 
 __all__ = [
@@ -26,12 +29,19 @@ __all__ = [
     "extend_tile_capacity",
     "extend_tile_map",
     "fused_add_rmsnorm",
+    "fused_experts",
+    "fused_moe",
+    "linear",
+    "moe_align",
+    "moe_route",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "qk_norm_rope",
     "rmsnorm",
     "sample",
     "silu_and_mul",
+    "skinny_gemm",
+    "skinny_gemm_reference",
     "store_kv",
     "store_kv_reference",
 ]
