@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     ap.add_argument("--decode-latency", action="store_true",
                     help="also time batch-1 decode: ms/token end to end, per-step host and GPU time")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true",
+                    help="TP: every all-reduce through NCCL (the before of the one-shot all-reduce)")
     ap.add_argument("--json", default=None, help="also write the summary row to this file")
     args = ap.parse_args()
 
@@ -93,6 +95,7 @@ def main() -> None:
         max_prefill_tokens=args.max_prefill_tokens, page_size=args.page_size, cache=args.cache,
         disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp,
+        custom_all_reduce=not args.disable_custom_all_reduce,
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
     # Warm-up: Triton compiles each kernel once per specialization (batch sizes, sampling
@@ -143,11 +146,19 @@ def main() -> None:
                   f"{bw / 1e9:,.0f} GB/s read ceiling (this run) = {w / bw * 1e3:.2f} ms/step; "
                   f"measured {gb['decode_ms'] / max(1, gb['decode_steps']):.2f} ms/step (KV reads excluded)")
     if args.decode_latency:
-        decode_latency(llm)
+        ms = decode_latency(llm)
+        if llm.engine.device.type == "cuda":
+            from weight_floor import decode_weight_bytes, read_bandwidth
+
+            # With TP every rank reads its own shard at once: the floor is one rank's bytes.
+            w, bw = decode_weight_bytes(llm.engine.model, 1), read_bandwidth(llm.engine.device)
+            print(f"batch-1 floor: {w / 1e9:.2f} GB of weights per GPU (TP {args.tp}) / {bw / 1e9:,.0f} GB/s read "
+                  f"ceiling = {w / bw * 1e3:.2f} ms/token; measured {ms / (w / bw * 1e3):.2f}x the floor "
+                  "(KV reads excluded)")
     llm.shutdown()
 
 
-def decode_latency(llm: LLM, n: int = 256) -> None:
+def decode_latency(llm: LLM, n: int = 256) -> float:
     """Batch-1 decode, end to end through the scheduler, beside its GPU time: per step the
     device time (CUDA events), the host's own work (scheduling + building + launching step
     N+1; reading step N's token) and the time the host waits for the GPU. With the host work
@@ -196,6 +207,7 @@ def decode_latency(llm: LLM, n: int = 256) -> None:
                  f"{span / med(dec) * 100:.1f}% of the GPU time")
         sched.gpu_timeline = None
     print(line)
+    return e2e / n
 
 
 if __name__ == "__main__":
