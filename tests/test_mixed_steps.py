@@ -21,11 +21,11 @@ def record_steps(llm: LLM) -> list[tuple[str, int, list[int]]]:
     steps: list[tuple[str, int, list[int]]] = []
     build = llm.engine.build_batch
 
-    def recording(mode, rows, prefix, new, use_graphs=True):  # noqa: ANN001
+    def recording(mode, rows, prefix, new, use_graphs=True, extra_logit_rows=None):  # noqa: ANN001
         new_list = [None] * len(rows) if new is None else list(new)
         decodes = sum(t is None for t in new_list) if mode != "decode" else len(rows)
         steps.append((mode, decodes, [len(t) for t in new_list if t is not None and mode != "decode"]))
-        return build(mode, rows, prefix, new, use_graphs)
+        return build(mode, rows, prefix, new, use_graphs, extra_logit_rows)
 
     llm.engine.build_batch = recording
     return steps

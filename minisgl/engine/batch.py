@@ -41,6 +41,9 @@ class ForwardBatch:
     decode_rows: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
     graph: Any = field(default=None)  # the captured graph's key when this step replays one
+    # int64 [B + E] rows of [T] whose logits the model computes: sample_rows, then E extra rows
+    # (prompt logprobs). None: sample_rows only.
+    logit_rows: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

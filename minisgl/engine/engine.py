@@ -10,6 +10,8 @@ from minisgl.distributed.communicator import make_communicator, min_across_ranks
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.config import DTYPES, EngineConfig
+from minisgl.engine.logits_plan import LogitsPlan, StepOutput, sample_with_plan
+from minisgl.engine.penalty_state import PenaltyState
 from minisgl.engine.prompt import check_prompt
 from minisgl.engine.sampler import SamplingTensors
 from minisgl.engine.step_builder import StepBuilder, host_to_device
@@ -78,6 +80,8 @@ class Engine:
         # from here on the device, so step N+1 can be launched before the host has read step
         # N's tokens (overlap scheduling).
         self.token_buffer = torch.zeros(cfg.max_running_requests + 1, dtype=torch.int64, device=self.device)
+        # Per-row token history for penalties (allocated when a request first needs it).
+        self.penalties = PenaltyState(cfg.max_running_requests + 1, mc.vocab_size, self.device)
         self.graphs = None  # CudaGraphRunner once enable_cuda_graphs() ran
         self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device)
         block_m = getattr(self.attn, "tile_block_m", None)  # backends that take the extend tile map
@@ -168,7 +172,7 @@ class Engine:
 
     def build_batch(
         self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int] | None] | None,
-        use_graphs: bool = True,
+        use_graphs: bool = True, extra_logit_rows: list[int] | None = None,
     ) -> ForwardBatch:
         """A batch for requests at table rows `rows`, each with `prefix_lens[i]` tokens already
         in the KV cache and `new_tokens[i]` to run now. The slots of the new tokens must
@@ -177,8 +181,10 @@ class Engine:
         before the host has read step N's tokens): all of a decode step (`new_tokens=None`),
         or the leading requests of a "mixed" step (decodes riding along with an extend).
         The step is checked here, once; its indices go to the device in one copy, into a
-        captured graph's buffers when one fits (`use_graphs`)."""
-        return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs)
+        captured graph's buffers when one fits (`use_graphs`). `extra_logit_rows` (indices into
+        the new tokens): logits are computed there too, after the B sampled rows (prompt
+        logprobs; such a step runs eagerly: a graph keeps the sampled rows only)."""
+        return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs, extra_logit_rows)
 
     def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0, max_mixed_tokens: int = 0,
                            runner_cls: type | None = None) -> None:
@@ -218,8 +224,8 @@ class Engine:
     def forward(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
         """fp32 logits of each request's last new token [B, vocab] (every token's: [T, vocab]),
         from the step's captured graph when it has one (the graph keeps the sampled rows only:
-        every position's logits come from an eager run)."""
-        if batch.graph is not None and not all_positions:
+        every position's logits come from an eager run; `batch.logit_rows` when set: [B + E, vocab])."""
+        if batch.graph is not None and not all_positions and batch.logit_rows is None:
             return self.graphs.replay(batch)
         return self.forward_eager(batch, all_positions)
 
@@ -258,13 +264,17 @@ class Engine:
         return ops.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
 
     @torch.inference_mode()
-    def run_batch(self, batch: ForwardBatch, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward + sample; the sampled tokens also go to `token_buffer` (the next decode's
-        inputs). A prefill chunk's row samples too; the scheduler drops that token."""
+    def run_batch(self, batch: ForwardBatch, st: SamplingTensors, plan: LogitsPlan | None = None) -> StepOutput:
+        """Forward + (penalties, bias, logprob alternatives as `plan` says) + sample; the sampled
+        tokens also go to `token_buffer` (the next decode's inputs). A prefill chunk's row
+        samples too; the scheduler drops that token."""
         logits = self.forward(batch)
-        tokens, logprobs = self.sample(logits, st)
-        self.token_buffer[batch.req_rows.long()] = tokens
-        return tokens, logprobs
+        if plan is None:
+            out = StepOutput(*self.sample(logits, st))
+        else:
+            out = sample_with_plan(logits, st, plan, self.penalties, self.sample)
+        self.token_buffer[batch.req_rows.long()] = out.tokens
+        return out
 
     # ---- helpers for tests and prompt scoring ----
 

@@ -10,6 +10,7 @@ it have run, so the next step can fill a new one while the GPU still works.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -73,8 +74,13 @@ class StepBuilder:
         return spec
 
     def build(self, mode: str, rows: list[int], prefix_lens: list[int],
-              new_tokens: Sequence[list[int] | None] | None, use_graphs: bool = True) -> ForwardBatch:
+              new_tokens: Sequence[list[int] | None] | None, use_graphs: bool = True,
+              extra_logit_rows: list[int] | None = None) -> ForwardBatch:
         spec = self.spec(mode, rows, prefix_lens, new_tokens)
+        if extra_logit_rows:  # a graph computes the sampled rows' logits only: run it eagerly
+            if min(extra_logit_rows) < 0 or max(extra_logit_rows) >= spec.num_tokens:
+                raise ValueError(f"extra_logit_rows must index the step's {spec.num_tokens} new tokens")
+            use_graphs = False
         layout = self.graphs.layout_for(spec) if (self.graphs is not None and use_graphs) else None
         if layout is not None:
             self.upload(spec, layout, self.graphs.buffer)
@@ -84,6 +90,9 @@ class StepBuilder:
         batch = layout.views(buf, self.table.req_to_slot, self.token_buffer, max(spec.seq_lens))
         batch.mode, batch.max_extend_len = spec.mode, max(spec.ext)
         batch.seq_lens_cpu, batch.prefix_lens_cpu = spec.seq_lens, spec.prefix_lens
+        if extra_logit_rows:
+            last = [c - 1 for c in itertools.accumulate(spec.ext)]
+            batch.logit_rows = host_to_device([last + list(extra_logit_rows)], torch.int64, self.device)[0]
         return batch
 
     def count_tiles(self, spec: StepSpec, decode_kernel: bool) -> int:

@@ -46,10 +46,11 @@ def admit(sched: Scheduler, budget: int) -> PrefillPlan:
     plan = PrefillPlan()
     reserved = reserved_pages(sched)
     table, kv = sched.engine.table, sched.kv
+    logit_rows = sched.prompt_logprob_rows  # prompt positions whose logits this step may compute
     while budget > 0:
         if sched.prefilling is not None:
             req = sched.prefilling
-        elif sched.waiting and table.free_rows > 0:
+        elif sched.waiting and table.free_rows > 0 and (logit_rows or not sched.waiting[0].needs_prompt_logprobs):
             req = sched.waiting[0]
             match = kv.match(req)
             tokens_needed = req.seq_len + int(req.remaining_tokens * sched.new_token_ratio)
@@ -59,11 +60,15 @@ def admit(sched: Scheduler, budget: int) -> PrefillPlan:
                 break
             sched.waiting.popleft()
             kv.attach(req, match)
+            req.history_ready = False  # a new table row: its penalty history is rebuilt
             reserved += need
         else:
             break
         tokens = req.tokens()
         chunk = min(len(tokens) - req.cached_len, budget)
+        if req.needs_prompt_logprobs:
+            chunk = min(chunk, logit_rows)
+            logit_rows -= chunk
         if not kv.grow(req, req.cached_len + chunk):
             if req is not sched.prefilling:  # undo the admission; try again later
                 kv.release(req)
