@@ -34,7 +34,8 @@ def qwen_tokenizer_dir() -> str | None:
 def workload(n: int, max_in: int, max_out: int) -> tuple[list[list[int]], list[SamplingParams]]:
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_in))] for _ in range(n)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_out)) for _ in range(n)]
+    lo = min(100, max_out)  # short runs (--max-output-len below 100) still work
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(lo, max_out)) for _ in range(n)]
     return prompts, params
 
 
