@@ -8,6 +8,7 @@ from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
+from minisgl.ops.spec_accept import spec_accept
 from minisgl.ops.store import store_kv, store_kv_reference
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "rmsnorm",
     "sample",
     "silu_and_mul",
+    "spec_accept",
     "store_kv",
     "store_kv_reference",
 ]
