@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.spec.config import SpecConfig, load_table
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
@@ -32,6 +34,13 @@ class EngineConfig:
     custom_nccl: bool = True  # our NCCL bindings; False: torch.distributed's NCCL
     gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV)
     cpu_kv_cache_gb: float = 1.0  # KV pool size on the CPU when num_pages is not given
+    # Speculative decoding (minisgl/spec/); None: off, and nothing of it is built or paid.
+    speculative_algorithm: str | None = None  # "ngram" | "draft" | "eagle3"
+    speculative_num_draft_tokens: int = 4
+    speculative_draft_model: str | None = None
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
+    speculative_draft_table: str | None = None  # JSON: draft tokens per batch size (spec_tune.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -54,6 +63,23 @@ class EngineConfig:
             torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"unknown device {self.device!r}") from e
+        object.__setattr__(self, "_spec", self._build_spec())  # validated once, here
+
+    @property
+    def spec(self) -> SpecConfig | None:
+        """The speculative-decoding settings, or None when speculation is off."""
+        return self._spec  # type: ignore[attr-defined]
+
+    def _build_spec(self) -> SpecConfig | None:
+        if self.speculative_algorithm is None:
+            if self.speculative_draft_model is not None or self.speculative_draft_table is not None:
+                raise ValueError("speculative_draft_model / speculative_draft_table need speculative_algorithm")
+            return None
+        return SpecConfig(
+            self.speculative_algorithm, self.speculative_num_draft_tokens, self.speculative_draft_model,
+            self.speculative_ngram_min, self.speculative_ngram_max,
+            load_table(self.speculative_draft_table, self.speculative_num_draft_tokens),
+        )
 
     @property
     def torch_device(self) -> torch.device:
