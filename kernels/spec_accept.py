@@ -187,28 +187,36 @@ def accept_reference(
     x = torch.where(is_draft, drafts.cpu()[req, pos.clamp(max=kmax - 1)] if kmax else 0, 0)
     req_d, x_d, is_draft_d = req.to(dev), x.to(dev), is_draft.to(dev)
 
-    probs = filtered_probs_reference(logits, temperature[req_d], top_k[req_d], top_p[req_d], min_p[req_d])
-    rows = torch.arange(t_rows, device=dev)
-    p_x = probs[rows, x_d]
-    q_x = torch.ones_like(p_x) if q is None else q[rows, x_d].float()
-    u0, u1 = philox_uniforms(seeds.cpu().numpy()[req.numpy()], steps.cpu().numpy()[req.numpy()] + pos.numpy())
-    u0_t, u1_t = torch.from_numpy(u0).to(dev), torch.from_numpy(u1).to(dev)
-    greedy = temperature[req_d] <= 0
     amax = logits.argmax(dim=-1)
-    accept_row = is_draft_d & torch.where(greedy, x_d == amax, u1_t * q_x < p_x)
-
-    resid = probs.clone()
-    if q is None:
-        resid[rows[is_draft_d], x_d[is_draft_d]] = 0.0
-    else:
-        resid = torch.where(is_draft_d[:, None], (probs - q.float()).clamp(min=0.0), probs)
-    order = lane_major_order(v, block).to(dev) if block is not None else torch.arange(v, device=dev)
-    cdf = resid[:, order].double().cumsum(dim=-1)
-    target = (u0_t.double() * cdf[:, -1])[:, None]
-    pick = order[torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=v - 1)]
-    fallback = torch.where(cdf[:, -1] > 0, pick, x_d)
-    tok = torch.where(accept_row, x_d, torch.where(greedy, amax, fallback))
-    logp = torch.log_softmax(logits.float(), dim=-1)[rows, tok]
+    tok = amax.clone()  # greedy rows: the argmax, accepted when it is the draft
+    accept_row = is_draft_d & (x_d == amax)
+    s = (temperature[req_d] > 0).nonzero().squeeze(1)  # sampled rows (the only ones sorted)
+    if s.numel():
+        rs = req_d[s]
+        probs = filtered_probs_reference(logits[s], temperature[rs], top_k[rs], top_p[rs], min_p[rs])
+        xs, ds = x_d[s], is_draft_d[s]
+        ar = torch.arange(s.numel(), device=dev)
+        p_x = probs[ar, xs]
+        q_x = torch.ones_like(p_x) if q is None else q[s, xs].float()
+        s_h = s.cpu().numpy()
+        u0, u1 = philox_uniforms(seeds.cpu().numpy()[req.numpy()[s_h]], steps.cpu().numpy()[req.numpy()[s_h]]
+                                 + pos.numpy()[s_h])
+        u0_t, u1_t = torch.from_numpy(u0).to(dev), torch.from_numpy(u1).to(dev)
+        acc = ds & (u1_t * q_x < p_x)
+        if q is None:  # one-hot q: the residual is p without x
+            resid = probs.clone()
+            resid[ar[ds], xs[ds]] = 0.0
+        else:
+            resid = torch.where(ds[:, None], (probs - q[s].float()).clamp(min=0.0), probs)
+        order = lane_major_order(v, block).to(dev) if block is not None else torch.arange(v, device=dev)
+        cdf = resid[:, order].double().cumsum(dim=-1)
+        target = (u0_t.double() * cdf[:, -1])[:, None]
+        pick = order[torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=v - 1)]
+        tok[s] = torch.where(cdf[:, -1] > 0, pick, xs)  # nothing left to draw: p == q
+        accept_row[s] = acc
+    rows = torch.arange(t_rows, device=dev)
+    tok = torch.where(accept_row, x_d, tok)
+    logp = logits.float()[rows, tok] - logits.float().logsumexp(dim=-1)
 
     tokens = torch.zeros(b, kmax + 1, dtype=torch.int64, device=dev)
     logprobs = torch.zeros(b, kmax + 1, dtype=torch.float32, device=dev)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.spec.config import SpecConfig, load_table
+from minisgl.spec.config import SpecConfig, make_spec_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -71,14 +71,9 @@ class EngineConfig:
         return self._spec  # type: ignore[attr-defined]
 
     def _build_spec(self) -> SpecConfig | None:
-        if self.speculative_algorithm is None:
-            if self.speculative_draft_model is not None or self.speculative_draft_table is not None:
-                raise ValueError("speculative_draft_model / speculative_draft_table need speculative_algorithm")
-            return None
-        return SpecConfig(
+        return make_spec_config(
             self.speculative_algorithm, self.speculative_num_draft_tokens, self.speculative_draft_model,
-            self.speculative_ngram_min, self.speculative_ngram_max,
-            load_table(self.speculative_draft_table, self.speculative_num_draft_tokens),
+            self.speculative_ngram_min, self.speculative_ngram_max, self.speculative_draft_table,
         )
 
     @property

@@ -63,6 +63,10 @@ class StatsMsg:
     kv_total: int
     prompt_tokens: int  # cumulative prompt tokens admitted
     cache_hit_tokens: int  # cumulative prompt tokens served from the prefix cache
+    # Speculative decoding, cumulative: draft tokens proposed and accepted, request-steps verified.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_verified: int = 0
 
 
 @message

@@ -25,6 +25,7 @@ from minisgl.kvcache.prefix_cache import make_prefix_cache
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.kv import RequestKV
 from minisgl.scheduler.request import Request
+from minisgl.scheduler.spec_step import SpecStep
 
 
 @dataclass
@@ -54,6 +55,8 @@ class Scheduler:
         self.gpu_timeline: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] | None = None
         if engine.device.type == "cuda" and self.cfg.cuda_graph:
             engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs)
+        # Speculative decoding (minisgl/spec/): decode steps become verify steps.
+        self.spec = SpecStep(self) if engine.drafter is not None else None
 
     # ---- requests in and out ----
 
@@ -73,11 +76,16 @@ class Scheduler:
         self.add_check(req)
         self.waiting.append(req)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Ends a request early (stop string found by the caller, or abort) and frees its KV."""
+    def finish(self, req: Request, reason: str, keep_tokens: int | None = None) -> None:
+        """Ends a request early (stop string found by the caller, or abort) and frees its KV.
+        `keep_tokens`: output tokens to keep (a stop string inside a multi-token step); the KV
+        of the dropped ones is freed, not cached."""
         if req.finished and req.match is None:
             return
         req.finish_reason = reason
+        if keep_tokens is not None and keep_tokens < len(req.output):
+            del req.output[keep_tokens:], req.logprobs[keep_tokens:]
+            req.cached_len = min(req.cached_len, req.total_len)
         if req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
@@ -92,6 +100,7 @@ class Scheduler:
             "kv_slots_used": total - free - self.cache.evictable_pages * self.engine.cfg.page_size,
             "kv_slots_cached": self.cache.cached_pages * self.engine.cfg.page_size,
             "retractions": self.num_retractions,
+            **(self.spec.stats() if self.spec is not None else {}),
         }
 
     def check_integrity(self) -> None:
@@ -119,6 +128,10 @@ class Scheduler:
                 self._decode_next = True
                 return True
         self._decode_next = False
+        if self.spec is not None:
+            reqs = self._decodable()
+            if reqs and self.spec.draft_tokens(len(reqs)) > 0:
+                return self._launch_verify()
         return self._launch_decode()
 
     def _decodable(self) -> list[Request]:
@@ -201,6 +214,26 @@ class Scheduler:
         self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay)
         return True
 
+    def _launch_verify(self) -> bool:
+        """A speculative step (scheduler/spec_step.py), synchronous: drafting needs every
+        token on the host, so the in-flight step is read first."""
+        self._drain()
+        reqs = self._decodable()
+        if not reqs:
+            return False
+        reqs = self._ensure_decode_slots(reqs)
+        timed = self.gpu_timeline is not None and self.engine.device.type == "cuda"
+        if timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        self._pending_done.extend(self.spec.run(reqs))
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.gpu_timeline.append(("verify", len(reqs), start, end))
+        self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay)
+        return True
+
     def _ensure_decode_slots(self, reqs: list[Request]) -> list[Request]:
         """Every decoding request needs a slot for its next token. Out of KV: retract the
         requests with the least progress (their KV goes to the prefix cache, they requeue at
@@ -250,6 +283,8 @@ class Scheduler:
             [r.seed for r in reqs], [len(r.output) + r.num_pending for r in reqs], eng.device,
         )
         tokens, logprobs = eng.run_batch(batch, st)
+        if self.spec is not None:  # a draft model's KV follows every target step
+            self.spec.after_plain_step(batch, reqs, samples, new, tokens)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -289,3 +324,5 @@ class Scheduler:
         if req is self.prefilling:
             self.prefilling = None
         self.kv.release(req)
+        if self.spec is not None:
+            self.spec.release(req)

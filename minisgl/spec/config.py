@@ -68,3 +68,17 @@ def load_table(path: str | None, num_draft_tokens: int) -> tuple[tuple[int, int]
     if not table or table[0][0] < 1:
         raise ValueError(f"speculative draft table {path!r} needs batch sizes >= 1")
     return tuple(table)
+
+
+def make_spec_config(
+    algorithm: str | None, num_draft_tokens: int, draft_model: str | None, ngram_min: int, ngram_max: int,
+    draft_table: str | None,
+) -> SpecConfig | None:
+    """The speculative options as EngineConfig and ServerArgs name them (speculative_*)."""
+    if algorithm is None:
+        if draft_model is not None or draft_table is not None:
+            raise ValueError("speculative_draft_model / speculative_draft_table need speculative_algorithm")
+        return None
+    return SpecConfig(
+        algorithm, num_draft_tokens, draft_model, ngram_min, ngram_max, load_table(draft_table, num_draft_tokens)
+    )

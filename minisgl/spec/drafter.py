@@ -45,6 +45,8 @@ class TargetStep:
 
 class Drafter(ABC):
     name: str = "base"
+    # A draft model with its own KV (after_forward runs it); False: drafts from tokens alone.
+    has_model: bool = False
     # The target must return its residual stream at these layers (EAGLE-3), else None.
     aux_layers: tuple[int, ...] | None = None
     # Whether after_forward reads TargetStep.next_ids (building them costs a gather).
@@ -67,3 +69,11 @@ class Drafter(ABC):
 
     def release(self, key: int) -> None:
         """A request left (finished, aborted or retracted): drop per-request state."""
+
+
+def subset_index(live: list[int], total: int, device: torch.device) -> torch.Tensor | None:
+    """Device index of the `live` entries among `total` (a draft chain's requests that still
+    want tokens), or None when every entry is live."""
+    if len(live) == total:
+        return None
+    return torch.tensor(live, dtype=torch.int64).to(device, non_blocking=True)

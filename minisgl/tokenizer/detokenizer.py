@@ -19,14 +19,15 @@ log = get_logger("minisgl.detokenizer")
 
 
 class Detokenizer:
-    """Socket-free core: DetokenizeMsg in, UserReplies out, plus uids whose stop string was
-    found while the scheduler still runs them (the caller aborts those)."""
+    """Socket-free core: DetokenizeMsg in, UserReplies out, plus (uid, output tokens to keep)
+    of requests whose stop string was found while the scheduler still runs them, or before the
+    last token it sent (the caller aborts those)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         self.states: dict[int, DecodeState] = {}
 
-    def process(self, msg: DetokenizeMsg) -> tuple[list[UserReply], list[int]]:
+    def process(self, msg: DetokenizeMsg) -> tuple[list[UserReply], list[tuple[int, int]]]:
         replies, stopped = [], []
         for item in msg.items:
             reply = self._one(item, stopped)
@@ -34,7 +35,7 @@ class Detokenizer:
                 replies.append(reply)
         return replies, stopped
 
-    def _one(self, item: TokenOut, stopped: list[int]) -> UserReply | None:
+    def _one(self, item: TokenOut, stopped: list[tuple[int, int]]) -> UserReply | None:
         if item.finish_reason == "abort":  # the client left: drop the state, reply to no one
             self.states.pop(item.uid, None)
             return None
@@ -43,9 +44,11 @@ class Detokenizer:
             if item.init is None:
                 return None  # tokens the scheduler made before it saw our stop: dropped
             st = self.states[item.uid] = DecodeState(self.tok, item.init)
-        st.add(item.token_ids)
+        before = len(st.ids)
+        cut = st.add_until_stop(item.token_ids)
+        used = len(st.ids) - before  # tokens past a stop string (same step) are not output
+        token_ids = list(item.token_ids[:used])
         reason = None
-        cut = st.find_stop()
         if cut is None and item.finish_reason is not None:
             st.finalize()
             cut = st.find_stop()
@@ -53,19 +56,19 @@ class Detokenizer:
         if cut is not None:
             st.text = st.text[:cut]
             reason = "stop"
-            if item.finish_reason is None:
-                stopped.append(item.uid)
+            if item.finish_reason is None or used < len(item.token_ids):
+                stopped.append((item.uid, len(st.ids)))
         reply = UserReply(
             uid=item.uid,
             text=st.take(final=reason is not None),
-            token_ids=list(item.token_ids),
+            token_ids=token_ids,
             finish_reason=reason,
             prompt_tokens=st.init.prompt_tokens,
             completion_tokens=len(st.ids),
         )
         if st.init.logprobs:
-            reply.logprobs = list(item.logprobs or [])
-            reply.token_texts = [self.tok.decode([t]) for t in item.token_ids]
+            reply.logprobs = list(item.logprobs or [])[:used]
+            reply.token_texts = [self.tok.decode([t]) for t in token_ids]
         if reason is not None:
             del self.states[item.uid]
         return reply
@@ -89,8 +92,8 @@ def run_detokenizer(conn: Connection, args: Any, addrs: Any) -> None:
             if isinstance(m, DetokenizeMsg):
                 out, stopped = detok.process(m)
                 replies.extend(out)
-                for uid in stopped:
-                    send(to_scheduler, AbortMsg(uid, "stop"))
+                for uid, keep in stopped:
+                    send(to_scheduler, AbortMsg(uid, "stop", keep))
             elif isinstance(m, (TokenizeMsg, AbortMsg)):
                 tokenizer.handle(m)
             else:
