@@ -36,7 +36,7 @@ DRAFT = tiny_models.TinySpec(
 # are scaled up: flat random logits over 64 tokens would make every test weak.
 SMALL_VOCAB = tiny_models.TinySpec(
     "llama_small_vocab", "llama", "smollm2",
-    {"vocab_size": 64, "tie_word_embeddings": False, "initializer_range": 0.3,
+    {"vocab_size": 64, "num_hidden_layers": 1, "tie_word_embeddings": False, "initializer_range": 0.3,
      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
     seed=12,
 )
