@@ -193,3 +193,18 @@ def test_draft_model_vocabulary_must_match(target, tiny_model_path) -> None:
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(target, device="cpu", speculative_algorithm="draft",
             speculative_draft_model=str(tiny_model_path("qwen2")))
+
+
+def test_tp2_equals_tp1(target, drafts, workload, reference) -> None:
+    """Two ranks (gloo, CPU) draft, verify and accept alike: greedy and seeded sampling equal TP=1."""
+    out, _, _ = reference
+    prompts = [p for p, _ in workload]
+    sampled = [SamplingParams(max_tokens=m, temperature=0.9, top_k=20, seed=i) for i, (_, m) in enumerate(workload)]
+    one = spec_llm(target, drafts, "draft-small")
+    want = one.generate(prompts, sampled, use_tqdm=False)
+    two = spec_llm(target, drafts, "draft-small", tp_size=2)
+    try:
+        assert two.generate(prompts, params(workload), use_tqdm=False) == out
+        assert two.generate(prompts, sampled, use_tqdm=False) == want
+    finally:
+        two.shutdown()
