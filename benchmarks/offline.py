@@ -42,12 +42,12 @@ def gpu_breakdown(timeline) -> dict[str, float] | None:
     if not timeline:
         return None
     timeline[-1][3].synchronize()
-    first = next((i for i, t in enumerate(timeline) if t[0] == "decode"), None)
-    last = max((i for i, t in enumerate(timeline) if t[0] == "decode"), default=None)
+    first = next((i for i, t in enumerate(timeline) if t[0] in ("decode", "verify")), None)
+    last = max((i for i, t in enumerate(timeline) if t[0] in ("decode", "verify")), default=None)
     if first is None or last == first:
         return None
     out: dict[str, float] = {}
-    for mode in ("extend", "decode"):
+    for mode in ("extend", "decode", "verify"):
         steps = [t for t in timeline if t[0] == mode]
         out[f"{mode}_steps"] = len(steps)
         out[f"{mode}_ms"] = sum(s.elapsed_time(e) for _, _, s, e in steps)
@@ -78,7 +78,17 @@ def main() -> None:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     ap.add_argument("--decode-latency", action="store_true", help="also time batch-1 decode (ms/token)")
+    ap.add_argument("--speculative-algorithm", default=None, choices=["ngram", "draft", "eagle3"])
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    ap.add_argument("--speculative-draft-model", default=None)
+    ap.add_argument("--speculative-draft-table", default=None)
     args = ap.parse_args()
+    spec = {} if args.speculative_algorithm is None else {
+        "speculative_algorithm": args.speculative_algorithm,
+        "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+        "speculative_draft_model": args.speculative_draft_model,
+        "speculative_draft_table": args.speculative_draft_table,
+    }
 
     has_tokenizer = any((Path(args.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = args.tokenizer or (None if has_tokenizer or args.model.endswith(".gguf") else qwen_tokenizer_dir())
@@ -87,7 +97,7 @@ def main() -> None:
         attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens, page_size=args.page_size, cache=args.cache,
         disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
-        cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, **spec,
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
     # Warm-up: Triton compiles each kernel once per specialization (batch sizes, sampling
@@ -114,11 +124,18 @@ def main() -> None:
     print(f"| {len(prompts)} | {n_in} | {n_out} | {elapsed:.2f} | {n_out / elapsed:,.0f} | "
           f"{(n_in + n_out) / elapsed:,.0f} | {idle_s} |")
     print(f"retractions: {llm.scheduler.num_retractions}")
+    st = llm.scheduler.stats()
+    if st.get("spec_verified"):
+        print(f"speculative ({args.speculative_algorithm}): {st['spec_proposed']} draft tokens proposed, "
+              f"{st['spec_accepted']} accepted, mean accepted length "
+              f"{(st['spec_accepted'] + st['spec_verified']) / st['spec_verified']:.2f}")
     if gb is not None:
         print(
             f"device time: {gb['decode_steps']:.0f} decode steps {gb['decode_ms'] / 1000:.2f} s "
             f"(mean batch {gb['decode_mean_bs']:.0f}, {gb['decode_ms'] / max(1, gb['decode_steps']):.2f} ms/step); "
             f"{gb['extend_steps']:.0f} prefill steps {gb['extend_ms'] / 1000:.2f} s"
+            + (f"; {gb['verify_steps']:.0f} verify steps {gb['verify_ms'] / 1000:.2f} s (mean batch "
+               f"{gb['verify_mean_bs']:.0f})" if gb["verify_steps"] else "")
         )
     if args.decode_latency:
         llm.scheduler.gpu_timeline = None

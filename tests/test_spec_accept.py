@@ -58,7 +58,7 @@ def new_tokens(out: tuple) -> list[list[int]]:
 # (temperature, top_k, top_p, min_p): greedy, plain, each filter, combined.
 ROWS = [(0.0, -1, 1.0, 0.0), (1.0, -1, 1.0, 0.0), (0.8, 5, 1.0, 0.0), (1.0, -1, 0.9, 0.0),
         (1.2, 20, 0.8, 0.05), (0.7, -1, 1.0, 0.1), (1.0, 3, 0.5, 0.0), (0.0, -1, 1.0, 0.0)]
-KS = [3, 0, 2, 3, 1, 3, 2, 1]  # k = 0: a request with an empty draft (a plain decode)
+KS = [3, 0, 2, 3, 1, 2]  # k = 0: a request with an empty draft (a plain decode)
 
 
 @pytest.mark.triton
@@ -66,7 +66,7 @@ KS = [3, 0, 2, 3, 1, 3, 2, 1]  # k = 0: a request with an empty draft (a plain d
 @pytest.mark.parametrize("with_q", [False, True], ids=["one-hot-q", "sampled-q"])
 def test_kernel_equals_reference(with_q: bool) -> None:
     gen = torch.Generator().manual_seed(11 + with_q)
-    args = make_batch(gen, KS, 150, ROWS, with_q)
+    args = make_batch(gen, KS, 120, ROWS[: len(KS)], with_q)
     got = K.accept(**args, config=SMALL)
     want = K.accept_reference(**args, block=SMALL["BLOCK"])
     assert torch.equal(got[2], want[2]), "accepted counts differ"
@@ -81,8 +81,8 @@ def test_kernel_equals_reference(with_q: bool) -> None:
 def test_empty_draft_samples_what_the_sampler_samples() -> None:
     """k = 0: the bonus draw uses the sampling kernel's counter and order, so it is its token."""
     gen = torch.Generator().manual_seed(3)
-    rows = ROWS[1:7]
-    args = make_batch(gen, [0] * len(rows), 150, rows, False)
+    rows = ROWS[1:6]
+    args = make_batch(gen, [0] * len(rows), 120, rows, False)
     tokens, logprobs, n = K.accept(**args, config=SMALL)
     p = {k: args[k] for k in ("temperature", "top_k", "top_p", "min_p", "seeds", "steps")}
     want, want_lp = S.sample(args["logits"], **p, config=SMALL)

@@ -63,9 +63,11 @@ def workload() -> list[tuple[list[int], int]]:
     ]
 
 
-def params(workload, stops: dict[int, str] | None = None) -> list[SamplingParams]:
-    stops = stops or {}
-    return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, stop=stops.get(i))
+def params(workload, stops: dict[int, str] | None = None, stop_ids: dict[int, int] | None = None
+           ) -> list[SamplingParams]:
+    stops, stop_ids = stops or {}, stop_ids or {}
+    return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, stop=stops.get(i),
+                           stop_token_ids=[stop_ids[i]] if i in stop_ids else None)
             for i, (_, m) in enumerate(workload)]
 
 
@@ -75,18 +77,19 @@ def plain(target, workload) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def reference(plain, workload) -> tuple[list[dict], dict[int, str], list[dict]]:
-    """Greedy outputs without speculation; stop strings cut from the middle of two of them,
-    and the outputs with those stops."""
+def reference(plain, workload) -> tuple[list[dict], dict, list[dict]]:
+    """Greedy outputs without speculation; stop strings cut from the middle of two of them and
+    a stop token from the middle of a third, and the outputs with those stops."""
     out = plain.generate([p for p, _ in workload], params(workload), use_tqdm=False)
     stops = {}
     for i in (0, 4):
         text = out[i]["text"]
         assert len(text) > 12
         stops[i] = text[len(text) // 2 : len(text) // 2 + 3]
-    with_stops = plain.generate([p for p, _ in workload], params(workload, stops), use_tqdm=False)
-    assert all(with_stops[i]["finish_reason"] == "stop" for i in stops)
-    return out, stops, with_stops
+    stop_ids = {3: out[3]["token_ids"][5]}
+    with_stops = plain.generate([p for p, _ in workload], params(workload, stops, stop_ids), use_tqdm=False)
+    assert all(with_stops[i]["finish_reason"] == "stop" for i in [*stops, *stop_ids])
+    return out, {"stops": stops, "stop_ids": stop_ids}, with_stops
 
 
 @pytest.mark.parametrize("algo", list(ALGOS))
@@ -94,8 +97,9 @@ def test_greedy_output_is_lossless(target, drafts, workload, reference, algo: st
     out, stops, with_stops = reference
     llm = spec_llm(target, drafts, algo)
     prompts = [p for p, _ in workload]
-    assert llm.generate(prompts, params(workload), use_tqdm=False) == out
-    assert llm.generate(prompts, params(workload, stops), use_tqdm=False) == with_stops
+    # Prompts without a stop run to max_tokens: their outputs are `out`'s.
+    assert all(with_stops[i] == out[i] for i in range(len(out)) if i not in {*stops["stops"], *stops["stop_ids"]})
+    assert llm.generate(prompts, params(workload, **stops), use_tqdm=False) == with_stops
     st = llm.scheduler.stats()
     assert st["spec_verified"] > 0 and st["spec_proposed"] > 0
     if algo == "draft-self":
@@ -118,10 +122,10 @@ def test_target_as_own_draft_accepts_k_plus_one(target, drafts) -> None:
     "algo,options",
     [
         ("draft-self", {"num_pages": 21, "page_size": 4, "max_prefill_tokens": 16}),
-        ("eagle3", {"num_pages": 81, "page_size": 1, "max_prefill_tokens": 32}),
-        ("ngram", {"num_pages": 200, "page_size": 2, "cache": "naive", "disable_overlap": True}),
+        ("eagle3", {"num_pages": 81, "page_size": 1, "max_prefill_tokens": 32, "cache": "naive",
+                    "disable_overlap": True}),
     ],
-    ids=["self-page4-tight", "eagle3-page1-tight", "ngram-naive"],
+    ids=["self-radix-page4", "eagle3-naive-page1"],
 )
 def test_scheduler_pressure_matches_alone(target, drafts, plain, algo: str, options: dict) -> None:
     """Random arrivals, shared prefixes, aborts, a pool small enough to retract: every request
@@ -129,7 +133,7 @@ def test_scheduler_pressure_matches_alone(target, drafts, plain, algo: str, opti
     rng = random.Random(3)
     shared = [rng.randrange(300, 3000) for _ in range(16)]
     work = [((shared[: rng.choice([4, 8])] if i % 2 else []) + [rng.randrange(300, 3000) for _ in range(
-        rng.choice([2, 9, 12]))], rng.choice([3, 40, 40])) for i in range(10)]
+        rng.choice([2, 9, 12]))], rng.choice([3, 40, 40])) for i in range(8)]
     sp = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in work]
     solo = []
     for (p, _), s in zip(work, sp):
@@ -139,7 +143,7 @@ def test_scheduler_pressure_matches_alone(target, drafts, plain, algo: str, opti
             plain.scheduler.step()
         solo.append(req)
     llm = spec_llm(target, drafts, algo, **options)
-    sched, pending, reqs, cancel = llm.scheduler, list(enumerate(work)), {}, {3, 8}
+    sched, pending, reqs, cancel = llm.scheduler, list(enumerate(work)), {}, {3, 6}
     steps = 0
     while pending or sched.has_work:
         for _ in range(rng.choice([0, 1, 2])):
@@ -159,8 +163,7 @@ def test_scheduler_pressure_matches_alone(target, drafts, plain, algo: str, opti
             continue
         assert req.output == solo[i].output, f"request {i}"
         assert max(abs(a - b) for a, b in zip(req.logprobs, solo[i].logprobs)) < 1e-4
-    if options["num_pages"] < 100:
-        assert sched.num_retractions > 0, "the pool should have forced a retraction"
+    assert sched.num_retractions > 0, "the pool should have forced a retraction"
     assert llm.engine.allocator.free_pages + sched.cache.cached_pages == llm.engine.allocator.total_pages
 
 
@@ -172,7 +175,9 @@ def test_draft_table_mixes_plain_overlapped_decodes(target, drafts, workload, re
     table.write_text(json.dumps({"num_draft_tokens": {"1": K, "3": 0}}))
     llm = spec_llm(target, drafts, algo, speculative_draft_table=str(table))
     out, _, _ = reference
-    assert llm.generate([p for p, _ in workload], params(workload), use_tqdm=False) == out
+    few = [0, 1, 3, 4]  # 4 requests: plain decodes at first, verify steps once two finished
+    assert llm.generate([workload[i][0] for i in few], [params(workload)[i] for i in few],
+                        use_tqdm=False) == [out[i] for i in few]
     st = llm.scheduler.stats()
     if algo == "draft-self":  # the mirror of plain decodes kept the draft's KV exact
         assert 0 < st["spec_accepted"] == st["spec_proposed"]
@@ -189,22 +194,25 @@ def test_bad_options_are_named() -> None:
         LLM(None, device="cpu", speculative_algorithm="ngram", speculative_ngram_min=3, speculative_ngram_max=2)
 
 
-def test_draft_model_vocabulary_must_match(target, tiny_model_path) -> None:
-    with pytest.raises(ValueError, match="vocabulary"):
-        LLM(target, device="cpu", speculative_algorithm="draft",
-            speculative_draft_model=str(tiny_model_path("qwen2")))
+def test_draft_model_vocabulary_must_match(target, tmp_path) -> None:
+    cfg = json.loads((Path(target) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1000}))
+    with pytest.raises(ValueError, match="vocabulary of 1000 tokens"):
+        LLM(target, device="cpu", load_format="dummy", speculative_algorithm="draft",
+            speculative_draft_model=str(tmp_path))
 
 
 def test_tp2_equals_tp1(target, drafts, workload, reference) -> None:
     """Two ranks (gloo, CPU) draft, verify and accept alike: greedy and seeded sampling equal TP=1."""
     out, _, _ = reference
-    prompts = [p for p, _ in workload]
-    sampled = [SamplingParams(max_tokens=m, temperature=0.9, top_k=20, seed=i) for i, (_, m) in enumerate(workload)]
+    few = [0, 1, 3]
+    prompts = [workload[i][0] for i in few]
+    sampled = [SamplingParams(max_tokens=workload[i][1], temperature=0.9, top_k=20, seed=i) for i in few]
     one = spec_llm(target, drafts, "draft-small")
     want = one.generate(prompts, sampled, use_tqdm=False)
     two = spec_llm(target, drafts, "draft-small", tp_size=2)
     try:
-        assert two.generate(prompts, params(workload), use_tqdm=False) == out
+        assert two.generate(prompts, [params(workload)[i] for i in few], use_tqdm=False) == [out[i] for i in few]
         assert two.generate(prompts, sampled, use_tqdm=False) == want
     finally:
         two.shutdown()

@@ -157,6 +157,9 @@ class Eagle3Head(nn.Module):
             head, _, last = mod.rpartition(".")
             if name == "d2t":
                 _check_shape(name, t.shape, tuple(self.d2t.shape))
+                target_ids = torch.arange(len(t)) + t.long()
+                if target_ids.min() < 0 or target_ids.max() >= self.cfg.layer.vocab_size:
+                    raise ValueError(f"d2t maps draft ids outside the vocabulary of {self.cfg.layer.vocab_size}")
                 self.d2t.copy_(t.long())
             elif name == "lm_head.weight":
                 self.lm_weight.load(name, t)
