@@ -11,6 +11,7 @@ import argparse
 import statistics
 
 import torch
+from weight_floor import decode_weight_bytes
 
 from minisgl import LLM
 from minisgl.kvcache.pool import KVPool
@@ -55,7 +56,7 @@ def main() -> None:
     mc = eng.model_config
     per_token = KVPool.bytes_per_token_for(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.dtype)
     kv_bytes = args.batch * args.context * per_token
-    w_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+    w_bytes = decode_weight_bytes(eng.model, args.batch)
     big = torch.empty(1 << 28, dtype=torch.float32, device=eng.device)
     copy_ms = time_ms(lambda: big.clone(), reps=10)
     bw = 2 * big.numel() * 4 / (copy_ms * 1e-3)

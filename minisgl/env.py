@@ -19,3 +19,5 @@ LOG_LEVEL: str = os.environ.get("MINISGL_LOG_LEVEL", "INFO").upper()
 TRITON_INTERPRET: bool = _flag("TRITON_INTERPRET")
 # Path of the libnccl to load (default: the nvidia-nccl package torch uses, else the loader's).
 NCCL_LIBRARY: str = os.environ.get("MINISGL_NCCL_LIBRARY", "")
+# A fused-MoE tile config JSON to use instead of the installed kernels/fused_moe_configs.json.
+FUSED_MOE_CONFIGS: str = os.environ.get("MINISGL_FUSED_MOE_CONFIGS", "")

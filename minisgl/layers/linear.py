@@ -87,8 +87,16 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo, comm: Communicator) -> None:
+    """`reduce=False` returns this rank's partial sum (the caller reduces once for several, as the
+    MoE block does for the routed and the shared experts); it then takes no bias."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPInfo, comm: Communicator, reduce: bool = True
+    ) -> None:
         super().__init__()
+        if bias and not reduce:
+            raise ValueError("a row-parallel layer without its all-reduce cannot add a bias")
+        self.reduce = reduce
         self.in_start, self.local_in = tp.shard(in_features, "an input size")
         self.in_features, self.out_features = in_features, out_features
         self.comm = comm
@@ -107,5 +115,8 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(full[:, self.in_start : self.in_start + self.local_in])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = F.linear(x, self.weight)
+        if not self.reduce:
+            return y
+        y = self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias

@@ -63,6 +63,12 @@ class StatsMsg:
     kv_total: int
     prompt_tokens: int  # cumulative prompt tokens admitted
     cache_hit_tokens: int  # cumulative prompt tokens served from the prefix cache
+    # Data parallelism: which replica reports, its load (tokens of its running and waiting
+    # requests), and how many requests (UserMsg) it has received so far, so the DP controller
+    # can add the requests it sent that this report does not include yet.
+    dp_rank: int = 0
+    load_tokens: int = 0
+    received: int = 0
     # Speculative decoding, cumulative: draft tokens proposed and accepted, request-steps verified.
     spec_proposed: int = 0
     spec_accepted: int = 0

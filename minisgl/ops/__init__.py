@@ -5,6 +5,7 @@ from minisgl.ops.activation import silu_and_mul
 from minisgl.ops.attention import decode_attention_triton, extend_attention
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
+from minisgl.ops.moe import fused_experts, fused_moe, moe_align, moe_route
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
@@ -18,6 +19,10 @@ __all__ = [
     "embedding_lookup_reference",
     "extend_attention",
     "fused_add_rmsnorm",
+    "fused_experts",
+    "fused_moe",
+    "moe_align",
+    "moe_route",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "qk_norm_rope",
