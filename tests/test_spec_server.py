@@ -78,3 +78,20 @@ def test_metrics_report_speculation(server: Server) -> None:
         assert proposed > 0
         assert metric(http, "minisgl_spec_accepted_tokens_total") == proposed  # the target drafts for itself
         assert metric(http, "minisgl_spec_mean_accepted_length") > 2
+
+
+def test_metrics_sum_the_replicas_counts() -> None:
+    """With --dp every replica reports its own cumulative counts: /metrics adds them up."""
+    from prometheus_client import generate_latest
+
+    from minisgl.message import StatsMsg
+    from minisgl.server.metrics import Metrics
+
+    m = Metrics()
+    for rank, proposed, accepted, verified in ((0, 10, 6, 4), (1, 20, 10, 5), (0, 12, 7, 5)):
+        m.on_stats(StatsMsg(1, 0, 10, 100, 0, 0, dp_rank=rank, spec_proposed=proposed, spec_accepted=accepted,
+                            spec_verified=verified))
+    text = generate_latest(m.registry).decode()
+    assert "minisgl_spec_draft_tokens_total 32.0" in text
+    assert "minisgl_spec_accepted_tokens_total 17.0" in text
+    assert "minisgl_spec_mean_accepted_length 2.7" in text

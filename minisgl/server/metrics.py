@@ -78,7 +78,7 @@ class Metrics:
             "Tokens a request gains per speculative step (accepted drafts + 1), mean since start",
             registry=r,
         )
-        self._spec_seen = (0, 0)  # the scheduler's cumulative counts already added
+        self._spec_seen = (0, 0)  # the replicas' summed cumulative counts already added
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)  # export every series from the start, at 0
         self.replicas = ReplicaStats()  # per data-parallel replica (dp_rank label)
