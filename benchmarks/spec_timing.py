@@ -101,7 +101,7 @@ class StepBench:
         if drafter is None or not drafter.has_model:
             return 0.0
         batch, drafts = self._verify_batch(b, k)
-        reqs = [DraftRequest(i, row, [1] * self.context, k) for i, row in enumerate(self.rows[:b])]
+        reqs = [DraftRequest(i, row, [1] * self.context, [], k) for i, row in enumerate(self.rows[:b])]
         aux = eng.model.model.aux_hidden
         if drafter.aux_layers:  # the verify's residual streams, as the engine leaves them
             eng.forward(batch, all_positions=True)

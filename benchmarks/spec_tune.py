@@ -52,13 +52,13 @@ def ngram_host_ms(b: int, k: int, context: int) -> float:
     from minisgl.spec.drafter import DraftRequest
 
     rng = random.Random(0)
-    reqs = [DraftRequest(i, i, [rng.randrange(5000) for _ in range(context)], k) for i in range(b)]
+    reqs = [DraftRequest(i, i, [rng.randrange(5000) for _ in range(context)], [], k) for i in range(b)]
     d = NgramDrafter(1, 4)
     d.propose(reqs)
     t0 = time.perf_counter()
     for _ in range(5):
         for r in reqs:
-            r.tokens.append(rng.randrange(5000))
+            r.output.append(rng.randrange(5000))
         d.propose(reqs)
     return (time.perf_counter() - t0) / 5 * 1000
 

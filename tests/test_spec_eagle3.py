@@ -128,12 +128,12 @@ def test_drafts_equal_a_plain_torch_head(target, head_dir) -> None:
             ids, hidden = ids + [want[-1]], hidden + [pre[-1]]
         return want
 
-    got = eng.drafter.propose([DraftRequest(req.uid, req.row, req.tokens(), k)])[0]
+    got = eng.drafter.propose([DraftRequest(req.uid, req.row, req.prompt, req.output, k)])[0]
     assert got == reference_chain(req.tokens())  # after the prefill's mirror
     for _ in range(3):
         sched.step()  # verify steps: the head's KV follows the target's accepted tokens
     assert len(req.output) >= 4 and not req.finished
     assert sched.kv.grow(req, req.seq_len + k)
     sched.kv.flush()
-    got = eng.drafter.propose([DraftRequest(req.uid, req.row, req.tokens(), k)])[0]
+    got = eng.drafter.propose([DraftRequest(req.uid, req.row, req.prompt, req.output, k)])[0]
     assert got == reference_chain(req.tokens())  # after verify steps' mirrors

@@ -48,8 +48,8 @@ def test_copies_a_repeated_passage_and_extends_a_loop() -> None:
 def test_drafter_keeps_histories_incrementally() -> None:
     d = NgramDrafter(1, 3)
     ctx = [5, 6, 7, 5, 6]
-    assert d.propose([DraftRequest(key=1, row=0, tokens=list(ctx), k=2)]) == [[7, 5]]
+    assert d.propose([DraftRequest(key=1, row=0, prompt=ctx[:3], output=ctx[3:], k=2)]) == [[7, 5]]
     ctx += [7, 9, 5]
-    assert d.propose([DraftRequest(key=1, row=0, tokens=list(ctx), k=2)]) == [[6, 7]]
+    assert d.propose([DraftRequest(key=1, row=0, prompt=ctx[:3], output=ctx[3:], k=2)]) == [[6, 7]]
     d.release(1)
     assert 1 not in d._hist

@@ -63,7 +63,7 @@ class SpecStep:
             ends = batch.sample_rows
             after = sampled
             if not all(samples):
-                host = [0 if s else r.tokens()[r.cached_len] for r, s in zip(reqs, samples)]
+                host = [0 if s else _token_at(r, r.cached_len) for r, s in zip(reqs, samples)]
                 keep = torch.tensor(samples, device=sampled.device)
                 after = torch.where(keep, sampled, torch.tensor(host, device=sampled.device))
             next_ids[ends] = after
@@ -85,10 +85,10 @@ class SpecStep:
         # for the drafts: that request decodes plainly (its next token's slot is there).
         ks = [ki if ki == 0 or kv.grow(r, r.seq_len + ki) else 0 for r, ki in zip(reqs, ks)]
         kv.flush()
-        drafts = self.drafter.propose([DraftRequest(r.uid, r.row, r.tokens(), ki) for r, ki in zip(reqs, ks)])
+        drafts = self.drafter.propose([DraftRequest(r.uid, r.row, r.prompt, r.output, ki) for r, ki in zip(reqs, ks)])
         lens = [r.seq_len for r in reqs]
         batch = eng.build_batch("extend", [r.row for r in reqs], [n - 1 for n in lens],
-                                [[r.tokens()[-1], *d] for r, d in zip(reqs, drafts)])
+                                [[r.output[-1] if r.output else r.prompt[-1], *d] for r, d in zip(reqs, drafts)])
         kmax = max(1, max(len(d) for d in drafts))
         drafts_t = torch.tensor([d + [0] * (kmax - len(d)) for d in drafts], dtype=torch.int64)
         st = SamplingTensors.build(
@@ -146,3 +146,8 @@ class SpecStep:
                 self.drafter.name, p, a, 100.0 * a / max(1, p), (a + v) / v,
             )
         self._logged = (now, self.proposed, self.accepted, self.verified)
+
+
+def _token_at(req: Request, i: int) -> int:
+    """The context's token at position i (a retracted request re-prefills its output too)."""
+    return req.prompt[i] if i < len(req.prompt) else req.output[i - len(req.prompt)]

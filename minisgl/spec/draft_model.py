@@ -73,13 +73,13 @@ class DraftModelDrafter(Drafter):
         dev = eng.device
         # drafts[s, a]: the s-th draft of active request a, kept on the device until the end.
         drafts = torch.zeros(kmax, len(active), dtype=torch.int64, device=dev)
-        last = torch.tensor([reqs[i].tokens[-1] for i in active], dtype=torch.int64).to(dev, non_blocking=True)
+        last = torch.tensor([reqs[i].last for i in active], dtype=torch.int64).to(dev, non_blocking=True)
         for s in range(kmax):
             live = [a for a, i in enumerate(active) if reqs[i].k > s]
             rows = [reqs[active[a]].row for a in live]
             # Step s feeds the request's last token (s = 0) or draft s at position len - 1 + s.
             batch = eng.build_batch(
-                "decode", rows, [len(reqs[active[a]].tokens) - 1 + s for a in live], [[0]] * len(live)
+                "decode", rows, [reqs[active[a]].length - 1 + s for a in live], [[0]] * len(live)
             )
             index = subset_index(live, len(active), dev)
             prev = last if s == 0 else drafts[s - 1]

@@ -20,13 +20,29 @@ from minisgl.engine.batch import ForwardBatch
 
 @dataclass
 class DraftRequest:
-    """One request to draft for. `tokens`: its whole context (prompt + output), whose last
-    token is not in the KV cache yet (the next step's first input, at position len - 1)."""
+    """One request to draft for. Its context is prompt + output (the scheduler's lists, not
+    copied: a step must not cost O(context) per request); the last token is not in the KV
+    cache yet (the next step's first input, at position length - 1)."""
 
     key: int  # stable while the request lives (its uid)
     row: int  # request-table row
-    tokens: list[int]
+    prompt: list[int]
+    output: list[int]
     k: int  # tokens wanted (0: none)
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    def tail(self, start: int) -> list[int]:
+        """The context from position `start` on."""
+        if start >= len(self.prompt):
+            return self.output[start - len(self.prompt) :]
+        return self.prompt[start:] + self.output
 
 
 @dataclass
@@ -65,7 +81,7 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, reqs: list[DraftRequest]) -> list[list[int]]:
         """Up to `k` draft tokens per request. Requests are in batch order; the slots of
-        positions len(tokens) - 1 .. len(tokens) + k - 1 are already in the request table."""
+        positions length - 1 .. length - 1 + k are already in the request table."""
 
     def release(self, key: int) -> None:
         """A request left (finished, aborted or retracted): drop per-request state."""

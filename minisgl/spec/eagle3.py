@@ -110,7 +110,7 @@ class Eagle3Drafter(Drafter):
             index = subset_index(live, len(active), dev)
             # Step s: draft s at position len - 2 + s (the head's positions trail the tokens by one).
             batch = eng.build_batch("decode", [reqs[active[a]].row for a in live],
-                                    [len(reqs[active[a]].tokens) - 2 + s for a in live], [[0]] * len(live))
+                                    [reqs[active[a]].length - 2 + s for a in live], [[0]] * len(live))
             batch.input_ids = drafts[s - 1] if index is None else drafts[s - 1][index]
             h = hidden if index is None else hidden[index]
             self.attn.prepare(batch)

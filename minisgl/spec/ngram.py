@@ -61,10 +61,10 @@ class _History:
         self.buf = np.empty(64, dtype=np.int64)
         self.n = 0
 
-    def sync(self, tokens: list[int]) -> np.ndarray:
-        if len(tokens) < self.n:  # not an extension of what we hold: start over
+    def sync(self, req: DraftRequest) -> np.ndarray:
+        if req.length < self.n:  # not an extension of what we hold: start over
             self.n = 0
-        new = tokens[self.n :]
+        new = req.tail(self.n)
         if self.n + len(new) > len(self.buf):
             grown = np.empty(max(2 * len(self.buf), self.n + len(new)), dtype=np.int64)
             grown[: self.n] = self.buf[: self.n]
@@ -82,7 +82,7 @@ class NgramDrafter(Drafter):
         self._hist: dict[int, _History] = {}
 
     def propose(self, reqs: list[DraftRequest]) -> list[list[int]]:
-        contexts = [self._hist.setdefault(r.key, _History()).sync(r.tokens) for r in reqs]
+        contexts = [self._hist.setdefault(r.key, _History()).sync(r) for r in reqs]
         return ngram_drafts(contexts, [r.k for r in reqs], self.min_n, self.max_n)
 
     def release(self, key: int) -> None:
