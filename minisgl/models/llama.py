@@ -20,7 +20,6 @@ from torch import nn
 from minisgl.attention.base import AttentionBackend
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.engine.batch import ForwardBatch
-from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.moe import SparseMoeBlock
@@ -66,11 +65,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator):
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp)
+        # gate_up_proj gives silu(gate) * up: the activation is its GEMM's epilogue.
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp, silu_and_mul=True)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):

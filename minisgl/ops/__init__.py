@@ -5,10 +5,12 @@ from minisgl.ops.activation import silu_and_mul
 from minisgl.ops.attention import decode_attention_triton, extend_attention
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
+from minisgl.ops.linear import linear
 from minisgl.ops.moe import fused_experts, fused_moe, moe_align, moe_route
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
+from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
 from minisgl.ops.spec_accept import spec_accept
 from minisgl.ops.store import store_kv, store_kv_reference
 
@@ -21,6 +23,7 @@ __all__ = [
     "fused_add_rmsnorm",
     "fused_experts",
     "fused_moe",
+    "linear",
     "moe_align",
     "moe_route",
     "paged_decode_attention",
@@ -29,6 +32,8 @@ __all__ = [
     "rmsnorm",
     "sample",
     "silu_and_mul",
+    "skinny_gemm",
+    "skinny_gemm_reference",
     "spec_accept",
     "store_kv",
     "store_kv_reference",
