@@ -31,19 +31,40 @@ class DetokenizeMsg:
 
 @message
 @dataclass
+class PromptEcho:
+    """The prompt's tokens as the detokenizer renders them, in a request's first UserReply
+    when it asked (echo, prompt logprobs, /tokenize's token strings)."""
+
+    text: str  # the prompt decoded (special tokens kept)
+    token_ids: list[int]
+    token_texts: list[str]
+    token_bytes: list[bytes]
+    # Per position: None at 0 (nothing precedes it), else [logprob, alternatives] (see UserReply).
+    logprobs: list | None = None
+
+
+@message
+@dataclass
 class UserReply:
-    """Detokenizer → API server: a text delta of one request (or an error for it)."""
+    """Detokenizer → API server: a text delta of one request (or an error for it).
+
+    With logprobs, per token of token_ids: token_texts (display text: the token's bytes with
+    U+FFFD for a partial character), token_bytes (its raw bytes) and, when asked, top_logprobs:
+    alternatives as [token_id, text, logprob, bytes], most likely first."""
 
     uid: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
-    token_texts: list[str] | None = None  # one string per token in token_ids, with logprobs
+    token_texts: list[str] | None = None
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
     error: str | None = None
     error_param: str | None = None  # the request field to blame (OpenAI error `param`)
+    token_bytes: list[bytes] | None = None
+    top_logprobs: list[list[list]] | None = None
+    prompt: PromptEcho | None = None  # first reply only, when asked
 
 
 @message

@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from minisgl.dp.dispatch import METHODS as LOAD_BALANCE_METHODS
+
+
+def default_num_tokenizers() -> int:
+    """One tokenizer worker per 4 cores, 1 to 4: several where the machine has the cores (a
+    worker never waits on a large input, see tokenizer/large_inputs.py, so more only adds
+    throughput)."""
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 @dataclass(frozen=True)
@@ -24,7 +32,9 @@ class ServerArgs:
     served_model_name: str = "default"
     max_model_len: int | None = None
     api_key: str | None = None
-    num_tokenizers: int = 1
+    num_tokenizers: int = field(default_factory=default_num_tokenizers)
+    sampling_defaults: str = "model"  # "model": generation_config.json first; "openai": OpenAI's only
+    max_request_bytes: int | None = None  # None: 64 bytes per token of context, at least 1 MiB
     tokenizer: str | None = None
     chat_template: str | None = None
     shell: bool = False
@@ -69,6 +79,10 @@ class ServerArgs:
             raise ValueError("--dist-init-addr HOST:PORT (node 0's address) is required with --nnodes > 1")
         if self.num_tokenizers < 0:
             raise ValueError(f"num_tokenizers must be >= 0, got {self.num_tokenizers}")
+        if self.sampling_defaults not in ("model", "openai"):
+            raise ValueError(f"--sampling-defaults must be model or openai, got {self.sampling_defaults!r}")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
@@ -226,8 +240,22 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--num-tokenizers",
         type=int,
-        default=d.num_tokenizers,
-        help="tokenizer worker processes; 0 lets the detokenizer process tokenize too",
+        default=None,
+        help="tokenizer worker processes; 0 lets the detokenizer process tokenize too "
+        f"(default: one per 4 CPU cores, 1 to 4; here {d.num_tokenizers})",
+    )
+    add(
+        "--sampling-defaults",
+        choices=("model", "openai"),
+        default=d.sampling_defaults,
+        help="defaults of sampling fields a request leaves out: model (the model's generation_config.json, "
+        "then OpenAI's) or openai (OpenAI's only)",
+    )
+    add(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="largest HTTP request body, else 413 (default: 64 bytes per token of context, at least 1 MiB)",
     )
     add("--chat-template", default=None, help="Jinja chat template file overriding the model's")
     add("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
@@ -342,6 +370,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     values = vars(ns)
     if values["device"] is None:
         values["device"] = _default_device()
+    if values["num_tokenizers"] is None:
+        values["num_tokenizers"] = default_num_tokenizers()
     if values["served_model_name"] is None:
         from minisgl.models.source import resolve_model
 

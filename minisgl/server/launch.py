@@ -175,7 +175,36 @@ def _watch(children: list[Child], stop: threading.Event, on_death: Callable[[Chi
             return
 
 
-async def _serve(args: ServerArgs, addrs: Addresses, children: list[Child], listener: socket.socket | None) -> int:
+def _server_info(args: ServerArgs, start: StartMsg, children: list[Child]) -> Any:
+    from minisgl.models.sampling_defaults import describe, model_sampling_defaults
+    from minisgl.models.source import resolve_model
+    from minisgl.server.api import ServerInfo
+    from minisgl.server.gates import default_max_request_bytes
+    from minisgl.server.protocol_types import Limits
+
+    defaults = {} if args.sampling_defaults == "openai" else model_sampling_defaults(resolve_model(args.model))
+    limit = args.max_request_bytes or default_max_request_bytes(start.max_model_len)
+    bound = next((c.info.get("bytes_per_token") for c in children if "bytes_per_token" in c.info), None)
+    log.info("sampling defaults (--sampling-defaults %s): %s", args.sampling_defaults, describe(defaults))
+    log.info(
+        "max request body %d bytes; prompts refused before tokenizing above %s bytes",
+        limit,
+        "(no bound for this tokenizer)" if bound is None else f"{int(bound * start.max_model_len)}",
+    )
+    return ServerInfo(
+        args.served_model_name,
+        Limits(start.vocab_size, start.max_model_len),
+        defaults,
+        limit,
+        args.api_key,
+        time.time(),
+        lambda: all(c.process.is_alive() for c in children),
+    )
+
+
+async def _serve(
+    args: ServerArgs, addrs: Addresses, children: list[Child], listener: socket.socket | None, start: StartMsg
+) -> int:
     import uvicorn
 
     from minisgl.server.api import build_app
@@ -185,6 +214,7 @@ async def _serve(args: ServerArgs, addrs: Addresses, children: list[Child], list
     from minisgl.server.shell import run_shell
 
     loop = asyncio.get_running_loop()
+    info = _server_info(args, start, children)
     frontend = Frontend(addrs, args.num_tokenizers, Metrics())
     frontend.open()
     receiver = asyncio.create_task(frontend.run())
@@ -205,7 +235,7 @@ async def _serve(args: ServerArgs, addrs: Addresses, children: list[Child], list
     ).start()
     try:
         if args.shell:
-            task = asyncio.create_task(run_shell(frontend, args.served_model_name))
+            task = asyncio.create_task(run_shell(frontend, args.served_model_name, info.sampling_defaults))
             stoppers.append(task.cancel)
             try:
                 await task
@@ -214,9 +244,7 @@ async def _serve(args: ServerArgs, addrs: Addresses, children: list[Child], list
                     raise
         else:
             assert listener is not None
-            app = build_app(
-                frontend, args.served_model_name, args.api_key, lambda: all(c.process.is_alive() for c in children)
-            )
+            app = build_app(frontend, info)
             schedulers = [c.info for c in children if c.name.endswith("scheduler")]  # each replica's rank 0
             add_router_routes(app, frontend, server_info(args, schedulers))
             server = uvicorn.Server(
@@ -270,7 +298,7 @@ def launch(args: ServerArgs) -> int:
             c.conn.send_bytes(encode(start))
         if args.node_rank > 0:
             return _run_worker_node(children)
-        return asyncio.run(_serve(args, addrs, children, listener))
+        return asyncio.run(_serve(args, addrs, children, listener, start))
     except ChildFailed as e:
         log.error("%s; shutting down", e)
         return 1
