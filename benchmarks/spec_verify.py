@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-k", type=int, default=7)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tiny model, float32)")
+    ap.add_argument("--device", default="cuda",
+                    help="cpu: a smoke run (e.g. --model benchmarks/configs/qwen3-0.6b --dtype float32 --context 32)")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     spec = {"speculative_algorithm": "eagle3", "speculative_draft_model": args.eagle3} if args.eagle3 else {}
