@@ -16,6 +16,22 @@ from safetensors.torch import save_file
 _NOT_TOKENIZER = {"config.json", "generation_config.json", "model.safetensors"}
 
 
+def assert_same_outputs(got: list[dict], want: list[dict], tol: float = 1e-4) -> None:
+    """LLM.generate results equal: text, tokens and finish reason exactly; logprobs (and the
+    alternatives' logprobs) within `tol`, since fp32 sums in another order (a verify step's
+    extend, a cached prefix, another batch) round differently."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.keys() == w.keys(), f"output {i}"
+        for key in g.keys() - {"logprobs", "top_logprobs"}:
+            assert g[key] == w[key], f"output {i}: {key}"
+        torch.testing.assert_close(torch.tensor(g["logprobs"]), torch.tensor(w["logprobs"]), atol=tol, rtol=0)
+        if "top_logprobs" in g:
+            assert [[t for t, _ in a] for a in g["top_logprobs"]] == [[t for t, _ in a] for a in w["top_logprobs"]]
+            torch.testing.assert_close(torch.tensor([[lp for _, lp in a] for a in g["top_logprobs"]]),
+                                       torch.tensor([[lp for _, lp in a] for a in w["top_logprobs"]]), atol=tol, rtol=0)
+
+
 def tokenizer_only(model_dir: Path, out: Path) -> Path:
     """A folder with the tokenizer files of `model_dir` (for build_tiny_model)."""
     out.mkdir(parents=True, exist_ok=True)
