@@ -78,7 +78,7 @@ class StepBench:
 
     def decode_ms(self, b: int, graph: bool = True) -> float:
         eng = self.eng
-        batch = eng.build_batch("decode", self.rows[:b], [self.context - 1] * b, None)
+        batch = eng.build_batch("decode", self.rows[:b], [self.context - 1] * b, None, use_graphs=graph)
         st = self.greedy(b)
         if graph and self.graphs:
             return time_ms(lambda: eng.run_batch(batch, st))
@@ -86,7 +86,7 @@ class StepBench:
 
     def _verify_batch(self, b: int, k: int):
         tokens = torch.randint(0, 1000, (b, k + 1), generator=self.gen).tolist()
-        batch = self.eng.build_batch("extend", self.rows[:b], [self.context - 1] * b, tokens)
+        batch = self.eng.build_batch("extend", self.rows[:b], [self.context - 1] * b, tokens, use_graphs=False)
         drafts = torch.tensor([t[1:] for t in tokens], dtype=torch.int64, device=self.eng.device)
         return batch, drafts
 

@@ -51,7 +51,7 @@ class DraftModelDrafter(Drafter):
         return KVPool.bytes_per_token_for(mc.num_layers, self.num_kv_heads, mc.head_dim, self.engine.dtype)
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
-        from minisgl.engine.engine import make_backend
+        from minisgl.attention.select import make_backend
 
         mc, eng = self.model_config, self.engine
         self.pool = KVPool(mc.num_layers, num_pages, page_size, self.num_kv_heads, mc.head_dim, eng.dtype, eng.device)
@@ -79,7 +79,7 @@ class DraftModelDrafter(Drafter):
             rows = [reqs[active[a]].row for a in live]
             # Step s feeds the request's last token (s = 0) or draft s at position len - 1 + s.
             batch = eng.build_batch(
-                "decode", rows, [reqs[active[a]].length - 1 + s for a in live], [[0]] * len(live)
+                "decode", rows, [reqs[active[a]].length - 1 + s for a in live], [[0]] * len(live), use_graphs=False
             )
             index = subset_index(live, len(active), dev)
             prev = last if s == 0 else drafts[s - 1]

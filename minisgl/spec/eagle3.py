@@ -78,7 +78,7 @@ class Eagle3Drafter(Drafter):
         return KVPool.bytes_per_token_for(1, self.num_kv_heads, self.cfg.layer.head_dim, self.engine.dtype)
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
-        from minisgl.engine.engine import make_backend
+        from minisgl.attention.select import make_backend
 
         eng, d = self.engine, self.cfg.layer.head_dim
         self.pool = KVPool(1, num_pages, page_size, self.num_kv_heads, d, eng.dtype, eng.device)
@@ -110,7 +110,8 @@ class Eagle3Drafter(Drafter):
             index = subset_index(live, len(active), dev)
             # Step s: draft s at position len - 2 + s (the head's positions trail the tokens by one).
             batch = eng.build_batch("decode", [reqs[active[a]].row for a in live],
-                                    [reqs[active[a]].length - 2 + s for a in live], [[0]] * len(live))
+                                    [reqs[active[a]].length - 2 + s for a in live], [[0]] * len(live),
+                                    use_graphs=False)
             batch.input_ids = drafts[s - 1] if index is None else drafts[s - 1][index]
             h = hidden if index is None else hidden[index]
             self.attn.prepare(batch)
