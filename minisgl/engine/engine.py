@@ -23,6 +23,7 @@ from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.source import ModelSource, resolve_model
 from minisgl.models.weights import fill_dummy, iter_safetensors
 from minisgl.ops import _checks
+from minisgl.spec.drafter import Drafter
 
 log = get_logger("minisgl.engine")
 
@@ -42,6 +43,27 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
         return ModelConfig.from_dict(gguf_config(source.path))
     return ModelConfig.from_folder(source.path)
+
+
+def load_model(engine: Engine, source: ModelSource, model_cfg: ModelConfig, seed: int) -> LlamaForCausalLM:
+    """A Llama-family model on the engine's device, dtype and TP ranks, with its weights (the
+    target, or a draft model for speculative decoding)."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(engine.dtype)
+    try:
+        with torch.device(engine.device):
+            model = LlamaForCausalLM(model_cfg, engine.tp, engine.comm, engine.max_model_len, engine.device)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if engine.cfg.load_format == "dummy":
+        fill_dummy(model, seed)
+    elif source.is_gguf:
+        from minisgl.models.gguf_file import gguf_config, iter_gguf
+
+        model.load_weights(iter_gguf(source.path, gguf_config(source.path)))
+    else:
+        model.load_weights(iter_safetensors(source.path))
+    return model.eval()
 
 
 class Engine:
@@ -68,6 +90,13 @@ class Engine:
             self._tune_gemms()
         self.num_q_heads = self.model.model.layers[0].self_attn.num_heads
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        # Speculative decoding: the drafter (and its model) load before the KV pool is sized.
+        self.drafter: Drafter | None = None
+        if cfg.spec is not None:
+            from minisgl.spec.factory import build_drafter
+
+            self.drafter = build_drafter(self, cfg.spec)
+            self.model.model.aux_layers = self.drafter.aux_layers
         num_pages = cfg.num_pages or self._default_num_pages(kv_heads)
         if self.tp.size > 1:
             # Every rank must admit, evict and retract alike (lockstep): the same pool on all,
@@ -75,6 +104,8 @@ class Engine:
             num_pages = min_across_ranks(num_pages, self.cpu_group)
         self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages, cfg.page_size)
+        if self.drafter is not None:  # its own KV pool, indexed by the same slots
+            self.drafter.allocate_kv(num_pages, cfg.page_size)
         self.table = RequestTable(cfg.max_running_requests, self.max_model_len, self.device)
         # The last sampled token of each request-table row. Decode steps read their input ids
         # from here on the device, so step N+1 can be launched before the host has read step
@@ -107,22 +138,7 @@ class Engine:
         return self.cfg.max_model_len
 
     def _build_model(self) -> LlamaForCausalLM:
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = LlamaForCausalLM(self.model_config, self.tp, self.comm, self.max_model_len, self.device)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if self.cfg.load_format == "dummy":
-            fill_dummy(model, self.cfg.seed)
-        elif self.source.is_gguf:
-            from minisgl.models.gguf_file import gguf_config, iter_gguf
-
-            model.load_weights(iter_gguf(self.source.path, gguf_config(self.source.path)))
-        else:
-            model.load_weights(iter_safetensors(self.source.path))
-        return model.eval()
+        return load_model(self, self.source, self.model_config, self.cfg.seed)
 
     def _tune_gemms(self) -> None:
         """Measures (or loads from the cache) where the skinny GEMM beats cuBLAS for this
@@ -137,6 +153,7 @@ class Engine:
     def _default_num_pages(self, kv_heads: int) -> int:
         mc, ps = self.model_config, self.cfg.page_size
         per_token = KVPool.bytes_per_token_for(mc.num_layers, kv_heads, mc.head_dim, self.dtype)
+        per_token += self.drafter.kv_bytes_per_token() if self.drafter is not None else 0
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
@@ -275,6 +292,22 @@ class Engine:
             out = sample_with_plan(logits, st, plan, self.penalties, self.sample)
         self.token_buffer[batch.req_rows.long()] = out.tokens
         return out
+
+    @torch.inference_mode()
+    def verify(
+        self, batch: ForwardBatch, drafts: torch.Tensor, st: SamplingTensors
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Speculative verify: `batch` is an extend of 1 + k_b tokens per request (its last
+        token, then its drafts int64 [B, K >= k_b]). Forward every position, accept on the
+        device (ops.spec_accept). Returns (tokens [B, K + 1], logprobs [B, K + 1],
+        num_accepted [B]): request b's new tokens are tokens[b, :num_accepted[b] + 1]; the
+        last of them goes to `token_buffer` (a plain decode may follow)."""
+        logits = self.forward(batch, all_positions=True)
+        tokens, logprobs, num_acc = ops.spec_accept(
+            logits, batch.cu_seqlens_q, drafts, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps
+        )
+        self.token_buffer[batch.req_rows.long()] = tokens.gather(1, num_acc.long()[:, None]).squeeze(1)
+        return tokens, logprobs, num_acc
 
     # ---- helpers for tests and prompt scoring ----
 

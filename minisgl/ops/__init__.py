@@ -19,6 +19,7 @@ from minisgl.ops.penalties import apply_penalties
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
 from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
+from minisgl.ops.spec_accept import spec_accept
 from minisgl.ops.store import store_kv, store_kv_reference
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "silu_and_mul",
     "skinny_gemm",
     "skinny_gemm_reference",
+    "spec_accept",
     "store_kv",
     "store_kv_reference",
     "top_logprobs",

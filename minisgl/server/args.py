@@ -65,6 +65,13 @@ class ServerArgs:
     dp: int = 1
     base_gpu_id: int = 0
     load_balance_method: str = "prefix"
+    # speculative decoding (EngineConfig fields of the same names)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_draft_model: str | None = None
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
+    speculative_draft_table: str | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.nnodes < 1 or self.tp % self.nnodes != 0:
@@ -83,6 +90,12 @@ class ServerArgs:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ValueError(f"chat template file {self.chat_template!r} does not exist")
+        from minisgl.spec.config import make_spec_config  # light: no torch
+
+        make_spec_config(  # checked here, before any process starts
+            self.speculative_algorithm, self.speculative_num_draft_tokens, self.speculative_draft_model,
+            self.speculative_ngram_min, self.speculative_ngram_max, self.speculative_draft_table,
+        )
         self._check_dp()
 
     def _check_dp(self) -> None:
@@ -345,6 +358,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-balance-method", choices=LOAD_BALANCE_METHODS, default=d.load_balance_method,
         help="how requests pick a replica: prefix (least load, preferring the replica that holds "
         "the longest prefix of the prompt), load (least load) or round_robin",
+    )
+    sp = p.add_argument_group("speculative decoding (off unless --speculative-algorithm is given)")
+    sp.add_argument(
+        "--speculative-algorithm", choices=("ngram", "draft", "eagle3"), default=None,
+        help="ngram: drafts copied from the request's own context; draft: a small model with the target's "
+        "vocabulary; eagle3: an EAGLE-3 head reading the target's hidden states",
+    )
+    sp.add_argument(
+        "--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
+        help="draft tokens proposed per request per step (K); each step verifies 1 + K tokens",
+    )
+    sp.add_argument(
+        "--speculative-draft-model", default=None,
+        help="the draft model folder (draft) or the EAGLE-3 head folder (eagle3)",
+    )
+    sp.add_argument(
+        "--speculative-ngram-min", type=int, default=d.speculative_ngram_min,
+        help="ngram: the shortest suffix of the context that may match an earlier occurrence",
+    )
+    sp.add_argument(
+        "--speculative-ngram-max", type=int, default=d.speculative_ngram_max,
+        help="ngram: the longest suffix tried (longer matches win)",
+    )
+    sp.add_argument(
+        "--speculative-draft-table", default=None,
+        help="JSON file {\"num_draft_tokens\": {batch size: K}} (benchmarks/spec_tune.py writes it): "
+        "K per batch size, 0 turns speculation off there; default: K at every batch size",
     )
     return p
 
