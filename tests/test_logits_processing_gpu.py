@@ -52,7 +52,10 @@ def test_cuda_graphs_and_overlap_with_penalties_equal_eager(tiny_model_path, nam
     assert fast.engine.graphs is not None and fast.scheduler.cfg.overlap
     ps = params(eager.model_config.eos_token_ids)
     a, b = run(eager, ps), run(fast, ps)
-    assert_equal_runs(a, b, 1e-5)
+    # Tokens exactly; logprobs within bf16 rounding: a graph pads the step to its bucket, so the
+    # GEMMs see another M and may run another kernel (the skinny table), i.e. round differently
+    # (seen on the H100: 1.6e-2 at a logprob of -7.9). A wrong penalty moves them by far more.
+    assert_equal_runs(a, b, 5e-2)
     # min_tokens held on the graph path too: 6 tokens, then the forced EOS.
     for o in b[3 :: len(ps)]:
         assert len(o["token_ids"]) == 7 and o["finish_reason"] == "stop"

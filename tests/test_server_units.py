@@ -30,8 +30,9 @@ def tok(tiny_model_path: Callable[[str], Path]) -> Any:
 def run(
     tok: Any, ids: list[int], stop: list[str] | None = None, finish: str = "length", per_step: int = 1,
     init: DetokInit | None = None,
-) -> tuple[list[str], list[str | None], list[int]]:
-    """Feeds `ids` `per_step` at a time; returns the text deltas, finish reasons, stopped uids."""
+) -> tuple[list[str], list[str | None], list[tuple[int, int]]]:
+    """Feeds `ids` `per_step` at a time; returns the text deltas, finish reasons, and the
+    (uid, output tokens to keep) pairs told to the scheduler."""
     detok = Detokenizer(tok)
     deltas, reasons, stopped = [], [], []
     for i in range(0, len(ids), per_step):
@@ -69,8 +70,24 @@ def test_stop_string_across_tokens_is_trimmed(tok: Any) -> None:
     deltas, reasons, stopped = run(tok, ids, stop=["own fo"])
     assert "".join(deltas) == "The quick br"
     assert reasons[-1] == "stop" and reasons.count("stop") == 1
-    assert stopped == [7]  # the scheduler is told once; later tokens are dropped
+    assert [uid for uid, _ in stopped] == [7]  # the scheduler is told once; later tokens are dropped
     assert all("o" not in d for d in deltas[2:])  # no part of the stop string went out
+
+
+def test_stop_inside_a_multi_token_step(tok: Any) -> None:
+    """A speculative step brings several tokens: those after the stop string's last are not
+    output, not counted, and the scheduler is told how many to keep."""
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = tok(text).input_ids
+    one = tok("The quick brown fox").input_ids
+    assert ids[: len(one)] == one
+    detok = Detokenizer(tok)
+    item = TokenOut(7, ids, [0.5] * len(ids), None, DetokInit(3, ["own fo"], logprobs=True))
+    replies, stopped = detok.process(DetokenizeMsg([item]))
+    (r,) = replies
+    assert r.text == "The quick br" and r.finish_reason == "stop"
+    assert r.token_ids == one and r.completion_tokens == len(one) and len(r.logprobs) == len(one)
+    assert stopped == [(7, len(one))]
 
 
 def test_earliest_stop_string_wins(tok: Any) -> None:
@@ -109,7 +126,7 @@ def test_stop_token_text_and_include_stop_str(tok: Any) -> None:
     assert "".join(run(tok, ids, stop=["two"])[0]) == "one "
     keep = DetokInit(3, ["two"], include_stop_str=True)
     deltas, reasons, stopped = run(tok, ids, init=keep)
-    assert "".join(deltas) == "one two" and reasons[-1] == "stop" and stopped == [7]
+    assert "".join(deltas) == "one two" and reasons[-1] == "stop" and [uid for uid, _ in stopped] == [7]
 
 
 def test_every_flag_has_help() -> None:

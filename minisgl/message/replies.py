@@ -96,6 +96,10 @@ class StatsMsg:
     dp_rank: int = 0
     load_tokens: int = 0
     received: int = 0
+    # Speculative decoding, cumulative: draft tokens proposed and accepted, request-steps verified.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_verified: int = 0
 
 
 @message

@@ -52,6 +52,9 @@ class AbortMsg:
 
     uid: int
     reason: str = "abort"
+    # `stop`: the output tokens up to the one that completed the stop string. A step can bring
+    # several tokens (speculative decoding); the scheduler drops any after these.
+    keep_tokens: int | None = None
 
 
 @message

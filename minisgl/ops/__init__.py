@@ -2,7 +2,13 @@
 torch reference. Each wrapper checks its arguments (ValueError naming the argument) first."""
 
 from minisgl.ops.activation import silu_and_mul
-from minisgl.ops.attention import decode_attention_triton, extend_attention
+from minisgl.ops.attention import (
+    decode_attention_triton,
+    extend_attention,
+    extend_block_m,
+    extend_tile_capacity,
+    extend_tile_map,
+)
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
 from minisgl.ops.linear import linear
@@ -13,6 +19,7 @@ from minisgl.ops.penalties import apply_penalties
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
 from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
+from minisgl.ops.spec_accept import spec_accept
 from minisgl.ops.store import store_kv, store_kv_reference
 
 __all__ = [
@@ -22,6 +29,9 @@ __all__ = [
     "embedding_lookup",
     "embedding_lookup_reference",
     "extend_attention",
+    "extend_block_m",
+    "extend_tile_capacity",
+    "extend_tile_map",
     "fused_add_rmsnorm",
     "fused_experts",
     "fused_moe",
@@ -36,6 +46,7 @@ __all__ = [
     "silu_and_mul",
     "skinny_gemm",
     "skinny_gemm_reference",
+    "spec_accept",
     "store_kv",
     "store_kv_reference",
     "top_logprobs",

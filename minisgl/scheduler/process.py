@@ -122,7 +122,7 @@ class SchedulerProcess:
         elif isinstance(msg, AbortMsg):
             req = self.reqs.get(msg.uid)
             if req is not None:  # unknown: already finished (requests and aborts are in order)
-                self.inputs.append(("finish", msg.uid, msg.reason))
+                self.inputs.append(("finish", msg.uid, msg.reason, msg.keep_tokens))
                 if msg.reason == "abort" and msg.uid not in self.inits:
                     # The detokenizer holds its decode state (it saw tokens): let it drop it.
                     send(self.to_detok, DetokenizeMsg([TokenOut(msg.uid, [], None, "abort")]))
@@ -184,9 +184,11 @@ class SchedulerProcess:
             return
         self.last_stats = now
         running, queued, used, total = scheduler_stats(self.sched)
+        st = self.sched.stats()
         msg = StatsMsg(
             running, queued, used, total, self.prompt_tokens, self.cache_hit_tokens,
             self.dp_rank, load_tokens(self.sched), self.received,
+            st.get("spec_proposed", 0), st.get("spec_accepted", 0), st.get("spec_verified", 0),
         )
         send(self.to_stats, msg)
 

@@ -9,7 +9,7 @@ from minisgl.engine.sampling_params import SamplingParams
 from minisgl.kvcache.prefix_cache import MatchResult
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler finds requests in its lists by identity, not by value
 class Request:
     uid: int
     prompt: list[int]

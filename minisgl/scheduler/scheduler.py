@@ -1,10 +1,12 @@
 """The scheduler: radix prefix cache, chunked prefill, estimate-based admission, retraction
 under KV pressure, and overlap of host work with device work.
 
-Step policy: prefill (extend) and decode steps alternate while both have work, so a decode
-request never waits more than one prefill chunk (at most `max_prefill_tokens` tokens).
-Separate steps keep decode on its fast path (decode kernel + CUDA graph) instead of folding
-decodes into the slower extend kernel.
+Step policy: with nothing decoding, a prefill step takes up to `max_prefill_tokens` prompt
+tokens. While requests decode and prompts wait, each step is mixed: every decode plus a
+prefill chunk of at most `mixed_chunk_tokens` tokens in one forward (one CUDA graph), so a new
+prompt costs the running streams a somewhat longer step, never a stall of a whole prefill.
+The chunk size is a latency budget (DESIGN.md §4). `mixed_chunk_tokens=0` instead alternates
+prefill steps and decode steps.
 
 Overlap: step N+1 is scheduled and launched before the host reads step N's tokens. Decode
 inputs come from the engine's device-side token buffer, and everything the host needs to
@@ -22,15 +24,20 @@ import torch
 from minisgl.engine.engine import Engine
 from minisgl.engine.logits_plan import LogitsSpec, StepOutput
 from minisgl.kvcache.prefix_cache import make_prefix_cache
+from minisgl.logging_setup import get_logger
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.kv import RequestKV
+from minisgl.scheduler.prefill import admit, finish_admitted
 from minisgl.scheduler.request import Request
+from minisgl.scheduler.spec_step import SpecStep
 from minisgl.scheduler.step_sampling import (
     StepSampling,
     add_prompt_logprobs,
     prepare_step_sampling,
     top_logprobs_by_row,
 )
+
+log = get_logger("minisgl.scheduler")
 
 
 @dataclass
@@ -61,8 +68,27 @@ class Scheduler:
         self.prompt_logprob_rows = 512
         # (start, end) CUDA events around each step's device work, when a benchmark asks.
         self.gpu_timeline: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] | None = None
-        if engine.device.type == "cuda" and self.cfg.cuda_graph:
-            engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs)
+        # Speculative decoding (minisgl/spec/): decode steps become verify steps.
+        self.spec = SpecStep(self) if engine.drafter is not None else None
+        if engine.device.type == "cuda":
+            # Everything the serving path runs is compiled (and captured) before it serves.
+            if self.cfg.cuda_graph and self.spec is not None and self.spec.mirrors:
+                # The draft model's KV mirror (and EAGLE-3's residual-stream capture) of every
+                # target step is not in the graphs yet: those steps run eagerly (DESIGN.md §4).
+                log.warning("CUDA graphs are off with a %s drafter (eager steps)", engine.drafter.name)
+            elif self.cfg.cuda_graph:
+                engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, *self.graph_max_tokens)
+            engine.warm_up_sampling()
+
+    @property
+    def graph_max_tokens(self) -> tuple[int, int]:
+        """The largest prefill step and the largest mixed step (0: none) this scheduler forms:
+        the tops of the extend and mixed graph ladders, unless `cuda_graph_max_tokens` caps them."""
+        cfg = self.cfg
+        chunk = min(cfg.mixed_chunk_tokens, cfg.max_prefill_tokens)
+        mixed = self.engine.cfg.max_running_requests + chunk if chunk else 0
+        cap = cfg.cuda_graph_max_tokens
+        return (cfg.max_prefill_tokens, mixed) if cap is None else (min(cfg.max_prefill_tokens, cap), min(mixed, cap))
 
     # ---- requests in and out ----
 
@@ -88,11 +114,16 @@ class Scheduler:
         req.logits_spec = LogitsSpec.of(req.params, req.eos_ids, self.engine.model_config.vocab_size)
         self.waiting.append(req)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Ends a request early (stop string found by the caller, or abort) and frees its KV."""
+    def finish(self, req: Request, reason: str, keep_tokens: int | None = None) -> None:
+        """Ends a request early (stop string found by the caller, or abort) and frees its KV.
+        `keep_tokens`: output tokens to keep (a stop string inside a multi-token step); the KV
+        of the dropped ones is freed, not cached."""
         if req.finished and req.match is None:
             return
         req.finish_reason = reason
+        if keep_tokens is not None and keep_tokens < len(req.output):
+            del req.output[keep_tokens:], req.logprobs[keep_tokens:], req.top_logprobs[keep_tokens:]
+            req.cached_len = min(req.cached_len, req.total_len)
         if req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
@@ -107,6 +138,7 @@ class Scheduler:
             "kv_slots_used": total - free - self.cache.evictable_pages * self.engine.cfg.page_size,
             "kv_slots_cached": self.cache.cached_pages * self.engine.cfg.page_size,
             "retractions": self.num_retractions,
+            **(self.spec.stats() if self.spec is not None else {}),
         }
 
     def check_integrity(self) -> None:
@@ -129,95 +161,85 @@ class Scheduler:
 
     def _launch_next(self) -> bool:
         want_prefill = bool(self.waiting or self.prefilling)
+        if want_prefill and self.cfg.mixed_chunk_tokens > 0 and self._decodable():
+            return self._launch_mixed()
         if want_prefill and not (self._decode_next and self._decodable()):
             if self._launch_prefill():
                 self._decode_next = True
                 return True
         self._decode_next = False
+        if self.spec is not None:
+            reqs = self._decodable()
+            # Penalties, logit bias, min_tokens and logprob alternatives are not in the
+            # acceptance kernel yet: a batch holding such a request decodes plainly (lossless).
+            if reqs and self.spec.draft_tokens(len(reqs)) > 0 and all(r.logits_spec is None for r in reqs):
+                return self._launch_verify()
         return self._launch_decode()
 
     def _decodable(self) -> list[Request]:
         # A request at its length limit waits for its last token; it is never extended.
         return [r for r in self.running if r.seq_len < r.max_total_len]
 
-    def _reserved_pages(self) -> int:
-        """Pages the running requests are expected to still need (the admission estimate)."""
-        reqs = [*self.running, *([self.prefilling] if self.prefilling else [])]
-        return sum(
-            max(0, self.kv.pages_for(r.seq_len + int(r.remaining_tokens * self.new_token_ratio)) - len(r.pages))
-            for r in reqs
-        )
-
     def _launch_prefill(self) -> bool:
-        budget = self.cfg.max_prefill_tokens
-        reqs: list[Request] = []
-        prefix: list[int] = []
-        new: list[list[int]] = []
-        samples: list[bool] = []
-        reserved = self._reserved_pages()
-        table = self.engine.table
-        logit_rows = self.prompt_logprob_rows
-        while budget > 0:
-            if self.prefilling is not None:
-                req = self.prefilling
-            elif self.waiting and table.free_rows > 0 and (logit_rows or not self.waiting[0].needs_prompt_logprobs):
-                req = self.waiting[0]
-                match = self.kv.match(req)
-                tokens_needed = req.seq_len + int(req.remaining_tokens * self.new_token_ratio)
-                need = self.kv.pages_for(tokens_needed) - len(match.pages)
-                alone = not self.running and not reqs
-                if not alone and need + reserved > self.kv.available_pages:
-                    break
-                self.waiting.popleft()
-                self.kv.attach(req, match)
-                req.history_ready = False  # a new table row: its penalty history is rebuilt
-                reserved += need
-            else:
-                break
-            tokens = req.tokens()
-            chunk = min(len(tokens) - req.cached_len, budget)
-            if req.needs_prompt_logprobs:
-                chunk = min(chunk, logit_rows)
-                logit_rows -= chunk
-            if not self.kv.grow(req, req.cached_len + chunk):
-                if req is not self.prefilling:  # undo the admission; try again later
-                    self.kv.release(req)
-                    req.cached_len = 0
-                    self.waiting.appendleft(req)
-                break
-            reqs.append(req)
-            prefix.append(req.cached_len)
-            new.append(tokens[req.cached_len : req.cached_len + chunk])
-            req.cached_len += chunk
-            budget -= chunk
-            complete = req.cached_len == len(tokens)
-            samples.append(complete)
-            if complete:
-                self.running.append(req)
-                self.prefilling = None
-            else:
-                self.prefilling = req
-                break  # a chunked request takes the rest of the budget by construction
-        if not reqs:
+        plan = admit(self, self.cfg.max_prefill_tokens)
+        if not plan.reqs:
             return False
-        self._launch("extend", reqs, prefix, new, samples)
-        for req, sampled in zip(reqs, samples):
-            if sampled:
-                req.num_pending += 1
-            else:
-                self.kv.cache_progress(req)
+        self._launch("extend", plan.reqs, plan.prefix, plan.new, plan.samples)
+        finish_admitted(self, plan)
         return True
 
-    def _launch_decode(self) -> bool:
+    def _launch_mixed(self) -> bool:
+        """Every decode plus a prefill chunk in one step (the decodes first: their KV slots
+        are secured before the chunk's admission takes pages)."""
+        decodes = self._ensure_decode_slots(self._decodable())
+        plan = admit(self, min(self.cfg.mixed_chunk_tokens, self.cfg.max_prefill_tokens))
+        if not plan.reqs:
+            return self._launch_decode(decodes)
+        if not decodes:
+            self._launch("extend", plan.reqs, plan.prefix, plan.new, plan.samples)
+        else:
+            self._start_decodes(decodes)
+            self._launch("mixed", decodes + plan.reqs, [r.seq_len - 1 for r in decodes] + plan.prefix,
+                         [None] * len(decodes) + plan.new, [True] * len(decodes) + plan.samples)
+            self._end_decodes(decodes)
+        finish_admitted(self, plan)
+        return True
+
+    def _launch_decode(self, reqs: list[Request] | None = None) -> bool:
+        reqs = self._ensure_decode_slots(self._decodable()) if reqs is None else reqs
+        if not reqs:
+            return False
+        self._start_decodes(reqs)
+        self._launch("decode", reqs, [r.seq_len - 1 for r in reqs], None, [True] * len(reqs))
+        self._end_decodes(reqs)
+        return True
+
+    def _start_decodes(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            r.cached_len = r.seq_len
+
+    def _end_decodes(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            r.num_pending += 1
+        self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay)
+
+    def _launch_verify(self) -> bool:
+        """A speculative step (scheduler/spec_step.py), synchronous: drafting needs every
+        token on the host, so the in-flight step is read first."""
+        self._drain()
         reqs = self._decodable()
         if not reqs:
             return False
         reqs = self._ensure_decode_slots(reqs)
-        for r in reqs:
-            r.cached_len = r.seq_len
-        self._launch("decode", reqs, [r.seq_len - 1 for r in reqs], None, [True] * len(reqs))
-        for r in reqs:
-            r.num_pending += 1
+        timed = self.gpu_timeline is not None and self.engine.device.type == "cuda"
+        if timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        self._pending_done.extend(self.spec.run(reqs))
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.gpu_timeline.append(("verify", len(reqs), start, end))
         self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay)
         return True
 
@@ -225,6 +247,8 @@ class Scheduler:
         """Every decoding request needs a slot for its next token. Out of KV: retract the
         requests with the least progress (their KV goes to the prefix cache, they requeue at
         the front) until the rest fit."""
+        if not reqs:
+            return reqs
         ok = [r for r in reqs if self.kv.grow(r, r.seq_len)]
         if len(ok) == len(reqs):
             return reqs
@@ -255,7 +279,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _launch(
-        self, mode: str, reqs: list[Request], prefix: list[int], new: list[list[int]] | None, samples: list[bool]
+        self, mode: str, reqs: list[Request], prefix: list[int], new: list[list[int] | None] | None,
+        samples: list[bool],
     ) -> None:
         eng = self.engine
         timed = self.gpu_timeline is not None and eng.device.type == "cuda"
@@ -264,8 +289,10 @@ class Scheduler:
             start.record()
         self.kv.flush()
         sampling = prepare_step_sampling(eng, reqs, samples, prefix, new)
-        batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new, sampling.extra_logit_rows)
+        batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new, extra_logit_rows=sampling.extra_logit_rows)
         out = eng.run_batch(batch, sampling.tensors, sampling.plan)
+        if self.spec is not None:  # a draft model's KV follows every target step
+            self.spec.after_plain_step(batch, reqs, samples, new, out.tokens)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -308,4 +335,5 @@ class Scheduler:
         if req is self.prefilling:
             self.prefilling = None
         self.kv.release(req)
-
+        if self.spec is not None:
+            self.spec.release(req)

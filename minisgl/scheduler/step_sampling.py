@@ -23,7 +23,8 @@ class StepSampling:
 
 
 def prepare_step_sampling(
-    engine: Engine, reqs: list[Request], samples: list[bool], prefix: list[int], new: list[list[int]] | None
+    engine: Engine, reqs: list[Request], samples: list[bool], prefix: list[int],
+    new: list[list[int] | None] | None,
 ) -> StepSampling:
     generated = [len(r.output) + r.num_pending for r in reqs]  # exact under overlap: values unknown
     tensors = SamplingTensors.build(
@@ -39,6 +40,9 @@ def prepare_step_sampling(
     if new is not None:
         offset = 0  # of row i's first new token in the step's tokens
         for i, (req, start, toks) in enumerate(zip(reqs, prefix, new)):
+            if toks is None:  # a mixed step's decode: one token, from the token buffer
+                offset += 1
+                continue
             if req.needs_prompt_logprobs:
                 if start == 0:  # (re)starts from scratch: no prefix match was taken
                     req.prompt_logprobs = [None]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from minisgl.scheduler.request import Request
 
-# Inputs: ("add", Request) | ("finish", uid, reason) | ("shutdown",)
+# Inputs: ("add", Request) | ("finish", uid, reason[, output tokens to keep]) | ("shutdown",)
 Input = tuple[Any, ...]
 
 
@@ -45,7 +45,7 @@ def apply_inputs(scheduler, inputs: list[Input], requests: dict[int, Request]) -
         elif item[0] == "finish":
             req = requests.pop(item[1], None)
             if req is not None:
-                scheduler.finish(req, item[2])
+                scheduler.finish(req, item[2], *item[3:])
         elif item[0] == "shutdown":
             return False
     return True

@@ -51,10 +51,12 @@ class ServerArgs:
     cpu_kv_cache_gb: float = 1.0
     # scheduler (None / False = the scheduler's own default)
     max_prefill_tokens: int | None = None
+    mixed_chunk_tokens: int | None = None
     cache: str | None = None
     disable_overlap: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    cuda_graph_max_tokens: int | None = None
     tp: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -65,6 +67,13 @@ class ServerArgs:
     dp: int = 1
     base_gpu_id: int = 0
     load_balance_method: str = "prefix"
+    # speculative decoding (EngineConfig fields of the same names)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_draft_model: str | None = None
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
+    speculative_draft_table: str | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.nnodes < 1 or self.tp % self.nnodes != 0:
@@ -83,6 +92,12 @@ class ServerArgs:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ValueError(f"chat template file {self.chat_template!r} does not exist")
+        from minisgl.spec.config import make_spec_config  # light: no torch
+
+        make_spec_config(  # checked here, before any process starts
+            self.speculative_algorithm, self.speculative_num_draft_tokens, self.speculative_draft_model,
+            self.speculative_ngram_min, self.speculative_ngram_max, self.speculative_draft_table,
+        )
         self._check_dp()
 
     def _check_dp(self) -> None:
@@ -138,6 +153,8 @@ class ServerArgs:
         opts: dict[str, Any] = {}
         if self.max_prefill_tokens is not None:
             opts["max_prefill_tokens"] = self.max_prefill_tokens
+        if self.mixed_chunk_tokens is not None:
+            opts["mixed_chunk_tokens"] = self.mixed_chunk_tokens
         if self.cache is not None:
             opts["cache"] = self.cache
         if self.disable_overlap:
@@ -146,6 +163,8 @@ class ServerArgs:
             opts["cuda_graph"] = False
         if self.cuda_graph_max_bs is not None:
             opts["cuda_graph_max_bs"] = self.cuda_graph_max_bs
+        if self.cuda_graph_max_tokens is not None:
+            opts["cuda_graph_max_tokens"] = self.cuda_graph_max_tokens
         return opts
 
 
@@ -304,14 +323,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prefill-tokens", type=int, default=None, help="token budget of one prefill step (default 8192)"
     )
     s.add_argument(
+        "--mixed-chunk-tokens", type=int, default=None,
+        help="prompt tokens a step may add to the running decodes (a mixed step; default 512); "
+        "0: prefill steps and decode steps alternate instead",
+    )
+    s.add_argument(
         "--cache",
         choices=("radix", "naive"),
         default=None,
         help="prefix cache: radix (reuse shared prefixes) or naive (none)",
     )
     s.add_argument("--disable-overlap", action="store_true", help="do not overlap CPU scheduling with GPU execution")
-    s.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
+    s.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly (no CUDA graphs)")
     s.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a CUDA graph")
+    s.add_argument(
+        "--cuda-graph-max-tokens", type=int, default=None,
+        help="largest prefill / mixed step (tokens) captured in a CUDA graph; larger ones run eagerly "
+        "(default: the largest step the scheduler forms; 0: decode graphs only)",
+    )
     t = p.add_argument_group("tensor parallelism")
     t.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size: one scheduler process per GPU")
     t.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the TP ranks span")
@@ -345,6 +374,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-balance-method", choices=LOAD_BALANCE_METHODS, default=d.load_balance_method,
         help="how requests pick a replica: prefix (least load, preferring the replica that holds "
         "the longest prefix of the prompt), load (least load) or round_robin",
+    )
+    sp = p.add_argument_group("speculative decoding (off unless --speculative-algorithm is given)")
+    sp.add_argument(
+        "--speculative-algorithm", choices=("ngram", "draft", "eagle3"), default=None,
+        help="ngram: drafts copied from the request's own context; draft: a small model with the target's "
+        "vocabulary; eagle3: an EAGLE-3 head reading the target's hidden states",
+    )
+    sp.add_argument(
+        "--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
+        help="draft tokens proposed per request per step (K); each step verifies 1 + K tokens",
+    )
+    sp.add_argument(
+        "--speculative-draft-model", default=None,
+        help="the draft model folder (draft) or the EAGLE-3 head folder (eagle3)",
+    )
+    sp.add_argument(
+        "--speculative-ngram-min", type=int, default=d.speculative_ngram_min,
+        help="ngram: the shortest suffix of the context that may match an earlier occurrence",
+    )
+    sp.add_argument(
+        "--speculative-ngram-max", type=int, default=d.speculative_ngram_max,
+        help="ngram: the longest suffix tried (longer matches win)",
+    )
+    sp.add_argument(
+        "--speculative-draft-table", default=None,
+        help="JSON file {\"num_draft_tokens\": {batch size: K}} (benchmarks/spec_tune.py writes it): "
+        "K per batch size, 0 turns speculation off there; default: K at every batch size",
     )
     return p
 
