@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from minisgl import ops
@@ -258,10 +260,17 @@ class Engine:
         return ops.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
 
     @torch.inference_mode()
-    def run_batch(self, batch: ForwardBatch, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_batch(
+        self, batch: ForwardBatch, st: SamplingTensors, before_sample: Callable[[torch.Tensor], None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward + sample; the sampled tokens also go to `token_buffer` (the next decode's
-        inputs). A prefill chunk's row samples too; the scheduler drops that token."""
+        inputs). A prefill chunk's row samples too; the scheduler drops that token.
+        `before_sample(logits)` runs once the forward is launched and before sampling; it may
+        change the fp32 [B, vocab] logits in place (grammar masks). Under CUDA graphs they are
+        the graph's output buffer, so the change happens outside the graph."""
         logits = self.forward(batch)
+        if before_sample is not None:
+            before_sample(logits)
         tokens, logprobs = self.sample(logits, st)
         self.token_buffer[batch.req_rows.long()] = tokens
         return tokens, logprobs

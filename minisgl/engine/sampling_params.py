@@ -16,6 +16,15 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # Structured output (xgrammar), at most one of: a JSON schema (dict or JSON text), a regex,
+    # an EBNF grammar, or an xgrammar structural tag (dict or JSON text).
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict | None = None
+    # The grammar constrains only what follows the first occurrence of this token (a reasoning
+    # model's end of thinking, e.g. Qwen3's `</think>`); None: from the first token.
+    grammar_after_token: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -41,6 +50,21 @@ class SamplingParams:
             isinstance(t, int) and t >= 0 for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        from minisgl.grammar.spec import GRAMMAR_FIELDS, normalize_grammar_field
+
+        given = []
+        for name in GRAMMAR_FIELDS:
+            setattr(self, name, normalize_grammar_field(name, getattr(self, name)))
+            if getattr(self, name) is not None:
+                given.append(name)
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: only one of {', '.join(GRAMMAR_FIELDS)} may be set, got {', '.join(given)}")
+        t = self.grammar_after_token
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t < 0):
+            raise ValueError(f"grammar_after_token must be a token id or None, got {t!r}")
 
     @property
     def greedy(self) -> bool:

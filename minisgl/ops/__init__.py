@@ -9,8 +9,10 @@ from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
 from minisgl.ops.store import store_kv, store_kv_reference
+from minisgl.ops.token_bitmask import apply_token_bitmask
 
 __all__ = [
+    "apply_token_bitmask",
     "apply_rope",
     "decode_attention_triton",
     "embedding_lookup",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from minisgl.engine.sampling_params import SamplingParams
 from minisgl.kvcache.prefix_cache import MatchResult
@@ -27,6 +28,9 @@ class Request:
     # Tokens sampled on the GPU whose values the host has not read yet (overlap scheduling).
     num_pending: int = 0
     cache_hit_tokens: int = 0  # prompt tokens served by the prefix cache (for metrics)
+    # Structured output: this request's grammar state (minisgl.grammar.RowGrammar), set by the
+    # scheduler at add on each rank (never broadcast: every rank builds its own).
+    grammar: Any = None
 
     @property
     def finished(self) -> bool:

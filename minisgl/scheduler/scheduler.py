@@ -21,8 +21,10 @@ import torch
 
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampler import SamplingTensors
+from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.kvcache.prefix_cache import make_prefix_cache
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.grammar_rows import GrammarRows
 from minisgl.scheduler.kv import RequestKV
 from minisgl.scheduler.request import Request
 
@@ -37,9 +39,14 @@ class _InFlight:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, cfg: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self, engine: Engine, cfg: SchedulerConfig | None = None, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.engine = engine
         self.cfg = cfg or SchedulerConfig()
+        self.grammar = GrammarRows(
+            grammars, engine.model_config.vocab_size, engine.cfg.max_running_requests, engine.device
+        )
         self.cache = make_prefix_cache(self.cfg.cache, engine.cfg.page_size)
         self.kv = RequestKV(engine, self.cache)
         self.waiting: deque[Request] = deque()
@@ -71,6 +78,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.add_check(req)
+        self.grammar.attach(req)
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -249,7 +257,7 @@ class Scheduler:
             [r.params.top_p for r in reqs], [r.params.min_p for r in reqs],
             [r.seed for r in reqs], [len(r.output) + r.num_pending for r in reqs], eng.device,
         )
-        tokens, logprobs = eng.run_batch(batch, st)
+        tokens, logprobs = eng.run_batch(batch, st, self.grammar.before_sample(reqs, samples, self._drain))
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -273,6 +281,8 @@ class Scheduler:
             if req.finished:  # ended (abort, stop string, EOS) while this step was in flight
                 continue
             req.append(tok, lp)
+            if req.grammar is not None and not req.finished:
+                self.grammar.advance(req, tok)
             done.append(req)
             if req.finished:
                 self._release(req)
