@@ -55,22 +55,22 @@ def sampled(n: int, cap: int = 120, **kw) -> list[SamplingParams]:
 
 
 def test_grammars_50_seeds_in_one_mixed_batch(llm: LLM, tiny_model_path: Callable[[str], Path]) -> None:
-    """50 seeds under the JSON schema, 10 under the regex, 10 under the EBNF grammar and 3
+    """50 seeds under the JSON schema, 5 under the regex, 5 under the EBNF grammar and 3
     unconstrained rows, all in one batch. A seeded row's draw depends only on its logits and
     (seed, step): the unconstrained rows must equal a batch without the constrained ones."""
     plain = [SamplingParams(max_tokens=12, seed=100 + i) for i in range(3)]
-    params = [*sampled(50, json_schema=SCHEMA), *sampled(10, regex=REGEX), *sampled(10, ebnf=EBNF), *plain]
+    params = [*sampled(50, json_schema=SCHEMA), *sampled(5, regex=REGEX), *sampled(5, ebnf=EBNF), *plain]
     outs = llm.generate([PROMPTS[i % 4] for i in range(len(params))], params, use_tqdm=False)
     for out in outs[:50]:
         assert out["finish_reason"] == "stop", out
         jsonschema.validate(json.loads(out["text"]), SCHEMA)
     assert len({o["text"] for o in outs[:50]}) > 40  # really sampled, not one forced string
-    for out in outs[50:60]:
+    for out in outs[50:55]:
         assert out["finish_reason"] == "stop" and re.fullmatch(REGEX, out["text"]), out
-    for out in outs[60:70]:
+    for out in outs[55:60]:
         text = out["text"]
         assert out["finish_reason"] == "stop" and re.fullmatch(r"\((\d+( [+*] \d+)*)\)", text), out
-    assert outs[70:] == llm.generate([PROMPTS[(70 + i) % 4] for i in range(3)], plain, use_tqdm=False)
+    assert outs[60:] == llm.generate([PROMPTS[(60 + i) % 4] for i in range(3)], plain, use_tqdm=False)
 
 
 def test_overlap_equals_no_overlap(llm: LLM, tiny_model_path: Callable[[str], Path]) -> None:
@@ -86,11 +86,11 @@ def test_overlap_equals_no_overlap(llm: LLM, tiny_model_path: Callable[[str], Pa
 def test_chunked_prefill_and_prefix_hits(tiny_model_path: Callable[[str], Path]) -> None:
     llm = LLM(str(tiny_model_path("llama3")), device="cpu", max_model_len=256, num_pages=1024, max_prefill_tokens=7)
     prompt = "A long shared prefix that spans several prefill chunks, then: "
-    first = llm.generate([prompt], sampled(1, json_schema=SCHEMA), use_tqdm=False)
-    again = llm.generate([prompt] * 2, sampled(2, json_schema=SCHEMA), use_tqdm=False)  # radix hits
+    first = llm.generate([prompt], sampled(1, regex=REGEX), use_tqdm=False)
+    again = llm.generate([prompt] * 2, sampled(2, regex=REGEX), use_tqdm=False)  # radix hits
     assert again[0] == first[0]
     for out in again:
-        jsonschema.validate(json.loads(out["text"]), SCHEMA)
+        assert out["finish_reason"] == "stop" and re.fullmatch(REGEX, out["text"]), out
     assert llm.scheduler.cache.cached_pages > 0
 
 

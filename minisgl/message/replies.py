@@ -44,6 +44,7 @@ class UserReply:
     completion_tokens: int = 0  # total so far
     error: str | None = None
     error_param: str | None = None  # the request field to blame (OpenAI error `param`)
+    reasoning_open: bool = False  # DetokInit.reasoning_open, on the request's first reply
 
 
 @message

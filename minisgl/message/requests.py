@@ -27,6 +27,9 @@ class TokenizeMsg:
     skip_special_tokens: bool = True
     prompt_field: str = "prompt"
     max_tokens_field: str = "max_tokens"
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
+    reasoning: str | None = None  # the reasoning parser: a grammar starts after its block
 
 
 @message
@@ -49,6 +52,7 @@ class DetokInit:
     stop: list[str] | None = None
     skip_special_tokens: bool = True
     logprobs: bool = False
+    reasoning_open: bool = False  # the prompt ends inside a reasoning block (the output starts in it)
 
 
 @message

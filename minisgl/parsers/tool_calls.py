@@ -114,6 +114,8 @@ class ToolCallParser:
         """Message start: llama/mistral calls may begin here without a marker."""
         bare = self.fmt.bare_start
         head = self.buf.lstrip()
+        if bare is not None and head and _PYTHON_TAG.startswith(head) and not final:
+            return False  # maybe Llama's python tag, still arriving
         if head.startswith(_PYTHON_TAG):
             head = head[len(_PYTHON_TAG) :].lstrip()
         squeezed = re.sub(r"\s+", "", head)

@@ -18,6 +18,8 @@ import zmq
 
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampling_params import SamplingParams
+from minisgl.grammar.compiler import GrammarCompiler
+from minisgl.grammar.spec import grammar_spec
 from minisgl.logging_setup import get_logger
 from minisgl.message import (
     AbortMsg,
@@ -39,19 +41,30 @@ from minisgl.server.child import report_ready
 
 log = get_logger("minisgl.scheduler")
 STATS_INTERVAL_S = 0.1
+GRAMMAR_POLL_MS = 2  # how often an idle rank 0 checks for finished grammar compiles
 # With TP, idle rank 0 still broadcasts (an empty input list) this often, so the other ranks'
 # collectives never wait long enough to time out.
 TP_IDLE_POLL_MS = 1000
 
-def scheduler_builder(options: dict[str, Any]) -> Callable[[Engine], Scheduler]:
+def scheduler_builder(options: dict[str, Any], args: Any = None) -> Callable[[Engine], Scheduler]:
     """Checks the scheduler options now (before the model loads) and returns a function that
-    builds the scheduler for an engine."""
+    builds the scheduler for an engine (with a grammar compiler that loads the server's
+    tokenizer the first time a request has a grammar)."""
     fields = set(SchedulerConfig.__dataclass_fields__)
     unknown = sorted(set(options) - fields)
     if unknown:
         raise ValueError(f"unknown scheduler option(s): {', '.join(unknown)}")
     SchedulerConfig(**options)  # validates the values
-    return lambda engine: Scheduler(engine, scheduler_config(options, engine.attn.name, engine.device.type))
+
+    def build(engine: Engine) -> Scheduler:
+        grammars = None
+        if args is not None:
+            from minisgl.tokenizer.worker import load_server_tokenizer
+
+            grammars = GrammarCompiler(lambda: load_server_tokenizer(args), engine.model_config.vocab_size)
+        return Scheduler(engine, scheduler_config(options, engine.attn.name, engine.device.type), grammars)
+
+    return build
 
 
 def scheduler_stats(sched: Scheduler) -> tuple[int, int, int, int]:
@@ -63,6 +76,9 @@ def scheduler_stats(sched: Scheduler) -> tuple[int, int, int, int]:
 class SchedulerProcess:
     def __init__(self, engine: Engine, sched: Any, addrs: Any, start: StartMsg) -> None:
         self.engine, self.sched = engine, sched
+        # Requests whose grammar compiles on the worker thread: added once it is ready, so a
+        # compile never stalls the batch (the other ranks start compiling at the same time).
+        self.compiling: list[tuple[Request, Any]] = []
         ctx = zmq.Context()
         self.inbox = pull_socket(ctx, addrs.scheduler)
         self.to_detok = push_socket(ctx, addrs.detokenizer)
@@ -85,7 +101,8 @@ class SchedulerProcess:
         """Every input waiting now (blocking for the first one when idle; with TP at most
         TP_IDLE_POLL_MS, see there)."""
         if block:
-            self.poller.poll(TP_IDLE_POLL_MS if self.sync.size > 1 else None)
+            timeout = GRAMMAR_POLL_MS if self.compiling else (TP_IDLE_POLL_MS if self.sync.size > 1 else None)
+            self.poller.poll(timeout)
         msgs = []
         while (m := recv_nowait(self.inbox)) is not None:
             msgs.append(m)
@@ -117,13 +134,35 @@ class SchedulerProcess:
         except ValueError as e:
             send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param=param)]))
             return
-        self.inputs.append(("add", req))  # added on every rank at the next exchange
+        spec = grammar_spec(params)
+        if spec is not None and self.sched.grammar.compiler is not None:
+            self.compiling.append((req, self.sched.grammar.compiler.prefetch(spec)))
+            self.inputs.append(("grammar", spec))
+        else:
+            self.inputs.append(("add", req))  # added on every rank at the next exchange
         self.reqs[msg.uid] = req
         self.inits[msg.uid] = msg.detok
         self.sent[msg.uid] = 0
         if msg.detok.logprobs:
             self.want_logprobs.add(msg.uid)
         self.prompt_tokens += len(msg.input_ids)
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the lockstep input stream; a grammar that does
+        not compile fails its request with xgrammar's reason."""
+        waiting = []
+        for req, fut in self.compiling:
+            if self.reqs.get(req.uid) is not req:
+                continue  # aborted while compiling
+            if not fut.done():
+                waiting.append((req, fut))
+            elif fut.exception() is not None:
+                err = UserReply(req.uid, error=str(fut.exception()), error_param=grammar_spec(req.params).kind)
+                send(self.to_api, ReplyBatch([err]))
+                self._forget(req.uid)
+            else:
+                self.inputs.append(("add", req))
+        self.compiling = waiting
 
     def emit(self, stepped: list[Request]) -> None:
         items = []
@@ -163,6 +202,8 @@ class SchedulerProcess:
         while True:
             for msg in self.receive(block=not self.sched.has_work):
                 self.apply(msg)
+            if self.compiling:
+                self.admit_compiled()
             inputs, self.inputs = self.inputs, []
             apply_inputs(self.sched, self.sync.exchange(inputs), self.synced)
             if self.sched.has_work:
@@ -177,13 +218,13 @@ def run_scheduler_rank(conn: Connection, args: Any, rank: int) -> None:
 
     scheduler_builder(args.scheduler_options())  # the same checks as rank 0
     run_tp_worker(
-        args.engine_config(tp_rank=rank), args.scheduler_options(),
+        args.engine_config(tp_rank=rank), {**args.scheduler_options(), "tokenizer": args.tokenizer},
         on_ready=lambda: report_ready(conn, f"scheduler rank {rank}"),
     )
 
 
 def run_scheduler(conn: Connection, args: Any, addrs: Any) -> None:
-    build = scheduler_builder(args.scheduler_options())
+    build = scheduler_builder(args.scheduler_options(), args)
     engine = Engine(args.engine_config(tp_rank=0))
     sched = build(engine)
     kv_total = scheduler_stats(sched)[3]

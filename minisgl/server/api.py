@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minisgl.message import TokenizeMsg
 from minisgl.server.frontend import ClientGone, Frontend
 from minisgl.server.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from minisgl.server.openai_serving import OpenAIServing
+from minisgl.server.openai_serving import ChatFeatures, OpenAIServing
 from minisgl.server.serving import SSE_DONE, ChoiceTracker, ServingError, all_replies, build_sampling, first_reply, sse
 
 _GENERATE_KEYS = {
@@ -78,9 +78,12 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(frontend: Frontend, model_name: str, api_key: str | None, workers_alive: Callable[[], bool]) -> FastAPI:
+def build_app(
+    frontend: Frontend, model_name: str, api_key: str | None, workers_alive: Callable[[], bool],
+    features: ChatFeatures | None = None,
+) -> FastAPI:
     app = FastAPI(title="minisgl", docs_url=None, redoc_url=None)
-    serving = OpenAIServing(frontend, model_name)
+    serving = OpenAIServing(frontend, model_name, features)
 
     @app.exception_handler(ServingError)
     async def _serving_error(_: Request, exc: ServingError) -> JSONResponse:

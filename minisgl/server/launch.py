@@ -104,6 +104,19 @@ def _wait_ready(children: list[Child]) -> StartMsg:
     return StartMsg(info["max_model_len"], info["vocab_size"], extra)
 
 
+def chat_features(args: ServerArgs, detok_info: dict[str, Any]) -> Any:
+    """--tool-call-parser (auto: what the detokenizer found in the chat template) and
+    --reasoning-parser, as the API's output parsing uses them."""
+    from minisgl.parsers.tool_formats import tool_format
+    from minisgl.server.openai_serving import ChatFeatures
+
+    name = detok_info.get("tool_format") if args.tool_call_parser == "auto" else args.tool_call_parser
+    if args.tool_call_parser == "auto":
+        log.info("tool-call parser: %s (from the chat template)", name or "none found")
+    fmt = tool_format(name) if name and name != "none" else None
+    return ChatFeatures(fmt, args.reasoning_parser)
+
+
 def _stop_children(children: list[Child]) -> None:
     for c in children:
         if c.process.is_alive():
@@ -180,7 +193,8 @@ async def _serve(args: ServerArgs, addrs: Addresses, children: list[Child], list
         else:
             assert listener is not None
             app = build_app(
-                frontend, args.served_model_name, args.api_key, lambda: all(c.process.is_alive() for c in children)
+                frontend, args.served_model_name, args.api_key, lambda: all(c.process.is_alive() for c in children),
+                chat_features(args, next(c.info for c in children if c.name == "detokenizer")),
             )
             server = uvicorn.Server(
                 uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)

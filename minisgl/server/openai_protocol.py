@@ -58,7 +58,12 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    regex: str | None = None  # SGLang-style extensions: the output matches this regex
+    ebnf: str | None = None  # ... or this EBNF grammar
 
 
 class CompletionRequest(_Sampling):

@@ -5,12 +5,16 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from minisgl.message import TokenizeMsg, UserReply
+from minisgl.parsers.tool_formats import ToolFormat
+from minisgl.server.chat_output import ChatOutput
+from minisgl.server.chat_request import ChatPlan, plan_chat, template_messages
 from minisgl.server.frontend import Frontend
 from minisgl.server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from minisgl.server.serving import (
@@ -24,7 +28,17 @@ from minisgl.server.serving import (
     sse,
 )
 
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+
+@dataclass(frozen=True)
+class ChatFeatures:
+    """Server-wide output parsing: the tool-call format (--tool-call-parser, or detected from
+    the chat template) and the reasoning parser (--reasoning-parser)."""
+
+    tool_format: ToolFormat | None = None
+    reasoning: str | None = None
+
+
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -49,8 +63,15 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
             content = "".join(p.text or "" for p in m.content)
         else:
             content = m.content or ""
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-    return out
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        for key in ("tool_calls", "tool_call_id", "name"):  # assistant calls and tool results
+            if getattr(m, key, None) is not None:
+                msg[key] = getattr(m, key)
+        out.append(msg)
+    try:
+        return template_messages(out)
+    except ValueError as e:
+        raise ServingError(str(e), str(e).split(":", 1)[0]) from e
 
 
 def _chat_logprobs(texts: list[str], lps: list[float]) -> dict[str, Any]:
@@ -76,9 +97,10 @@ def _completion_logprobs(texts: list[str], lps: list[float], offset: int) -> dic
 
 
 class OpenAIServing:
-    def __init__(self, frontend: Frontend, model_name: str) -> None:
+    def __init__(self, frontend: Frontend, model_name: str, features: ChatFeatures | None = None) -> None:
         self.frontend = frontend
         self.model_name = model_name
+        self.features = features or ChatFeatures()
 
     def _check_common(self, req: Any) -> None:
         check_model(req.model, self.model_name)
@@ -88,10 +110,11 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Any:
         self._check_common(req)
-        if req.tools:
-            raise ServingError("tools are not supported", "tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise ServingError("response_format other than text is not supported", "response_format")
+        try:
+            plan = plan_chat(req.response_format, req.regex, req.ebnf, req.tools, req.tool_choice,
+                             req.parallel_tool_calls, self.features.tool_format)
+        except ValueError as e:
+            raise ServingError(str(e), str(e).split(":", 1)[0]) from e
         if req.top_logprobs:
             raise ServingError(
                 "top_logprobs > 0 is not supported (the chosen tokens' logprobs are returned with top_logprobs 0)",
@@ -101,7 +124,7 @@ class OpenAIServing:
         mt_field = "max_tokens"
         if req.max_completion_tokens is not None:
             fields["max_tokens"], mt_field = req.max_completion_tokens, "max_completion_tokens"
-        sampling = build_sampling(fields, mt_field)
+        sampling = {**build_sampling(fields, mt_field), **plan.grammar}
         msg = TokenizeMsg(
             self.frontend.new_uids(req.n),
             messages=chat_messages(req),
@@ -110,8 +133,11 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens,
             prompt_field="messages",
             max_tokens_field=mt_field,
+            tools=plan.template_tools,
+            chat_template_kwargs=req.chat_template_kwargs,
+            reasoning=self.features.reasoning,
         )
-        return await self._run([msg], req, request, chat=True, logprobs=req.logprobs)
+        return await self._run([msg], req, request, chat=True, logprobs=req.logprobs, plan=plan)
 
     async def completion(self, req: CompletionRequest, request: Request) -> Any:
         self._check_common(req)
@@ -147,7 +173,10 @@ class OpenAIServing:
             )
         return await self._run(msgs, req, request, chat=False, logprobs=req.logprobs is not None)
 
-    async def _run(self, msgs: list[TokenizeMsg], req: Any, request: Request, chat: bool, logprobs: bool) -> Any:
+    async def _run(
+        self, msgs: list[TokenizeMsg], req: Any, request: Request, chat: bool, logprobs: bool,
+        plan: ChatPlan | None = None,
+    ) -> Any:
         handle = self.frontend.submit(msgs)
         first = await first_reply(self.frontend, handle, request)
         tracker = ChoiceTracker(handle, req.n)
@@ -160,9 +189,13 @@ class OpenAIServing:
         }
         # Streams learn of a gone client from Starlette cancelling them; others poll for it.
         replies = all_replies(self.frontend, handle, first, None if req.stream else request)
+        outputs = None
+        if chat and plan is not None and (plan.tool_format or self.features.reasoning):
+            fmt, reasoning = plan.tool_format, self.features.reasoning
+            outputs = [ChatOutput(reasoning, first.reasoning_open, fmt, plan.max_calls) for _ in handle.uids]
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(replies, tracker, head, chat, logprobs, usage)
+            body = self._stream(replies, tracker, head, chat, logprobs, usage, outputs)
             return StreamingResponse(body, media_type="text/event-stream")
         async for r in replies:
             tracker.add(r)
@@ -176,7 +209,12 @@ class OpenAIServing:
                     else _completion_logprobs(tracker.token_texts[i], tracker.logprobs[i], 0)
                 )
             c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": tracker.finish[i]}
-            if chat:
+            if chat and outputs is not None:
+                out = outputs[i]
+                out.feed(text)
+                _, c["finish_reason"] = out.finish(tracker.finish[i])
+                c["message"] = out.message()
+            elif chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
                 c["text"] = text
@@ -191,6 +229,7 @@ class OpenAIServing:
         chat: bool,
         logprobs: bool,
         usage: bool,
+        outputs: list[ChatOutput] | None = None,
     ) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         extra = {"usage": None} if usage else {}
@@ -217,6 +256,10 @@ class OpenAIServing:
                         else _completion_logprobs(r.token_texts or [], r.logprobs or [], offsets[i])
                     )
                 offsets[i] += len(r.text)
+                if outputs is not None:
+                    for chunk in self._chat_chunks(outputs[i], i, r, lp):
+                        yield sse({**head, "choices": [chunk], **extra})
+                    continue
                 if not (r.text or lp or r.finish_reason):
                     continue
                 c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": r.finish_reason}
@@ -230,3 +273,19 @@ class OpenAIServing:
         except ServingError as e:  # after the 200 went out, an error can only be an event
             yield sse(e.body())
         yield SSE_DONE
+
+    @staticmethod
+    def _chat_chunks(out: ChatOutput, i: int, r: UserReply, lp: Any) -> list[dict[str, Any]]:
+        """The stream choices of one reply through the output parser: one per delta (reasoning,
+        content, a tool call's id and name, a piece of its arguments), the finish last."""
+        deltas = out.feed(r.text)
+        reason = None
+        if r.finish_reason is not None:
+            tail, reason = out.finish(r.finish_reason)
+            deltas += tail
+        chunks = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if lp is not None:
+            chunks.append({"index": i, "delta": {}, "logprobs": lp, "finish_reason": None})
+        if reason is not None:
+            chunks.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})
+        return chunks

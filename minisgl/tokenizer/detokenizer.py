@@ -62,6 +62,7 @@ class Detokenizer:
             finish_reason=reason,
             prompt_tokens=st.init.prompt_tokens,
             completion_tokens=len(st.ids),
+            reasoning_open=st.init.reasoning_open,
         )
         if st.init.logprobs:
             reply.logprobs = list(item.logprobs or [])
@@ -79,7 +80,10 @@ def run_detokenizer(conn: Connection, args: Any, addrs: Any) -> None:
     detok = Detokenizer(tok)
     # With no tokenizer workers, requests and aborts come here too (DESIGN: --num-tokenizers 0).
     tokenizer = TokenizeHandler(tok, to_scheduler, to_api, args.seed * 1009 + 1000)
-    tokenizer.start(report_ready(conn, "detokenizer", {"eos_token_id": tok.eos_token_id}))
+    from minisgl.parsers.tool_formats import detect_tool_format
+
+    info = {"eos_token_id": tok.eos_token_id, "tool_format": detect_tool_format(getattr(tok, "chat_template", None))}
+    tokenizer.start(report_ready(conn, "detokenizer", info))
     while True:
         msgs = [recv(inbox)]
         while (m := recv_nowait(inbox)) is not None:  # one reply batch for all that is ready

@@ -69,22 +69,37 @@ class TokenizeHandler:
         if msg.input_ids is not None:
             return list(msg.input_ids)
         if msg.messages is not None:
-            try:
-                text = self.tok.apply_chat_template(msg.messages, tokenize=False, add_generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 - jinja raises its own types for bad chats
-                raise RequestError(f"messages: the chat template rejected them: {e}", "messages") from e
-            # The template already holds BOS and the like.
-            return self.tok(text, add_special_tokens=False).input_ids
+            return self.tok(self.chat_prompt(msg), add_special_tokens=False).input_ids  # BOS is in the template
         return self.tok(msg.text or "").input_ids
 
+    def chat_prompt(self, msg: TokenizeMsg) -> str:
+        kwargs = dict(msg.chat_template_kwargs or {})
+        if msg.tools:
+            kwargs["tools"] = msg.tools
+        try:
+            return self.tok.apply_chat_template(msg.messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception as e:  # noqa: BLE001 - jinja raises its own types for bad chats
+            raise RequestError(f"messages: the chat template rejected them: {e}", "messages") from e
+
     def prepare(self, msg: TokenizeMsg) -> list[UserMsg]:
-        ids = self.prompt_ids(msg)
+        reasoning_open = False
+        sampling = dict(msg.sampling)
+        if msg.reasoning and msg.messages is not None:
+            from minisgl.tokenizer.reasoning_gate import reasoning_gate
+
+            text = self.chat_prompt(msg)
+            try:
+                reasoning_open = reasoning_gate(self.tok, msg.reasoning, text, sampling)
+            except ValueError as e:
+                raise RequestError(str(e), None) from e
+            ids = self.tok(text, add_special_tokens=False).input_ids
+        else:
+            ids = self.prompt_ids(msg)
         field, limit = msg.prompt_field, self.max_model_len
         try:
             check_prompt(ids, limit, self.vocab_size)
         except ValueError as e:
             raise RequestError(f"{field}: {e}", field) from e
-        sampling = dict(msg.sampling)
         room = limit - len(ids)
         max_tokens = sampling.get("max_tokens")
         if max_tokens is None:
@@ -100,7 +115,7 @@ class TokenizeHandler:
             params = SamplingParams(**sampling)
         except (ValueError, TypeError) as e:
             raise RequestError(str(e), str(e).split(" ", 1)[0]) from e
-        init = DetokInit(len(ids), params.stop, msg.skip_special_tokens, msg.logprobs)
+        init = DetokInit(len(ids), params.stop, msg.skip_special_tokens, msg.logprobs, reasoning_open)
         out = []
         for i, uid in enumerate(msg.uids):
             if params.seed is None:
