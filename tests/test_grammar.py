@@ -145,3 +145,14 @@ def test_compiler_caches_and_gate_opens_after_token(llm: LLM) -> None:
     ids = allowed.nonzero().flatten().tolist()
     assert ids and all(tok.decode([i]) in ("a", "ab") for i in ids)
     assert not g.accept(tok.convert_tokens_to_ids("b")) and g.rejected
+
+
+def test_grammar_starts_after_the_gate_token(llm: LLM) -> None:
+    """With grammar_after_token, tokens up to that token are free, then the grammar holds: the
+    greedy first token is used as the gate, so the output is that token, then the regex."""
+    first = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[0]
+    gate = first["token_ids"][0]
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0.0, regex=REGEX,
+                                                   grammar_after_token=gate), use_tqdm=False)[0]
+    assert out["token_ids"][0] == gate and out["finish_reason"] == "stop"
+    assert re.fullmatch(REGEX, llm.tokenizer.decode(out["token_ids"][1:], skip_special_tokens=True))

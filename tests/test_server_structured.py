@@ -148,13 +148,16 @@ def test_conversation_with_tool_results_renders(client: openai.OpenAI, model_dir
 
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                               "arguments": '{"city": "Paris", "days": 1}'}}
-    msgs = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
             {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'}]
     out = client.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=4, seed=0,
                                          extra_body=NO_THINK)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    rendered = [msgs[0], {**msgs[1], "tool_calls": [{**call, "function": {"name": "get_weather",
-                                                                           "arguments": {"city": "Paris", "days": 1}}}]},
+    # What the server renders: content None as "", the arguments as an object.
+    args = {"city": "Paris", "days": 1}
+    rendered = [msgs[0], {**msgs[1], "content": "", "tool_calls": [{**call, "function": {"name": "get_weather",
+                                                                                          "arguments": args}}]},
                 msgs[2]]
     text = tok.apply_chat_template(rendered, tools=TOOLS, tokenize=False, add_generation_prompt=True,
                                    enable_thinking=False)

@@ -72,7 +72,9 @@ def _call_tag(fmt: ToolFormat, name: str, schema: Any) -> dict[str, Any]:
     return {
         "type": "tag",
         "begin": f'{lead}{{"name": {json.dumps(name)}, "{fmt.args_key}": ',
-        "content": {"type": "json_schema", "json_schema": schema if schema is not None else True},
+        # At most one whitespace character in a row: a weak model cannot pad forever.
+        "content": {"type": "json_schema", "json_schema": schema if schema is not None else True,
+                    "max_whitespace_cnt": 1},
         "end": "}" + tail,
     }
 

@@ -47,9 +47,9 @@ class ChatOutput:
                 self.content += e.text
                 deltas.append({"content": e.text})
             elif isinstance(e, CallStart):
-                call = {"id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
-                self.calls.append(call)
-                deltas.append({"tool_calls": [{"index": e.index, **call}]})
+                self.calls.append({"id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}})
+                head = {"index": e.index, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}
+                deltas.append({"tool_calls": [head]})  # its own dicts: self.calls grows after this
             elif isinstance(e, ArgsDelta):
                 self.calls[e.index]["function"]["arguments"] += e.text
                 deltas.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
