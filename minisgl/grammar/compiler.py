@@ -2,13 +2,15 @@
 
 Compiling precomputes, for every grammar state, which of the vocabulary's tokens may follow:
 tens of milliseconds to a second for a JSON schema over a 150k-token vocabulary. It runs on
-one worker thread (xgrammar releases the GIL while it compiles), so a request waiting for its
-grammar never stalls the batch. Each spec compiles once: later requests (and the other choices
-of an n > 1 request) get the cached result, or wait on the same future while it compiles.
+one worker thread (xgrammar's C++ compile, itself multi-threaded, lets the scheduler thread run
+meanwhile), so a request waiting for its grammar never stalls the batch. Each spec compiles
+once: later requests (and the other choices of an n > 1 request) get the cached result, or
+wait on the same future while it compiles.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -21,6 +23,9 @@ from minisgl.logging_setup import get_logger
 
 log = get_logger("minisgl.grammar")
 CACHE_ENTRIES = 1024  # compiled grammars kept (least recently used dropped first)
+# xgrammar's own threads for one compile: half the cores (the other half run the scheduler,
+# the tokenizers and the mask fills), at most 8.
+COMPILE_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 class GrammarError(ValueError):
@@ -62,7 +67,7 @@ class GrammarCompiler:
         if self._compiler is None:
             tok = self._load_tokenizer()
             info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
         try:
             return self._compiler.compile_grammar(build_grammar(spec))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and pydantic errors
