@@ -31,7 +31,7 @@ def make(path: Path, **kw) -> LLM:
 
 
 def test_mask_on_graph_logits_equals_eager(tiny_model_path: Callable[[str], Path]) -> None:
-    llm = make(tiny_model_path("llama3"))
+    llm = make(tiny_model_path("qwen3"))
     eng = llm.engine
     assert eng.graphs is not None
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
@@ -59,7 +59,7 @@ def test_mask_on_graph_logits_equals_eager(tiny_model_path: Callable[[str], Path
 
 
 def test_overlap_equals_no_overlap_and_graph_outputs_validate(tiny_model_path: Callable[[str], Path]) -> None:
-    path = tiny_model_path("llama3")
+    path = tiny_model_path("qwen3")
     params = [SamplingParams(max_tokens=60, seed=s, json_schema=SCHEMA) for s in range(24)]
     params += [SamplingParams(max_tokens=20, seed=100 + s) for s in range(8)]
     prompts = [f"Pet number {i}:" for i in range(len(params))]
