@@ -4,6 +4,7 @@ randint(0, 10000); then each max_tokens = randint(100, 1024); temperature 0.6; i
 That is 133,966 output tokens for 256 requests.
 
     python benchmarks/offline.py --model benchmarks/configs/qwen3-0.6b --load-format dummy
+    python benchmarks/offline.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --decode-latency
 
 It also reports the GPU-idle share of the decode phase: 1 - (sum of per-step device time,
 from CUDA events around each step) / (wall time between the first and last decode step).
@@ -74,10 +75,12 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--cache", default="radix", choices=["radix", "naive"])
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one process per GPU)")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each of --tp GPUs)")
     ap.add_argument("--disable-overlap", action="store_true")
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     ap.add_argument("--decode-latency", action="store_true", help="also time batch-1 decode (ms/token)")
+    ap.add_argument("--json", default=None, help="also write the summary row to this file")
     args = ap.parse_args()
 
     has_tokenizer = any((Path(args.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
@@ -87,7 +90,7 @@ def main() -> None:
         attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens, page_size=args.page_size, cache=args.cache,
         disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
-        cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp,
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
     # Warm-up: Triton compiles each kernel once per specialization (batch sizes, sampling
@@ -107,19 +110,35 @@ def main() -> None:
     idle = None if gb is None else gb["idle"]
     s = llm.scheduler.cfg
     print(f"model {args.model} ({args.load_format}), device {llm.engine.device}, dtype {llm.engine.dtype}, "
-          f"attention {llm.engine.attn.name}, overlap {s.overlap}, cuda graphs {llm.engine.graphs is not None}")
+          f"attention {llm.engine.attn.name}, overlap {s.overlap}, cuda graphs {llm.engine.graphs is not None}, "
+          f"tp {args.tp}, dp {args.dp}")
+    if args.dp > 1:
+        print("(with --dp, the retraction count and the device-time line are replica 0's)")
     print("| requests | input tokens | output tokens | time (s) | output tok/s | total tok/s | GPU idle (decode) |")
     print("|---|---|---|---|---|---|---|")
     idle_s = "n/a" if idle is None else f"{idle * 100:.1f}%"
     print(f"| {len(prompts)} | {n_in} | {n_out} | {elapsed:.2f} | {n_out / elapsed:,.0f} | "
           f"{(n_in + n_out) / elapsed:,.0f} | {idle_s} |")
     print(f"retractions: {llm.scheduler.num_retractions}")
+    if args.json:
+        import json
+
+        summary = {"requests": len(prompts), "input_tokens": n_in, "output_tokens": n_out, "time_s": elapsed,
+                   "output_tok_s": n_out / elapsed, "tp": args.tp, "dp": args.dp}
+        Path(args.json).write_text(json.dumps(summary))
     if gb is not None:
         print(
             f"device time: {gb['decode_steps']:.0f} decode steps {gb['decode_ms'] / 1000:.2f} s "
             f"(mean batch {gb['decode_mean_bs']:.0f}, {gb['decode_ms'] / max(1, gb['decode_steps']):.2f} ms/step); "
             f"{gb['extend_steps']:.0f} prefill steps {gb['extend_ms'] / 1000:.2f} s"
         )
+        if llm.engine.device.type == "cuda":
+            from weight_floor import decode_weight_bytes, read_bandwidth
+
+            w, bw = decode_weight_bytes(llm.engine.model, gb["decode_mean_bs"]), read_bandwidth(llm.engine.device)
+            print(f"decode weights floor: {w / 1e9:.2f} GB read per step at the mean batch (weight_floor.py) / "
+                  f"{bw / 1e9:,.0f} GB/s read ceiling (this run) = {w / bw * 1e3:.2f} ms/step; "
+                  f"measured {gb['decode_ms'] / max(1, gb['decode_steps']):.2f} ms/step (KV reads excluded)")
     if args.decode_latency:
         llm.scheduler.gpu_timeline = None
         n = 128

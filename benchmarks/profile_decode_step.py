@@ -3,6 +3,9 @@ the engine, timed as a CUDA-graph replay and profiled eagerly per kernel, agains
 bandwidth floor (weights + KV bytes read / the measured copy bandwidth).
 
     python benchmarks/profile_decode_step.py --model benchmarks/configs/qwen3-0.6b --batch 128 --context 1024
+
+--cublas-baseline also times the same step with every linear layer on cuBLAS (the skinny
+GEMM dispatch table emptied and the graphs recaptured), in the same run.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import statistics
 
 import torch
+from weight_floor import decode_weight_bytes
 
 from minisgl import LLM
 from minisgl.kvcache.pool import KVPool
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prefill-requests", type=int, default=8)
+    ap.add_argument("--cublas-baseline", action="store_true", help="also time the step with cuBLAS for every GEMM")
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", tokenizer=args.tokenizer, cuda_graph_max_bs=args.batch)
     eng = llm.engine
@@ -55,12 +60,16 @@ def main() -> None:
     mc = eng.model_config
     per_token = KVPool.bytes_per_token_for(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.dtype)
     kv_bytes = args.batch * args.context * per_token
-    w_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+    w_bytes = decode_weight_bytes(eng.model, args.batch)
     big = torch.empty(1 << 28, dtype=torch.float32, device=eng.device)
     copy_ms = time_ms(lambda: big.clone(), reps=10)
     bw = 2 * big.numel() * 4 / (copy_ms * 1e-3)
     floor_ms = (kv_bytes + w_bytes) / bw * 1e3
     print(f"decode step, batch {args.batch} x context {args.context}: graph {graph_ms:.2f} ms, eager {eager_ms:.2f} ms")
+    if args.cublas_baseline:
+        cublas_ms = time_with_cublas_only(eng, batch, args.batch)
+        print(f"  the same step with cuBLAS for every GEMM: graph {cublas_ms:.2f} ms "
+              f"(skinny GEMM dispatch saves {cublas_ms - graph_ms:.2f} ms, {(1 - graph_ms / cublas_ms) * 100:.1f}%)")
     print(f"floor (weights {w_bytes / 1e9:.2f} GB + KV {kv_bytes / 1e9:.2f} GB at copy bw {bw / 1e9:.0f} GB/s): "
           f"{floor_ms:.2f} ms -> {floor_ms / graph_ms * 100:.0f}% of floor")
     profile(lambda: eng.forward_eager(batch))
@@ -73,6 +82,26 @@ def main() -> None:
     rate = n * args.context / prefill_ms
     print(f"prefill step, {n} x {args.context} tokens: {prefill_ms:.2f} ms ({rate:,.0f} tokens/ms)")
     profile(lambda: eng.forward(extend))
+
+
+def time_with_cublas_only(eng, batch, max_bs: int) -> float:
+    """Graph time of `batch` with an empty dispatch table (every GEMM on cuBLAS), then the
+    measured table and the graphs are restored."""
+    from minisgl.ops.gemm_table import GemmTable
+    from minisgl.ops.linear import install_table, table_for
+
+    tuned = table_for(eng.device)
+    install_table(eng.device, GemmTable())
+    try:
+        eng.graphs = None
+        torch.cuda.empty_cache()
+        eng.enable_cuda_graphs(max_bs)
+        return time_ms(lambda: eng.forward(batch))
+    finally:
+        install_table(eng.device, tuned if tuned is not None else GemmTable())
+        eng.graphs = None
+        torch.cuda.empty_cache()
+        eng.enable_cuda_graphs(max_bs)
 
 
 def profile(fn) -> None:

@@ -92,6 +92,32 @@ PYBIND11_MODULE(_C, m) {
       py::arg("out"), py::arg("weight"), py::arg("ids"), py::arg("ids_are_int64"), py::arg("n"),
       py::arg("row_bytes"), py::arg("weight_stride"), py::arg("out_stride"), py::arg("start"), py::arg("end"),
       py::arg("stream"));
+  // Skinny GEMM (csrc/skinny_gemm.cu): tile configurations by id as (row tiles, chunks, max m), and the launch.
+  m.def("skinny_gemm_configs", []() {
+    py::list out;
+    for (int c = 0; c < minisgl::skinny_gemm_num_configs(); ++c) {
+      int rt = 0, u = 0, max_m = 0;
+      check(minisgl::skinny_gemm_config(c, &rt, &u, &max_m), "skinny_gemm_configs");
+      out.append(py::make_tuple(rt, u, max_m));
+    }
+    return out;
+  });
+  m.def(
+      "skinny_gemm",
+      [](std::uintptr_t x, std::uintptr_t w, std::uintptr_t bias, std::uintptr_t y, std::uintptr_t workspace,
+         int64_t workspace_bytes, std::uintptr_t counters, int64_t num_counters, int m, int n, int k,
+         int64_t x_stride, int64_t w_stride, int64_t y_stride, bool silu, int dtype, int cfg, int warps,
+         int num_splits, bool pdl, std::uintptr_t stream) {
+        check(minisgl::skinny_gemm(ptr<const void>(x), ptr<const void>(w), ptr<const void>(bias), ptr(y),
+                                   ptr<float>(workspace), workspace_bytes, ptr<int>(counters), num_counters, m, n,
+                                   k, x_stride, w_stride, y_stride, silu ? 1 : 0, dtype, cfg, warps, num_splits,
+                                   pdl ? 1 : 0, ptr(stream)),
+              "skinny_gemm");
+      },
+      py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("y"), py::arg("workspace"), py::arg("workspace_bytes"),
+      py::arg("counters"), py::arg("num_counters"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"),
+      py::arg("w_stride"), py::arg("y_stride"), py::arg("silu"), py::arg("dtype"), py::arg("cfg"), py::arg("warps"),
+      py::arg("num_splits"), py::arg("pdl"), py::arg("stream"));
 #else
   m.attr("has_cuda") = false;
 #endif

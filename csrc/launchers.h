@@ -29,6 +29,19 @@ int embedding_lookup(void* out, const void* weight, const void* ids, int ids_are
                      int64_t row_bytes, int64_t weight_stride_bytes, int64_t out_stride_bytes,
                      int64_t start, int64_t end, void* stream);
 
+// Skinny GEMM y = x W^T (+ bias) for 1..32 rows of x (csrc/skinny_gemm.cuh). dtype: 0 =
+// float16, 1 = bfloat16. Strides in elements. silu = 1: W is (gate | up) [2n, k] and y [m, n]
+// = silu(gate) * up. cfg indexes the tile configurations (skinny_gemm_config gives its row
+// tiles, chunks per warp group, and the largest m it takes); warps 1..8 per block; num_splits 1..64 K splits,
+// with num_splits > 1 an fp32 workspace and `tiles` zeroed int counters (left zeroed).
+// pdl: launch as a programmatic dependent of the previous kernel on the stream (sm_90+).
+int skinny_gemm_num_configs();
+int skinny_gemm_config(int cfg, int* row_tiles, int* chunks, int* max_m);
+int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* workspace,
+                int64_t workspace_bytes, int* counters, int64_t num_counters, int m, int n, int k,
+                int64_t x_stride, int64_t w_stride, int64_t y_stride, int silu, int dtype, int cfg,
+                int warps, int num_splits, int pdl, void* stream);
+
 const char* cuda_error_string(int code);
 
 }  // namespace minisgl

@@ -13,9 +13,17 @@ def _flag(name: str) -> bool:
 DEBUG_CHECKS: bool = _flag("MINISGL_DEBUG")
 # Force the torch reference for every op, even on CUDA (to bisect a kernel bug).
 DISABLE_KERNELS: bool = _flag("MINISGL_DISABLE_KERNELS")
+# Linear layers use cuBLAS only, never the skinny GEMM kernel (see minisgl/ops/linear.py).
+DISABLE_SKINNY_GEMM: bool = _flag("MINISGL_DISABLE_SKINNY_GEMM")
+# Where measured tables are cached (the skinny GEMM dispatch table: skinny_gemm.json).
+CACHE_DIR: str = os.environ.get("MINISGL_CACHE_DIR") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "minisgl"
+)
 # Log level of the `minisgl` logger.
 LOG_LEVEL: str = os.environ.get("MINISGL_LOG_LEVEL", "INFO").upper()
 # Triton runs its kernels on the CPU when this is set (TRITON_INTERPRET=1); tests use it.
 TRITON_INTERPRET: bool = _flag("TRITON_INTERPRET")
 # Path of the libnccl to load (default: the nvidia-nccl package torch uses, else the loader's).
 NCCL_LIBRARY: str = os.environ.get("MINISGL_NCCL_LIBRARY", "")
+# A fused-MoE tile config JSON to use instead of the installed kernels/fused_moe_configs.json.
+FUSED_MOE_CONFIGS: str = os.environ.get("MINISGL_FUSED_MOE_CONFIGS", "")

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from minisgl.dp.offline import ReplicaPool
+from minisgl.dp.placement import share_cpu
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampling_params import SamplingParams
@@ -28,7 +30,7 @@ from minisgl.tokenizer.load import load_tokenizer
 
 _ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "device", "dtype"}
 _SCHED_OPTIONS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_LLM_OPTIONS = {"chat_template", "tokenizer", "disable_overlap", "disable_cuda_graph"}
+_LLM_OPTIONS = {"chat_template", "tokenizer", "disable_overlap", "disable_cuda_graph", "dp_size"}
 
 
 class LLM:
@@ -38,7 +40,11 @@ class LLM:
     Options: the EngineConfig fields (max_model_len, page_size, num_pages, max_running_requests,
     attention_backend, load_format, seed, ...), the SchedulerConfig fields (cache,
     max_prefill_tokens, overlap, cuda_graph, cuda_graph_max_bs, ...), disable_overlap,
-    disable_cuda_graph, chat_template (a file) and tokenizer (a folder, default: the model's)."""
+    disable_cuda_graph, chat_template (a file) and tokenizer (a folder, default: the model's).
+
+    dp_size=N runs N replicas (this process and N - 1 more, each with tp_size GPUs: replica r's
+    TP rank t on GPU base_gpu_id + r * tp_size + t); `generate` splits the prompts across them
+    and returns the results in input order (minisgl/dp/offline.py)."""
 
     def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str = "auto", **options: Any):
         unknown = set(options) - _ENGINE_OPTIONS - _SCHED_OPTIONS - _LLM_OPTIONS
@@ -46,10 +52,37 @@ class LLM:
             raise ValueError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        dp_size = options.pop("dp_size", 1)
         engine_opts = {k: v for k, v in options.items() if k in _ENGINE_OPTIONS}
         cfg = EngineConfig(model=model, device=device, dtype=dtype, **engine_opts)
         self._workers: list[mp.process.BaseProcess] = []
         self._closed = False
+        self._replicas: ReplicaPool | None = None
+        if dp_size != 1:
+            self._replicas = self._start_replicas(dp_size, cfg, options)
+        try:
+            self._init_replica0(cfg, options)
+            if self._replicas is not None:
+                self._replicas.wait_ready()
+        except BaseException:
+            if self._replicas is not None:
+                self._replicas.shutdown()
+            raise
+        if self._replicas is not None:
+            self._replica_finalizer = weakref.finalize(self, self._replicas.shutdown)
+
+    def _start_replicas(self, dp_size: int, cfg: EngineConfig, options: dict[str, Any]) -> ReplicaPool:
+        if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+            raise ValueError(f"dp_size must be an integer >= 1, got {dp_size!r}")
+        if torch.device(cfg.device).index is not None:
+            raise ValueError(f"device {cfg.device!r} names one GPU; with dp_size give device='cuda' (and base_gpu_id)")
+        if cfg.dist_init_addr is not None or cfg.nnodes > 1:
+            raise ValueError("dp_size > 1 runs on one machine: give neither dist_init_addr nor nnodes")
+        return ReplicaPool(dp_size, cfg.model, cfg.device, cfg.dtype, options)
+
+    def _init_replica0(self, cfg: EngineConfig, options: dict[str, Any]) -> None:
+        if self._replicas is not None:
+            share_cpu(cfg.device, len(self._replicas.procs) + 1)
         if cfg.tp_size > 1:
             cfg = self._start_tp_workers(cfg, options)
         self.engine = Engine(cfg)
@@ -96,8 +129,12 @@ class LLM:
         return cfg
 
     def shutdown(self) -> None:
-        """Stops the tensor-parallel ranks and frees their communicators (no-op without TP).
-        Also done when the LLM is garbage-collected, or at exit."""
+        """Stops the other replicas (dp_size) and the tensor-parallel ranks, and frees their
+        communicators (a no-op with neither). Also done when the LLM is garbage-collected, or at
+        exit."""
+        if self._replicas is not None:
+            self._replica_finalizer()  # runs once
+            self._closed = True
         if self._finalizer is not None:
             self._finalizer()  # runs once
             self._closed = True
@@ -148,6 +185,15 @@ class LLM:
         reqs = [self._make_request(p, sp) for p, sp in zip(prompts, params)]
         for r in reqs:
             self.scheduler.add_check(r)
+        with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm) as bar:
+            if self._replicas is None:
+                return self._run(reqs, bar)
+            out = self._replicas.generate(reqs, lambda local: self._run(local, bar))
+            bar.update(len(reqs) - bar.n)  # the other replicas' requests, done now
+            return out
+
+    def _run(self, reqs: list[Request], bar: tqdm) -> list[dict[str, Any]]:
+        """Runs checked requests on this replica to the end; one result per request, in order."""
         specs = {s for s in (grammar_spec(r.params) for r in reqs) if s is not None}
         self._inputs.extend(("grammar", s) for s in specs)  # other TP ranks compile meanwhile
         self._inputs.extend(("add", r) for r in reqs)
@@ -155,11 +201,10 @@ class LLM:
         # Requests with stop strings decode incrementally, as the server's detokenizer does.
         decoders = {r.uid: DecodeState(self.tokenizer, DetokInit(len(r.prompt), r.params.stop)) for r in reqs
                     if r.params.stop}
-        with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm) as bar:
-            while self._inputs or self.scheduler.has_work:
-                for req in self._step():
-                    if self._check_stop_strings(req, decoders, texts) or req.finished:
-                        bar.update(1)
+        while self._inputs or self.scheduler.has_work:
+            for req in self._step():
+                if self._check_stop_strings(req, decoders, texts) or req.finished:
+                    bar.update(1)
         for r in reqs:
             self._requests.pop(r.uid, None)
         return [

@@ -108,6 +108,18 @@ class Server:
         return self.wait_exit(timeout)
 
 
+def model_variant(src: Path, dst: Path, generation: dict[str, Any], config: dict[str, Any] | None = None) -> Path:
+    """A copy of the model folder `src` with entries added to its generation_config.json
+    (e.g. temperature 0: greedy by default) and config.json."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for name, extra in (("generation_config.json", generation), ("config.json", config or {})):
+        path = dst / name
+        path.write_text(json.dumps({**json.loads(path.read_text()), **extra}))
+    return dst
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.05) -> bool:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -8,8 +8,10 @@ import pytest
 
 from minisgl.message import (
     AbortMsg,
+    DecodeMsg,
     DetokenizeMsg,
     DetokInit,
+    PromptEcho,
     ReadyMsg,
     ReplyBatch,
     StartMsg,
@@ -24,26 +26,36 @@ from minisgl.message import (
 )
 
 INIT = DetokInit(prompt_tokens=7, stop=["</s>", "\n\n"], skip_special_tokens=False, logprobs=True)
+INIT_ECHO = DetokInit(3, None, True, True, True, True, 5, [1, 2, 3], True)
+ECHO = PromptEcho("a😀", [1, 2, 3], ["a", "\ufffd", "\ufffd"], [b"a", b"\xf0\x9f", b"\x98\x80"],
+                  [None, [-0.5, [[7, "x", -0.1, b"x"]]], [-2.0, []]])
 SAMPLES = [
     TokenizeMsg(
         [1, 2, 3],
         text="héllo 你好 😀",
         sampling={"max_tokens": None, "temperature": 0.7, "stop": ["x"], "seed": 2**63 - 1},
     ),
-    TokenizeMsg([9], input_ids=[1, 2, 3], logprobs=True, prompt_field="input_ids"),
-    TokenizeMsg([4], messages=[{"role": "user", "content": "hi"}], max_tokens_field="max_completion_tokens"),
+    TokenizeMsg([9], input_ids=[1, 2, 3], logprobs=True, include_stop_str=True, return_prompt=True),
+    TokenizeMsg([4], messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False, mode="tokenize"),
+    DecodeMsg(4, [1, 2, 2**31]),
     AbortMsg(5, "stop"),
     AbortMsg(6),
     INIT,
     UserMsg(3, [1, 2, 3], {"max_tokens": 4, "top_k": -1, "min_p": 0.0}, seed=2**63 - 1, detok=INIT),
+    UserMsg(3, [1, 2, 3], {"max_tokens": 4, "logit_bias": {5: -100.0, 2**20: 1.5}}, seed=0, detok=INIT_ECHO),
+    INIT_ECHO,
+    ECHO,
     TokenOut(3, [10, 11], [-0.5, -1.25], "length", INIT),
     TokenOut(3, [], None, None, None),
     DetokenizeMsg([TokenOut(1, [5], None), TokenOut(2, [6], [-3.0], "stop")]),
     DetokenizeMsg([]),
     UserReply(1, "text ✓", [1, 2], [-0.1, -0.2], ["te", "xt ✓"], "stop", 3, 2, None, None),
     UserReply(2, error="prompt: too long", error_param="prompt"),
+    UserReply(3, "\ufffd", [9], [-0.3], ["\ufffd"], None, 3, 1, None, None, [b"\xf0"],
+              [[[9, "\ufffd", -0.3, b"\xf0"], [4, "b", -1.5, b"b"]]], ECHO),
     ReplyBatch([UserReply(1, "a"), UserReply(2, "b", finish_reason="length")]),
     StatsMsg(1, 2, 300, 4096, 1000, 250),
+    StatsMsg(1, 2, 300, 4096, 1000, 250, dp_rank=3, load_tokens=1300, received=17),
     ReadyMsg("scheduler", None, {"max_model_len": 512, "eos_token_ids": [2, 3]}),
     ReadyMsg("tokenizer0", "ValueError: no such model"),
     StartMsg(512, 49152, [2]),

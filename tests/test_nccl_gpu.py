@@ -31,7 +31,8 @@ def test_nccl_collectives_two_gpus() -> None:
     assert all(f"rank {r}: ok" in outs[r] for r in range(2)), outs
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3"])
+# qwen3_moe / qwen2_moe: every expert's intermediate dim sharded, one all-reduce per MoE block.
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("custom_nccl", [True, False])
 def test_tp2_gpu_equals_tp1(tiny_model_path, name: str, custom_nccl: bool) -> None:
     if torch.cuda.device_count() < 2:

@@ -174,21 +174,24 @@ def test_logprobs(client: openai.OpenAI, http: httpx.Client) -> None:
     )
     lps = out.choices[0].logprobs.content
     assert len(lps) == out.usage.completion_tokens and all(t.logprob <= 0 for t in lps)
-    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "logprobs": 0})
-    assert len(r.json()["choices"][0]["logprobs"]["token_logprobs"]) == 5
-    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
-    for path, body, param in (("/v1/chat/completions", chat, "top_logprobs"),
-                              ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs")):
-        r = http.post(path, json=body)
-        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert all(bytes(t.bytes).decode("utf-8", "replace") == t.token and t.top_logprobs == [] for t in lps)
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "logprobs": 0, "ignore_eos": True})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == 5 and lp["text_offset"][0] == 0
+    assert [list(d.values()) for d in lp["top_logprobs"]] == [[x] for x in lp["token_logprobs"]]  # the chosen one
+    chat = {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}  # without logprobs: true
+    r = http.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
 BAD_FIELDS = (("max_tokens", 0), ("max_completion_tokens", 0), ("max_tokens", 100000), ("temperature", -1),
-              ("top_p", 0), ("top_k", -5), ("min_p", 2), ("temperature", "hot"), ("presence_penalty", 0.5),
-              ("frequency_penalty", 0.5), ("n", 0), ("seed", 2**70))
+              ("top_p", 0), ("top_k", -5), ("min_p", 2), ("temperature", "hot"), ("presence_penalty", 2.5),
+              ("frequency_penalty", -3), ("repetition_penalty", 0), ("n", 0), ("seed", 2**70), ("n", True),
+              ("temperature", "0.5"), ("logit_bias", {"x": 1}), ("logit_bias", {"99999999": 1}),
+              ("top_logprobs", 21), ("min_tokens", -1), ("stop_token_ids", [2**64]), ("tools", []))
 BAD_INPUTS = [(CHAT, {"messages": HI, k: v}, k) for k, v in BAD_FIELDS] + [
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {}, "messages"),
@@ -198,8 +201,17 @@ BAD_INPUTS = [(CHAT, {"messages": HI, k: v}, k) for k, v in BAD_FIELDS] + [
     (CMPL, {"prompt": "hello " * 600, "stream": True}, "prompt"),
     (CMPL, {"prompt": [10**9]}, "prompt"),
     (CMPL, {"prompt": ""}, "prompt"),
-    (CMPL, {"prompt": "hi", "stop": [""]}, "stop"),
-    (CMPL, {"prompt": "hi", "echo": True}, "echo"),
+    (CMPL, {"prompt": "hi", "stop": [""]}, "stop[0]"),
+    (CMPL, {"prompt": "hi", "suffix": "!"}, "suffix"),
+    (CMPL, {"prompt": [5, 99999999999999999999999]}, "prompt"),
+    (CMPL, {"prompt": [[5, 18446744073709551616]]}, "prompt"),
+    (CMPL, {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    (CMPL, {"prompt": "hi", "best_of": 2}, "best_of"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].type"),
+    ("/generate", {"sampling_params": {}}, "text"),
+    ("/generate", {"text": "hi", "input_ids": [1]}, "text"),
+    ("/generate", {"input_ids": [2**64]}, "input_ids"),
     ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
 ]
@@ -210,7 +222,8 @@ def test_bad_input_gets_400(http: httpx.Client, path: str, body: dict, param: st
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["param"] == param and param.split(".")[-1].split("[")[0] in err["message"]
+    assert err["param"] == param or (param == "text" and err["param"] is None), err
+    assert param.split(".")[-1].split("[")[0] in err["message"]
     assert err["type"] == "invalid_request_error"
     ok = http.post(CMPL, json={"prompt": "hi", "max_tokens": 2})  # the server still serves
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
@@ -219,6 +232,10 @@ def test_bad_input_gets_400(http: httpx.Client, path: str, body: dict, param: st
 def test_malformed_json_and_wrong_model(http: httpx.Client) -> None:
     r = http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = http.post(CHAT, content=b'{"messages": "\xff"}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+    for r, status in ((http.get("/v1/nowhere"), 404), (http.put(CHAT), 405)):
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
     err = http.post(CHAT, json={"model": "gpt-9", "messages": HI}).json()["error"]
     assert err["code"] == "model_not_found" and err["param"] == "model"
     assert http.post(CHAT, json={"model": "gpt-9", "messages": HI}).status_code == 404

@@ -78,7 +78,7 @@ def test_bad_model_path_is_refused(tmp_path: Path) -> None:
 
 def test_shell_chat(model_dir: Path, tmp_path: Path) -> None:
     # A short context keeps the random model's answers short.
-    script = "Hello there\n/reset\n/help\nSecond question\n/exit\n"
+    script = "Hello there\n/reset\n/help\n/set temperature 0\n/set top_p 7\n/show\nSecond question\n/exit\n"
     s = Server(
         "--model",
         str(model_dir),
@@ -94,5 +94,8 @@ def test_shell_chat(model_dir: Path, tmp_path: Path) -> None:
     assert s.wait_exit(120) == 0, s.output
     out = s.output
     assert "minisgl shell: chatting with llama3" in out
-    assert "(history cleared)" in out and "commands: /reset, /exit" in out
-    assert out.count("> ") >= 5  # one prompt per line read
+    assert "(history cleared)" in out and "commands: /set FIELD VALUE" in out
+    assert "sampling: temperature=1.0" in out  # the settings in force, at the start
+    assert "sampling: temperature=0.0" in out  # /set took
+    assert "error: top_p must be in (0, 1]" in out  # /set refused, settings kept
+    assert out.count("> ") >= 8  # one prompt per line read

@@ -59,3 +59,14 @@ def test_non_ascii_round_trip(server: Server, tok: Any) -> None:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[-1]["text"] == out["text"]
     assert all("\ufffd" not in e["text"] for e in events) or "\ufffd" in out["text"]
+
+
+def test_model_card_defaults_make_the_readme_curl_answer(server: Server, client: openai.OpenAI) -> None:
+    """SmolLM2's GGUF has no generation config: its model card's temperature 0.2 / top_p 0.9
+    apply to requests that leave them out (the README's curl), not OpenAI's temperature 1."""
+    model = client.models.list().data[0].id
+    card = httpx.get(f"{server.url}/v1/models/{model}", timeout=60).json()
+    assert (card["sampling_defaults"]["temperature"], card["sampling_defaults"]["top_p"]) == (0.2, 0.9)
+    assert "temperature=0.2 (model), top_p=0.9 (model)" in server.output
+    out = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, seed=1)
+    assert "Paris" in out.choices[0].message.content

@@ -13,7 +13,10 @@ import pytest
 from minisgl.message import DetokenizeMsg, DetokInit, TokenOut
 from minisgl.scheduler.process import scheduler_builder
 from minisgl.server.args import build_parser, parse_args
-from minisgl.server.serving import ServingError, build_sampling
+from minisgl.server.build import Builder
+from minisgl.server.errors import ApiError
+from minisgl.server.protocol import Protocol
+from minisgl.server.protocol_types import Limits
 from minisgl.tokenizer.detokenizer import Detokenizer
 
 
@@ -25,16 +28,16 @@ def tok(tiny_model_path: Callable[[str], Path]) -> Any:
 
 
 def run(
-    tok: Any, ids: list[int], stop: list[str] | None = None, finish: str = "length", per_step: int = 1
+    tok: Any, ids: list[int], stop: list[str] | None = None, finish: str = "length", per_step: int = 1,
+    init: DetokInit | None = None,
 ) -> tuple[list[str], list[str | None], list[int]]:
     """Feeds `ids` `per_step` at a time; returns the text deltas, finish reasons, stopped uids."""
     detok = Detokenizer(tok)
     deltas, reasons, stopped = [], [], []
     for i in range(0, len(ids), per_step):
         last = i + per_step >= len(ids)
-        item = TokenOut(
-            7, ids[i : i + per_step], None, finish if last else None, DetokInit(3, stop) if i == 0 else None
-        )
+        first = init or DetokInit(3, stop)
+        item = TokenOut(7, ids[i : i + per_step], None, finish if last else None, first if i == 0 else None)
         replies, s = detok.process(DetokenizeMsg([item]))
         stopped += s
         for r in replies:
@@ -86,10 +89,27 @@ def test_held_back_text_is_flushed_at_finish(tok: Any) -> None:
 
 
 def test_stop_found_on_the_finishing_step(tok: Any) -> None:
-    ids = tok("hello world").input_ids
-    deltas, reasons, stopped = run(tok, ids, stop=["world"], finish="stop")
+    ids = tok("hello world").input_ids + [tok.eos_token_id]  # the scheduler's "stop": an EOS token
+    deltas, reasons, stopped = run(tok, ids, stop=["world"], finish="stop", per_step=len(ids))
     assert "".join(deltas) == "hello " and reasons[-1] == "stop"
     assert stopped == []  # the scheduler already finished it
+
+
+def test_stop_token_text_and_include_stop_str(tok: Any) -> None:
+    text = "one two. three"
+    ids = tok(text).input_ids
+    dot = ids[[tok.decode(ids[: i + 1]) for i in range(len(ids))].index("one two.")]  # " two." or "."
+    cut = ids[: ids.index(dot) + 1]  # what the scheduler sends when `dot` is a stop_token_id
+    want = tok.decode(cut[:-1])
+    assert "".join(run(tok, cut, finish="stop")[0]) == want  # the stop token's text is not output...
+    keep = DetokInit(3, None, include_stop_str=True)
+    assert "".join(run(tok, cut, finish="stop", init=keep)[0]) == tok.decode(cut)  # ...unless asked
+    assert "".join(run(tok, cut, finish="length")[0]) == tok.decode(cut)  # a length finish keeps it
+    # Stop strings: cut before the string, or after it with include_stop_str.
+    assert "".join(run(tok, ids, stop=["two"])[0]) == "one "
+    keep = DetokInit(3, ["two"], include_stop_str=True)
+    deltas, reasons, stopped = run(tok, ids, init=keep)
+    assert "".join(deltas) == "one two" and reasons[-1] == "stop" and stopped == [7]
 
 
 def test_every_flag_has_help() -> None:
@@ -191,22 +211,28 @@ def test_scheduler_options_checked_before_the_model_loads() -> None:
 
 
 def test_build_sampling() -> None:
-    d = build_sampling({"temperature": 0, "top_k": 0, "stop": "x", "max_tokens": None})
-    assert d["top_k"] == -1 and d["stop"] == ["x"] and d["max_tokens"] is None
-    assert d["temperature"] == 0 and d["top_p"] == 1.0
-    for fields, param in (
-        ({"presence_penalty": 0.1}, "presence_penalty"),
-        ({"frequency_penalty": -1}, "frequency_penalty"),
-        ({"logit_bias": {"1": 2}}, "logit_bias"),
-        ({"top_p": 1.5}, "top_p"),
-        ({"max_tokens": -3}, "max_tokens"),
-    ):
-        with pytest.raises(ServingError) as e:
-            build_sampling(fields)
-        assert e.value.param == param and e.value.status == 400
-    with pytest.raises(ServingError) as e:
-        build_sampling({"max_tokens": 0}, "max_completion_tokens")
-    assert e.value.param == "max_completion_tokens" and "max_completion_tokens" in e.value.message
+    limits = Limits(vocab_size=1000, max_model_len=64)
+    proto, builder = Protocol(limits, set()), Builder("m", limits, {"temperature": 0.2, "top_k": 20})
+    job = builder.completion(proto.completion(prompt="x", top_k=0, stop="x", temperature=0))
+    d = job.msgs[0].sampling
+    assert d["top_k"] == -1 and d["stop"] == ["x"] and d["max_tokens"] == 16  # OpenAI's completions default
+    assert d["temperature"] == 0 and d["top_p"] == 1.0  # the request wins; then the model; then OpenAI
+    d = builder.completion(proto.completion(prompt="x")).msgs[0].sampling
+    assert (d["temperature"], d["top_k"]) == (0.2, 20)
+    assert "presence_penalty" not in d and "logit_bias" not in d  # neutral fields are not sent
+    # What the schema cannot state is checked here: min_tokens <= max_tokens (or, on an engine
+    # build without min_tokens, that it is missing), logprobs needed by top_logprobs, the model.
+    full = Protocol(limits, {"min_tokens"})
+    with pytest.raises(ApiError) as e:
+        builder.completion(full.completion(prompt="x", min_tokens=20, max_tokens=5))
+    assert e.value.param == "min_tokens" and e.value.status == 400
+    with pytest.raises(ApiError) as e:
+        builder.chat(full.chat(messages=[{"role": "user", "content": "x"}], top_logprobs=0, logprobs=False,
+                               stream_options={"include_usage": True}))
+    assert e.value.param == "stream_options"
+    with pytest.raises(ApiError) as e:
+        builder.chat(proto.chat(messages=[{"role": "user", "content": "x"}], model="other"))
+    assert e.value.status == 404 and e.value.code == "model_not_found"
 
 
 def test_tokenizer_worker_checks_and_templates(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
@@ -228,11 +254,8 @@ def test_tokenizer_worker_checks_and_templates(tiny_model_path: Callable[[str], 
     for msg, param in (
         (TokenizeMsg([1], text="word " * 80), "prompt"),
         (TokenizeMsg([1], text=""), "prompt"),
-        (TokenizeMsg([1], input_ids=[len(tok) + 5], prompt_field="input_ids"), "input_ids"),
-        (
-            TokenizeMsg([1], text="hi", sampling={"max_tokens": 100}, max_tokens_field="max_completion_tokens"),
-            "max_completion_tokens",
-        ),
+        (TokenizeMsg([1], input_ids=[len(tok) + 5]), "prompt"),
+        (TokenizeMsg([1], text="hi", sampling={"max_tokens": 100}), "max_tokens"),
     ):
         with pytest.raises(RequestError) as e:
             h.prepare(msg)

@@ -7,7 +7,9 @@ a fixed seed, so minisgl is checked against exactly what transformers would run.
 The folders deliberately cover both on-disk forms that minisgl must read:
 - rope: transformers 5 `rope_parameters` vs the older top-level `rope_theta`/`rope_scaling`;
 - chat template: `chat_template.jinja` (what transformers 5 writes) vs inside
-  `tokenizer_config.json` (what the Qwen files ship).
+  `tokenizer_config.json` (what the Qwen files ship);
+- MoE experts: one tensor per expert and projection (what `save_pretrained` writes, and the
+  published checkpoints) vs all experts stacked per projection (transformers 5's in-memory form).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ _COMMON: dict[str, Any] = {
 @dataclass(frozen=True)
 class TinySpec:
     name: str
-    model_type: str  # "llama" | "qwen2" | "qwen3" | "mistral"
+    model_type: str  # "llama" | "qwen2" | "qwen3" | "mistral" | "qwen3_moe" | "qwen2_moe" | "mixtral"
     tokenizer: str  # "smollm2" | "qwen3"
     overrides: dict[str, Any] = field(default_factory=dict)
     # Rewrite config.json to the pre-transformers-5 form (top-level rope_theta/rope_scaling,
@@ -50,6 +52,8 @@ class TinySpec:
     # Extra EOS ids written only to generation_config.json (by token string).
     extra_eos_tokens: tuple[str, ...] = ()
     seed: int = 0
+    # Rewrite the experts' tensors to the stacked form (mlp.experts.gate_up_proj / down_proj).
+    stacked_experts: bool = False
 
 
 LLAMA3_ROPE = {
@@ -117,6 +121,57 @@ SPECS: dict[str, TinySpec] = {
             legacy_rope=True,
             seed=5,
         ),
+        # MoE: several experts, top-k 2 and 4, norm_topk_prob both ways, dense layers picked by
+        # mlp_only_layers and by decoder_sparse_step, E not a power of two.
+        TinySpec(
+            "qwen3_moe",
+            "qwen3_moe",
+            "qwen3",
+            {
+                "head_dim": 32,
+                "num_hidden_layers": 3,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 48,
+                "norm_topk_prob": True,
+                "mlp_only_layers": [1],  # layers 0 and 2 sparse
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            extra_eos_tokens=("<|endoftext|>",),
+            seed=6,
+            stacked_experts=True,
+        ),
+        TinySpec(
+            "qwen2_moe",
+            "qwen2_moe",
+            "qwen3",
+            {
+                "num_hidden_layers": 4,
+                "num_experts": 6,
+                "num_experts_per_tok": 4,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 96,
+                "norm_topk_prob": False,
+                "decoder_sparse_step": 2,  # layers 1 and 3 sparse
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            legacy_rope=True,
+            seed=7,
+        ),
+        TinySpec(
+            "mixtral",
+            "mixtral",
+            "smollm2",
+            {
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "intermediate_size": 64,
+                "sliding_window": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            legacy_rope=True,
+            seed=8,
+        ),
     )
 }
 
@@ -173,6 +228,36 @@ def _to_legacy_rope(config_path: Path) -> None:
     config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+def stack_experts(weights: Path) -> None:
+    """Rewrite per-expert tensors (mlp.experts.N.gate_proj/up_proj/down_proj.weight, or Mixtral's
+    block_sparse_moe.experts.N.w1/w3/w2.weight) to transformers 5's stacked form:
+    mlp.experts.gate_up_proj [E, 2I, H] (gate rows, then up rows), mlp.experts.down_proj [E, H, I]
+    (Mixtral's router becomes mlp.gate, as transformers 5 names it)."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(weights))
+    experts: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    mixtral = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    for name, t in tensors.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        name = re.sub(r"\.(w1|w2|w3)\.weight$", lambda m: f".{mixtral[m[1]]}.weight", name)
+        m = re.match(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if m:
+            experts.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = t
+        else:
+            out[name] = t
+    for prefix, projs in experts.items():
+        n = len(projs["down_proj"])
+        gate = torch.stack([projs["gate_proj"][e] for e in range(n)])
+        up = torch.stack([projs["up_proj"][e] for e in range(n)])
+        out[f"{prefix}.gate_up_proj"] = torch.cat([gate, up], dim=1).contiguous()
+        out[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)]).contiguous()
+    save_file(out, str(weights), metadata={"format": "pt"})
+
+
 def build_tiny_model(spec: TinySpec, out: Path, tokenizer_src: Path) -> Path:
     """Write the HF folder for `spec` to `out`; `tokenizer_src` holds saved tokenizer files."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -194,6 +279,8 @@ def build_tiny_model(spec: TinySpec, out: Path, tokenizer_src: Path) -> Path:
             if param.ndim == 1:
                 param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(str(out), safe_serialization=True)
+    if spec.stacked_experts:
+        stack_experts(out / "model.safetensors")
 
     eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(t) for t in spec.extra_eos_tokens]
     GenerationConfig(

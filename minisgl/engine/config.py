@@ -29,6 +29,9 @@ class EngineConfig:
     tp_size: int = 1
     dist_init_addr: str | None = None  # HOST:PORT of the TP rendezvous (rank 0 listens)
     nnodes: int = 1  # machines the TP ranks span; each holds tp_size // nnodes consecutive ranks
+    # First GPU of this engine's group on this machine: TP rank t (local index l) runs on GPU
+    # base_gpu_id + l. Data-parallel replica r of a TP size M gets base + r * M (server/args.py).
+    base_gpu_id: int = 0
     custom_nccl: bool = True  # our NCCL bindings; False: torch.distributed's NCCL
     gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV)
     cpu_kv_cache_gb: float = 1.0  # KV pool size on the CPU when num_pages is not given
@@ -48,15 +51,24 @@ class EngineConfig:
             raise ValueError(f"tp_rank {self.tp_rank} / tp_size {self.tp_size} is not a valid rank")
         if self.nnodes < 1 or self.tp_size % self.nnodes != 0:
             raise ValueError(f"tp_size {self.tp_size} must be a multiple of nnodes {self.nnodes}")
+        if self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         try:
-            torch.device(self.device)
+            d = torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"unknown device {self.device!r}") from e
+        if self.base_gpu_id and d.index is not None:
+            raise ValueError(
+                f"device {self.device!r} names one GPU and base_gpu_id {self.base_gpu_id} another: "
+                f"give device='{d.type}' with base_gpu_id, or the device alone"
+            )
 
     @property
     def torch_device(self) -> torch.device:
         d = torch.device(self.device)
-        local_rank = self.tp_rank % (self.tp_size // self.nnodes)  # GPU index on this machine
-        return torch.device("cuda", local_rank if d.index is None else d.index) if d.type == "cuda" else d
+        local_rank = self.tp_rank % (self.tp_size // self.nnodes)  # index among this machine's ranks
+        if d.type != "cuda":
+            return d
+        return torch.device("cuda", self.base_gpu_id + local_rank if d.index is None else d.index)

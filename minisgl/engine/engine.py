@@ -89,6 +89,8 @@ class Engine:
         )
         torch.manual_seed(cfg.seed)
         self.model = self._build_model()
+        if self.device.type == "cuda":
+            self._tune_gemms()
         self.num_q_heads = self.model.model.layers[0].self_attn.num_heads
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         num_pages = cfg.num_pages or self._default_num_pages(kv_heads)
@@ -141,6 +143,16 @@ class Engine:
         else:
             model.load_weights(iter_safetensors(self.source.path))
         return model.eval()
+
+    def _tune_gemms(self) -> None:
+        """Measures (or loads from the cache) where the skinny GEMM beats cuBLAS for this
+        rank's linear layers at each decode batch size up to 32 (ops.gemm_tuning)."""
+        from minisgl.engine.cuda_graph import batch_size_ladder
+        from minisgl.layers.linear import gemm_calls
+        from minisgl.ops.gemm_tuning import tune_gemms
+
+        tune_gemms(gemm_calls(self.model), self.device, batch_size_ladder(min(32, self.cfg.max_running_requests)))
+        torch.cuda.empty_cache()  # the timing buffers must not shrink the KV pool sized next
 
     def _default_num_pages(self, kv_heads: int) -> int:
         mc, ps = self.model_config, self.cfg.page_size

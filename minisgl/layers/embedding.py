@@ -4,7 +4,6 @@ the (padded) vocabulary."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minisgl import ops
@@ -52,9 +51,12 @@ class ParallelLMHead(nn.Module):
         self.weight.data[:rows].copy_(full[e.start : e.end])
         self.weight.data[rows:].zero_()
 
+    def gemm_calls(self) -> list[tuple[torch.Tensor, bool]]:
+        return [(self.embedding.weight if self.tied else self.weight, False)]
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embedding.weight if self.tied else self.weight
-        logits = F.linear(hidden, w)
+        logits = ops.linear(hidden, w)
         if self.embedding.tp.size > 1:
             logits = self.embedding.comm.all_gather(logits, dim=-1)
         return logits[:, : self.embedding.vocab_size]

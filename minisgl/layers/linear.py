@@ -3,14 +3,16 @@ copies that shard out of the full checkpoint tensor on load (so no rank keeps a 
 
 Column-parallel: the output features are split across ranks (q/k/v, gate/up).
 Row-parallel: the input features are split; partial outputs are summed by all-reduce (o, down).
+The GEMMs go through ops.linear (our skinny kernel or cuBLAS, per measured shape and M);
+`gemm_calls` lists them for the engine, which measures that choice at start.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from minisgl import ops
 from minisgl.distributed.info import Communicator, TPInfo
 
 
@@ -24,10 +26,19 @@ class MergedColumnParallelLinear(nn.Module):
 
     `out_sizes` are the full (unsharded) output sizes of the parts; each part is split
     evenly across ranks, and the local weight is the concatenation of the local parts.
+    `silu_and_mul` (two equal parts: gate, up): the output is silu(gate) * up [T, inter], the
+    activation fused into the GEMM's epilogue where our kernel runs.
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPInfo) -> None:
+    silu_and_mul = False
+
+    def __init__(
+        self, in_features: int, out_sizes: list[int], bias: bool, tp: TPInfo, silu_and_mul: bool = False
+    ) -> None:
         super().__init__()
+        if silu_and_mul and (len(out_sizes) != 2 or out_sizes[0] != out_sizes[1]):
+            raise ValueError(f"silu_and_mul needs two equal parts (gate, up), got out_sizes {out_sizes}")
+        self.silu_and_mul = silu_and_mul
         self.in_features = in_features
         self.local_sizes = [tp.shard(n, "an output size")[1] for n in out_sizes]
         self.full_sizes = list(out_sizes)
@@ -52,7 +63,10 @@ class MergedColumnParallelLinear(nn.Module):
         target.data[offset : offset + size].copy_(full[start : start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return ops.linear(x, self.weight, self.bias, silu=self.silu_and_mul)
+
+    def gemm_calls(self) -> list[tuple[torch.Tensor, bool]]:
+        return [(self.weight, self.silu_and_mul)]
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -87,8 +101,16 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo, comm: Communicator) -> None:
+    """`reduce=False` returns this rank's partial sum (the caller reduces once for several, as the
+    MoE block does for the routed and the shared experts); it then takes no bias."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPInfo, comm: Communicator, reduce: bool = True
+    ) -> None:
         super().__init__()
+        if bias and not reduce:
+            raise ValueError("a row-parallel layer without its all-reduce cannot add a bias")
+        self.reduce = reduce
         self.in_start, self.local_in = tp.shard(in_features, "an input size")
         self.in_features, self.out_features = in_features, out_features
         self.comm = comm
@@ -107,5 +129,16 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(full[:, self.in_start : self.in_start + self.local_in])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = ops.linear(x, self.weight)
+        if not self.reduce:
+            return y
+        y = self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+    def gemm_calls(self) -> list[tuple[torch.Tensor, bool]]:
+        return [(self.weight, False)]
+
+
+def gemm_calls(model: nn.Module) -> list[tuple[torch.Tensor, bool]]:
+    """(weight, silu) of every GEMM the model runs through ops.linear, one per layer call."""
+    return [call for mod in model.modules() if hasattr(mod, "gemm_calls") for call in mod.gemm_calls()]

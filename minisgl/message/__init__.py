@@ -1,13 +1,24 @@
 """Typed messages between the server's processes (DESIGN §1), msgpack-encoded."""
 
 from minisgl.message.codec import decode, encode, message
-from minisgl.message.replies import DetokenizeMsg, ReadyMsg, ReplyBatch, StartMsg, StatsMsg, TokenOut, UserReply
-from minisgl.message.requests import AbortMsg, DetokInit, TokenizeMsg, UserMsg
+from minisgl.message.replies import (
+    DetokenizeMsg,
+    PromptEcho,
+    ReadyMsg,
+    ReplyBatch,
+    StartMsg,
+    StatsMsg,
+    TokenOut,
+    UserReply,
+)
+from minisgl.message.requests import AbortMsg, DecodeMsg, DetokInit, TokenizeMsg, UserMsg
 
 __all__ = [
     "AbortMsg",
+    "DecodeMsg",
     "DetokInit",
     "DetokenizeMsg",
+    "PromptEcho",
     "ReadyMsg",
     "ReplyBatch",
     "StartMsg",

@@ -31,19 +31,40 @@ class DetokenizeMsg:
 
 @message
 @dataclass
+class PromptEcho:
+    """The prompt's tokens as the detokenizer renders them, in a request's first UserReply
+    when it asked (echo, prompt logprobs, /tokenize's token strings)."""
+
+    text: str  # the prompt decoded (special tokens kept)
+    token_ids: list[int]
+    token_texts: list[str]
+    token_bytes: list[bytes]
+    # Per position: None at 0 (nothing precedes it), else [logprob, alternatives] (see UserReply).
+    logprobs: list | None = None
+
+
+@message
+@dataclass
 class UserReply:
-    """Detokenizer → API server: a text delta of one request (or an error for it)."""
+    """Detokenizer → API server: a text delta of one request (or an error for it).
+
+    With logprobs, per token of token_ids: token_texts (display text: the token's bytes with
+    U+FFFD for a partial character), token_bytes (its raw bytes) and, when asked, top_logprobs:
+    alternatives as [token_id, text, logprob, bytes], most likely first."""
 
     uid: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
-    token_texts: list[str] | None = None  # one string per token in token_ids, with logprobs
+    token_texts: list[str] | None = None
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
     error: str | None = None
     error_param: str | None = None  # the request field to blame (OpenAI error `param`)
+    token_bytes: list[bytes] | None = None
+    top_logprobs: list[list[list]] | None = None
+    prompt: PromptEcho | None = None  # first reply only, when asked
     reasoning_open: bool = False  # DetokInit.reasoning_open, on the request's first reply
 
 
@@ -64,6 +85,12 @@ class StatsMsg:
     kv_total: int
     prompt_tokens: int  # cumulative prompt tokens admitted
     cache_hit_tokens: int  # cumulative prompt tokens served from the prefix cache
+    # Data parallelism: which replica reports, its load (tokens of its running and waiting
+    # requests), and how many requests (UserMsg) it has received so far, so the DP controller
+    # can add the requests it sent that this report does not include yet.
+    dp_rank: int = 0
+    load_tokens: int = 0
+    received: int = 0
 
 
 @message

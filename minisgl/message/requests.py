@@ -15,7 +15,9 @@ class TokenizeMsg:
 
     Exactly one of text / input_ids / messages is set; messages (chat) are templated by the
     worker. `sampling` holds SamplingParams fields; a missing max_tokens means "the rest of
-    the context". The *_field names say how errors should name the culprit to this caller.
+    the context". Errors name SamplingParams fields and `prompt`; the API renames them to the
+    request's own field names. mode "tokenize" (POST /tokenize) replies with the prompt's ids
+    instead of generating.
     """
 
     uids: list[int]
@@ -23,13 +25,26 @@ class TokenizeMsg:
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
-    logprobs: bool = False
+    logprobs: bool = False  # the chosen tokens' logprobs (alternatives: sampling["top_logprobs"])
     skip_special_tokens: bool = True
-    prompt_field: str = "prompt"
-    max_tokens_field: str = "max_tokens"
+    spaces_between_special_tokens: bool | None = None  # None: the tokenizer's own decoding
+    include_stop_str: bool = False  # keep the stop string / stop token's text in the output
+    add_special_tokens: bool | None = None  # None: True for text, False for templated messages
+    add_generation_prompt: bool = True  # messages: end the template with the assistant's turn
+    return_prompt: bool = False  # the first reply carries the prompt's tokens (echo, prompt logprobs)
+    mode: str = "generate"  # "generate" | "tokenize"
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
     reasoning: str | None = None  # the reasoning parser: a grammar starts after its block
+
+
+@message
+@dataclass
+class DecodeMsg:
+    """API server → tokenizer worker (POST /detokenize): the text of token ids, in a UserReply."""
+
+    uid: int
+    token_ids: list[int]
 
 
 @message
@@ -52,6 +67,11 @@ class DetokInit:
     stop: list[str] | None = None
     skip_special_tokens: bool = True
     logprobs: bool = False
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str: bool = False
+    top_logprobs: int = 0  # alternatives per token the request asked for
+    prompt_ids: list[int] | None = None  # set when the first reply must render the prompt
+    prompt_logprobs: bool = False  # the first TokenOut carries prompt logprobs to render
     reasoning_open: bool = False  # the prompt ends inside a reasoning block (the output starts in it)
 
 

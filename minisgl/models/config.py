@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# architectures entry -> the flags of our one Llama-family implementation
+# architectures entry -> the flags of our one Llama-family implementation (moe: sparse MLP
+# blocks, see MoEConfig)
 ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False, "moe": False},
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False, "moe": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False, "moe": False},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "moe": False},
+    "MixtralForCausalLM": {"qkv_bias": False, "qk_norm": False, "moe": True},
+    "Qwen2MoeForCausalLM": {"qkv_bias": True, "qk_norm": False, "moe": True},
+    "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True, "moe": True},
 }
+MIXTRAL = "MixtralForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,20 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP blocks (transformers' Qwen2-MoE, Qwen3-MoE and Mixtral routers): each token
+    goes to its top_k experts by softmax score, weighted by those scores (renormalized to sum 1
+    when `renormalize`: Qwen's norm_topk_prob, always for Mixtral)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert, before TP sharding
+    renormalize: bool
+    sparse_layers: tuple[bool, ...]  # per layer: a MoE block, else a dense MLP of intermediate_size
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,10 @@ class ModelConfig:
     torch_dtype: str | None = None
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoEConfig | None = None
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
     @property
     def q_size(self) -> int:
@@ -56,7 +80,17 @@ class ModelConfig:
 
     def check_tp(self, tp_size: int) -> None:
         """A clear error at start when `tp_size` cannot shard this model."""
-        for what, n in (("num_attention_heads", self.num_heads), ("intermediate_size", self.intermediate_size)):
+        sizes = [("num_attention_heads", self.num_heads)]
+        moe = self.moe
+        if moe is None or not all(moe.sparse_layers):
+            sizes.append(("intermediate_size", self.intermediate_size))
+        if moe is not None:
+            # TP shards every expert's intermediate dimension (each rank holds all experts).
+            name = "intermediate_size" if self.architecture == MIXTRAL else "moe_intermediate_size"
+            sizes.append((name, moe.intermediate_size))
+            if moe.shared_expert_intermediate_size:
+                sizes.append(("shared_expert_intermediate_size", moe.shared_expert_intermediate_size))
+        for what, n in sizes:
             if n % tp_size != 0:
                 raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {tp_size}")
         kv = self.num_kv_heads
@@ -105,11 +139,13 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(need("max_position_embeddings")),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", ARCHITECTURES[arch]["qkv_bias"])),
+            # Qwen2-MoE's transformers config calls it qkv_bias; the others attention_bias.
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", ARCHITECTURES[arch]["qkv_bias"]))),
             qk_norm=ARCHITECTURES[arch]["qk_norm"],
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             sliding_window=int(sliding) if sliding else None,
             eos_token_ids=tuple(dict.fromkeys([*eos_ids, *extra_eos])),
+            moe=_moe(arch, cfg, int(need("num_hidden_layers")), need) if ARCHITECTURES[arch]["moe"] else None,
         )
 
     @staticmethod
@@ -125,6 +161,30 @@ class ModelConfig:
             eos = json.loads(gen.read_text()).get("eos_token_id")
             extra = [eos] if isinstance(eos, int) else list(eos or [])
         return ModelConfig.from_dict(cfg, tuple(extra))
+
+
+def _moe(arch: str, cfg: dict[str, Any], num_layers: int, need: Callable[[str], Any]) -> MoEConfig:
+    # transformers 5 saves Qwen3-MoE's expert count as num_local_experts (Mixtral's name); the
+    # Qwen checkpoints say num_experts.
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        raise ValueError("config.json is missing the required field 'num_experts' (or 'num_local_experts')")
+    experts, top_k = int(experts), int(need("num_experts_per_tok"))
+    if experts < 1:
+        raise ValueError(f"num_experts must be >= 1 for {arch}, got {experts}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, num_experts = {experts}]")
+    if arch == MIXTRAL:  # every layer sparse; softmax -> top-k -> renormalize
+        return MoEConfig(experts, top_k, int(need("intermediate_size")), True, (True,) * num_layers)
+    step = int(cfg.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    dense = set(cfg.get("mlp_only_layers") or ())
+    # transformers' rule: layer i is sparse unless listed in mlp_only_layers or (i + 1) % step != 0.
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    shared = int(need("shared_expert_intermediate_size")) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoEConfig(experts, top_k, int(need("moe_intermediate_size")), bool(cfg.get("norm_topk_prob", False)),
+                     sparse, shared)
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:

@@ -1,12 +1,17 @@
 """One Llama-family decoder covering Llama (incl. llama3 rope scaling), Mistral, Qwen2
-(q/k/v bias) and Qwen3 (q/k RMSNorm, explicit head_dim), tied or untied embeddings.
+(q/k/v bias) and Qwen3 (q/k RMSNorm, explicit head_dim), tied or untied embeddings, and their
+mixture-of-experts variants Qwen2-MoE, Qwen3-MoE and Mixtral (a sparse MLP block per layer
+where the config says so: layers/moe.py).
 
 Module names mirror the Hugging Face checkpoints (model.layers.N.self_attn...), except the
-fused projections: q/k/v -> qkv_proj, gate/up -> gate_up_proj, which load() assembles.
+fused projections: q/k/v -> qkv_proj, gate/up -> gate_up_proj, which load() assembles, and the
+routed experts, stacked into mlp.experts.w13 / w2 on load (Mixtral's block_sparse_moe and
+w1/w3/w2 are read as mlp and gate/up/down_proj).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -15,9 +20,9 @@ from torch import nn
 from minisgl.attention.base import AttentionBackend
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.engine.batch import ForwardBatch
-from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
@@ -60,18 +65,19 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator):
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp)
+        # gate_up_proj gives silu(gate) * up: the activation is its GEMM's epilogue.
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp, silu_and_mul=True)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, tp, comm, rope)
-        self.mlp = LlamaMLP(cfg, tp, comm)
+        self.mlp = SparseMoeBlock(cfg, tp, comm) if cfg.is_sparse_layer(layer_id) else LlamaMLP(cfg, tp, comm)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -117,6 +123,22 @@ _FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Routed experts: one tensor per expert and projection, or (transformers 5's in-memory form)
+# all experts stacked per projection. Names as canonical_name() gives them.
+_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$")
+_MIXTRAL_EXPERT = re.compile(r"^(.+\.mlp\.experts\.\d+)\.(w1|w2|w3)\.weight$")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def canonical_name(name: str) -> str:
+    """Mixtral's block_sparse_moe.experts.N.w1/w3/w2 -> mlp.experts.N.gate/up/down_proj."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    m = _MIXTRAL_EXPERT.match(name)
+    return f"{m[1]}.{_MIXTRAL_PROJ[m[2]]}.weight" if m else name
+
+
+def _expert_names(experts: str, num_experts: int, projs: tuple[str, ...]) -> list[str]:
+    return [f"{experts}.{e}.{p}.weight" for e in range(num_experts) for p in projs]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -151,6 +173,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             mod, _, kind = pname.rpartition(".")
             head, _, last = mod.rpartition(".")
+            if last == "experts":  # the stacked w13 / w2 of a MoE block
+                projs = ("gate_proj", "up_proj") if kind == "w13" else ("down_proj",)
+                names.update(_expert_names(mod, self.get_submodule(mod).num_experts, projs))
+                continue
             parts = 3 if last == "qkv_proj" else 2 if last == "gate_up_proj" else 0
             if parts:
                 names.update(f"{head}.{inverse[(last, p)]}.{kind}" for p in range(parts))
@@ -164,14 +190,26 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         expected = self.expected_tensors()
         seen: set[str] = set()
-        for name, tensor in tensors:
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+        for hf_name, tensor in tensors:
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
-            if name not in expected:
-                raise ValueError(f"unexpected tensor {name} in the checkpoint")
-            if name in seen:
-                raise ValueError(f"tensor {name} appears twice in the checkpoint")
-            seen.add(name)
+            name = canonical_name(hf_name)
+            expert = _EXPERT.match(name)
+            covers = [name]
+            if expert and expert[4]:  # stacked: stands for every expert's tensors of its projections
+                projs = ("gate_proj", "up_proj") if expert[4] == "gate_up_proj" else ("down_proj",)
+                covers = _expert_names(expert[1], getattr(modules.get(expert[1]), "num_experts", 0), projs)
+            if not covers or any(c not in expected for c in covers):
+                raise ValueError(f"unexpected tensor {hf_name} in the checkpoint")
+            if any(c in seen for c in covers):
+                raise ValueError(f"tensor {hf_name} appears twice in the checkpoint")
+            seen.update(covers)
+            if expert and expert[4]:
+                modules[expert[1]].load_stacked(hf_name, expert[4], tensor)
+                continue
+            if expert:
+                modules[expert[1]].load_expert(hf_name, int(expert[2]), expert[3], tensor)
+                continue
             mod_name, _, kind = name.rpartition(".")
             head, _, last = mod_name.rpartition(".")
             if last in _FUSED:

@@ -5,9 +5,12 @@ from minisgl.ops.activation import silu_and_mul
 from minisgl.ops.attention import decode_attention_triton, extend_attention
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
+from minisgl.ops.linear import linear
+from minisgl.ops.moe import fused_experts, fused_moe, moe_align, moe_route
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
+from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
 from minisgl.ops.store import store_kv, store_kv_reference
 from minisgl.ops.token_bitmask import apply_token_bitmask
 
@@ -19,12 +22,19 @@ __all__ = [
     "embedding_lookup_reference",
     "extend_attention",
     "fused_add_rmsnorm",
+    "fused_experts",
+    "fused_moe",
+    "linear",
+    "moe_align",
+    "moe_route",
     "paged_decode_attention",
     "paged_decode_attention_reference",
     "qk_norm_rope",
     "rmsnorm",
     "sample",
     "silu_and_mul",
+    "skinny_gemm",
+    "skinny_gemm_reference",
     "store_kv",
     "store_kv_reference",
 ]

@@ -16,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from minisgl.dp.placement import share_cpu
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampling_params import SamplingParams
 from minisgl.grammar.compiler import GrammarCompiler
@@ -73,9 +74,16 @@ def scheduler_stats(sched: Scheduler) -> tuple[int, int, int, int]:
     return s["running"], s["queued"], s["kv_slots_used"], s["kv_slots_total"]
 
 
+def load_tokens(sched: Scheduler) -> int:
+    """The replica's load as the DP controller weighs it: the tokens (prompt + generated so
+    far) of every running and waiting request."""
+    active = [*sched.running, *sched.waiting, *([sched.prefilling] if sched.prefilling else [])]
+    return sum(r.total_len for r in active)
+
+
 class SchedulerProcess:
-    def __init__(self, engine: Engine, sched: Any, addrs: Any, start: StartMsg) -> None:
-        self.engine, self.sched = engine, sched
+    def __init__(self, engine: Engine, sched: Any, addrs: Any, start: StartMsg, dp_rank: int = 0) -> None:
+        self.engine, self.sched, self.dp_rank = engine, sched, dp_rank
         # Requests whose grammar compiles on the worker thread: added once it is ready, so a
         # compile never stalls the batch (the other ranks start compiling at the same time).
         self.compiling: list[tuple[Request, Any]] = []
@@ -83,6 +91,9 @@ class SchedulerProcess:
         self.inbox = pull_socket(ctx, addrs.scheduler)
         self.to_detok = push_socket(ctx, addrs.detokenizer)
         self.to_api = push_socket(ctx, addrs.api)
+        # Load reports: to the API server, or with DP to the controller (which forwards them).
+        self.to_stats = self.to_api if addrs.stats is None else push_socket(ctx, addrs.stats)
+        self.received = 0  # UserMsgs received, refused ones included (see StatsMsg.received)
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.eos_ids = frozenset(engine.model_config.eos_token_ids) | frozenset(start.extra_eos_ids)
@@ -110,6 +121,7 @@ class SchedulerProcess:
 
     def apply(self, msg: Any) -> None:
         if isinstance(msg, UserMsg):
+            self.received += 1
             self.add(msg)
         elif isinstance(msg, AbortMsg):
             req = self.reqs.get(msg.uid)
@@ -195,10 +207,14 @@ class SchedulerProcess:
             return
         self.last_stats = now
         running, queued, used, total = scheduler_stats(self.sched)
-        msg = StatsMsg(running, queued, used, total, self.prompt_tokens, self.cache_hit_tokens)
-        send(self.to_api, msg)
+        msg = StatsMsg(
+            running, queued, used, total, self.prompt_tokens, self.cache_hit_tokens,
+            self.dp_rank, load_tokens(self.sched), self.received,
+        )
+        send(self.to_stats, msg)
 
     def loop(self) -> None:
+        self.send_stats(force=True)  # every replica shows in /metrics (and to the DP controller) from the start
         while True:
             for msg in self.receive(block=not self.sched.has_work):
                 self.apply(msg)
@@ -212,20 +228,23 @@ class SchedulerProcess:
             self.send_stats(force=not self.sched.has_work)
 
 
-def run_scheduler_rank(conn: Connection, args: Any, rank: int) -> None:
+def run_scheduler_rank(conn: Connection, args: Any, rank: int, dp_rank: int = 0) -> None:
     """A tensor-parallel rank > 0: no sockets; it steps on what rank 0 broadcasts."""
     from minisgl.scheduler.tp_worker import run_tp_worker
 
     scheduler_builder(args.scheduler_options())  # the same checks as rank 0
+    share_cpu(args.device, args.dp * args.tp if args.dp > 1 else 1)
     run_tp_worker(
-        args.engine_config(tp_rank=rank), {**args.scheduler_options(), "tokenizer": args.tokenizer},
+        args.engine_config(tp_rank=rank, dp_rank=dp_rank), {**args.scheduler_options(), "tokenizer": args.tokenizer},
         on_ready=lambda: report_ready(conn, f"scheduler rank {rank}"),
     )
 
 
-def run_scheduler(conn: Connection, args: Any, addrs: Any) -> None:
+def run_scheduler(conn: Connection, args: Any, addrs: Any, dp_rank: int = 0) -> None:
+    """Scheduler rank 0 of replica `dp_rank` (`addrs` is that replica's view of the server)."""
     build = scheduler_builder(args.scheduler_options(), args)
-    engine = Engine(args.engine_config(tp_rank=0))
+    share_cpu(args.device, args.dp * args.tp if args.dp > 1 else 1)
+    engine = Engine(args.engine_config(tp_rank=0, dp_rank=dp_rank))
     sched = build(engine)
     kv_total = scheduler_stats(sched)[3]
     mc = engine.model_config
@@ -237,6 +256,8 @@ def run_scheduler(conn: Connection, args: Any, addrs: Any) -> None:
             "vocab_size": mc.vocab_size,
             "eos_token_ids": list(mc.eos_token_ids),
             "kv_total": kv_total,
+            "architecture": mc.architecture,
+            "device": str(engine.device),
         },
     )
-    SchedulerProcess(engine, sched, addrs, start).loop()
+    SchedulerProcess(engine, sched, addrs, start, dp_rank).loop()

@@ -1,193 +1,185 @@
-"""The FastAPI app: OpenAI-compatible routes, native /generate, /health, /metrics."""
+"""The FastAPI app: routes wire one request through the stages, in one direction:
 
-from __future__ import annotations
+    protocol (parse, validate) -> build (engine request) -> frontend (submit, await) -> render / stream
 
-import hmac
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+This module has no `from __future__ import annotations`: the request models are built per
+server (their bounds are the model's), and FastAPI reads route annotations as objects.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minisgl.message import TokenizeMsg
+from minisgl.message import DecodeMsg
+from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
+from minisgl.server import openapi_doc
+from minisgl.server.build import Builder, Job
+from minisgl.server.chat_request import ChatFeatures
+from minisgl.server.errors import ApiError, from_validation
 from minisgl.server.frontend import ClientGone, Frontend
-from minisgl.server.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from minisgl.server.openai_serving import ChatFeatures, OpenAIServing
-from minisgl.server.serving import SSE_DONE, ChoiceTracker, ServingError, all_replies, build_sampling, first_reply, sse
+from minisgl.server.gates import ApiKeyGate, BodyLimitGate, RequestGuard
+from minisgl.server.protocol import Protocol
+from minisgl.server.protocol_types import Limits
+from minisgl.server.render import ChoiceTracker, generate_result, respond
+from minisgl.server.stream import event_stream, generate_events, openai_events
 
-_GENERATE_KEYS = {
-    "max_new_tokens",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-}
 _CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads it
+_BAD_BODY = "There was an error parsing the body"  # FastAPI's words for a non-UTF-8 body
 
 
-def _param_of(loc: tuple[Any, ...]) -> str | None:
-    parts = [p for p in loc if p != "body"]
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out or None
+def package_version() -> str:
+    try:
+        return version("minisgl")
+    except PackageNotFoundError:
+        return "unknown"
 
 
-def _validation_error(exc: RequestValidationError) -> ServingError:
-    err = exc.errors()[0]
-    if err.get("type") == "json_invalid":
-        return ServingError(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
-    param = _param_of(tuple(err.get("loc", ())))
-    if param is None:
-        return ServingError(f"the request body must be a JSON object: {err.get('msg')}")
-    return ServingError(f"{param}: {err.get('msg')}", param)
+@dataclass
+class ServerInfo:
+    model_name: str
+    limits: Limits
+    sampling_defaults: dict[str, Any]  # the model's, for fields a request leaves out
+    max_request_bytes: int
+    api_key: str | None = None
+    started: float = 0.0
+    workers_alive: Callable[[], bool] = field(default=lambda: True)
+    engine_fields: set[str] | None = None  # SamplingParams' fields (None: this build's)
+    features: ChatFeatures = field(default_factory=ChatFeatures)  # tool-call and reasoning parsers
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "minisgl",
+            "max_model_len": self.limits.max_model_len,
+            "sampling_defaults": {**OPENAI_DEFAULTS, **self.sampling_defaults},
+        }
 
 
-class _ApiKeyMiddleware:
-    """Every route but /health needs `Authorization: Bearer KEY`. Plain ASGI rather than
-    @app.middleware("http"), which would wrap streams and hide client disconnects."""
+def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
+    app = FastAPI(title="minisgl", version=package_version(), redoc_url=None)
+    P = Protocol(info.limits, info.engine_fields, tools=info.features.tool_format is not None)
+    builder = Builder(info.model_name, info.limits, info.sampling_defaults, info.features)
+    _install_error_handlers(app)
+    openapi_doc.install(app, info.api_key is not None, package_version())
+    app.add_middleware(BodyLimitGate, limit=info.max_request_bytes)
+    if info.api_key is not None:
+        app.add_middleware(ApiKeyGate, expected=f"Bearer {info.api_key}".encode())
+    app.add_middleware(RequestGuard)
+    gen_errors = {**openapi_doc.errors(400, 404, 503)}
 
-    def __init__(self, app: Any, expected: bytes) -> None:
-        self.app, self.expected = app, expected
+    async def run(job: Job, request: Request) -> Response:
+        handle = frontend.submit(job.msgs, job.names)  # type: ignore[arg-type]
+        first = await frontend.first_reply(handle, request)
+        tracker = ChoiceTracker(handle.uids, job.n)
+        # Streams learn of a gone client from Starlette cancelling them; others poll for it.
+        replies = frontend.replies(handle, first, None if job.stream else request)
+        rid = request.scope["state"]["request_id"]
+        if job.kind == "generate":
+            if job.stream:
+                return event_stream(generate_events(job, replies, tracker), rid)
+            async for r in replies:
+                tracker.add(r)
+            return JSONResponse(generate_result(job, tracker, rid))
+        if job.stream:
+            return event_stream(openai_events(job, replies, tracker, info.model_name), rid)
+        return await respond(job, replies, tracker, info.model_name)
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                err = ServingError(
-                    "invalid or missing API key (Authorization: Bearer KEY)",
-                    None,
-                    401,
-                    "invalid_api_key",
-                    "authentication_error",
-                )
-                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    @app.post(
+        "/v1/chat/completions",
+        responses={**openapi_doc.streams("A chat.completion, or chat.completion.chunk events"), **gen_errors},
+    )
+    async def chat(req: P.chat, request: Request) -> Response:  # type: ignore[valid-type]
+        return await run(builder.chat(req), request)
+
+    @app.post(
+        "/v1/completions", responses={**openapi_doc.streams("A text_completion, or its events"), **gen_errors}
+    )
+    async def completions(req: P.completion, request: Request) -> Response:  # type: ignore[valid-type]
+        return await run(builder.completion(req), request)
+
+    @app.post("/generate", responses={**openapi_doc.streams("SGLang's {text, output_ids, meta_info}"), **gen_errors})
+    async def generate(req: P.generate, request: Request) -> Response:  # type: ignore[valid-type]
+        """SGLang-style native endpoint; streams carry the cumulative text, as SGLang's do."""
+        return await run(builder.generate(req), request)
+
+    @app.post("/tokenize", responses=openapi_doc.errors(400, 404, 503))
+    async def tokenize(req: P.tokenize, request: Request) -> dict[str, Any]:  # type: ignore[valid-type]
+        """vLLM's: `{count, max_model_len, tokens}` (and `token_strs` when asked)."""
+        msg, names = builder.tokenize(req)
+        handle = frontend.submit([msg], names, metered=False)
+        reply = await frontend.first_reply(handle, request)
+        body: dict[str, Any] = {
+            "count": len(reply.token_ids),
+            "max_model_len": info.limits.max_model_len,
+            "tokens": reply.token_ids,
+        }
+        if req.return_token_strs:
+            body["token_strs"] = reply.token_texts
+        return body
+
+    @app.post("/detokenize", responses=openapi_doc.errors(400, 404, 503))
+    async def detokenize(req: P.detokenize, request: Request) -> dict[str, str]:  # type: ignore[valid-type]
+        """vLLM's: `{tokens}` -> `{prompt}` (special tokens kept)."""
+        builder.check_model(req.model)
+        handle = frontend.submit([DecodeMsg(0, list(req.tokens))], metered=False)
+        return {"prompt": (await frontend.first_reply(handle, request)).text}
+
+    @app.get("/health", responses={503: {"description": "a server process is gone"}})
+    async def health() -> Response:
+        ok = frontend.dead is None and info.workers_alive()
+        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi_doc.errors())
+    async def metrics() -> Response:
+        """Prometheus text format."""
+        return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version", responses=openapi_doc.errors())
+    async def server_version() -> dict[str, str]:
+        return {"version": package_version()}
+
+    @app.get("/v1/models", responses=openapi_doc.errors())
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [info.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", responses=openapi_doc.errors(404))
+    async def model(model_id: str = PathParam(examples=[info.model_name])) -> dict[str, Any]:
+        builder.check_model(model_id)
+        return info.model_card()
+
+    return app
 
 
-def build_app(
-    frontend: Frontend, model_name: str, api_key: str | None, workers_alive: Callable[[], bool],
-    features: ChatFeatures | None = None,
-) -> FastAPI:
-    app = FastAPI(title="minisgl", docs_url=None, redoc_url=None)
-    serving = OpenAIServing(frontend, model_name, features)
-
-    @app.exception_handler(ServingError)
-    async def _serving_error(_: Request, exc: ServingError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = _validation_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+        return from_validation(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            err = ApiError(f"no route {request.method} {request.url.path}", None, 404, "not_found")
+        elif exc.status_code == 405:
+            err = ApiError(f"{request.url.path} does not take {request.method}", None, 405, "method_not_allowed")
+        elif exc.detail == _BAD_BODY:
+            err = ApiError("the request body is not valid UTF-8 JSON")
+        else:
+            err = ApiError(str(exc.detail), None, exc.status_code)
+        return err.response(dict(exc.headers or {}))
 
     @app.exception_handler(ClientGone)
     async def _client_gone(_: Request, __: ClientGone) -> Response:
         return Response(status_code=_CLIENT_CLOSED)
-
-    if api_key is not None:
-        app.add_middleware(_ApiKeyMiddleware, expected=f"Bearer {api_key}".encode())
-
-    @app.get("/health")
-    async def health() -> Response:
-        ok = frontend.dead is None and workers_alive()
-        return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": int(app.state.started), "owned_by": "minisgl"}
-        return {"object": "list", "data": [card]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, request: Request) -> Any:
-        return await serving.chat(req, request)
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Any:
-        return await serving.completion(req, request)
-
-    @app.post("/generate")
-    async def generate(req: GenerateRequest, request: Request) -> Any:
-        return await _generate(frontend, req, request)
-
-    app.state.started = time.time()
-    return app
-
-
-async def _generate(frontend: Frontend, req: GenerateRequest, request: Request) -> Any:
-    """SGLang-style native endpoint; streams carry the cumulative text, as SGLang's do."""
-    sp = dict(req.sampling_params)
-    unknown = sorted(set(sp) - _GENERATE_KEYS)
-    if unknown:
-        raise ServingError(
-            f"sampling_params.{unknown[0]} is not a known sampling parameter", f"sampling_params.{unknown[0]}"
-        )
-    if (req.text is None) == (req.input_ids is None):
-        raise ServingError("give exactly one of text and input_ids", "text")
-    name = "max_new_tokens" if "max_new_tokens" in sp else "max_tokens"
-    sp["max_tokens"] = sp.pop("max_new_tokens", sp.get("max_tokens", 128))
-    skip = bool(sp.pop("skip_special_tokens", True))
-    try:
-        sampling = build_sampling(sp, name)
-    except ServingError as e:
-        e.param = e.param and f"sampling_params.{e.param}"
-        raise
-    prompt = {"text": req.text} if req.text is not None else {"input_ids": req.input_ids}
-    msg = TokenizeMsg(
-        frontend.new_uids(1),
-        sampling=sampling,
-        logprobs=req.return_logprob,
-        skip_special_tokens=skip,
-        prompt_field="text" if req.text is not None else "input_ids",
-        max_tokens_field=f"sampling_params.{name}",
-        **prompt,
-    )
-    handle = frontend.submit([msg])
-    first = await first_reply(frontend, handle, request)
-    tracker, rid = ChoiceTracker(handle, 1), uuid.uuid4().hex
-
-    def result() -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": rid,
-            "prompt_tokens": tracker.prompt_tokens[0],
-            "completion_tokens": tracker.completion_tokens[0],
-            "finish_reason": tracker.finish[0] and {"type": tracker.finish[0]},
-        }
-        if req.return_logprob:
-            meta["output_token_logprobs"] = [
-                [lp, t] for lp, t in zip(tracker.logprobs[0], tracker.token_ids[0], strict=False)
-            ]
-        return {"text": tracker.text[0], "output_ids": tracker.token_ids[0], "meta_info": meta}
-
-    if not req.stream:
-        async for r in all_replies(frontend, handle, first, request):
-            tracker.add(r)
-        return JSONResponse(result())
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for r in all_replies(frontend, handle, first, None):
-                tracker.add(r)
-                yield sse(result())
-        except ServingError as e:
-            yield sse(e.body())
-        yield SSE_DONE
-
-    return StreamingResponse(body(), media_type="text/event-stream")

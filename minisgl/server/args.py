@@ -7,9 +7,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from minisgl.dp.dispatch import METHODS as LOAD_BALANCE_METHODS
+
+
+def default_num_tokenizers() -> int:
+    """One tokenizer worker per 4 cores, 1 to 4: several where the machine has the cores (a
+    worker never waits on a large input, see tokenizer/large_inputs.py, so more only adds
+    throughput)."""
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 @dataclass(frozen=True)
@@ -22,7 +32,9 @@ class ServerArgs:
     served_model_name: str = "default"
     max_model_len: int | None = None
     api_key: str | None = None
-    num_tokenizers: int = 1
+    num_tokenizers: int = field(default_factory=default_num_tokenizers)
+    sampling_defaults: str = "model"  # "model": generation_config.json first; "openai": OpenAI's only
+    max_request_bytes: int | None = None  # None: 64 bytes per token of context, at least 1 MiB
     tokenizer: str | None = None
     chat_template: str | None = None
     tool_call_parser: str = "auto"  # hermes | llama3 | mistral | auto (from the chat template) | none
@@ -48,6 +60,10 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     disable_custom_nccl: bool = False
+    # data parallelism: dp replicas of tp GPUs each behind this one API server
+    dp: int = 1
+    base_gpu_id: int = 0
+    load_balance_method: str = "prefix"
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.nnodes < 1 or self.tp % self.nnodes != 0:
@@ -58,6 +74,10 @@ class ServerArgs:
             raise ValueError("--dist-init-addr HOST:PORT (node 0's address) is required with --nnodes > 1")
         if self.num_tokenizers < 0:
             raise ValueError(f"num_tokenizers must be >= 0, got {self.num_tokenizers}")
+        if self.sampling_defaults not in ("model", "openai"):
+            raise ValueError(f"--sampling-defaults must be model or openai, got {self.sampling_defaults!r}")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.tool_call_parser not in ("auto", "none"):
@@ -71,12 +91,44 @@ class ServerArgs:
                 raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ValueError(f"chat template file {self.chat_template!r} does not exist")
+        self._check_dp()
 
-    def engine_config(self, tp_rank: int = 0) -> Any:
+    def _check_dp(self) -> None:
+        if self.dp < 1:
+            raise ValueError(f"--dp must be >= 1, got {self.dp}")
+        if self.dp > 1 and self.nnodes > 1:
+            raise ValueError(
+                "--dp > 1 with --nnodes > 1 is not supported: run one server per machine behind "
+                "sglang-router (README: Scaling out)"
+            )
+        if self.base_gpu_id < 0:
+            raise ValueError(f"--base-gpu-id must be >= 0, got {self.base_gpu_id}")
+        if ":" in self.device and (self.dp > 1 or self.base_gpu_id):
+            raise ValueError(
+                f"--device {self.device} names one GPU; with --dp or --base-gpu-id give "
+                f"--device {self.device.split(':')[0]} and --base-gpu-id N"
+            )
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(
+                f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}, "
+                f"got {self.load_balance_method!r}"
+            )
+
+    def gpu_id(self, dp_rank: int, tp_rank: int) -> int:
+        """The GPU (index on its machine) of replica `dp_rank`'s TP rank `tp_rank`:
+        base_gpu_id + dp_rank * (GPUs per replica on a machine) + the rank's local index."""
+        per_node = self.tp // self.nnodes
+        return self.base_gpu_id + dp_rank * per_node + tp_rank % per_node
+
+    def engine_config(self, tp_rank: int = 0, dp_rank: int = 0) -> Any:
         from minisgl.engine.config import EngineConfig
 
-        # The engine fields ServerArgs shares by name, plus the renamed TP ones.
+        if not 0 <= dp_rank < self.dp:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, {self.dp})")
+        # The engine fields ServerArgs shares by name, plus the renamed TP ones; the engine's
+        # base GPU is its replica's first (gpu_id with tp rank 0 of this machine).
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(self, f.name)}
+        shared["base_gpu_id"] = self.gpu_id(dp_rank, 0)
         return EngineConfig(**shared, tp_rank=tp_rank, tp_size=self.tp, custom_nccl=not self.disable_custom_nccl)
 
     @property
@@ -105,15 +157,21 @@ class ServerArgs:
 @dataclass(frozen=True)
 class Addresses:
     """ZMQ endpoints of one server; each is bound by its receiver. ipc:// for one box; the
-    fields are plain endpoint strings, so tcp://host:port works for remote ranks later."""
+    fields are plain endpoint strings, so tcp://host:port works for remote ranks later.
+
+    With --dp > 1, `scheduler` is the DP controller's PULL (tokenizers and the detokenizer
+    send there as before) and each replica's scheduler rank 0 pulls from `replicas[r]`; see
+    `for_replica`."""
 
     api: str  # API server's PULL: replies, errors and stats
-    scheduler: str  # scheduler rank 0's PULL: requests and aborts
+    scheduler: str  # scheduler rank 0's PULL (the DP controller's with dp > 1): requests and aborts
     detokenizer: str  # detokenizer's PULL: tokens (and, with 0 tokenizers, requests)
     tokenizers: list[str]  # one PULL per tokenizer worker
+    replicas: list[str] = field(default_factory=list)  # with dp > 1: each replica's scheduler PULL
+    stats: str | None = None  # where a scheduler sends StatsMsg; None: the API server
 
     @staticmethod
-    def ipc(folder: str | Path, num_tokenizers: int) -> Addresses:
+    def ipc(folder: str | Path, num_tokenizers: int, dp: int = 1) -> Addresses:
         def a(name: str) -> str:
             return f"ipc://{Path(folder) / name}.sock"
 
@@ -122,7 +180,15 @@ class Addresses:
             scheduler=a("scheduler"),
             detokenizer=a("detokenizer"),
             tokenizers=[a(f"tokenizer{i}") for i in range(num_tokenizers)],
+            replicas=[a(f"replica{r}") for r in range(dp)] if dp > 1 else [],
         )
+
+    def for_replica(self, dp_rank: int) -> Addresses:
+        """The view of replica `dp_rank`'s scheduler: its own inbox, and its load reports to
+        the DP controller (which forwards them to the API server). Unchanged without DP."""
+        if not self.replicas:
+            return self
+        return dataclasses.replace(self, scheduler=self.replicas[dp_rank], stats=self.scheduler)
 
 
 def _default_device() -> str:
@@ -172,8 +238,22 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--num-tokenizers",
         type=int,
-        default=d.num_tokenizers,
-        help="tokenizer worker processes; 0 lets the detokenizer process tokenize too",
+        default=None,
+        help="tokenizer worker processes; 0 lets the detokenizer process tokenize too "
+        f"(default: one per 4 CPU cores, 1 to 4; here {d.num_tokenizers})",
+    )
+    add(
+        "--sampling-defaults",
+        choices=("model", "openai"),
+        default=d.sampling_defaults,
+        help="defaults of sampling fields a request leaves out: model (the model's generation_config.json, "
+        "then OpenAI's) or openai (OpenAI's only)",
+    )
+    add(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="largest HTTP request body, else 413 (default: 64 bytes per token of context, at least 1 MiB)",
     )
     add("--chat-template", default=None, help="Jinja chat template file overriding the model's")
     add("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
@@ -239,11 +319,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--dist-init-addr", default=None,
-        help="HOST:PORT of the rank-0 rendezvous (default: a free local port; required with --nnodes > 1)",
+        help="HOST:PORT of the rank-0 rendezvous (default: a free local port; required with --nnodes > 1); "
+        "with --dp, replica r uses PORT + r",
     )
     t.add_argument(
         "--disable-custom-nccl", action="store_true",
         help="reduce through torch.distributed's NCCL instead of minisgl's own NCCL bindings",
+    )
+    g = p.add_argument_group("data parallelism")
+    g.add_argument(
+        "--dp", "--dp-size", dest="dp", type=int, default=d.dp,
+        help="replicas of the model (each of --tp GPUs) behind this one API server",
+    )
+    g.add_argument(
+        "--base-gpu-id", type=int, default=d.base_gpu_id,
+        help="first GPU to use: replica r's TP rank t runs on GPU base + r * tp + t",
+    )
+    g.add_argument(
+        "--load-balance-method", choices=LOAD_BALANCE_METHODS, default=d.load_balance_method,
+        help="how requests pick a replica: prefix (least load, preferring the replica that holds "
+        "the longest prefix of the prompt), load (least load) or round_robin",
     )
     return p
 
@@ -253,6 +348,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     values = vars(ns)
     if values["device"] is None:
         values["device"] = _default_device()
+    if values["num_tokenizers"] is None:
+        values["num_tokenizers"] = default_num_tokenizers()
     if values["served_model_name"] is None:
         from minisgl.models.source import resolve_model
 

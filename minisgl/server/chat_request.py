@@ -17,6 +17,15 @@ from minisgl.grammar.spec import GrammarSpec, check_grammar
 from minisgl.parsers.tool_formats import ToolFormat, tool_call_structural_tag
 
 
+@dataclass(frozen=True)
+class ChatFeatures:
+    """Server-wide output parsing: the tool-call format (--tool-call-parser, or detected from
+    the chat template; None: tools are refused) and the reasoning parser (--reasoning-parser)."""
+
+    tool_format: ToolFormat | None = None
+    reasoning: str | None = None
+
+
 @dataclass
 class ChatPlan:
     grammar: dict[str, str] = field(default_factory=dict)  # SamplingParams grammar field -> text
@@ -117,30 +126,29 @@ def plan_chat(
         try:
             check_grammar(GrammarSpec(kind, text))
         except ValueError as e:
-            raise ValueError(f"{name}: {e}") from e
+            raise ValueError(str(e) if name == kind else f"{name}: {e}") from e
         plan.grammar = g
     return plan
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant tool calls with their arguments as objects (templates render them with tojson;
-    OpenAI sends a JSON string), tool results as they came."""
+    """Assistant tool calls with their arguments as objects where they are JSON objects
+    (templates render them with tojson; OpenAI sends JSON text); other arguments stay text,
+    which templates print as it is. Tool results pass as they came."""
     out = []
-    for i, m in enumerate(messages):
+    for m in messages:
         calls = m.get("tool_calls")
         if calls:
-            fixed = []
-            for j, c in enumerate(calls):
-                fn = c.get("function") if isinstance(c, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise ValueError(f"messages[{i}].tool_calls[{j}]: needs function.name")
-                args = fn.get("arguments", "{}")
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args or "{}")
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments: not JSON ({e})") from e
-                fixed.append({**c, "function": {**fn, "arguments": args}})
-            m = {**m, "tool_calls": fixed}
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": _arguments(c["function"])}}
+                                     for c in calls]}
         out.append(m)
     return out
+
+
+def _arguments(fn: dict[str, Any]) -> Any:
+    args = fn.get("arguments", "")
+    try:
+        parsed = json.loads(args) if isinstance(args, str) else args
+    except json.JSONDecodeError:
+        return args
+    return parsed if isinstance(parsed, dict) else args

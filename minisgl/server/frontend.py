@@ -1,19 +1,23 @@
-"""The API process's end of the pipeline: submits requests to the tokenizers, routes the
-detokenizer's replies to whoever waits for them, aborts, and keeps the metrics."""
+"""Third stage of a request: submit it to the tokenizer workers and await the detokenizer's
+replies. Routes replies to whoever waits for them, aborts what nobody waits for any more,
+and keeps the metrics. Knows nothing of HTTP bodies: it takes TokenizeMsg/DecodeMsg and
+yields UserReply; errors leave as ApiError in the request's own field names."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from minisgl.logging_setup import get_logger
-from minisgl.message import AbortMsg, ReplyBatch, StatsMsg, TokenizeMsg, UserReply, decode, encode
+from minisgl.message import AbortMsg, DecodeMsg, ReplyBatch, StatsMsg, TokenizeMsg, UserReply, decode, encode
 from minisgl.server.args import Addresses
+from minisgl.server.errors import ApiError
 from minisgl.server.metrics import Metrics
 
 log = get_logger("minisgl.server")
@@ -27,8 +31,10 @@ class ClientGone(Exception):
 class RequestHandle:
     """One API call: `len(uids)` generations (prompts x n), replies merged in one queue."""
 
-    def __init__(self, uids: list[int]) -> None:
+    def __init__(self, uids: list[int], names: dict[str, str] | None = None, metered: bool = True) -> None:
         self.uids = uids
+        self.names = names or {}  # engine field -> request field, for errors
+        self.metered = metered  # a generation (counted in the metrics), not a /tokenize call
         self.index = {u: i for i, u in enumerate(uids)}
         self.queue: asyncio.Queue[UserReply] = asyncio.Queue()
         self.unfinished = set(uids)
@@ -79,18 +85,25 @@ class Frontend:
             sock.close(0)
         self._pull.close(0)
 
-    def new_uids(self, n: int) -> list[int]:
-        return [next(self._next_uid) for _ in range(n)]
-
-    def submit(self, msgs: list[TokenizeMsg]) -> RequestHandle:
-        handle = RequestHandle([u for m in msgs for u in m.uids])
+    def submit(
+        self, msgs: list[TokenizeMsg | DecodeMsg], names: dict[str, str] | None = None, metered: bool = True
+    ) -> RequestHandle:
+        """Numbers the messages' generations (TokenizeMsg: one uid per choice) and sends each
+        to a tokenizer worker, round robin (workers tokenize large inputs off their loop, so
+        any worker serves small requests at once)."""
+        for m in msgs:
+            if isinstance(m, TokenizeMsg):
+                m.uids = [next(self._next_uid) for _ in m.uids]
+            else:
+                m.uid = next(self._next_uid)
+        handle = RequestHandle([u for uids in _uids_of(msgs) for u in uids], names, metered)
         if self.dead:
             for uid in handle.uids:
                 handle.queue.put_nowait(UserReply(uid, error=self.dead))
             return handle
-        for m in msgs:
+        for m, uids in zip(msgs, _uids_of(msgs)):
             target = next(self._rr) % len(self._push)
-            for uid in m.uids:
+            for uid in uids:
                 self._handles[uid] = handle
                 self._route[uid] = target
                 self._timing[uid] = _Timing()
@@ -103,7 +116,8 @@ class Frontend:
             target = self._route.get(uid)
             if target is not None and not self.dead:
                 self._push[target].send(encode(AbortMsg(uid, "abort")))
-            self.metrics.requests.labels("abort").inc()
+            if handle.metered:
+                self.metrics.requests.labels("abort").inc()
             self._forget(handle, uid)
 
     def _forget(self, handle: RequestHandle, uid: int) -> None:
@@ -128,6 +142,45 @@ class Frontend:
             except asyncio.TimeoutError:
                 pass
 
+    def error_of(self, handle: RequestHandle, reply: UserReply) -> ApiError:
+        if self.dead:
+            return ApiError(reply.error or "server error", None, 503, kind="server_error")
+        param, message = reply.error_param, reply.error or "bad request"
+        if param in handle.names:
+            name = handle.names[param]
+            param, message = name, (name + message[len(param) :] if message.startswith(param) else message)
+        return ApiError(message, param)
+
+    async def first_reply(self, handle: RequestHandle, request: Any) -> UserReply:
+        """Waits for the request's first reply before any HTTP status is sent, so that a prompt
+        the tokenizer or scheduler refuses still gets its 400."""
+        try:
+            reply = await self.next_reply(handle, request)
+        except BaseException:
+            self.abort(handle)
+            raise
+        if reply.error is not None:
+            self.abort(handle)
+            raise self.error_of(handle, reply)
+        return reply
+
+    async def replies(
+        self, handle: RequestHandle, first: UserReply | None, request: Any
+    ) -> AsyncIterator[UserReply]:
+        """Every reply of `handle` (starting with `first`); whoever stops early (client gone,
+        error, cancellation) aborts what is still running, freeing its KV slots."""
+        try:
+            if first is not None:
+                yield first
+            while not handle.done or not handle.queue.empty():
+                reply = await self.next_reply(handle, request)
+                if reply.error is not None:
+                    raise self.error_of(handle, reply)
+                yield reply
+        finally:
+            if not handle.done:
+                self.abort(handle)
+
     async def run(self) -> None:
         while True:
             msg = decode(await self._pull.recv())
@@ -144,6 +197,13 @@ class Frontend:
         handle = self._handles.get(reply.uid)
         if handle is None:
             return  # aborted: late replies are dropped
+        if handle.metered:
+            self._observe(reply)
+        if reply.error is not None or reply.finish_reason is not None:
+            self._forget(handle, reply.uid)
+        handle.queue.put_nowait(reply)
+
+    def _observe(self, reply: UserReply) -> None:
         now, t, m = time.perf_counter(), self._timing[reply.uid], self.metrics
         n = len(reply.token_ids)
         if n:
@@ -160,9 +220,6 @@ class Frontend:
             m.requests.labels(reply.finish_reason).inc()
             m.prompt_tokens.inc(reply.prompt_tokens)
             m.e2e.observe(now - t.start)
-        if reply.error is not None or reply.finish_reason is not None:
-            self._forget(handle, reply.uid)
-        handle.queue.put_nowait(reply)
 
     def fail_all(self, why: str) -> None:
         """The backend died: every waiter gets an error now instead of hanging."""
@@ -170,3 +227,7 @@ class Frontend:
         for uid, handle in list(self._handles.items()):
             self._forget(handle, uid)
             handle.queue.put_nowait(UserReply(uid, error=why))
+
+
+def _uids_of(msgs: list[TokenizeMsg | DecodeMsg]) -> list[list[int]]:
+    return [m.uids if isinstance(m, TokenizeMsg) else [m.uid] for m in msgs]

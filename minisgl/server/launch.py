@@ -45,29 +45,61 @@ class Child:
         return f"the {self.name} process (pid {self.process.pid}, exit code {self.process.exitcode})"
 
 
+def scheduler_name(dp: int, dp_rank: int, tp_rank: int = 0) -> str:
+    """How logs name a scheduler process: "scheduler" ("scheduler rank 1" with TP), and with
+    data parallelism "replica 1 scheduler" ("replica 1 scheduler rank 1")."""
+    name = "scheduler" if tp_rank == 0 else f"scheduler rank {tp_rank}"
+    return name if dp == 1 else f"replica {dp_rank} {name}"
+
+
+def _replica_dist_addrs(args: ServerArgs) -> list[str | None]:
+    """Each replica's TP rendezvous: --dist-init-addr HOST:PORT serves replica r at PORT + r;
+    without it, one machine picks free local ports."""
+    if args.tp == 1:
+        return [None] * args.dp
+    if args.dist_init_addr is not None:
+        host, port = args.dist_init_addr.rsplit(":", 1)
+        return [f"{host}:{int(port) + r}" for r in range(args.dp)]
+    out = []
+    for _ in range(args.dp):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            out.append(f"127.0.0.1:{s.getsockname()[1]}")
+    return out
+
+
 def _children_spec(args: ServerArgs, addrs: Addresses) -> list[tuple[str, Callable[..., None], tuple]]:
     from minisgl.scheduler.process import run_scheduler, run_scheduler_rank
     from minisgl.tokenizer.detokenizer import run_detokenizer
     from minisgl.tokenizer.worker import run_tokenizer
 
-    # Scheduler ranks > 0 of this machine (with TP); rank 0 lives on node 0 only.
-    ranks = [r for r in args.local_ranks if r > 0]
-    specs: list[tuple[str, Callable[..., None], tuple]] = [
-        (f"scheduler rank {r}", run_scheduler_rank, (args, r)) for r in ranks
-    ]
+    specs: list[tuple[str, Callable[..., None], tuple]] = []
+    for dp_rank, dist_addr in enumerate(_replica_dist_addrs(args)):
+        rargs = dataclasses.replace(args, dist_init_addr=dist_addr)
+        # Scheduler ranks > 0 of this machine (with TP); rank 0 lives on node 0 only.
+        ranks = [r for r in args.local_ranks if r > 0]
+        specs += [
+            (scheduler_name(args.dp, dp_rank, r), run_scheduler_rank, (rargs, r, dp_rank)) for r in ranks
+        ]
+        if args.node_rank == 0:
+            raddrs = addrs.for_replica(dp_rank)
+            specs.append((scheduler_name(args.dp, dp_rank), run_scheduler, (rargs, raddrs, dp_rank)))
     if args.node_rank > 0:
         return specs
-    specs += [
-        ("scheduler", run_scheduler, (args, addrs)),
-        ("detokenizer", run_detokenizer, (args, addrs)),
-    ]
+    if args.dp > 1:
+        from minisgl.dp.controller import run_dp_controller
+
+        specs.append(("dp controller", run_dp_controller, (args, addrs)))
+    specs.append(("detokenizer", run_detokenizer, (args, addrs)))
     specs += [(f"tokenizer{i}", run_tokenizer, (args, addrs, i)) for i in range(args.num_tokenizers)]
     return specs
 
 
 def _start_children(args: ServerArgs, addrs: Addresses, children: list[Child]) -> None:
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA state
-    for name, target, targs in _children_spec(args, addrs):
+    specs = _children_spec(args, addrs)
+    log.info("starting %d processes: %s", len(specs), ", ".join(name for name, _, _ in specs))
+    for name, target, targs in specs:
         parent_end, child_end = ctx.Pipe()
         proc = ctx.Process(
             target=child_main, args=(name, target, child_end, *targs), name=f"minisgl-{name}", daemon=True
@@ -96,25 +128,14 @@ def _wait_ready(children: list[Child]) -> StartMsg:
                 raise ChildFailed(f"{c.name} failed to start: {msg.error}")
             c.info = msg.info
             log.info("%s ready (pid %d)", c.name, c.process.pid)
-    if not any(c.name == "scheduler" for c in children):  # a worker-only node (--node-rank > 0)
+    infos = [c.info for c in children if c.name.endswith("scheduler")]  # each replica's rank 0
+    if not infos:  # a worker-only node (--node-rank > 0)
         return StartMsg(0, 0, [])
-    info = next(c.info for c in children if c.name == "scheduler")
+    info = infos[0]
     tok_eos = next(c.info for c in children if c.name == "detokenizer").get("eos_token_id")
     extra = [] if tok_eos is None or tok_eos in info["eos_token_ids"] else [tok_eos]
-    return StartMsg(info["max_model_len"], info["vocab_size"], extra)
-
-
-def chat_features(args: ServerArgs, detok_info: dict[str, Any]) -> Any:
-    """--tool-call-parser (auto: what the detokenizer found in the chat template) and
-    --reasoning-parser, as the API's output parsing uses them."""
-    from minisgl.parsers.tool_formats import tool_format
-    from minisgl.server.openai_serving import ChatFeatures
-
-    name = detok_info.get("tool_format") if args.tool_call_parser == "auto" else args.tool_call_parser
-    if args.tool_call_parser == "auto":
-        log.info("tool-call parser: %s (from the chat template)", name or "none found")
-    fmt = tool_format(name) if name and name != "none" else None
-    return ChatFeatures(fmt, args.reasoning_parser)
+    # Replicas load the same model; a request must fit whichever one it lands on.
+    return StartMsg(min(i["max_model_len"] for i in infos), info["vocab_size"], extra)
 
 
 def _stop_children(children: list[Child]) -> None:
@@ -154,15 +175,60 @@ def _watch(children: list[Child], stop: threading.Event, on_death: Callable[[Chi
             return
 
 
-async def _serve(args: ServerArgs, addrs: Addresses, children: list[Child], listener: socket.socket | None) -> int:
+def chat_features(args: ServerArgs, tok_info: dict[str, Any]) -> Any:
+    """--tool-call-parser (auto: what the tokenizer found in the chat template) and
+    --reasoning-parser, as the API's output parsing uses them."""
+    from minisgl.parsers.tool_formats import tool_format
+    from minisgl.server.chat_request import ChatFeatures
+
+    name = tok_info.get("tool_format") if args.tool_call_parser == "auto" else args.tool_call_parser
+    if args.tool_call_parser == "auto":
+        log.info("tool-call parser: %s (from the chat template)", name or "none found")
+    fmt = tool_format(name) if name and name != "none" else None
+    return ChatFeatures(fmt, args.reasoning_parser)
+
+
+def _server_info(args: ServerArgs, start: StartMsg, children: list[Child]) -> Any:
+    from minisgl.models.sampling_defaults import describe, model_sampling_defaults
+    from minisgl.models.source import resolve_model
+    from minisgl.server.api import ServerInfo
+    from minisgl.server.gates import default_max_request_bytes
+    from minisgl.server.protocol_types import Limits
+
+    defaults = {} if args.sampling_defaults == "openai" else model_sampling_defaults(resolve_model(args.model))
+    limit = args.max_request_bytes or default_max_request_bytes(start.max_model_len)
+    bound = next((c.info.get("bytes_per_token") for c in children if "bytes_per_token" in c.info), None)
+    log.info("sampling defaults (--sampling-defaults %s): %s", args.sampling_defaults, describe(defaults))
+    log.info(
+        "max request body %d bytes; prompts refused before tokenizing above %s bytes",
+        limit,
+        "(no bound for this tokenizer)" if bound is None else f"{int(bound * start.max_model_len)}",
+    )
+    return ServerInfo(
+        args.served_model_name,
+        Limits(start.vocab_size, start.max_model_len),
+        defaults,
+        limit,
+        args.api_key,
+        time.time(),
+        lambda: all(c.process.is_alive() for c in children),
+        features=chat_features(args, next(c.info for c in children if c.name == "detokenizer")),
+    )
+
+
+async def _serve(
+    args: ServerArgs, addrs: Addresses, children: list[Child], listener: socket.socket | None, start: StartMsg
+) -> int:
     import uvicorn
 
     from minisgl.server.api import build_app
     from minisgl.server.frontend import Frontend
     from minisgl.server.metrics import Metrics
+    from minisgl.server.router_compat import add_router_routes, server_info
     from minisgl.server.shell import run_shell
 
     loop = asyncio.get_running_loop()
+    info = _server_info(args, start, children)
     frontend = Frontend(addrs, args.num_tokenizers, Metrics())
     frontend.open()
     receiver = asyncio.create_task(frontend.run())
@@ -183,7 +249,7 @@ async def _serve(args: ServerArgs, addrs: Addresses, children: list[Child], list
     ).start()
     try:
         if args.shell:
-            task = asyncio.create_task(run_shell(frontend, args.served_model_name))
+            task = asyncio.create_task(run_shell(frontend, args.served_model_name, info.sampling_defaults))
             stoppers.append(task.cancel)
             try:
                 await task
@@ -192,10 +258,9 @@ async def _serve(args: ServerArgs, addrs: Addresses, children: list[Child], list
                     raise
         else:
             assert listener is not None
-            app = build_app(
-                frontend, args.served_model_name, args.api_key, lambda: all(c.process.is_alive() for c in children),
-                chat_features(args, next(c.info for c in children if c.name == "detokenizer")),
-            )
+            app = build_app(frontend, info)
+            schedulers = [c.info for c in children if c.name.endswith("scheduler")]  # each replica's rank 0
+            add_router_routes(app, frontend, server_info(args, schedulers))
             server = uvicorn.Server(
                 uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)
             )
@@ -233,13 +298,9 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def launch(args: ServerArgs) -> int:
     """Runs the server until Ctrl-C / SIGTERM (0) or until a process dies (1)."""
-    if args.tp > 1 and args.dist_init_addr is None:
-        with socket.socket() as s:  # one machine: rendezvous on a free local port
-            s.bind(("127.0.0.1", 0))
-            args = dataclasses.replace(args, dist_init_addr=f"127.0.0.1:{s.getsockname()[1]}")
     folder = tempfile.mkdtemp(prefix="minisgl-")
-    addrs = Addresses.ipc(folder, args.num_tokenizers)
-    log.info("starting %d processes; IPC sockets in %s", args.num_tokenizers + 2, folder)
+    addrs = Addresses.ipc(folder, args.num_tokenizers, args.dp)
+    log.info("IPC sockets in %s", folder)
     children: list[Child] = []
     listener: socket.socket | None = None
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -251,7 +312,7 @@ def launch(args: ServerArgs) -> int:
             c.conn.send_bytes(encode(start))
         if args.node_rank > 0:
             return _run_worker_node(children)
-        return asyncio.run(_serve(args, addrs, children, listener))
+        return asyncio.run(_serve(args, addrs, children, listener, start))
     except ChildFailed as e:
         log.error("%s; shutting down", e)
         return 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from minisgl.message import StatsMsg
+from minisgl.server.replica_metrics import ReplicaStats
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -70,8 +71,13 @@ class Metrics:
         )
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)  # export every series from the start, at 0
+        self.replicas = ReplicaStats()  # per data-parallel replica (dp_rank label)
+        r.register(self.replicas)
 
-    def on_stats(self, s: StatsMsg) -> None:
+    def on_stats(self, report: StatsMsg) -> None:
+        """A replica's report: its own series, and the totals over every replica's latest."""
+        self.replicas.update(report)
+        s = self.replicas.total()
         self.running.set(s.running)
         self.queued.set(s.queued)
         self.kv_used.set(s.kv_used)

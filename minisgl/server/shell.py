@@ -1,7 +1,10 @@
 """`python -m minisgl.serve --shell`: chat with the model in the terminal, answers streamed.
 
-The history is sent whole each turn; the prefix cache makes that cheap. /reset clears it,
-/exit (or Ctrl-D) quits, Ctrl-C stops the answer being written.
+The history is sent whole each turn; the prefix cache makes that cheap. The sampling
+settings start as the server's defaults (the model's recommended ones, see
+models/sampling_defaults.py), are printed at the start and by /show, and change with
+`/set temperature 0`. /reset clears the history, /exit (or Ctrl-D) quits, Ctrl-C stops the
+answer being written.
 """
 
 from __future__ import annotations
@@ -13,10 +16,60 @@ import threading
 from typing import Any
 
 from minisgl.message import TokenizeMsg
+from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
+from minisgl.server.build import NEUTRAL
 from minisgl.server.frontend import Frontend
-from minisgl.server.serving import build_sampling
+from minisgl.tokenizer.worker import RequestError, checked_sampling
 
-SHELL_SAMPLING = build_sampling({"temperature": 0.7, "top_p": 0.9})
+# What /set takes, with the type of its value; "none" unsets the optional ones.
+SETTABLE: dict[str, type] = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "repetition_penalty": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "max_tokens": int,
+    "seed": int,
+}
+HELP = (
+    "commands: /set FIELD VALUE (e.g. /set temperature 0), /show, /reset (clear the history), /help, /exit\n"
+    f"fields: {', '.join(SETTABLE)}"
+)
+
+
+class Settings:
+    """The sampling fields in force for the shell's requests."""
+
+    def __init__(self, defaults: dict[str, Any]) -> None:
+        self.values: dict[str, Any] = {**OPENAI_DEFAULTS, **defaults, "max_tokens": None, "seed": None}
+
+    def show(self) -> str:
+        return "sampling: " + ", ".join(f"{k}={v}" for k, v in self.values.items() if v is not None or k in SETTABLE)
+
+    def set(self, name: str, text: str) -> str:
+        """Applies `/set name text`; returns what to print."""
+        if name not in SETTABLE:
+            return f"unknown field {name!r}; " + HELP.splitlines()[1]
+        try:
+            value = None if text.lower() == "none" else SETTABLE[name](text)
+        except ValueError:
+            return f"{name}: {text!r} is not a {SETTABLE[name].__name__}"
+        if value is None and name not in ("max_tokens", "seed"):
+            return f"{name} cannot be unset"
+        trial = {**self.values, name: value}
+        try:
+            checked_sampling({**self.sampling(trial), "max_tokens": trial["max_tokens"] or 1})
+        except RequestError as e:
+            return f"error: {e}"
+        self.values = trial
+        return self.show()
+
+    @staticmethod
+    def sampling(values: dict[str, Any]) -> dict[str, Any]:
+        # Issue-14 fields only when they are not neutral (see build.NEUTRAL).
+        return {k: v for k, v in values.items() if k not in NEUTRAL or v != NEUTRAL[k]}
 
 
 class _LineReader:
@@ -54,18 +107,12 @@ class _LineReader:
                 return None
 
 
-async def _answer(frontend: Frontend, history: list[dict[str, str]]) -> str | None:
+async def _answer(frontend: Frontend, history: list[dict[str, str]], sampling: dict[str, Any]) -> str | None:
     """Streams one answer to stdout; None when the request failed."""
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
     loop.add_signal_handler(signal.SIGINT, interrupted.set)
-    handle = frontend.submit(
-        [
-            TokenizeMsg(
-                frontend.new_uids(1), messages=list(history), sampling=dict(SHELL_SAMPLING), prompt_field="messages"
-            )
-        ]
-    )
+    handle = frontend.submit([TokenizeMsg([0], messages=list(history), sampling=sampling)])
     parts: list[str] = []
     try:
         while not handle.done or not handle.queue.empty():
@@ -92,9 +139,11 @@ async def _answer(frontend: Frontend, history: list[dict[str, str]]) -> str | No
             frontend.abort(handle)
 
 
-async def run_shell(frontend: Frontend, model_name: str) -> None:
+async def run_shell(frontend: Frontend, model_name: str, defaults: dict[str, Any]) -> None:
     reader = _LineReader()
-    print(f"minisgl shell: chatting with {model_name}. /reset clears the history, /exit quits.", flush=True)
+    settings = Settings(defaults)
+    print(f"minisgl shell: chatting with {model_name}. /help lists the commands, /exit quits.")
+    print(settings.show(), flush=True)
     history: list[dict[str, str]] = []
     while True:
         line = await reader.read("> ")
@@ -107,11 +156,18 @@ async def run_shell(frontend: Frontend, model_name: str) -> None:
             history.clear()
             print("(history cleared)")
             continue
+        if cmd == "/show":
+            print(settings.show())
+            continue
+        if cmd.startswith("/set"):
+            parts = cmd.split()
+            print(settings.set(parts[1], parts[2]) if len(parts) == 3 else "usage: /set FIELD VALUE")
+            continue
         if cmd.startswith("/"):
-            print("commands: /reset, /exit")
+            print(HELP)
             continue
         history.append({"role": "user", "content": line})
-        answer = await _answer(frontend, history)
+        answer = await _answer(frontend, history, settings.sampling(settings.values))
         if answer is None:
             history.pop()
         else:

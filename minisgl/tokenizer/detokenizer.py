@@ -1,5 +1,6 @@
 """The detokenizer process: token ids in, text deltas out (per request DecodeState, see
-minisgl/tokenizer/incremental.py); stop strings it finds abort the request at the scheduler."""
+minisgl/tokenizer/incremental.py); stop strings it finds abort the request at the scheduler.
+Logprobs leave here as text and bytes (tokenizer/token_bytes.py): the API renders them."""
 
 from __future__ import annotations
 
@@ -9,11 +10,21 @@ from typing import Any
 import zmq
 
 from minisgl.logging_setup import get_logger
-from minisgl.message import AbortMsg, DetokenizeMsg, ReplyBatch, TokenizeMsg, TokenOut, UserReply
-from minisgl.message.zmq_io import pull_socket, push_socket, recv, recv_nowait, send
+from minisgl.message import (
+    AbortMsg,
+    DecodeMsg,
+    DetokenizeMsg,
+    PromptEcho,
+    ReplyBatch,
+    TokenizeMsg,
+    TokenOut,
+    UserReply,
+)
+from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.server.child import report_ready
 from minisgl.tokenizer.incremental import DecodeState
-from minisgl.tokenizer.worker import TokenizeHandler, load_server_tokenizer
+from minisgl.tokenizer.token_bytes import TokenTable
+from minisgl.tokenizer.worker import TokenizeHandler, load_server_tokenizer, tokenizer_facts, wait_inbox
 
 log = get_logger("minisgl.detokenizer")
 
@@ -22,8 +33,9 @@ class Detokenizer:
     """Socket-free core: DetokenizeMsg in, UserReplies out, plus uids whose stop string was
     found while the scheduler still runs them (the caller aborts those)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, table: TokenTable | None = None) -> None:
         self.tok = tokenizer
+        self.table = table or TokenTable(tokenizer)
         self.states: dict[int, DecodeState] = {}
 
     def process(self, msg: DetokenizeMsg) -> tuple[list[UserReply], list[int]]:
@@ -34,16 +46,26 @@ class Detokenizer:
                 replies.append(reply)
         return replies, stopped
 
+    def alternatives(self, pairs: list[list]) -> list[list]:
+        """[[id, logprob], ...] -> [[id, text, logprob, bytes], ...]."""
+        return [[t, self.table.text_of(t), lp, self.table.bytes_of(t)] for t, lp in pairs]
+
     def _one(self, item: TokenOut, stopped: list[int]) -> UserReply | None:
         if item.finish_reason == "abort":  # the client left: drop the state, reply to no one
             self.states.pop(item.uid, None)
             return None
         st = self.states.get(item.uid)
+        first = st is None
         if st is None:
             if item.init is None:
                 return None  # tokens the scheduler made before it saw our stop: dropped
             st = self.states[item.uid] = DecodeState(self.tok, item.init)
-        st.add(item.token_ids)
+        init = st.init
+        ids = list(item.token_ids)
+        # The scheduler's "stop" is an EOS or stop_token_ids token, the last one: its text is
+        # not output unless asked (vLLM's rule); it still counts as a completion token.
+        stop_token = item.finish_reason == "stop" and bool(ids) and not init.include_stop_str
+        st.add(ids[:-1] if stop_token else ids)
         reason = None
         cut = st.find_stop()
         if cut is None and item.finish_reason is not None:
@@ -51,41 +73,57 @@ class Detokenizer:
             cut = st.find_stop()
             reason = item.finish_reason
         if cut is not None:
-            st.text = st.text[:cut]
+            st.text = st.text[: st.stop_end if init.include_stop_str else cut]
             reason = "stop"
             if item.finish_reason is None:
                 stopped.append(item.uid)
         reply = UserReply(
             uid=item.uid,
             text=st.take(final=reason is not None),
-            token_ids=list(item.token_ids),
+            token_ids=ids,
             finish_reason=reason,
-            prompt_tokens=st.init.prompt_tokens,
-            completion_tokens=len(st.ids),
-            reasoning_open=st.init.reasoning_open,
+            prompt_tokens=init.prompt_tokens,
+            completion_tokens=len(st.ids) + stop_token,
+            reasoning_open=first and init.reasoning_open,
         )
-        if st.init.logprobs:
+        if init.logprobs:
             reply.logprobs = list(item.logprobs or [])
-            reply.token_texts = [self.tok.decode([t]) for t in item.token_ids]
+            reply.token_texts = [self.table.text_of(t) for t in ids]
+            reply.token_bytes = [self.table.bytes_of(t) for t in ids]
+            if init.top_logprobs:
+                reply.top_logprobs = [self.alternatives(alts) for alts in item.top_logprobs or []]
+        if first and init.prompt_ids is not None:
+            reply.prompt = self.echo(init.prompt_ids, item.prompt_logprobs if init.prompt_logprobs else None)
         if reason is not None:
             del self.states[item.uid]
         return reply
 
+    def echo(self, ids: list[int], logprobs: list | None) -> PromptEcho:
+        rendered = None
+        if logprobs is not None:
+            rendered = [None if e is None else [e[0], self.alternatives(e[1])] for e in logprobs]
+        return PromptEcho(
+            self.tok.decode(ids),
+            list(ids),
+            [self.table.text_of(t) for t in ids],
+            [self.table.bytes_of(t) for t in ids],
+            rendered,
+        )
+
 
 def run_detokenizer(conn: Connection, args: Any, addrs: Any) -> None:
     tok = load_server_tokenizer(args)
+    table = TokenTable(tok)
     ctx = zmq.Context()
     inbox = pull_socket(ctx, addrs.detokenizer)
     to_api, to_scheduler = push_socket(ctx, addrs.api), push_socket(ctx, addrs.scheduler)
-    detok = Detokenizer(tok)
+    detok = Detokenizer(tok, table)
     # With no tokenizer workers, requests and aborts come here too (DESIGN: --num-tokenizers 0).
-    tokenizer = TokenizeHandler(tok, to_scheduler, to_api, args.seed * 1009 + 1000)
-    from minisgl.parsers.tool_formats import detect_tool_format
-
-    info = {"eos_token_id": tok.eos_token_id, "tool_format": detect_tool_format(getattr(tok, "chat_template", None))}
-    tokenizer.start(report_ready(conn, "detokenizer", info))
+    tokenizer = TokenizeHandler(tok, to_scheduler, to_api, args.seed * 1009 + 1000, table)
+    tokenizer.start(report_ready(conn, "detokenizer", tokenizer_facts(tokenizer)))
     while True:
-        msgs = [recv(inbox)]
+        wait_inbox(inbox, tokenizer)
+        msgs = []
         while (m := recv_nowait(inbox)) is not None:  # one reply batch for all that is ready
             msgs.append(m)
         replies: list[UserReply] = []
@@ -95,7 +133,7 @@ def run_detokenizer(conn: Connection, args: Any, addrs: Any) -> None:
                 replies.extend(out)
                 for uid in stopped:
                     send(to_scheduler, AbortMsg(uid, "stop"))
-            elif isinstance(m, (TokenizeMsg, AbortMsg)):
+            elif isinstance(m, (TokenizeMsg, AbortMsg, DecodeMsg)):
                 tokenizer.handle(m)
             else:
                 log.warning("detokenizer: ignoring unexpected %s", type(m).__name__)

@@ -11,11 +11,35 @@ the whole output is decoded once more and everything not yet sent is sent: nothi
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 from minisgl.message import DetokInit
 
 _REPLACEMENT = "\ufffd"
+
+
+@lru_cache(maxsize=8)
+def _added_ids(tok: Any) -> frozenset[int]:
+    return frozenset(tok.get_added_vocab().values())
+
+
+def decode_spaced(tok: Any, ids: list[int]) -> str:
+    """transformers' slow-tokenizer rule for spaces_between_special_tokens: text between
+    added tokens is decoded in runs, and runs and added tokens are joined with spaces (fast
+    tokenizers ignore the flag, so it is done here)."""
+    added, parts, run = _added_ids(tok), [], []
+    for t in ids:
+        if t in added:
+            if run:
+                parts.append(tok.decode(run))
+                run = []
+            parts.append(tok.decode([t]))
+        else:
+            run.append(t)
+    if run:
+        parts.append(tok.decode(run))
+    return " ".join(parts)
 
 
 class DecodeState:
@@ -30,8 +54,12 @@ class DecodeState:
         self.searched = 0  # characters of `text` already searched for stop strings
         self.stops = init.stop or []
         self.max_stop = max((len(s) for s in self.stops), default=0)
+        self.stop_end = 0  # where the stop string find_stop found ends
+        self.spaced = bool(init.spaces_between_special_tokens) and not init.skip_special_tokens
 
     def _decode(self, ids: list[int]) -> str:
+        if self.spaced:
+            return decode_spaced(self.tok, ids)
         return self.tok.decode(ids, skip_special_tokens=self.init.skip_special_tokens)
 
     def add(self, ids: list[int]) -> None:
@@ -49,8 +77,11 @@ class DecodeState:
         # A match must end in the part not yet searched (earlier ones were found then).
         start = max(0, self.searched - self.max_stop + 1)
         self.searched = len(self.text)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, i + len(s)) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        begin, self.stop_end = min(hits)
+        return begin
 
     def finalize(self) -> None:
         """The request ended: decode everything, including a trailing partial character."""

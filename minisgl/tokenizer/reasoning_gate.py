@@ -12,7 +12,7 @@ def reasoning_gate(tok: Any, parser: str, prompt: str, sampling: dict[str, Any])
     """Sets sampling["grammar_after_token"] to the block's closing token when the request has a
     grammar and its prompt leaves room for a reasoning block (Qwen3 with enable_thinking=False
     renders an empty, closed block: then the grammar starts at once). Returns whether the prompt
-    itself opened the block (the output starts inside it)."""
+    itself opened the block (the output starts inside it). `prompt` may be the prompt's end only."""
     if any(sampling.get(f) for f in GRAMMAR_FIELDS) and not prompt_closes_reasoning(prompt, parser):
         close = REASONING_PARSERS[parser][1]
         ids = tok(close, add_special_tokens=False).input_ids

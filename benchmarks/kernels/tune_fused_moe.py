@@ -1,0 +1,130 @@
+"""Tile configs of the fused MoE GEMMs for this GPU: for each shape and token count M, every
+BLOCK_M that suits M, and every candidate tile of the up (gate_up + SiLU-and-mul) and down GEMMs,
+time it (CUDA-graph replays over rotated routings, _bench.py), keep the fastest up + down pair,
+and write them under this GPU's name into the JSON that kernels/fused_moe_config.py reads.
+
+    python benchmarks/kernels/tune_fused_moe.py [--shapes ...] [--tp 1 2] [--m 1 64 ...] [--out PATH]
+
+--out defaults to the repository's kernels/fused_moe_configs.json (entries of other GPUs and
+shapes are kept); it is rewritten after each shape, so a cut-short run keeps what it finished.
+Until the package is reinstalled, MINISGL_FUSED_MOE_CONFIGS=PATH makes the runtime use the file
+(benchmarks/kernels/fused_moe.py reads the repository's file by default). Compiles dominate the
+first shape's time; they are shared by the others (the row counts are not specialized on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from _bench import num_sets, print_table, time_calls
+from _moe_cases import M_LIST, REPO_CONFIGS, SHAPES, expert_bytes, make_case, make_weights
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+
+from minisgl.kernels import fused_moe as G
+from minisgl.kernels import moe_align
+from minisgl.kernels.fused_moe_config import GemmTile, MoeTileConfig, default_config, shape_key
+
+SMEM_BYTES = 220 * 1024  # per-block shared memory the pipelined tiles may use (H100: 227 KB)
+SAFE_TILE = GemmTile(64, 64)  # fills the intermediate the down GEMM candidates read
+
+
+def block_ms(m: int, top_k: int, e: int) -> list[int]:
+    """BLOCK_M up to twice the mean rows per expert: a larger block is mostly padding."""
+    per_expert = m * top_k / e
+    return [b for b in (16, 32, 64, 128) if b == 16 or b <= 2 * per_expert]
+
+
+def tiles(block_m: int, gated: bool) -> list[GemmTile]:
+    if block_m == 16:  # weight streaming: narrow N tiles for more programs, deep K
+        grid = [(n, k, 4, s) for n in (16, 32, 64, 128) for k in (128, 256) for s in (3, 4)]
+    elif block_m == 32:
+        grid = [(n, k, 4, s) for n in (32, 64, 128) for k in (64, 128) for s in (3, 4)]
+    else:
+        grid = [(n, k, w, s) for n in (64, 128, 256) for k in (64, 128) for w in (4, 8) for s in (3, 4)]
+    b_rows = 2 if gated else 1
+    out = []
+    for n, k, w, s in grid:
+        smem = s * (block_m * k + b_rows * k * n) * 2
+        regs = block_m * n * b_rows // (32 * w)  # fp32 accumulators per thread
+        if smem <= SMEM_BYTES and regs <= 128:
+            out.append(GemmTile(n, k, 1 if block_m <= 32 else 8, w, s))
+    return out
+
+
+def time_gemm(fns: list, reps: int = 10) -> float:
+    try:
+        return time_calls(fns, reps=reps)
+    except (OutOfResources, CompilationError, RuntimeError) as e:  # a tile this GPU cannot hold
+        print(f"  skipped a tile: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        return float("inf")
+
+
+def tune_m(w13: torch.Tensor, w2: torch.Tensor, e: int, k: int, h: int, m: int) -> tuple[MoeTileConfig, float, float]:
+    """(best config, its up + down time, the default config's) for M tokens, in us."""
+    inter = w2.shape[2]
+    probe = make_case(e, k, h, m, 0)
+    sets = num_sets(probe.hit * expert_bytes(h, inter))
+    cases = [probe] + [make_case(e, k, h, m, s) for s in range(1, sets)]
+
+    def measure(block_m: int, ups: list[GemmTile], downs: list[GemmTile]) -> tuple[GemmTile, float, GemmTile, float]:
+        aligned = [moe_align.align(c.ids, e, block_m) for c in cases]
+        inters = [G.up_gemm(c.x, w13, *a, k, block_m, SAFE_TILE) for c, a in zip(cases, aligned)]
+        up_us = {t: time_gemm([lambda c=c, a=a, t=t: G.up_gemm(c.x, w13, *a, k, block_m, t)
+                               for c, a in zip(cases, aligned)]) for t in ups}
+        down_us = {t: time_gemm([lambda c=c, a=a, x=x, t=t: G.down_gemm(x, w2, c.weights, *a, block_m, t)
+                                 for c, a, x in zip(cases, aligned, inters)]) for t in downs}
+        up, down = min(up_us, key=up_us.get), min(down_us, key=down_us.get)
+        return up, up_us[up], down, down_us[down]
+
+    d = default_config(e, k, m, torch.bfloat16)
+    _, t_up, _, t_down = measure(d.block_m, [d.up], [d.down])
+    default_us = t_up + t_down
+    best, best_us = d, default_us
+    for block_m in block_ms(m, k, e):
+        up, t_up, down, t_down = measure(block_m, tiles(block_m, True), tiles(block_m, False))
+        if t_up + t_down < best_us:
+            best, best_us = MoeTileConfig(block_m, up, down), t_up + t_down
+    return best, best_us, default_us
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--tp", nargs="+", type=int, default=[1], help="tensor-parallel sizes (I / tp per rank)")
+    ap.add_argument("--m", nargs="+", type=int, default=M_LIST)
+    ap.add_argument("--out", type=Path, default=REPO_CONFIGS)
+    args = ap.parse_args()
+    device = torch.cuda.get_device_name()
+    table = json.loads(args.out.read_text()) if args.out.exists() else {}
+    start = time.perf_counter()
+    for name in args.shapes:
+        for tp in args.tp:
+            e, k, h, i = SHAPES[name]
+            w13, w2 = make_weights(e, h, i // tp)
+            entry = table.setdefault(device, {}).setdefault(shape_key(e, k, i // tp, h, torch.bfloat16), {})
+            rows = []
+            for m in args.m:
+                cfg, us, default_us = tune_m(w13, w2, e, k, h, m)
+                entry[str(m)] = cfg.to_dict()
+                rows.append([str(m), str(cfg.block_m), _fmt(cfg.up), _fmt(cfg.down), f"{us:.1f}", f"{default_us:.1f}",
+                             f"{default_us / us:.2f}x", f"{time.perf_counter() - start:.0f}"])
+            args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+            print_table(f"{name} TP={tp} (E={e}, top-{k}, H={h}, I/tp={i // tp}) on {device}: up + down GEMM "
+                        "time, tuned vs default tiles", ["M", "BLOCK_M", "up tile", "down tile", "tuned us",
+                                                         "default us", "gain", "elapsed s"], rows)
+            del w13, w2
+            torch.cuda.empty_cache()
+    print(f"wrote {args.out}")
+
+
+def _fmt(t: GemmTile) -> str:
+    return f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} g{t.group_m}"
+
+
+if __name__ == "__main__":
+    main()

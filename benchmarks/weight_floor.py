@@ -1,0 +1,47 @@
+"""Bytes of weights one decode step must read, for the bandwidth floors of profile_decode_step.py
+and offline.py: every dense weight once; of the input embedding only the B rows looked up
+(unless tied: then the LM head reads it all); of each MoE layer only the experts hit, which is
+exactly top_k at batch 1 and E * (1 - (1 - top_k / E) ** B) expected at batch B when tokens
+route uniformly (random dummy weights do, about)."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def expected_experts_hit(num_experts: int, top_k: int, batch: float) -> float:
+    if batch <= 1:
+        return float(top_k) if batch == 1 else 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def decode_weight_bytes(model: torch.nn.Module, batch: float) -> float:
+    """This rank's weight bytes read by a decode step of `batch` tokens."""
+    cfg = model.cfg
+    total = 0.0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if name.endswith((".experts.w13", ".experts.w2")):
+            total += size / cfg.moe.num_experts * expected_experts_hit(cfg.moe.num_experts, cfg.moe.top_k, batch)
+        elif name == "model.embed_tokens.weight" and not cfg.tie_word_embeddings:
+            total += min(batch, p.shape[0]) * p[0].numel() * p.element_size()
+        else:
+            total += size
+    return total
+
+
+def read_bandwidth(device: torch.device, reps: int = 10) -> float:
+    """Bytes/s of a 1 GiB fp32 sum on `device` (the read ceiling, measured now)."""
+    src = torch.ones(1 << 28, dtype=torch.float32, device=device)
+    src.sum()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        src.sum()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return src.numel() * 4 / statistics.median(times)

@@ -1,0 +1,371 @@
+// Skinny GEMM: y[M, N] = x[M, K] W[N, K]^T (+ bias) for M <= 32 activation rows, the shape
+// of a low-batch decode step, where the op is a single read of W and nothing else matters.
+// Framework-free.
+//
+// Shapes: x [M, K] (row stride free), W [N_w, K] (row stride free), y [M, N_out] (row
+// stride free), bias [N_w] or null. fp16/bf16 in and out, fp32 accumulation. K % 8 == 0 and
+// every base/row stride 16-byte aligned (the host checks; 16-byte vector loads need it).
+//
+// Tensor cores on a transposed problem: y^T = W x^T, so W rows are the MMA's M side (16
+// rows per m16n8k16 tile) and x rows its N side (8 per tile; MT = ceil(M / 8) tiles, padding
+// rows predicated off: they read nothing and hold zeros). K is a reduction, so it may be
+// permuted freely as long as W and x use the same permutation: thread t of a quad loads 8
+// contiguous elements [8t, 8t + 8) of a 32-element chunk with one 16-byte load, and feeds
+// them to two MMAs as the fragment's k pairs {2t, 2t+1, 2t+8, 2t+9}. So W goes global ->
+// registers -> tensor core with no shared memory and no shuffles, and the CUDA cores only
+// issue loads. (On CUDA cores M = 16 would need ~50 fp32 TFLOP/s at the read ceiling.)
+//
+// Work split: block (tile, split) computes RT row tiles (16 W rows each) over one K range;
+// its warps interleave over that range in groups of U chunks (U * 32 contiguous elements
+// of every row per group), with the next group's RT * 2 * U 16-byte W loads (+ MT * U of x)
+// in flight per thread while the current group's MMAs run. Warps reduce
+// in shared memory; with num_splits > 1 blocks of one tile meet through an fp32 workspace
+// and a counter, and the last to arrive sums the splits in split order (deterministic) and
+// runs the epilogue, then resets its counter (so the counters stay zero between launches
+// and a captured CUDA graph may replay freely).
+//
+// SiLU mode (gate_up -> silu(gate) * up): W is [2 * inter, K] = (gate | up). Row tile r's
+// rows 0-7 are gate rows 8r..8r+7 and rows 8-15 the matching up rows inter + 8r..; the MMA
+// puts gate row g and up row g of the same x row in one thread (accumulators c0/c2, c1/c3),
+// so the epilogue writes silu(gate) * up = y [M, inter] with no exchange.
+//
+// No residual-add epilogue: in the model the add is already fused into the next RMSNorm
+// (fused_add_rmsnorm reads both anyway), and with TP o/down's output is all-reduced before it.
+//
+// Memory traffic: W once (N_w * K * 2 bytes), x once per block from L2/L1, y written once;
+// with splits, 2 * tiles * splits * RT * MT * 512 bytes of fp32 partials through L2.
+//
+// Extension point (weight-only FP8, not built): a weight type whose 16-byte load carries 16
+// e4m3 values would convert them to two chunks' fragments in load_group/mma_group, fold a
+// per-output-channel scale into the epilogue, and with 128 x 128 block scales take U * 32 ==
+// 128 so that each warp group is one scale block (scale the group's MMA sum, then add).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace minisgl {
+namespace skinny {
+
+constexpr int kMaxWarps = 8;
+constexpr int kChunk = 32;  // K elements per MMA pair (4 threads x 8 elements)
+
+struct Params {
+  const void* x;
+  const void* w;
+  const void* bias;  // [N_w] or null
+  void* y;
+  float* workspace;  // [tiles, num_splits, RT * MT * 2 * 32] float2, only when num_splits > 1
+  int* counters;     // [tiles], zero between launches, only when num_splits > 1
+  int64_t x_stride;  // elements between rows
+  int64_t w_stride;
+  int64_t y_stride;
+  int m;      // x rows (1..32)
+  int n;      // output columns: N_w, or inter in SiLU mode
+  int k;
+  int silu;   // 1: SiLU-and-mul epilogue over (gate | up) rows, W has 2 * n rows
+  int k_split;     // K elements per split (a multiple of 8)
+  int num_splits;
+};
+
+__device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
+
+// Streamed once: skip L1 allocation (it would only evict x).
+__device__ __forceinline__ uint4 load_w(const void* ptr, bool pred) {
+  uint4 v = zero4();
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+      " @p ld.global.nc.L1::no_allocate.v4.b32 {%0, %1, %2, %3}, [%4];\n}\n"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+      : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+// x is re-read by every block: keep it in L1.
+__device__ __forceinline__ uint4 load_x(const void* ptr, bool pred) {
+  uint4 v = zero4();
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
+      " @p ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n}\n"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+      : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+__device__ __forceinline__ float2 load_f2_l2(const float2* ptr) {
+  float2 v;
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(ptr));
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                 uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// One warp group's registers: U chunks of RT row tiles (lo rows g, hi rows g + 8) and MT x tiles.
+template <int MT, int RT, int U>
+struct Group {
+  uint4 lo[RT][U], hi[RT][U], x[MT][U];
+};
+
+// W and x rows of this thread, fixed for the whole K loop.
+template <typename T, int MT, int RT>
+struct Rows {
+  const T* lo[RT];
+  const T* hi[RT];
+  bool lo_ok[RT], hi_ok[RT];
+  const T* x[MT];
+  bool x_ok[MT];
+};
+
+// k_end and the offsets are multiples of 8: a thread's 8-element piece is all in or all out.
+template <typename T, int MT, int RT, int U>
+__device__ __forceinline__ void load_group_w(Group<MT, RT, U>& grp, const Rows<T, MT, RT>& rows, int k0, int k_end,
+                                             int quad) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int kk = k0 + u * kChunk + 8 * quad;
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      grp.lo[r][u] = load_w(rows.lo[r] + kk, kk < k_end && rows.lo_ok[r]);
+      grp.hi[r][u] = load_w(rows.hi[r] + kk, kk < k_end && rows.hi_ok[r]);
+    }
+  }
+}
+
+template <typename T, int MT, int RT, int U>
+__device__ __forceinline__ void load_group_x(Group<MT, RT, U>& grp, const Rows<T, MT, RT>& rows, int k0, int k_end,
+                                             int quad) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int kk = k0 + u * kChunk + 8 * quad;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) grp.x[t][u] = load_x(rows.x[t] + kk, kk < k_end && rows.x_ok[t]);
+  }
+}
+
+template <typename T, int MT, int RT, int U>
+__device__ __forceinline__ void load_group(Group<MT, RT, U>& grp, const Rows<T, MT, RT>& rows, int k0, int k_end,
+                                           int quad) {
+  load_group_w<T, MT, RT, U>(grp, rows, k0, k_end, quad);
+  load_group_x<T, MT, RT, U>(grp, rows, k0, k_end, quad);
+}
+
+template <typename T, int MT, int RT, int U>
+__device__ __forceinline__ void mma_group(float (&acc)[RT][MT][4], const Group<MT, RT, U>& grp) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const uint4 a = grp.lo[r][u], b = grp.hi[r][u];
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        const uint4 xv = grp.x[t][u];
+        mma16816<T>(acc[r][t], a.x, b.x, a.y, b.y, xv.x, xv.y);  // elements 8q + 0..3
+        mma16816<T>(acc[r][t], a.z, b.z, a.w, b.w, xv.z, xv.w);  // elements 8q + 4..7
+      }
+    }
+  }
+}
+
+// Accumulator pair `item` of a block tile: (row tile r, x tile t, q) holds rows (g, g + 8) of
+// the row tile at x row 8t + 2 * quad + q, i.e. accumulators c[q] and c[q + 2].
+template <int MT, int RT>
+struct Tile {
+  static constexpr int kPairs = RT * MT * 2;  // accumulator pairs per thread
+  static constexpr int kItems = kPairs * 32;  // per warp (and per block after the reduction)
+};
+
+template <typename T>
+__device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r, int t, int q, int lane, float lo,
+                                           float hi) {
+  const int g = lane >> 2, quad = lane & 3;
+  const int m = 8 * t + 2 * quad + q;
+  if (m >= p.m) return;
+  T* y = static_cast<T*>(p.y) + static_cast<int64_t>(m) * p.y_stride;
+  const T* bias = static_cast<const T*>(p.bias);
+  if (p.silu) {
+    const int j = tile_row0 + 8 * r + g;  // output column; gate row j, up row n + j
+    if (j >= p.n) return;
+    if (bias != nullptr) {
+      lo += to_float(bias[j]);
+      hi += to_float(bias[p.n + j]);
+    }
+    y[j] = from_float<T>(lo / (1.0f + __expf(-lo)) * hi);
+    return;
+  }
+  const int row = tile_row0 + 16 * r + g;
+  if (row < p.n) y[row] = from_float<T>(lo + (bias != nullptr ? to_float(bias[row]) : 0.0f));
+  if (row + 8 < p.n) y[row + 8] = from_float<T>(hi + (bias != nullptr ? to_float(bias[row + 8]) : 0.0f));
+}
+
+template <typename T, int MT, int RT, int U>
+__global__ void __launch_bounds__(kMaxWarps * 32) skinny_gemm_kernel(const Params p) {
+  using Tl = Tile<MT, RT>;
+  extern __shared__ float red[];  // [warps][kPairs * 2][32]: the warps' accumulators
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int g = lane >> 2, quad = lane & 3;
+  const int tile = blockIdx.x, split = blockIdx.y;
+  // First output column of the tile: 16 W rows per row tile, or 8 (gate, up) pairs in SiLU mode.
+  const int tile_row0 = tile * RT * (p.silu ? 8 : 16);
+
+  Rows<T, MT, RT> rows;
+  const T* w = static_cast<const T*>(p.w);
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    int lo, hi;
+    if (p.silu) {
+      lo = tile_row0 + 8 * r + g;
+      hi = p.n + lo;
+      rows.lo_ok[r] = rows.hi_ok[r] = lo < p.n;
+    } else {
+      lo = tile_row0 + 16 * r + g;
+      hi = lo + 8;
+      rows.lo_ok[r] = lo < p.n;
+      rows.hi_ok[r] = hi < p.n;
+    }
+    // Rows past the end keep an in-bounds address (row 0): their loads are predicated off.
+    rows.lo[r] = w + static_cast<int64_t>(rows.lo_ok[r] ? lo : 0) * p.w_stride;
+    rows.hi[r] = w + static_cast<int64_t>(rows.hi_ok[r] ? hi : 0) * p.w_stride;
+  }
+  const T* x = static_cast<const T*>(p.x);
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    const int m = 8 * t + g;
+    rows.x_ok[t] = m < p.m;
+    rows.x[t] = x + static_cast<int64_t>(rows.x_ok[t] ? m : 0) * p.x_stride;
+  }
+
+  float acc[RT][MT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][t][i] = 0.0f;
+
+  const int k_begin = split * p.k_split;
+  const int k_end = min(p.k, k_begin + p.k_split);
+  constexpr int kGroup = U * kChunk;
+  const int stride = warps * kGroup;
+  int k0 = k_begin + warp * kGroup;
+  // Programmatic dependent launch (sm_90, when the launch asks for it): the previous kernel
+  // on the stream may still be running here. W is never written during inference, so the
+  // first group of W is loaded before griddepcontrol.wait; x, and every global write (y, the
+  // workspace, the counters), only after it. And this grid lets the next one launch as its
+  // blocks retire. Without the launch attribute both instructions are no-ops.
+  const bool has_work = k0 < k_end;
+  Group<MT, RT, U> cur, nxt;
+  if (has_work) load_group_w<T, MT, RT, U>(cur, rows, k0, k_end, quad);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  // Software pipeline: the next group's loads are issued before this group's MMAs, so a
+  // thread always has a whole group in flight. (Without it, ptxas moved each load down to
+  // its MMA: 3 loads in flight per thread instead of RT * 2 * U + MT * U.)
+  if (has_work) {
+    load_group_x<T, MT, RT, U>(cur, rows, k0, k_end, quad);
+    for (; k0 + stride < k_end; k0 += stride) {
+      load_group<T, MT, RT, U>(nxt, rows, k0 + stride, k_end, quad);
+      mma_group<T, MT, RT, U>(acc, cur);
+      cur = nxt;
+    }
+    mma_group<T, MT, RT, U>(acc, cur);
+  }
+
+  // Warp reduction in shared memory, laid out [warp][accumulator][lane] (conflict-free).
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[((warp * RT + r) * MT + t) * 128 + i * 32 + lane] = acc[r][t][i];
+  __syncthreads();
+
+  // Block thread `it` owns accumulator pairs it, it + blockDim.x, ... of the tile (lane = it % 32).
+  float2* part = nullptr;
+  if (p.num_splits > 1) {
+    part = reinterpret_cast<float2*>(p.workspace) +
+           (static_cast<int64_t>(tile) * p.num_splits + split) * Tl::kItems;
+  }
+  for (int it = threadIdx.x; it < Tl::kItems; it += blockDim.x) {
+    const int ln = it & 31, pair = it >> 5;  // pair = (r * MT + t) * 2 + q
+    const int rtm = pair >> 1, q = pair & 1;  // rtm = r * MT + t
+    float lo = 0.0f, hi = 0.0f;
+    for (int wi = 0; wi < warps; ++wi) {  // fixed order: deterministic
+      lo += red[(wi * RT * MT + rtm) * 128 + q * 32 + ln];
+      hi += red[(wi * RT * MT + rtm) * 128 + (q + 2) * 32 + ln];
+    }
+    if (part != nullptr) {
+      part[it] = make_float2(lo, hi);
+    } else {
+      store_pair<T>(p, tile_row0, rtm / MT, rtm % MT, q, ln, lo, hi);
+    }
+  }
+  if (part == nullptr) return;
+
+  // Split-K: the last block of this tile to arrive sums every split's partials.
+  __shared__ int is_last;
+  __threadfence();  // this block's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int arrived = atomicAdd(p.counters + tile, 1);
+    is_last = arrived == p.num_splits - 1;
+    if (is_last) p.counters[tile] = 0;  // every split has arrived: reset for the next launch
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const float2* all = reinterpret_cast<const float2*>(p.workspace) +
+                      static_cast<int64_t>(tile) * p.num_splits * Tl::kItems;
+  for (int it = threadIdx.x; it < Tl::kItems; it += blockDim.x) {
+    float lo = 0.0f, hi = 0.0f;
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float2 v = load_f2_l2(all + static_cast<int64_t>(s) * Tl::kItems + it);  // L2: other SMs wrote it
+      lo += v.x;
+      hi += v.y;
+    }
+    const int pair = it >> 5, rtm = pair >> 1;
+    store_pair<T>(p, tile_row0, rtm / MT, rtm % MT, pair & 1, it & 31, lo, hi);
+  }
+}
+
+}  // namespace skinny
+}  // namespace minisgl

@@ -1,0 +1,172 @@
+"""Fused MoE expert GEMMs (Triton) beside the grouped torch reference.
+
+Weights, stacked per expert (this rank's TP shard of the intermediate dim I):
+  w13 [E, 2I, H] rows (gate | up);  w2 [E, H, I].
+For the N = T * top_k assignments a = t * top_k + j, grouped by expert into BLOCK_M-row blocks
+(moe_align.py):
+  1. up:   inter[a] = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)  -- both products in one program,
+           the SiLU-and-mul in its epilogue; inter is [N, I] in x's dtype.
+  2. down: y[a] = weight[a] * (inter[a] @ w2_e^T)             -- the router weight in the epilogue.
+  3. sum:  out[t] = sum_j y[t * top_k + j] (+ sigmoid(shared_gate[t]) * shared[t]), fp32, one rounding.
+Products accumulate in fp32 (fp32 inputs: exact "ieee" dots). Each program owns a BLOCK_M x
+BLOCK_N output tile of one expert; blocks whose expert is -1 (past the routed rows) exit at once.
+Traffic at small T: the hit experts' weights, read once; at large T, tensor-core bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.fused_moe_config import GemmTile
+
+
+# The row counts vary with every batch size: not specializing on them keeps one compile per tile.
+@triton.jit(do_not_specialize=["num_valid", "num_blocks"])
+def _moe_gemm_kernel(
+    A, W, C, TopkWeights, SortedIds, ExpertIds,
+    num_valid, N, K, num_blocks,
+    stride_am, stride_we, stride_wn, stride_wk, stride_cm,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # Grouped order: GROUP_M consecutive row blocks (mostly one expert) sweep the N tiles
+    # together, so an expert's weight tiles are reused from L2 at large T.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = min(num_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    expert = tl.load(ExpertIds + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    sid = tl.load(SortedIds + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = sid < num_valid
+    a_rows = (sid // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + a_rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = W + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        if GATED:  # the up rows sit N rows below the gate rows
+            if EVEN_K:
+                u = tl.load(w_ptrs + N * stride_wn, mask=n_ok[None, :], other=0.0)
+            else:
+                u = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(TopkWeights + sid, mask=row_ok, other=0.0)[:, None]
+    c_ptrs = C + sid.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(Y, Out, Shared, SharedGate, H, stride_sg, TOP_K: tl.constexpr,
+                    HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(Y + (t * TOP_K + j) * H + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_SHARED:
+        g = tl.load(SharedGate + t * stride_sg).to(tl.float32)
+        acc += tl.load(Shared + t * H + offs, mask=ok, other=0.0).to(tl.float32) / (1.0 + tl.exp(-g))
+    tl.store(Out + t * H + offs, acc.to(Out.dtype.element_ty), mask=ok)
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
+          sorted_ids: torch.Tensor, expert_ids: torch.Tensor, n_out: int, a_row_div: int, gated: bool,
+          block_m: int, tile: GemmTile) -> None:
+    k = w.shape[2]
+    blocks = expert_ids.numel()
+    grid = (blocks * triton.cdiv(n_out, tile.block_n),)
+    _moe_gemm_kernel[grid](
+        a, w, c, topk_weights, sorted_ids, expert_ids, c.shape[0], n_out, k, blocks,
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
+        A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+        EVEN_K=k % tile.block_k == 0, DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+
+
+def up_gemm(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+            top_k: int, block_m: int, tile: GemmTile) -> torch.Tensor:
+    """Step 1: x [T, H] -> inter [T * top_k, I]."""
+    inter = torch.empty(x.shape[0] * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, inter, inter, sorted_ids, expert_ids, inter.shape[1], top_k, True, block_m, tile)
+    return inter
+
+
+def down_gemm(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
+              expert_ids: torch.Tensor, block_m: int, tile: GemmTile) -> torch.Tensor:
+    """Step 2: inter [N, I] -> router-weighted y [N, H]."""
+    y = torch.empty(inter.shape[0], w2.shape[1], dtype=inter.dtype, device=inter.device)
+    _gemm(inter, w2, y, topk_weights, sorted_ids, expert_ids, y.shape[1], 1, False, block_m, tile)
+    return y
+
+
+def moe_sum(y: torch.Tensor, top_k: int, shared: torch.Tensor | None = None,
+            shared_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 3: y [T * top_k, H] -> out [T, H] (+ sigmoid(shared_gate [T, 1]) * shared [T, H])."""
+    t, h = y.shape[0] // top_k, y.shape[1]
+    out = torch.empty(t, h, dtype=y.dtype, device=y.device)
+    if t == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(h))
+    has_shared = shared is not None
+    _moe_sum_kernel[(t, triton.cdiv(h, block))](
+        y, out, shared if has_shared else y, shared_gate if has_shared else y,
+        h, shared_gate.stride(0) if has_shared else 0, TOP_K=top_k, HAS_SHARED=has_shared, BLOCK_H=block,
+        num_warps=4,
+    )
+    return out
+
+
+def fused_experts_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grouped torch reference in x's dtype (transformers' expert loop): per expert hit, its
+    tokens' rows through gate_up, SiLU-and-mul, down, times the router weight, summed in fp32.
+    Reads the routing on the host (a reference, not a graph-capturable path)."""
+    t, top_k = topk_ids.shape
+    inter = w2.shape[2]
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        rows = order[start : start + c]
+        start += c
+        tok = rows // top_k
+        gate_up = x[tok] @ w13[e].t()
+        act = (torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
+        y = (act @ w2[e].t()).float() * topk_weights.reshape(-1)[rows, None].float()
+        out.index_add_(0, tok, y.to(x.dtype).float())
+    if shared is not None:
+        out += torch.sigmoid(shared_gate.float()) * shared.float()
+    return out.to(x.dtype)

@@ -1,0 +1,101 @@
+"""Tile configs of the fused MoE GEMMs: tuned ones from fused_moe_configs.json, else a default.
+
+The JSON (written by benchmarks/kernels/tune_fused_moe.py on the GPU it describes) maps
+  device name -> "E=..,top_k=..,I=..,H=..,dtype=.." -> M (tokens) -> config
+where I is the per-rank expert intermediate size and a config is
+  {"block_m": .., "up": {block_n, block_k, group_m, num_warps, num_stages}, "down": {...}}.
+A lookup rounds T up to a power of two and takes the smallest tuned M at or above it (the
+largest tuned M past all of them). The rounding is the invariant CUDA graphs need: a decode
+batch padded to its graph size (the smallest of 1, 2, 4, 8 and multiples of 16 that holds it)
+rounds to the same power of two as the batch itself, so eager and graphed steps run the same
+tiles and give bitwise the same rows. BLOCK_M is shared by both GEMMs: they read the same
+alignment. use_config_file() points the
+lookups at another JSON (a fresh tuning run, before it is committed and installed).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_FILE = Path(__file__).with_name("fused_moe_configs.json")
+_config_file = CONFIG_FILE
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeTileConfig:
+    block_m: int
+    up: GemmTile
+    down: GemmTile
+
+    def to_dict(self) -> dict:
+        return {"block_m": self.block_m, "up": asdict(self.up), "down": asdict(self.down)}
+
+    @staticmethod
+    def from_dict(d: dict) -> MoeTileConfig:
+        return MoeTileConfig(int(d["block_m"]), GemmTile(**d["up"]), GemmTile(**d["down"]))
+
+
+def shape_key(num_experts: int, top_k: int, inter: int, hidden: int, dtype: torch.dtype) -> str:
+    return f"E={num_experts},top_k={top_k},I={inter},H={hidden},dtype={str(dtype).removeprefix('torch.')}"
+
+
+@functools.cache
+def load_configs(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def use_config_file(path: Path) -> None:
+    global _config_file
+    if not path.exists():
+        raise ValueError(f"fused MoE config file {path} does not exist")
+    _config_file = path
+
+
+def token_bucket(num_tokens: int) -> int:
+    return 1 << max(0, num_tokens - 1).bit_length()
+
+
+def default_config(num_experts: int, top_k: int, num_tokens: int, dtype: torch.dtype) -> MoeTileConfig:
+    """Untuned: BLOCK_M near the mean rows per expert; narrow N tiles while few rows (more
+    programs to stream the weights), wide ones when the GEMMs are compute-bound. Shared memory
+    stays under ~100 KB (any sm_80+ GPU)."""
+    if dtype == torch.float32:  # ieee dots run on the FMA units: small tiles
+        return MoeTileConfig(16, GemmTile(32, 32), GemmTile(32, 32))
+    per_expert = token_bucket(num_tokens) * top_k / num_experts
+    if per_expert <= 16:
+        return MoeTileConfig(16, GemmTile(32, 128, 1, 4, 4), GemmTile(64, 128, 1, 4, 4))
+    if per_expert <= 64:
+        return MoeTileConfig(32, GemmTile(64, 64, 1, 4, 4), GemmTile(64, 64, 1, 4, 4))
+    return MoeTileConfig(64, GemmTile(64, 64, 8, 4, 4), GemmTile(128, 64, 8, 4, 3))
+
+
+def is_tuned(num_experts: int, top_k: int, inter: int, hidden: int, dtype: torch.dtype, device_name: str | None
+             ) -> bool:
+    return shape_key(num_experts, top_k, inter, hidden, dtype) in load_configs(_config_file).get(device_name or "", {})
+
+
+def get_config(num_experts: int, top_k: int, inter: int, hidden: int, num_tokens: int, dtype: torch.dtype,
+               device_name: str | None) -> MoeTileConfig:
+    key = shape_key(num_experts, top_k, inter, hidden, dtype)
+    table = load_configs(_config_file).get(device_name or "", {}).get(key)
+    if not table:
+        return default_config(num_experts, top_k, num_tokens, dtype)
+    sizes = sorted(int(m) for m in table)
+    bucket = token_bucket(num_tokens)
+    return MoeTileConfig.from_dict(table[str(next((m for m in sizes if m >= bucket), sizes[-1]))])

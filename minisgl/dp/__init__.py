@@ -1,0 +1,1 @@
+"""Data parallelism: several replicas of the model behind one server (or one offline LLM)."""

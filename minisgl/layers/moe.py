@@ -1,0 +1,108 @@
+"""The sparse MLP block of MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral): a router, the routed
+experts stacked into two tensors for the fused kernels, and Qwen2-MoE's shared expert.
+
+Tensor parallelism shards every expert's intermediate dimension (as the dense MLP's): each
+rank holds all E experts' slices, computes a partial sum of the block's output, and one
+all-reduce finishes the block (routed and shared experts together). The router is replicated,
+so every rank routes alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl import ops
+from minisgl.distributed.info import Communicator, TPInfo
+from minisgl.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _check_shape
+from minisgl.models.config import ModelConfig
+
+
+class ReplicatedLinear(nn.Module):
+    """A small projection every rank holds whole: the router [E, H], the shared-expert gate [1, H]."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedExperts(nn.Module):
+    """All routed experts, stacked: w13 [E, 2 * I/tp, H] holds each expert's (gate | up) rows of
+    this rank's shard, w2 [E, H, I/tp] its down-projection columns."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPInfo) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.start, self.local = tp.shard(inter, "the expert intermediate size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+
+    def _rows(self, proj: str) -> slice:
+        return slice(0, self.local) if proj == "gate_proj" else slice(self.local, 2 * self.local)
+
+    def load_expert(self, name: str, expert: int, proj: str, full: torch.Tensor) -> None:
+        """One expert's checkpoint tensor: gate_proj / up_proj [I, H] or down_proj [H, I]."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"tensor {name}: expert {expert} is outside [0, {self.num_experts})")
+        shard = slice(self.start, self.start + self.local)
+        if proj == "down_proj":
+            _check_shape(name, full.shape, (self.hidden, self.inter))
+            self.w2.data[expert].copy_(full[:, shard])
+        else:
+            _check_shape(name, full.shape, (self.inter, self.hidden))
+            self.w13.data[expert, self._rows(proj)].copy_(full[shard])
+
+    def load_stacked(self, name: str, proj: str, full: torch.Tensor) -> None:
+        """All experts in one tensor (transformers 5's in-memory form): gate_up_proj [E, 2I, H]
+        with rows (gate | up), or down_proj [E, H, I]."""
+        e, i, h = self.num_experts, self.inter, self.hidden
+        shard = slice(self.start, self.start + self.local)
+        if proj == "down_proj":
+            _check_shape(name, full.shape, (e, h, i))
+            self.w2.data.copy_(full[:, :, shard])
+            return
+        _check_shape(name, full.shape, (e, 2 * i, h))
+        self.w13.data[:, : self.local].copy_(full[:, shard])
+        self.w13.data[:, self.local :].copy_(full[:, i + self.start : i + self.start + self.local])
+
+
+class SharedExpert(nn.Module):
+    """A dense gated MLP whose down projection is left unreduced (the block reduces once)."""
+
+    def __init__(self, hidden: int, inter: int, tp: TPInfo, comm: Communicator) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, False, tp, comm, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator) -> None:
+        super().__init__()
+        moe = cfg.moe
+        if moe is None:
+            raise ValueError(f"{cfg.architecture} has no MoE configuration")
+        self.top_k, self.renormalize = moe.top_k, moe.renormalize
+        self.comm = comm
+        self.gate = ReplicatedLinear(cfg.hidden_size, moe.num_experts)
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp)
+        self.has_shared = moe.shared_expert_intermediate_size > 0
+        if self.has_shared:
+            self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_expert_intermediate_size, tp, comm)
+            self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = shared_gate = None
+        if self.has_shared:
+            shared, shared_gate = self.shared_expert(x), self.shared_expert_gate(x)
+        out = ops.fused_moe(
+            x, self.gate(x), self.experts.w13, self.experts.w2, self.top_k, self.renormalize,
+            shared=shared, shared_gate=shared_gate,
+        )
+        return self.comm.all_reduce(out)

@@ -1,0 +1,182 @@
+"""The skinny-GEMM dispatch table: for each (dtype, N, K, SiLU, M) a measured choice between
+cuBLAS and one of our kernel's launch configurations, and its on-disk cache.
+
+Pure logic (no device work here: minisgl.ops.gemm_tuning measures, minisgl.ops.linear looks
+up), so all of it is tested on the CPU. A shape the table does not hold goes to cuBLAS:
+the choice is always a measurement, never a guess.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minisgl.ops.skinny_gemm import MAX_SPLITS, SkinnyConfig
+
+CUBLAS = "cublas"
+# Bump when the kernel or the candidate rules change: cached tables of older kernels are ignored.
+TABLE_VERSION = 1
+# Ours must beat cuBLAS by this fraction to be chosen: repeated timings of one kernel differ
+# by about 1%, and a flip on noise would make the choice unstable from run to run.
+MARGIN = 0.01
+# (tile, warps) pairs timed at engine start, each with the K splits `split_counts` allows.
+# From `benchmarks/kernels/skinny_gemm.py --sweep` (its "candidate set" line).
+CANDIDATE_PAIRS: tuple[tuple[int, int], ...] = ((1, 4), (0, 4), (2, 4), (1, 8))
+SPLITS = (1, 2, 4, 8)
+
+
+@functools.cache
+def _parse(choice: str) -> SkinnyConfig:
+    return SkinnyConfig.parse(choice)
+
+
+@dataclass(frozen=True, order=True)
+class GemmShape:
+    """A linear layer's weight as the kernel sees it: n weight rows (2 x inter with SiLU)."""
+
+    dtype: str  # "bfloat16" / "float16"
+    n: int
+    k: int
+    silu: bool
+
+    def key(self, m: int) -> str:
+        return f"{self.dtype},{self.n},{self.k},{int(self.silu)},{m}"
+
+    @classmethod
+    def parse_key(cls, text: str) -> tuple[GemmShape, int]:
+        try:
+            dtype, n, k, silu, m = text.split(",")
+            return cls(dtype, int(n), int(k), silu == "1"), int(m)
+        except ValueError as e:
+            raise ValueError(f"not a GEMM table key: {text!r} (expected 'dtype,n,k,silu,m')") from e
+
+
+def split_counts(tiles: int, k: int, warps: int, group: int, num_sms: int, splits=SPLITS) -> list[int]:
+    """K split counts worth timing: 1, and each doubling while the blocks before it were fewer
+    than 2 per SM, and every warp still gets at least one group of `group` K elements."""
+    out = []
+    for s in splits:
+        if s == 1 or (s <= MAX_SPLITS and tiles * (s // 2) < 2 * num_sms and -(-k // s) >= warps * group):
+            out.append(s)
+    return out
+
+
+def candidate_configs(
+    m: int,
+    n_out: int,
+    k: int,
+    silu: bool,
+    tile_shapes: tuple[tuple[int, int, int], ...],
+    num_sms: int,
+    pairs: tuple[tuple[int, int], ...] = CANDIDATE_PAIRS,
+) -> list[SkinnyConfig]:
+    """Our configurations timed for one (shape, M): each (tile, warps) pair whose tile takes
+    M rows, with its useful split counts. `tile_shapes` as in skinny_gemm.tile_shapes()."""
+    out = []
+    for tile, warps in pairs:
+        if tile >= len(tile_shapes):
+            continue
+        rt, chunks, max_m = tile_shapes[tile]
+        if m > max_m:
+            continue
+        tiles = -(-n_out // (rt * (8 if silu else 16)))
+        for s in split_counts(tiles, k, warps, chunks * 32, num_sms):
+            out.append(SkinnyConfig(tile, warps, s))
+    return out
+
+
+def choose(times: dict[str, float], margin: float = MARGIN) -> str:
+    """The fastest entry of {choice: microseconds}; ours only if it beats cuBLAS by `margin`."""
+    if not times:
+        raise ValueError("no timings to choose from")
+    best = min(times, key=lambda c: times[c])
+    if best != CUBLAS and CUBLAS in times and times[best] > times[CUBLAS] * (1.0 - margin):
+        return CUBLAS
+    return best
+
+
+@dataclass
+class GemmTable:
+    """Choices by shape and M. `lookup` takes the smallest measured M >= the asked M (a CUDA
+    graph of batch size b runs M = b; eager batches between ladder sizes round up)."""
+
+    choices: dict[GemmShape, dict[int, str]] = field(default_factory=dict)
+
+    def set(self, shape: GemmShape, m: int, choice: str) -> None:
+        if choice != CUBLAS:
+            _parse(choice)  # a malformed choice fails here, not at a launch
+        self.choices.setdefault(shape, {})[m] = choice
+
+    def lookup(self, shape: GemmShape, m: int) -> SkinnyConfig | None:
+        """Our config for (shape, M), or None for cuBLAS (also when nothing was measured)."""
+        by_m = self.choices.get(shape)
+        if not by_m:
+            return None
+        ms = sorted(by_m)
+        i = bisect.bisect_left(ms, m)
+        if i == len(ms):
+            return None
+        choice = by_m[ms[i]]
+        return None if choice == CUBLAS else _parse(choice)
+
+    def has(self, shape: GemmShape, m: int) -> bool:
+        return m in self.choices.get(shape, {})
+
+    def to_dict(self) -> dict[str, str]:
+        return {shape.key(m): c for shape, by_m in sorted(self.choices.items()) for m, c in sorted(by_m.items())}
+
+    @classmethod
+    def from_dict(cls, entries: dict[str, str]) -> GemmTable:
+        table = cls()
+        for key, choice in entries.items():
+            shape, m = GemmShape.parse_key(key)
+            table.set(shape, m, choice)
+        return table
+
+    def merge(self, other: GemmTable) -> None:
+        for shape, by_m in other.choices.items():
+            for m, c in by_m.items():
+                self.set(shape, m, c)
+
+
+def load_cache(path: Path, device_key: str) -> GemmTable:
+    """The cached table of `device_key` (empty if the file or the key is missing, or the file
+    is not a table of this TABLE_VERSION)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return GemmTable()
+    if not isinstance(data, dict) or data.get("version") != TABLE_VERSION:
+        return GemmTable()
+    entries = data.get("devices", {}).get(device_key)
+    if not isinstance(entries, dict):
+        return GemmTable()
+    try:
+        return GemmTable.from_dict(entries)
+    except ValueError:
+        return GemmTable()
+
+
+def save_cache(path: Path, device_key: str, table: GemmTable) -> None:
+    """Merges `table` into the file's entry for `device_key`, written atomically (a temporary
+    file, then rename): TP ranks that tune at once each leave a whole, valid file."""
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or data.get("version") != TABLE_VERSION:
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    devices = data.get("devices", {}) if isinstance(data.get("devices"), dict) else {}
+    merged = load_cache(path, device_key)
+    merged.merge(table)
+    devices[device_key] = merged.to_dict()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"version": TABLE_VERSION, "devices": devices}, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)

@@ -1,0 +1,149 @@
+"""Mixture-of-experts ops: routing, token alignment and the fused expert GEMMs. Triton where it
+can run, else the torch references (the CPU path, which the model tests hold to transformers)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from minisgl import env
+from minisgl.kernels import fused_moe as _gemm
+from minisgl.kernels import moe_align as _align
+from minisgl.kernels import moe_routing as _route
+from minisgl.kernels.fused_moe_config import MoeTileConfig, get_config, use_config_file
+from minisgl.ops._backend import log_cpu_reference_once, use_triton
+from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SCORING = ("softmax", "sigmoid")
+if env.FUSED_MOE_CONFIGS:
+    use_config_file(Path(env.FUSED_MOE_CONFIGS))
+
+
+def _check_routing(logits: object, top_k: int, scoring: str) -> None:
+    check_tensor("router_logits", logits, dtype=_DTYPES, ndim=2)
+    check_inner_contiguous("router_logits", logits)
+    if not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"top_k must be in [1, {logits.shape[1]}] (the number of experts), got {top_k}")
+    if scoring not in SCORING:
+        raise ValueError(f"scoring must be one of {SCORING}, got {scoring!r}")
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """router logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int32), largest first."""
+    _check_routing(logits, top_k, scoring)
+    if use_triton("moe_route", logits):
+        return _route.route(logits, top_k, renormalize, scoring)
+    log_cpu_reference_once("moe_route")
+    return _route.route_reference(logits, top_k, renormalize, scoring)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, top_k] int32 -> (sorted_ids, expert_ids) grouped by expert in BLOCK_M-row blocks
+    (kernels/moe_align.py). Ids must lie in [0, num_experts): they are not read on the host."""
+    check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
+    check_contiguous("topk_ids", topk_ids)
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
+    if use_triton("moe_align", topk_ids):
+        return _align.align(topk_ids, num_experts, block_m)
+    log_cpu_reference_once("moe_align")
+    return _align.align_reference(topk_ids, num_experts, block_m)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def _check_experts(x: object, w13: object, w2: object, shared: object, shared_gate: object) -> None:
+    check_tensor("x", x, dtype=_DTYPES, ndim=2)
+    check_inner_contiguous("x", x)
+    check_tensor("w13", w13, dtype=x.dtype, ndim=3)
+    check_tensor("w2", w2, dtype=x.dtype, ndim=3)
+    e, two_i, h = w13.shape
+    if two_i % 2 or h != x.shape[1]:
+        raise ValueError(f"w13 must have shape (E, 2 * I, {x.shape[1]}), got {tuple(w13.shape)}")
+    check_shape("w2", w2, (e, h, two_i // 2))
+    check_contiguous("w13", w13)
+    check_contiguous("w2", w2)
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("shared and shared_gate go together: give both or neither")
+    if shared is not None:
+        check_tensor("shared", shared, dtype=x.dtype, ndim=2)
+        check_shape("shared", shared, tuple(x.shape))
+        check_contiguous("shared", shared)
+        check_tensor("shared_gate", shared_gate, dtype=_DTYPES, ndim=2)
+        check_shape("shared_gate", shared_gate, (x.shape[0], 1))
+        check_same_device(x=x, shared=shared, shared_gate=shared_gate)
+    check_same_device(x=x, w13=w13, w2=w2)
+
+
+def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, sorted_ids: torch.Tensor,
+             expert_ids: torch.Tensor, top_k: int, cfg: MoeTileConfig, shared: torch.Tensor | None,
+             shared_gate: torch.Tensor | None) -> torch.Tensor:
+    inter = _gemm.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up)
+    y = _gemm.down_gemm(inter, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down)
+    return _gemm.moe_sum(y, top_k, shared, shared_gate)
+
+
+def _config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeTileConfig:
+    e, two_i, h = w13.shape
+    return get_config(e, top_k, two_i // 2, h, x.shape[0], x.dtype, _device_name(x.device))
+
+
+def fused_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The routed experts for a given routing: x [T, H], w13 [E, 2I, H] (gate | up rows), w2 [E, H, I],
+    topk_weights [T, k] fp32, topk_ids [T, k] int32 -> [T, H] = sum_j weight_j * expert_j(x)
+    (+ sigmoid(shared_gate [T, 1]) * shared [T, H], Qwen2-MoE's shared expert)."""
+    _check_experts(x, w13, w2, shared, shared_gate)
+    check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
+    check_shape("topk_ids", topk_ids, (x.shape[0], None))
+    check_contiguous("topk_ids", topk_ids)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2)
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+    check_contiguous("topk_weights", topk_weights)
+    check_same_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+    if use_triton("fused_moe", x):
+        top_k = topk_ids.shape[1]
+        cfg = _config(x, w13, top_k)
+        sorted_ids, expert_ids = _align.align(topk_ids, w13.shape[0], cfg.block_m)
+        return _experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, top_k, cfg, shared, shared_gate)
+    log_cpu_reference_once("fused_moe")
+    return _gemm.fused_experts_reference(x, w13, w2, topk_weights, topk_ids, shared, shared_gate)
+
+
+def fused_moe(
+    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+    renormalize: bool, scoring: str = "softmax", shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A whole MoE layer's experts: routing (moe_route) then fused_experts. Nothing is read back
+    to the host and every size depends on T only, so CUDA graphs capture it; a decode-sized
+    batch routes and aligns in one kernel."""
+    _check_experts(x, w13, w2, shared, shared_gate)
+    _check_routing(router_logits, top_k, scoring)
+    check_shape("router_logits", router_logits, (x.shape[0], w13.shape[0]))
+    check_same_device(x=x, router_logits=router_logits)
+    if not use_triton("fused_moe", x):
+        log_cpu_reference_once("fused_moe")
+        weights, ids = _route.route_reference(router_logits, top_k, renormalize, scoring)
+        return _gemm.fused_experts_reference(x, w13, w2, weights, ids, shared, shared_gate)
+    cfg = _config(x, w13, top_k)
+    num_experts = w13.shape[0]
+    if _align.small_route_align_fits(x.shape[0], num_experts, top_k):
+        weights, _, sorted_ids, expert_ids = _align.route_and_align(
+            router_logits, top_k, renormalize, scoring, cfg.block_m
+        )
+    else:
+        weights, ids = _route.route(router_logits, top_k, renormalize, scoring)
+        sorted_ids, expert_ids = _align.align(ids, num_experts, cfg.block_m)
+    return _experts(x, w13, w2, weights, sorted_ids, expert_ids, top_k, cfg, shared, shared_gate)

@@ -1,0 +1,84 @@
+"""The API process alone: the real app and Frontend, with the tokenizer/scheduler/detokenizer
+replaced by a scripted stand-in that answers each message at once. Tests of the HTTP
+contract (errors, schema, response shapes) run in-process through it, in milliseconds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from minisgl.message import DecodeMsg, PromptEcho, TokenizeMsg, UserReply, decode
+from minisgl.server.api import ServerInfo, build_app
+from minisgl.server.args import Addresses
+from minisgl.server.frontend import Frontend
+from minisgl.server.metrics import Metrics
+from minisgl.server.protocol_types import Limits
+
+VOCAB, CONTEXT = 1000, 64
+# SamplingParams' fields once issue 14's device side is in: the contract of the whole server.
+ENGINE_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+                 "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                 "min_tokens", "top_logprobs", "prompt_logprobs"}
+OUTPUT = [10, 11, 12]  # every generation: these tokens, then "length"
+TEXTS = {10: "ab", 11: "\ufffd", 12: "c"}
+BYTES = {10: b"ab", 11: b"\xe2\x82", 12: b"c"}  # a partial character in the middle
+
+
+def alts(k: int, base: int = 100) -> list[list]:
+    return [[base + j, f"t{base + j}", -1.0 - j, f"t{base + j}".encode()] for j in range(k)]
+
+
+class ScriptedBackend:
+    """Stands in for the push sockets of the Frontend: decodes what the API sends and
+    dispatches the replies a real backend would (synchronously)."""
+
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.seen: list[Any] = []
+
+    def send(self, data: bytes, *_: Any) -> None:
+        msg = decode(data)
+        self.seen.append(msg)
+        for reply in self.answer(msg):
+            self.frontend._dispatch(reply)
+
+    def answer(self, msg: Any) -> list[UserReply]:
+        if isinstance(msg, DecodeMsg):
+            return [UserReply(msg.uid, text="".join(TEXTS.get(t, "?") for t in msg.token_ids), finish_reason="stop")]
+        if not isinstance(msg, TokenizeMsg):
+            return []  # aborts
+        text = msg.text or (msg.messages and msg.messages[-1]["content"]) or ""
+        if text == "boom":
+            raise RuntimeError("a bug in the backend stand-in")
+        if text == "refuse":
+            return [UserReply(u, error="prompt: refused by the worker", error_param="prompt") for u in msg.uids]
+        prompt = list(msg.input_ids or [7, 8])
+        if msg.mode == "tokenize":
+            return [UserReply(msg.uids[0], token_ids=prompt, prompt_tokens=len(prompt), finish_reason="stop",
+                              token_texts=["p"] * len(prompt) if msg.return_prompt else None)]
+        k = msg.sampling.get("top_logprobs", 0)
+        pk = msg.sampling.get("prompt_logprobs")
+        out = []
+        for uid in msg.uids:
+            for i, t in enumerate(OUTPUT):
+                r = UserReply(uid, TEXTS[t], [t], prompt_tokens=len(prompt), completion_tokens=i + 1)
+                if msg.logprobs:
+                    r.logprobs, r.token_texts, r.token_bytes = [-0.5 * (i + 1)], [TEXTS[t]], [BYTES[t]]
+                    r.top_logprobs = [alts(k)] if k else None
+                if i == 0 and msg.return_prompt:
+                    lps = None if pk is None else [None] + [[-2.0, alts(pk, 200)] for _ in prompt[1:]]
+                    r.prompt = PromptEcho("PROMPT", prompt, ["P"] * len(prompt), [b"P"] * len(prompt), lps)
+                if i == len(OUTPUT) - 1:
+                    r.finish_reason = "length"
+                out.append(r)
+        return out
+
+
+def make_client(api_key: str | None = None, defaults: dict[str, Any] | None = None) -> tuple[TestClient, Any]:
+    frontend = Frontend(Addresses("ipc://unused", "ipc://unused", "ipc://unused", ["ipc://unused"]), 1, Metrics())
+    backend = ScriptedBackend(frontend)
+    frontend._push = [backend]
+    info = ServerInfo("tiny", Limits(VOCAB, CONTEXT), defaults or {}, 4096, api_key, engine_fields=ENGINE_FIELDS)
+    # The client must not raise the app's exceptions: the point is what the server answers.
+    return TestClient(build_app(frontend, info), raise_server_exceptions=False), backend

@@ -1,0 +1,110 @@
+"""Schemathesis hooks of the API fuzzing runs (tests/test_server_fuzz.py, tests/fuzz_api.py).
+
+The schema states every constraint the server enforces except the few JSON Schema cannot
+express, which its descriptions name; a schema-valid request that breaks one of those gets a
+400 by design, so such requests are dropped here from the positive cases (the server's 400
+for each is a regression test of its own):
+- the prompt's tokens plus max_tokens must fit the context (exact, with the model's tokenizer);
+- min_tokens <= max_tokens; chat's top_logprobs > 0 needs logprobs: true; stream_options
+  needs stream: true;
+- on an engine build without prompt logprobs, completions' echo with logprobs.
+Requests whose generation work (prompts x n x max_tokens) exceeds FUZZ_MAX_WORK tokens are
+dropped too, positive or negative: they are valid, only slow on a CPU.
+
+Configured by environment: FUZZ_MODEL_DIR (the served model), FUZZ_CONTEXT (its context).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import schemathesis
+from transformers import AutoTokenizer
+
+from minisgl.engine.sampling_params import SamplingParams
+
+GENERATING = {"/v1/chat/completions", "/v1/completions", "/generate"}
+# Loaded now, at import: schemathesis runs hooks on several threads, and a first import of
+# transformers (numpy) on one of them races hypothesis on another.
+_TOKENIZER = AutoTokenizer.from_pretrained(os.environ["FUZZ_MODEL_DIR"])
+_NO_PROMPT_LOGPROBS = "prompt_logprobs" not in SamplingParams.__dataclass_fields__
+
+
+def _tokenizer() -> Any:
+    return _TOKENIZER
+
+
+def _prompt_lengths(path: str, body: dict[str, Any]) -> list[int]:
+    tok = _tokenizer()
+    if path == "/v1/chat/completions":
+        messages = [
+            {"role": "system" if m["role"] == "developer" else m["role"],
+             "content": m.get("content") if isinstance(m.get("content"), str)
+             else "".join(p["text"] for p in m.get("content") or [])}
+            for m in body["messages"]
+        ]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return [len(tok(text, add_special_tokens=bool(body.get("add_special_tokens"))).input_ids)]
+    if path == "/generate":
+        if "input_ids" in body:
+            return [len(body["input_ids"])]
+        return [len(tok(body["text"]).input_ids)]
+    prompt = body["prompt"]
+    prompts = [prompt] if isinstance(prompt, str) or (prompt and not isinstance(prompt[0], (str, list))) else prompt
+    add = body.get("add_special_tokens")
+    return [len(p) if isinstance(p, list) else len(tok(p, add_special_tokens=add is not False).input_ids)
+            for p in prompts]
+
+
+def _max_tokens(path: str, body: dict[str, Any]) -> tuple[int | None, int]:
+    if path == "/generate":
+        sp = body.get("sampling_params") or {}
+        return sp.get("max_new_tokens"), sp.get("min_new_tokens") or 0
+    mt = body.get("max_completion_tokens") if body.get("max_completion_tokens") is not None else body.get("max_tokens")
+    if mt is None and path == "/v1/completions":
+        mt = 16  # OpenAI's default there
+    return mt, body.get("min_tokens") or 0
+
+
+def acceptable(path: str, body: dict[str, Any]) -> bool:
+    """False where a schema-valid body breaks a constraint the schema cannot state."""
+    context = int(os.environ["FUZZ_CONTEXT"])
+    lengths = _prompt_lengths(path, body)
+    max_tokens, min_tokens = _max_tokens(path, body)
+    for n in lengths:
+        room = context - n
+        if room < 1 or (max_tokens is not None and max_tokens > room) or min_tokens > (max_tokens or room):
+            return False
+    if path != "/generate" and body.get("stream_options") is not None and not body.get("stream"):
+        return False
+    if path == "/v1/chat/completions" and (body.get("top_logprobs") or 0) > 0 and not body.get("logprobs"):
+        return False
+    return not (_NO_PROMPT_LOGPROBS and body.get("echo") and body.get("logprobs") is not None)
+
+
+def work(path: str, body: dict[str, Any]) -> int:
+    try:
+        lengths = _prompt_lengths(path, body)
+        max_tokens, _ = _max_tokens(path, body)
+    except Exception:  # noqa: BLE001 - a malformed (negative) body: the server refuses it cheaply
+        return 0
+    n = body.get("n") if isinstance(body.get("n"), int) else 1
+    context = int(os.environ["FUZZ_CONTEXT"])
+    each = max_tokens if isinstance(max_tokens, int) else context
+    return len(lengths) * max(1, n) * max(1, each)
+
+
+@schemathesis.hook
+def filter_case(ctx: Any, case: Any) -> bool:
+    path, body = case.operation.path, case.body
+    if path not in GENERATING or not isinstance(body, dict):
+        return True
+    if work(path, body) > int(os.environ.get("FUZZ_MAX_WORK", "4096")):
+        return False
+    if not case.meta or not case.meta.generation.mode.is_positive:
+        return True
+    try:
+        return acceptable(path, body)
+    except (KeyError, TypeError, IndexError, AttributeError):
+        return True  # not the shape the schema promises: let the server judge it

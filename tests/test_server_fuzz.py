@@ -1,0 +1,71 @@
+"""Schemathesis against the real server (tiny random model, CPU), driven by the server's own
+/openapi.json with every check it has (server errors, status codes, content types and
+response schemas as documented, schema-valid requests accepted, schema-invalid ones refused,
+auth enforced, 405 with Allow for undocumented methods): zero failures. A fixed seed and a
+bounded number of examples keep it reproducible and short. tests/fuzz_api.py is the longer,
+random-seed run for releases, with the coverage phase too (every field's boundaries). See
+tests/fuzz_hooks.py for the few constraints JSON Schema cannot state."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from server_harness import Server, model_variant
+
+pytestmark = pytest.mark.slow
+KEY = "sk-fuzz"
+CONTEXT = 40  # short generations (a chat prompt is ~30 tokens): the fuzzer's maxima stay cheap
+TESTS = Path(__file__).resolve().parent
+
+
+def server_args(model: Path) -> list[str]:
+    return ["--model", str(model), "--served-model-name", "tiny", "--api-key", KEY, "--max-model-len", str(CONTEXT),
+            "--num-tokenizers", "1", "--max-running-requests", "64"]
+
+
+def run_schemathesis(url: str, model: Path, *, seed: int | None, max_examples: int, max_work: int,
+                     phases: str = "examples,coverage,fuzzing,stateful", timeout: float = 600,
+                     ) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "SCHEMATHESIS_HOOKS": "fuzz_hooks",
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "FUZZ_MODEL_DIR": str(model),
+        "FUZZ_CONTEXT": str(CONTEXT),
+        "FUZZ_MAX_WORK": str(max_work),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    cmd = [
+        sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json",
+        "--checks", "all", "--max-response-time", "60", "--request-timeout", "120",
+        "-H", f"Authorization: Bearer {KEY}", "--max-examples", str(max_examples),
+        "--generation-database", "none", "--no-color", "--workers", "2",
+        "--suppress-health-check", "filter_too_much,too_slow", "--phases", phases,
+        *(["--seed", str(seed)] if seed is not None else []),
+    ]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=TESTS.parent)
+
+
+def greedy_model(src: Path, dst: Path) -> Path:
+    """The model with generation_config temperature 0: requests that leave temperature out
+    (most fuzzed ones) decode greedily, which costs the CPU a fraction of sampling."""
+    return model_variant(src, dst, {"temperature": 0.0})
+
+
+def test_fuzzing_finds_no_failure(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
+    model = greedy_model(tiny_model_path("llama3"), tmp_path / "llama3")
+    server = Server(*server_args(model), cwd=tmp_path)
+    try:
+        # The coverage phase (every boundary of every field: ~1200 requests, not bounded by
+        # --max-examples) is the release run's (tests/fuzz_api.py); CI fuzzes a bounded sample.
+        out = run_schemathesis(server.url, model, seed=20261124, max_examples=5, max_work=64,
+                               phases="examples,fuzzing,stateful")
+        assert out.returncode == 0, out.stdout[-20000:] + out.stderr[-5000:]
+        assert server.proc.poll() is None, "the server died under fuzzing"
+    finally:
+        server.stop()
