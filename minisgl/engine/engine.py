@@ -85,7 +85,7 @@ class Engine:
         mc.check_tp(cfg.tp_size)
         self.tp = TPInfo(cfg.tp_rank, cfg.tp_size)
         self.comm, self.cpu_group = make_communicator(
-            self.tp, self.device, cfg.dist_init_addr, cfg.custom_nccl
+            self.tp, self.device, cfg.dist_init_addr, cfg.custom_nccl, cfg.custom_all_reduce
         )
         torch.manual_seed(cfg.seed)
         self.model = self._build_model()
