@@ -75,7 +75,18 @@ def check_mixed_batch(llm: LLM, n_json: int, n_other: int, check_plain: bool = T
         text = out["text"]
         assert out["finish_reason"] == "stop" and re.fullmatch(r"\((\d+( [+*] \d+)*)\)", text), out
     if check_plain:
-        assert outs[-3:] == llm.generate([PROMPTS[(len(params) - 3 + i) % 4] for i in range(3)], plain, use_tqdm=False)
+        assert_same(outs[-3:], llm.generate([PROMPTS[(len(params) - 3 + i) % 4] for i in range(3)], plain,
+                                            use_tqdm=False))
+
+
+def assert_same(got: list[dict], want: list[dict]) -> None:
+    """Equal results: tokens and text exactly, the fp32 logprobs within rounding (the batches
+    differ, and with them the reduction order)."""
+    assert [{k: v for k, v in o.items() if k != "logprobs"} for o in got] == [
+        {k: v for k, v in o.items() if k != "logprobs"} for o in want
+    ]
+    for g, w in zip(got, want):
+        assert g["logprobs"] == pytest.approx(w["logprobs"], abs=1e-4)
 
 
 def test_grammars_in_one_mixed_batch(llm: LLM) -> None:
@@ -90,7 +101,7 @@ def test_overlap_equals_no_overlap(llm: LLM, tiny_model_path: Callable[[str], Pa
     prompts = [PROMPTS[i % 4] for i in range(len(mixed))]
     no_overlap = LLM(str(tiny_model_path("llama3")), device="cpu", max_model_len=256, num_pages=1024,
                      disable_overlap=True)
-    assert no_overlap.generate(prompts, mixed, use_tqdm=False) == llm.generate(prompts, mixed, use_tqdm=False)
+    assert_same(no_overlap.generate(prompts, mixed, use_tqdm=False), llm.generate(prompts, mixed, use_tqdm=False))
 
 
 def test_chunked_prefill_and_prefix_hits(tiny_model_path: Callable[[str], Path]) -> None:
@@ -98,7 +109,7 @@ def test_chunked_prefill_and_prefix_hits(tiny_model_path: Callable[[str], Path])
     prompt = "A long shared prefix that spans several prefill chunks, then: "
     first = llm.generate([prompt], sampled(1, regex=REGEX), use_tqdm=False)
     again = llm.generate([prompt] * 2, sampled(2, regex=REGEX), use_tqdm=False)  # radix hits
-    assert again[0] == first[0]
+    assert_same(again[:1], first)
     for out in again:
         assert out["finish_reason"] == "stop" and re.fullmatch(REGEX, out["text"]), out
     assert llm.scheduler.cache.cached_pages > 0

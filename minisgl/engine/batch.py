@@ -32,6 +32,9 @@ class ForwardBatch:
     max_seq_len: int  # max of seq_lens (host); an upper bound under CUDA graphs
     max_extend_len: int  # max new tokens of one request (host); 1 for decode
     attn_metadata: Any = field(default=None)  # built by the attention backend's prepare()
+    # int64 [B + E] rows of [T] whose logits the model computes: sample_rows, then E extra rows
+    # (prompt logprobs). None: sample_rows only.
+    logit_rows: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from minisgl import ops
@@ -12,6 +10,8 @@ from minisgl.distributed.communicator import make_communicator, min_across_ranks
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.config import DTYPES, EngineConfig
+from minisgl.engine.logits_plan import LogitsPlan, StepOutput, sample_with_plan
+from minisgl.engine.penalty_state import PenaltyState
 from minisgl.engine.prompt import check_prompt
 from minisgl.engine.sampler import SamplingTensors
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
@@ -105,6 +105,8 @@ class Engine:
         # from here on the device, so step N+1 can be launched before the host has read step
         # N's tokens (overlap scheduling).
         self.token_buffer = torch.zeros(cfg.max_running_requests + 1, dtype=torch.int64, device=self.device)
+        # Per-row token history for penalties (allocated when a request first needs it).
+        self.penalties = PenaltyState(cfg.max_running_requests + 1, mc.vocab_size, self.device)
         self.graphs = None  # CudaGraphRunner once enable_cuda_graphs() ran
         self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device)
         log.info(
@@ -191,12 +193,15 @@ class Engine:
     # ---- one step ----
 
     def build_batch(
-        self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int]] | None
+        self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int]] | None,
+        extra_logit_rows: list[int] | None = None,
     ) -> ForwardBatch:
         """A batch for requests at table rows `rows`, each with `prefix_lens[i]` tokens already
         in the KV cache and `new_tokens[i]` to run now. The slots of the new tokens must
         already be written to the request table. Decode may pass `new_tokens=None`: each row's
-        input is then its last sampled token, read on the device from `token_buffer`."""
+        input is then its last sampled token, read on the device from `token_buffer`.
+        `extra_logit_rows` (indices into the new tokens): logits are computed there too, after
+        the B sampled rows (prompt logprobs)."""
         dev = self.device
         if new_tokens is None:
             if mode != "decode":
@@ -230,12 +235,16 @@ class Engine:
         req_rows = meta[:b]
         out_slots = self.table.req_to_slot[tok_rows_d, positions]
         input_ids = self.token_buffer[req_rows] if new_tokens is None else flat[rest + b + b % 2 :]
+        logit_rows = None
+        if extra_logit_rows:
+            host_rows = [c - 1 for c in cu[1:]] + list(extra_logit_rows)
+            logit_rows = torch.tensor(host_rows, dtype=torch.int64).to(dev, non_blocking=True)
         return ForwardBatch(
             mode=mode, input_ids=input_ids, positions=positions, out_slots=out_slots, req_rows=req_rows,
             seq_lens=meta[b4 : b4 + b], prefix_lens=meta[2 * b4 : 2 * b4 + b],
             cu_seqlens_q=meta[3 * b4 : 3 * b4 + b + 1],
             sample_rows=sample_rows, req_to_slot=self.table.req_to_slot, seq_lens_cpu=seq,
-            prefix_lens_cpu=list(prefix_lens), max_seq_len=max(seq), max_extend_len=max(ext),
+            prefix_lens_cpu=list(prefix_lens), max_seq_len=max(seq), max_extend_len=max(ext), logit_rows=logit_rows,
         )
 
     def enable_cuda_graphs(self, max_bs: int | None) -> None:
@@ -251,7 +260,7 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
-        if self.graphs is not None and not all_positions and self.graphs.can_run(batch):
+        if self.graphs is not None and not all_positions and batch.logit_rows is None and self.graphs.can_run(batch):
             return self.graphs.replay(batch)
         return self.forward_eager(batch, all_positions)
 
@@ -272,20 +281,19 @@ class Engine:
         return ops.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
 
     @torch.inference_mode()
-    def run_batch(
-        self, batch: ForwardBatch, st: SamplingTensors, before_sample: Callable[[torch.Tensor], None] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward + sample; the sampled tokens also go to `token_buffer` (the next decode's
-        inputs). A prefill chunk's row samples too; the scheduler drops that token.
-        `before_sample(logits)` runs once the forward is launched and before sampling; it may
-        change the fp32 [B, vocab] logits in place (grammar masks). Under CUDA graphs they are
-        the graph's output buffer, so the change happens outside the graph."""
+    def run_batch(self, batch: ForwardBatch, st: SamplingTensors, plan: LogitsPlan | None = None) -> StepOutput:
+        """Forward + (penalties, bias, grammar mask, logprob alternatives as `plan` says) + sample;
+        the sampled tokens also go to `token_buffer` (the next decode's inputs). A prefill
+        chunk's row samples too; the scheduler drops that token. The plan's mask runs on the host
+        once the forward is launched; under CUDA graphs the logits are the graph's output
+        buffer, so it changes them outside the graph."""
         logits = self.forward(batch)
-        if before_sample is not None:
-            before_sample(logits)
-        tokens, logprobs = self.sample(logits, st)
-        self.token_buffer[batch.req_rows.long()] = tokens
-        return tokens, logprobs
+        if plan is None:
+            out = StepOutput(*self.sample(logits, st))
+        else:
+            out = sample_with_plan(logits, st, plan, self.penalties, self.sample)
+        self.token_buffer[batch.req_rows.long()] = out.tokens
+        return out
 
     # ---- helpers for tests and prompt scoring ----
 

@@ -6,8 +6,10 @@ from minisgl.ops.attention import decode_attention_triton, extend_attention
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
 from minisgl.ops.linear import linear
+from minisgl.ops.logprobs import top_logprobs
 from minisgl.ops.moe import fused_experts, fused_moe, moe_align, moe_route
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
+from minisgl.ops.penalties import apply_penalties
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
 from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
@@ -15,6 +17,7 @@ from minisgl.ops.store import store_kv, store_kv_reference
 from minisgl.ops.token_bitmask import apply_token_bitmask
 
 __all__ = [
+    "apply_penalties",
     "apply_token_bitmask",
     "apply_rope",
     "decode_attention_triton",
@@ -37,4 +40,5 @@ __all__ = [
     "skinny_gemm_reference",
     "store_kv",
     "store_kv_reference",
+    "top_logprobs",
 ]

@@ -3,7 +3,8 @@ in step with its tokens, and the mask of every constrained row applied before sa
 
 Overlap: step N+1's forward is launched before the host reads step N's tokens, but a
 constrained row's mask for step N+1 depends on its token from step N. So the mask is made
-between the forward and the sampling of step N+1 (Engine.run_batch's `before_sample`): if a
+between the forward and the sampling of step N+1 (the step plan's LogitsMask, which runs after
+the penalties and before sampling: engine/logits_plan.py sample_with_plan): if a
 constrained row still has a token in flight, the host first reads the steps in flight (step N
 finished on the device before step N+1's forward began, so this waits for nothing the device
 still has to do), advances the grammars, then fills the masks while the forward runs. Batches
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from minisgl.engine.logits_plan import LogitsMask
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.grammar.masks import GrammarMasks
 from minisgl.grammar.spec import grammar_spec
@@ -41,11 +43,13 @@ class GrammarRows:
         stops = [*req.eos_ids, *(req.params.stop_token_ids or [])]
         req.grammar = self.compiler.matcher(spec, stops, req.params.grammar_after_token)
 
-    def before_sample(
+    def step_mask(
         self, reqs: list[Request], samples: list[bool], drain: Callable[[], None]
-    ) -> Callable[[torch.Tensor], None] | None:
-        """The logits hook of a batch, or None when no row that samples has a grammar."""
-        idx = [i for i, (r, s) in enumerate(zip(reqs, samples)) if s and r.grammar is not None]
+    ) -> tuple[LogitsMask, list[bool]] | None:
+        """A batch's mask and which of its rows it may change, or None when no row that samples
+        has a grammar."""
+        masked = [s and r.grammar is not None for r, s in zip(reqs, samples)]
+        idx = [i for i, m in enumerate(masked) if m]
         if not idx:
             return None
 
@@ -56,7 +60,7 @@ class GrammarRows:
             if rows:
                 self.masks.apply(logits, rows, [reqs[i].grammar for i in rows])
 
-        return mask
+        return mask, masked
 
     @staticmethod
     def advance(req: Request, token: int) -> None:

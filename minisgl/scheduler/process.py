@@ -47,6 +47,19 @@ GRAMMAR_POLL_MS = 2  # how often an idle rank 0 checks for finished grammar comp
 # collectives never wait long enough to time out.
 TP_IDLE_POLL_MS = 1000
 
+
+def logprob_extras(req: Request, start: int, first: bool) -> tuple[list | None, list | None]:
+    """TokenOut's (top_logprobs, prompt_logprobs) for the tokens from `start` on, as msgpack
+    lists; None where the request did not ask (prompt logprobs: first TokenOut only)."""
+    top = None
+    if req.params.top_logprobs:
+        top = [[[t, lp] for t, lp in alts] for alts in req.top_logprobs[start:]]
+    prompt = None
+    if first and req.prompt_logprobs is not None:
+        prompt = [None if e is None else [e[0], [[t, lp] for t, lp in e[1]]] for e in req.prompt_logprobs]
+    return top, prompt
+
+
 def scheduler_builder(options: dict[str, Any], args: Any = None) -> Callable[[Engine], Scheduler]:
     """Checks the scheduler options now (before the model loads) and returns a function that
     builds the scheduler for an engine (with a grammar compiler that loads the server's
@@ -100,7 +113,6 @@ class SchedulerProcess:
         self.reqs: dict[int, Request] = {}
         self.inits: dict[int, DetokInit] = {}  # until the request's first TokenOut carries it
         self.sent: dict[int, int] = {}  # output tokens already sent, per uid
-        self.want_logprobs: set[int] = set()
         self.sync = InputSync(engine.tp.rank, engine.tp.size, engine.cpu_group)
         self.inputs: list[Input] = []  # this step's inputs, applied on every rank in lockstep
         self.synced: dict[int, Request] = {}  # the uid -> request map apply_inputs keeps
@@ -136,14 +148,17 @@ class SchedulerProcess:
 
     def add(self, msg: UserMsg) -> None:
         # The tokenizer checked the prompt and the sampling fields; what is left to refuse is a
-        # request the KV pool could never hold (then fewer max_tokens would fit).
-        param = "max_tokens"
+        # request the KV pool could never hold (then fewer max_tokens would fit), or a logit_bias
+        # id outside the vocabulary. Messages start with the field to blame.
         try:
             params = SamplingParams(**msg.sampling)
             limit = min(len(msg.input_ids) + params.max_tokens, self.engine.max_model_len)
             req = Request(msg.uid, list(msg.input_ids), params, msg.seed, self.eos_ids, limit)
+            req.report_logprobs = bool(msg.detok.logprobs)
             self.sched.add_check(req)
         except ValueError as e:
+            first = str(e).split(" ", 1)[0].rstrip(":")
+            param = first if first in SamplingParams.__dataclass_fields__ else "max_tokens"
             send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param=param)]))
             return
         spec = grammar_spec(params)
@@ -155,8 +170,6 @@ class SchedulerProcess:
         self.reqs[msg.uid] = req
         self.inits[msg.uid] = msg.detok
         self.sent[msg.uid] = 0
-        if msg.detok.logprobs:
-            self.want_logprobs.add(msg.uid)
         self.prompt_tokens += len(msg.input_ids)
 
     def admit_compiled(self) -> None:
@@ -183,11 +196,12 @@ class SchedulerProcess:
             if self.reqs.get(uid) is not req:
                 continue  # aborted meanwhile
             start = self.sent[uid]
-            logprobs = req.logprobs[start:] if uid in self.want_logprobs else None
+            logprobs = req.logprobs[start:] if req.report_logprobs else None
             init = self.inits.pop(uid, None)
             if init is not None:  # first tokens: the prefill is done, its cache hits known
                 self.cache_hit_tokens += req.cache_hit_tokens
-            items.append(TokenOut(uid, req.output[start:], logprobs, req.finish_reason, init))
+            items.append(TokenOut(uid, req.output[start:], logprobs, req.finish_reason, init,
+                                  *logprob_extras(req, start, first=init is not None)))
             self.sent[uid] = len(req.output)
             if req.finished:
                 self._forget(uid)
@@ -199,7 +213,6 @@ class SchedulerProcess:
         self.reqs.pop(uid, None)
         self.inits.pop(uid, None)
         self.sent.pop(uid, None)
-        self.want_logprobs.discard(uid)
 
     def send_stats(self, force: bool = False) -> None:
         now = time.monotonic()

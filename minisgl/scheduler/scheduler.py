@@ -20,21 +20,27 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.engine.engine import Engine
-from minisgl.engine.sampler import SamplingTensors
+from minisgl.engine.logits_plan import LogitsSpec, StepOutput
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.kvcache.prefix_cache import make_prefix_cache
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar_rows import GrammarRows
 from minisgl.scheduler.kv import RequestKV
 from minisgl.scheduler.request import Request
+from minisgl.scheduler.step_sampling import (
+    StepSampling,
+    add_prompt_logprobs,
+    prepare_step_sampling,
+    top_logprobs_by_row,
+)
 
 
 @dataclass
 class _InFlight:
     reqs: list[Request]
     samples: list[bool]  # False for a prefill chunk that samples nothing
-    tokens: torch.Tensor  # host copy (filled asynchronously on CUDA)
-    logprobs: torch.Tensor
+    out: StepOutput  # host copies (filled asynchronously on CUDA)
+    sampling: StepSampling  # which rows asked for top/prompt logprobs
     event: torch.cuda.Event | None
 
 
@@ -57,6 +63,9 @@ class Scheduler:
         self._decode_next = False
         self._pending_done: list[Request] = []  # processed early (by a drain) during step()
         self.num_retractions = 0
+        # Prompt positions whose logits one step may compute for prompt logprobs: they are
+        # [rows, vocab] fp32 (~300 MB at 512 x 152k), so long prompts that ask take more steps.
+        self.prompt_logprob_rows = 512
         # (start, end) CUDA events around each step's device work, when a benchmark asks.
         self.gpu_timeline: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] | None = None
         if engine.device.type == "cuda" and self.cfg.cuda_graph:
@@ -69,7 +78,12 @@ class Scheduler:
         return bool(self.waiting or self.running or self.prefilling or self.inflight)
 
     def add_check(self, req: Request) -> None:
-        """Raises ValueError if `req` could never run (it must fit the KV pool alone)."""
+        """Raises ValueError if `req` could never run (it must fit the KV pool alone, and its
+        logit_bias ids the vocabulary)."""
+        vocab = self.engine.model_config.vocab_size
+        outside = sorted(t for t in (req.params.logit_bias or {}) if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary of {vocab} tokens")
         if self.kv.pages_for(req.max_total_len) > self.engine.allocator.total_pages:
             raise ValueError(
                 f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds "
@@ -79,6 +93,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.add_check(req)
         self.grammar.attach(req)
+        req.logits_spec = LogitsSpec.of(req.params, req.eos_ids, self.engine.model_config.vocab_size)
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -149,10 +164,11 @@ class Scheduler:
         samples: list[bool] = []
         reserved = self._reserved_pages()
         table = self.engine.table
+        logit_rows = self.prompt_logprob_rows
         while budget > 0:
             if self.prefilling is not None:
                 req = self.prefilling
-            elif self.waiting and table.free_rows > 0:
+            elif self.waiting and table.free_rows > 0 and (logit_rows or not self.waiting[0].needs_prompt_logprobs):
                 req = self.waiting[0]
                 match = self.kv.match(req)
                 tokens_needed = req.seq_len + int(req.remaining_tokens * self.new_token_ratio)
@@ -162,11 +178,15 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 self.kv.attach(req, match)
+                req.history_ready = False  # a new table row: its penalty history is rebuilt
                 reserved += need
             else:
                 break
             tokens = req.tokens()
             chunk = min(len(tokens) - req.cached_len, budget)
+            if req.needs_prompt_logprobs:
+                chunk = min(chunk, logit_rows)
+                logit_rows -= chunk
             if not self.kv.grow(req, req.cached_len + chunk):
                 if req is not self.prefilling:  # undo the admission; try again later
                     self.kv.release(req)
@@ -251,36 +271,36 @@ class Scheduler:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         self.kv.flush()
-        batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new)
-        st = SamplingTensors.build(
-            [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
-            [r.params.top_p for r in reqs], [r.params.min_p for r in reqs],
-            [r.seed for r in reqs], [len(r.output) + r.num_pending for r in reqs], eng.device,
-        )
-        tokens, logprobs = eng.run_batch(batch, st, self.grammar.before_sample(reqs, samples, self._drain))
+        masks = self.grammar.step_mask(reqs, samples, self._drain)
+        sampling = prepare_step_sampling(eng, reqs, samples, prefix, new, masks)
+        batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new, sampling.extra_logit_rows)
+        out = eng.run_batch(batch, sampling.tensors, sampling.plan)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.gpu_timeline.append((mode, len(reqs), start, end))
         event = None
-        if tokens.device.type == "cuda":
-            tokens = tokens.to("cpu", non_blocking=True)
-            logprobs = logprobs.to("cpu", non_blocking=True)
+        if out.tokens.device.type == "cuda":
+            out = out.to_host()
             event = torch.cuda.Event()
             event.record()
-        self.inflight.append(_InFlight(reqs, samples, tokens, logprobs, event))
+        self.inflight.append(_InFlight(reqs, samples, out, sampling, event))
 
     def _process(self, item: _InFlight) -> list[Request]:
         if item.event is not None:
             item.event.synchronize()
+        out = item.out
+        add_prompt_logprobs(item.reqs, item.sampling, out)
+        tops = top_logprobs_by_row(item.sampling, out)
         done = []
-        for req, sampled, tok, lp in zip(item.reqs, item.samples, item.tokens.tolist(), item.logprobs.tolist()):
+        for i, (req, sampled, tok, lp) in enumerate(zip(item.reqs, item.samples, out.tokens.tolist(),
+                                                        out.logprobs.tolist())):
             if not sampled:
                 continue
             req.num_pending -= 1
             if req.finished:  # ended (abort, stop string, EOS) while this step was in flight
                 continue
-            req.append(tok, lp)
+            req.append(tok, lp, tops[i][: req.params.top_logprobs] if i in tops else None)
             if req.grammar is not None and not req.finished:
                 self.grammar.advance(req, tok)
             done.append(req)
@@ -299,3 +319,4 @@ class Scheduler:
         if req is self.prefilling:
             self.prefilling = None
         self.kv.release(req)
+
