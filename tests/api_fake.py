@@ -17,10 +17,6 @@ from minisgl.server.metrics import Metrics
 from minisgl.server.protocol_types import Limits
 
 VOCAB, CONTEXT = 1000, 64
-# SamplingParams' fields once issue 14's device side is in: the contract of the whole server.
-ENGINE_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                 "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                 "min_tokens", "top_logprobs", "prompt_logprobs"}
 SAY = "say:"  # a last message "say:TEXT" makes the stand-in output TEXT (tool calls, reasoning)
 OPEN = "</think>"  # ... and when TEXT holds this, the reply says the prompt opened a think block
 OUTPUT = [10, 11, 12]  # every generation: these tokens, then "length"
@@ -90,7 +86,7 @@ def make_client(
     frontend = Frontend(Addresses("ipc://unused", "ipc://unused", "ipc://unused", ["ipc://unused"]), 1, Metrics())
     backend = ScriptedBackend(frontend)
     frontend._push = [backend]
-    info = ServerInfo("tiny", Limits(VOCAB, CONTEXT), defaults or {}, 4096, api_key, engine_fields=ENGINE_FIELDS,
+    info = ServerInfo("tiny", Limits(VOCAB, CONTEXT), defaults or {}, 4096, api_key,
                       features=features or ChatFeatures())
     # The client must not raise the app's exceptions: the point is what the server answers.
     return TestClient(build_app(frontend, info), raise_server_exceptions=False), backend

@@ -50,7 +50,6 @@ class ServerInfo:
     api_key: str | None = None
     started: float = 0.0
     workers_alive: Callable[[], bool] = field(default=lambda: True)
-    engine_fields: set[str] | None = None  # SamplingParams' fields (None: this build's)
     features: ChatFeatures = field(default_factory=ChatFeatures)  # tool-call and reasoning parsers
 
     def model_card(self) -> dict[str, Any]:
@@ -66,7 +65,7 @@ class ServerInfo:
 
 def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
     app = FastAPI(title="minisgl", version=package_version(), redoc_url=None)
-    P = Protocol(info.limits, info.engine_fields, tools=info.features.tool_format is not None)
+    P = Protocol(info.limits, tools=info.features.tool_format is not None)
     builder = Builder(info.model_name, info.limits, info.sampling_defaults, info.features)
     _install_error_handlers(app)
     openapi_doc.install(app, info.api_key is not None, package_version())

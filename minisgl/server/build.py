@@ -27,17 +27,6 @@ from minisgl.server.protocol import (
 from minisgl.server.protocol_types import Limits
 from minisgl.tokenizer.worker import RequestError, checked_sampling
 
-# Engine fields sent only when they differ from these (what SamplingParams() means), so an
-# engine build without a field still serves every request that does not use it.
-NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "logit_bias": None,
-    "min_tokens": 0,
-    "top_logprobs": 0,
-    "prompt_logprobs": None,
-}
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -96,7 +85,7 @@ class Builder:
             "logit_bias": req.logit_bias or None,
             **extra,
         }
-        d.update({k: v for k, v in optional.items() if v != NEUTRAL[k]})
+        d.update(optional)
         probe = {**d, "max_tokens": self.limits.max_new_tokens if max_tokens is None else max_tokens}
         try:
             d["stop"] = checked_sampling(probe).stop

@@ -12,7 +12,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from minisgl.engine.sampling_params import SamplingParams
 from minisgl.server.protocol_structured import (
     NEEDS_COMPILE,
     ONE_CONSTRAINT,
@@ -224,52 +223,19 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-def _neutral_only(needs: str, value: Any, default: Any) -> Any:
-    """The type of a field this engine build cannot honour: only its neutral value (so the
-    schema still tells the truth), with a description that says why."""
-    why = Field(default=default, description=f"this engine build has no {needs}: only {value!r} is accepted")
-    if value is None:
-        return (None, why)
-    if isinstance(value, dict):
-        return (Annotated[dict[str, float], Field(max_length=0)] | None, why)
-    kind = int_in(value, value) if isinstance(value, int) else Annotated[float, Field(ge=value, le=value)]
-    return (kind if default is not None else kind | None, why)
-
-
-# Request field -> (the SamplingParams field it needs, its neutral value): issue 14's device side.
-_ENGINE_FEATURES = {
-    "presence_penalty": ("presence_penalty", 0.0),
-    "frequency_penalty": ("frequency_penalty", 0.0),
-    "repetition_penalty": ("repetition_penalty", 1.0),
-    "logit_bias": ("logit_bias", {}),
-    "min_tokens": ("min_tokens", 0),
-    "min_new_tokens": ("min_tokens", 0),
-    "top_logprobs": ("top_logprobs", 0),
-    "top_logprobs_num": ("top_logprobs", 0),
-    "logprobs": ("top_logprobs", 0),  # completions' (k alternatives), not chat's (a bool)
-    "prompt_logprobs": ("prompt_logprobs", None),
-}
-
-
 class Protocol:
     """The request models of one server, bounded by its model's vocabulary and context, and
-    by what its engine build can do (`engine_fields`: SamplingParams' fields) and whether it
-    parses tool calls (`tools`)."""
+    by whether it parses tool calls (`tools`)."""
 
-    def __init__(self, limits: Limits, engine_fields: set[str] | None = None, tools: bool = True) -> None:
+    def __init__(self, limits: Limits, tools: bool = True) -> None:
         self.limits = limits
-        engine_fields = set(SamplingParams.__dataclass_fields__) if engine_fields is None else engine_fields
         ids_field = Annotated[token_ids(limits), Field()] | None
         new_tokens = int_in(1, limits.max_new_tokens) | None
         min_new = int_in(0, limits.max_new_tokens)
         top_k = int_in(-1, limits.vocab_size) | None
         bias = logit_bias(limits) | None
-        missing = {name: f for name, f in _ENGINE_FEATURES.items() if f[0] not in engine_fields}
 
         def model(name: str, base: type[BaseModel], **fields: Any) -> Any:
-            for k, (needs, neutral) in missing.items():
-                if k in base.model_fields and base.model_fields[k].annotation is not bool:
-                    fields[k] = _neutral_only(needs, neutral, base.model_fields[k].default)
             return create_model(name, __base__=base, **fields)
 
         shared: dict[str, Any] = {

@@ -234,7 +234,7 @@ class TokenizeHandler:
             except ValueError as e:
                 raise RequestError(str(e), None) from e
         params = checked_sampling(sampling)
-        echo = msg.return_prompt or params_field(params, "prompt_logprobs") is not None
+        echo = msg.return_prompt or params.prompt_logprobs is not None
         init = DetokInit(
             len(ids),
             params.stop,
@@ -242,9 +242,9 @@ class TokenizeHandler:
             msg.logprobs,
             msg.spaces_between_special_tokens,
             msg.include_stop_str,
-            params_field(params, "top_logprobs") or 0,
+            params.top_logprobs,
             list(ids) if echo else None,
-            params_field(params, "prompt_logprobs") is not None,
+            params.prompt_logprobs is not None,
             reasoning_open,
         )
         out = []
@@ -255,11 +255,6 @@ class TokenizeHandler:
                 seed = params.seed if i == 0 else (params.seed + i) % _SEED_SPACE
             out.append(UserMsg(uid, ids, {**sampling, "stop": params.stop}, seed, init))
         return out
-
-
-def params_field(params: SamplingParams, name: str) -> Any:
-    """A SamplingParams field that an older engine build may lack (None then)."""
-    return getattr(params, name, None)
 
 
 def wait_inbox(inbox: zmq.Socket, handler: TokenizeHandler) -> None:
