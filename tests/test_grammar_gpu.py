@@ -46,14 +46,13 @@ def test_mask_on_graph_logits_equals_eager(tiny_model_path: Callable[[str], Path
         eng.write_slots([row] * 6, list(range(6)), eng.allocator.slot_ids(pages)[:6])
         eng.token_buffer[row] = 7 + i
     out = {}
-    for label, graphs in (("graph", eng.graphs), ("eager", None)):
-        saved, eng.graphs = eng.graphs, graphs
-        batch = eng.build_batch("decode", rows, [5] * 3, None)
+    for label in ("graph", "eager"):
+        batch = eng.build_batch("decode", rows, [5] * 3, None, use_graphs=label == "graph")
+        assert (batch.graph is not None) == (label == "graph")
         masks = GrammarMasks(eng.model_config.vocab_size, 4, eng.device)
         logits = eng.forward(batch)
         masks.apply(logits, [0, 1, 2], grammars)
         out[label] = logits.clone()
-        eng.graphs = saved
     g, e = out["graph"], out["eager"]
     assert torch.equal(torch.isinf(g), torch.isinf(e)) and torch.isinf(g).any()
     torch.testing.assert_close(g[torch.isfinite(g)], e[torch.isfinite(e)], rtol=1e-4, atol=1e-4)
