@@ -18,6 +18,8 @@ from minisgl.dp.placement import share_cpu
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampling_params import SamplingParams
+from minisgl.grammar.compiler import GrammarCompiler
+from minisgl.grammar.spec import check_grammar, grammar_spec
 from minisgl.message import DetokInit
 from minisgl.scheduler.config import SchedulerConfig, scheduler_config
 from minisgl.scheduler.request import Request
@@ -89,8 +91,9 @@ class LLM:
         tok_eos = self.tokenizer.eos_token_id
         extra = () if tok_eos is None or tok_eos in mc.eos_token_ids else (tok_eos,)
         self.model_config = dataclasses.replace(mc, eos_token_ids=mc.eos_token_ids + extra)
+        self.grammars = GrammarCompiler(lambda: self.tokenizer, mc.vocab_size)
         self.scheduler = Scheduler(
-            self.engine, scheduler_config(options, self.engine.attn.name, self.engine.device.type)
+            self.engine, scheduler_config(options, self.engine.attn.name, self.engine.device.type), self.grammars
         )
         self._sync = InputSync(self.engine.tp.rank, self.engine.tp.size, self.engine.cpu_group)
         self._requests: dict[int, Request] = {}
@@ -151,6 +154,10 @@ class LLM:
             raise ValueError("each prompt must be a string or a list of token ids")
         self.engine.check_prompt(ids)
         params.validate()
+        spec = grammar_spec(params)
+        if spec is not None:
+            check_grammar(spec)
+            self.grammars.compiled(spec)  # raises GrammarError (a ValueError) if it does not compile
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         limit = min(len(ids) + params.max_tokens, self.engine.max_model_len)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -190,6 +197,8 @@ class LLM:
 
     def _run(self, reqs: list[Request], bar: tqdm) -> list[dict[str, Any]]:
         """Runs checked requests on this replica to the end; one result per request, in order."""
+        specs = {s for s in (grammar_spec(r.params) for r in reqs) if s is not None}
+        self._inputs.extend(("grammar", s) for s in specs)  # other TP ranks compile meanwhile
         self._inputs.extend(("add", r) for r in reqs)
         texts: dict[int, str] = {}
         kept: dict[int, int] = {}  # output tokens up to a stop string's last

@@ -229,22 +229,21 @@ def test_scheduler_options_checked_before_the_model_loads() -> None:
 
 def test_build_sampling() -> None:
     limits = Limits(vocab_size=1000, max_model_len=64)
-    proto, builder = Protocol(limits, set()), Builder("m", limits, {"temperature": 0.2, "top_k": 20})
+    proto, builder = Protocol(limits), Builder("m", limits, {"temperature": 0.2, "top_k": 20})
     job = builder.completion(proto.completion(prompt="x", top_k=0, stop="x", temperature=0))
     d = job.msgs[0].sampling
     assert d["top_k"] == -1 and d["stop"] == ["x"] and d["max_tokens"] == 16  # OpenAI's completions default
     assert d["temperature"] == 0 and d["top_p"] == 1.0  # the request wins; then the model; then OpenAI
     d = builder.completion(proto.completion(prompt="x")).msgs[0].sampling
     assert (d["temperature"], d["top_k"]) == (0.2, 20)
-    assert "presence_penalty" not in d and "logit_bias" not in d  # neutral fields are not sent
-    # What the schema cannot state is checked here: min_tokens <= max_tokens (or, on an engine
-    # build without min_tokens, that it is missing), logprobs needed by top_logprobs, the model.
-    full = Protocol(limits, {"min_tokens"})
+    assert (d["presence_penalty"], d["repetition_penalty"], d["logit_bias"], d["min_tokens"]) == (0.0, 1.0, None, 0)
+    # What the schema cannot state is checked here: min_tokens <= max_tokens, logprobs needed by
+    # top_logprobs, the model.
     with pytest.raises(ApiError) as e:
-        builder.completion(full.completion(prompt="x", min_tokens=20, max_tokens=5))
+        builder.completion(proto.completion(prompt="x", min_tokens=20, max_tokens=5))
     assert e.value.param == "min_tokens" and e.value.status == 400
     with pytest.raises(ApiError) as e:
-        builder.chat(full.chat(messages=[{"role": "user", "content": "x"}], top_logprobs=0, logprobs=False,
+        builder.chat(proto.chat(messages=[{"role": "user", "content": "x"}], top_logprobs=0, logprobs=False,
                                stream_options={"include_usage": True}))
     assert e.value.param == "stream_options"
     with pytest.raises(ApiError) as e:

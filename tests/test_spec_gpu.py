@@ -69,8 +69,13 @@ def test_fp32_triton_is_lossless(models, algo: str) -> None:
 
 
 def test_seeded_sampling_is_reproducible(models) -> None:
-    spec = LLM(models["target"], device="cuda", **spec_options(models, "draft-small"))
     sp = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=50, seed=i) for i in range(len(PROMPTS))]
-    a = spec.generate(PROMPTS, sp, use_tqdm=False)
-    spec_models.assert_same_outputs(spec.generate(PROMPTS, sp, use_tqdm=False), a)
-    assert spec.scheduler.stats()["spec_verified"] > 0
+    # Two fresh engines: a second run on the same engine hits the radix cache, and a shorter
+    # bf16 prefill rounds differently, which may move a seeded draw (seen on the H100).
+    runs = []
+    for _ in range(2):
+        spec = LLM(models["target"], device="cuda", **spec_options(models, "draft-small"))
+        runs.append(spec.generate(PROMPTS, sp, use_tqdm=False))
+        assert spec.scheduler.stats()["spec_verified"] > 0
+        spec.shutdown()
+    spec_models.assert_same_outputs(runs[1], runs[0])

@@ -313,9 +313,11 @@ class Engine:
 
     @torch.inference_mode()
     def run_batch(self, batch: ForwardBatch, st: SamplingTensors, plan: LogitsPlan | None = None) -> StepOutput:
-        """Forward + (penalties, bias, logprob alternatives as `plan` says) + sample; the sampled
-        tokens also go to `token_buffer` (the next decode's inputs). A prefill chunk's row
-        samples too; the scheduler drops that token."""
+        """Forward + (penalties, bias, grammar mask, logprob alternatives as `plan` says) + sample;
+        the sampled tokens also go to `token_buffer` (the next decode's inputs). A prefill
+        chunk's row samples too; the scheduler drops that token. The plan's mask runs on the host
+        once the forward is launched; under CUDA graphs the logits are the graph's output
+        buffer, so it changes them outside the graph."""
         logits = self.forward(batch)
         if plan is None:
             out = StepOutput(*self.sample(logits, st))

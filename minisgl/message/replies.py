@@ -71,6 +71,7 @@ class UserReply:
     token_bytes: list[bytes] | None = None
     top_logprobs: list[list[list]] | None = None
     prompt: PromptEcho | None = None  # first reply only, when asked
+    reasoning_open: bool = False  # DetokInit.reasoning_open, on the request's first reply
 
 
 @message

@@ -33,6 +33,9 @@ class TokenizeMsg:
     add_generation_prompt: bool = True  # messages: end the template with the assistant's turn
     return_prompt: bool = False  # the first reply carries the prompt's tokens (echo, prompt logprobs)
     mode: str = "generate"  # "generate" | "tokenize"
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
+    reasoning: str | None = None  # the reasoning parser: a grammar starts after its block
 
 
 @message
@@ -72,6 +75,7 @@ class DetokInit:
     top_logprobs: int = 0  # alternatives per token the request asked for
     prompt_ids: list[int] | None = None  # set when the first reply must render the prompt
     prompt_logprobs: bool = False  # the first TokenOut carries prompt logprobs to render
+    reasoning_open: bool = False  # the prompt ends inside a reasoning block (the output starts in it)
 
 
 @message

@@ -21,9 +21,11 @@ from minisgl.ops.sampling import sample
 from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
 from minisgl.ops.spec_accept import spec_accept
 from minisgl.ops.store import store_kv, store_kv_reference
+from minisgl.ops.token_bitmask import apply_token_bitmask
 
 __all__ = [
     "apply_penalties",
+    "apply_token_bitmask",
     "apply_rope",
     "decode_attention_triton",
     "embedding_lookup",

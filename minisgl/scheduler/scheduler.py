@@ -23,9 +23,11 @@ import torch
 
 from minisgl.engine.engine import Engine
 from minisgl.engine.logits_plan import LogitsSpec, StepOutput
+from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.kvcache.prefix_cache import make_prefix_cache
 from minisgl.logging_setup import get_logger
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.grammar_rows import GrammarRows
 from minisgl.scheduler.kv import RequestKV
 from minisgl.scheduler.prefill import admit, finish_admitted
 from minisgl.scheduler.request import Request
@@ -50,9 +52,14 @@ class _InFlight:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, cfg: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self, engine: Engine, cfg: SchedulerConfig | None = None, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.engine = engine
         self.cfg = cfg or SchedulerConfig()
+        self.grammar = GrammarRows(
+            grammars, engine.model_config.vocab_size, engine.cfg.max_running_requests, engine.device
+        )
         self.cache = make_prefix_cache(self.cfg.cache, engine.cfg.page_size)
         self.kv = RequestKV(engine, self.cache)
         self.waiting: deque[Request] = deque()
@@ -111,6 +118,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.add_check(req)
+        self.grammar.attach(req)
         req.logits_spec = LogitsSpec.of(req.params, req.eos_ids, self.engine.model_config.vocab_size)
         self.waiting.append(req)
 
@@ -170,9 +178,11 @@ class Scheduler:
         self._decode_next = False
         if self.spec is not None:
             reqs = self._decodable()
-            # Penalties, logit bias, min_tokens and logprob alternatives are not in the
-            # acceptance kernel yet: a batch holding such a request decodes plainly (lossless).
-            if reqs and self.spec.draft_tokens(len(reqs)) > 0 and all(r.logits_spec is None for r in reqs):
+            # Penalties, logit bias, min_tokens, logprob alternatives and grammar masks are not
+            # in the acceptance kernel yet: a batch holding such a request decodes plainly
+            # (lossless; a grammar must never be skipped).
+            if (reqs and self.spec.draft_tokens(len(reqs)) > 0
+                    and all(r.logits_spec is None and r.grammar is None for r in reqs)):
                 return self._launch_verify()
         return self._launch_decode()
 
@@ -288,7 +298,8 @@ class Scheduler:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         self.kv.flush()
-        sampling = prepare_step_sampling(eng, reqs, samples, prefix, new)
+        masks = self.grammar.step_mask(reqs, samples, self._drain)
+        sampling = prepare_step_sampling(eng, reqs, samples, prefix, new, masks)
         batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new, extra_logit_rows=sampling.extra_logit_rows)
         out = eng.run_batch(batch, sampling.tensors, sampling.plan)
         if self.spec is not None:  # a draft model's KV follows every target step
@@ -319,6 +330,8 @@ class Scheduler:
             if req.finished:  # ended (abort, stop string, EOS) while this step was in flight
                 continue
             req.append(tok, lp, tops[i][: req.params.top_logprobs] if i in tops else None)
+            if req.grammar is not None and not req.finished:
+                self.grammar.advance(req, tok)
             done.append(req)
             if req.finished:
                 self._release(req)

@@ -37,6 +37,8 @@ class ServerArgs:
     max_request_bytes: int | None = None  # None: 64 bytes per token of context, at least 1 MiB
     tokenizer: str | None = None
     chat_template: str | None = None
+    tool_call_parser: str = "auto"  # hermes | llama3 | mistral | auto (from the chat template) | none
+    reasoning_parser: str | None = None  # qwen3
     shell: bool = False
     # engine
     page_size: int = 1
@@ -90,6 +92,15 @@ class ServerArgs:
             raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.tool_call_parser not in ("auto", "none"):
+            from minisgl.parsers.tool_formats import tool_format
+
+            tool_format(self.tool_call_parser)  # ValueError naming the choices
+        if self.reasoning_parser is not None:
+            from minisgl.parsers.reasoning import REASONING_PARSERS
+
+            if self.reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ValueError(f"chat template file {self.chat_template!r} does not exist")
         from minisgl.spec.config import make_spec_config  # light: no torch
@@ -271,6 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--chat-template", default=None, help="Jinja chat template file overriding the model's")
     add("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
+    add(
+        "--tool-call-parser",
+        default=d.tool_call_parser,
+        help="format of tool calls in the output: hermes (Qwen2.5/Qwen3/Hermes), llama3, mistral, "
+        "auto (from the chat template, when unambiguous) or none",
+    )
+    add("--reasoning-parser", default=None, help="qwen3: return <think> blocks as reasoning_content")
     add("--shell", action="store_true", help="chat with the model in this terminal (no HTTP)")
     g = p.add_argument_group("engine")
     g.add_argument("--page-size", type=int, default=d.page_size, help="KV-cache page size in tokens")

@@ -87,6 +87,7 @@ class Detokenizer:
             finish_reason=reason,
             prompt_tokens=init.prompt_tokens,
             completion_tokens=len(st.ids) + stop_token,
+            reasoning_open=first and init.reasoning_open,
         )
         if init.logprobs:
             reply.logprobs = list(item.logprobs or [])[: len(ids)]
