@@ -6,40 +6,13 @@ work of a step (a model drafter's K - 1 or K decode steps and its mirror of the 
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
-
 import torch
+from profile_decode_step import time_ms  # benchmarks/ is on sys.path when run as a script
 
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampler import SamplingTensors
 from minisgl.spec.drafter import DraftRequest, TargetStep
-
-
-def time_ms(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median wall time of fn() per call, GPU work included (synchronized). Without a GPU
-    (a smoke run of the script on the CPU) host wall time."""
-    for _ in range(3):
-        fn()
-    if not torch.cuda.is_available():
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1000)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 class StepBench:

@@ -12,8 +12,8 @@ import pytest
 
 from minisgl.message import DetokenizeMsg, DetokInit, TokenOut
 from minisgl.scheduler.process import scheduler_builder
-from minisgl.server.args import build_parser, parse_args
 from minisgl.server.build import Builder
+from minisgl.server.cli import build_parser, parse_args
 from minisgl.server.errors import ApiError
 from minisgl.server.protocol import Protocol
 from minisgl.server.protocol_types import Limits

@@ -8,6 +8,7 @@ import torch
 from minisgl.kernels import spec_accept as _k
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_same_device, check_shape, check_tensor
+from minisgl.ops.sampling import check_sampling_params
 
 
 def spec_accept(
@@ -29,14 +30,7 @@ def spec_accept(
     b = drafts.shape[0]
     check_tensor("cu", cu, dtype=torch.int32, ndim=1)
     check_shape("cu", cu, (b + 1,))
-    for name, t, dtype in (
-        ("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
-        ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
-        ("seeds", seeds, torch.int64), ("steps", steps, torch.int64),
-    ):
-        check_tensor(name, t, dtype=dtype, ndim=1)
-        check_shape(name, t, (b,))
-        check_contiguous(name, t)
+    check_sampling_params(b, temperature, top_k, top_p, min_p, seeds, steps)
     if q is not None:
         check_tensor("q", q, dtype=torch.float32, ndim=2)
         check_shape("q", q, tuple(logits.shape))
