@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12
+FP8_MAX = tl.constexpr(448.0)  # a constexpr: compiled kernels may read no other globals
+MIN_SCALE = tl.constexpr(1e-12)
 
 
 @triton.jit
