@@ -34,11 +34,13 @@ def _quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s, G, BLOCK: tl.constex
     for k0 in range(start, end, BLOCK):
         x = tl.load(X + row * stride_x + k0 + offs, mask=k0 + offs < end, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    # IEEE-rounded divisions (`/` is approximate in compiled Triton): the scales and the e4m3
+    # values then equal ops.fp8.quantize_activations' bit for bit.
+    scale = tl.maximum(tl.fdiv(tl.max(amax, axis=0), FP8_MAX, ieee_rounding=True), MIN_SCALE)
     for k0 in range(start, end, BLOCK):
         mask = k0 + offs < end
         x = tl.load(X + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+        q = tl.minimum(tl.maximum(tl.fdiv(x, scale, ieee_rounding=True), -FP8_MAX), FP8_MAX)
         tl.store(Q + row * stride_q + k0 + offs, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row * stride_s + g, scale)
 

@@ -54,6 +54,8 @@ def test_quantize_tokens(m: int, k: int, group: int, magnitude: float) -> None:
     assert q.dtype == FP8 and s.shape == s_ref.shape
     torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
     _close_to_one_step(q, q_ref)
+    if q.is_cuda:  # compiled: IEEE divisions and cvt.rn give the reference's bits exactly
+        assert torch.equal(s.cpu(), s_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
 
 def _gemm_case(m: int, n: int, k: int, block: bool, seed: int):
@@ -95,10 +97,13 @@ def test_fp8_gemm_gpu(backend: str, m: int, n: int, k: int, block: bool) -> None
 
     if backend == "auto" and block:
         pytest.skip("block scales always take the Triton GEMM")
+    from minisgl.kernels.fp8_gemm import quantize_tokens
+
     xq, xs, wq, ws, group, _, _ = _gemm_case(m, n, k, block, m + n)
     x = _x(m, k, m + n).to(torch.bfloat16)
-    # The reference of the whole op: our quantization of the bf16 input, then fp32 math.
-    xq, xs = quantize_activations(x, group)
+    # The reference of the GEMM: the quant kernel's own e4m3 activations (test_quantize_tokens
+    # checks them against quantize_activations), then fp32 math.
+    xq, xs = (t.cpu() for t in quantize_tokens(x.cuda(), group))
     a, b = dequantize(xq, xs, group), dequantize(wq, ws, group)
     ref, mag = a @ b.t(), a.abs() @ b.abs().t()
     y = fp8_gemm(x.cuda(), wq.cuda(), ws.cuda(), 128 if block else k, backend=backend).float().cpu()

@@ -105,9 +105,12 @@ def test_fp8_checkpoint_on_the_gpu(src: Path, tmp_path: Path, fmt: str) -> None:
         scores = llm.engine.score(PROMPTS)
     finally:
         llm.shutdown()
-    for ours, ref in zip(scores, want_logits, strict=True):
-        rel = (ours.float().cpu() - ref).abs().max() / ref.abs().max()
-        assert rel <= 0.1, f"{fmt}: rel err {rel:.3f}"
+    for ours, ref, g in zip(scores, want_logits, got, strict=True):
+        err = (ours.float().cpu() - ref).abs().max()
+        assert err / ref.abs().max() <= 0.1, f"{fmt}: rel err {err / ref.abs().max():.3f}"
+        # Our first token is the reference's argmax, or a near-tie within twice the logit error
+        # (the only way a greedy pick can flip under that error).
+        last = ref[-1]
+        assert last[g[0]] >= last.max() - 2 * err, f"{fmt}: first token {g[0]} not a near-tie of {last.argmax()}"
     same = sum(a == b for g, w in zip(got, want_tokens, strict=True) for a, b in zip(g, w, strict=True))
     print(f"{fmt}: greedy agreement with fp32 dequantized transformers {same}/{sum(map(len, want_tokens))}")
-    assert [g[0] for g in got] == [w[0] for w in want_tokens]
