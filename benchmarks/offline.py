@@ -114,7 +114,8 @@ def main() -> None:
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
     # Warm-up: Triton compiles each kernel once per specialization (batch sizes, sampling
     # options); a few requests of the workload's kind keep those compiles out of the timing.
-    llm.generate(prompts[:8], [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16)] * 8, use_tqdm=False)
+    warm = prompts[:8]  # fewer when --num-requests is smaller
+    llm.generate(warm, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16)] * len(warm), use_tqdm=False)
     llm.scheduler.gpu_timeline = []
     if torch.cuda.is_available():
         torch.cuda.synchronize()
