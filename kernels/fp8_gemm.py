@@ -89,7 +89,10 @@ def _scaled_mm_kernel(
         a = tl.load(a_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if ONE_GROUP:
-            acc = tl.dot(a, b, acc)
+            # Promote to fp32 every BLOCK_K, as the block path does (Hopper's FP8 MMA accumulator keeps fewer
+            # bits than fp32). Measured on the H100 before this, error / (|A| @ |B|^T) at the median: 7.5e-5
+            # accumulating all K = 4096 in the MMA, 0.8-2.5e-5 for the block path.
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             g = k0 // group_k
             sa = tl.load(SA + offs_m * stride_sam + g, mask=m_ok, other=0.0)

@@ -6,7 +6,7 @@ Bounds: quantized values within one e4m3 step of the reference (under TRITON_INT
 half of it where rounding carries into the next power of two: the interpreter's float->fp8
 conversion drops that carry; the GPU's cvt.rn does not); GEMM outputs within 1e-5 * (|A| @ |B|^T) of the
 fp32 product of the dequantized operands (fp32 accumulation of exact fp8 products), plus a
-16-bit output's rounding.
+16-bit output's rounding; on the GPU the FP8 tensor cores' shorter accumulator widens that (see the test).
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ def test_quantize_tokens(m: int, k: int, group: int, magnitude: float) -> None:
     assert q.dtype == FP8 and s.shape == s_ref.shape
     torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-6, atol=0)
     _close_to_one_step(q, q_ref)
-    if q.is_cuda:  # compiled: IEEE divisions and cvt.rn give the reference's bits exactly
-        assert torch.equal(s.cpu(), s_ref) and torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    if q.is_cuda:  # compiled: the e4m3 values are the reference's bit for bit (scales within rtol above: the
+        # compiler may divide by the constant 448 as a multiply, one ulp apart; measured on the H100: no value moved)
+        assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
 
 
 def _gemm_case(m: int, n: int, k: int, block: bool, seed: int):
@@ -107,7 +108,11 @@ def test_fp8_gemm_gpu(backend: str, m: int, n: int, k: int, block: bool) -> None
     a, b = dequantize(xq, xs, group), dequantize(wq, ws, group)
     ref, mag = a @ b.t(), a.abs() @ b.abs().t()
     y = fp8_gemm(x.cuda(), wq.cuda(), ws.cuda(), 128 if block else k, backend=backend).float().cpu()
-    bound = 2e-5 * mag + 2**-8 * ref.abs() + 1e-6  # fp32 sums + one bf16 rounding
-    assert (y - ref).abs().le(bound).float().mean() >= 0.999  # (quant ties may round apart)
+    # One bf16 rounding, plus Hopper's FP8 tensor-core accumulation, which keeps fewer bits than fp32 between
+    # promotions (ours promote every 128 K; measured on the H100, error / (|A| @ |B|^T) at the 99.9th percentile:
+    # ours 1.8e-4 with fp32 output, cuBLAS's row-wise _scaled_mm 1.4e-3 at K = 1024). A tiling bug (a lost K tile,
+    # a wrong scale block) errs by several % of |A| @ |B|^T.
+    bound = 2**-8 * ref.abs() + 2**-9 * mag + 1e-6
+    assert (y - ref).abs().le(bound).float().mean() >= 0.999
     rel = (y - x.float() @ dequantize(wq, ws, group).t()).norm() / ref.norm()
     assert rel < 0.08, f"vs unquantized activations: rel err {rel:.3f}"  # e4m3 activations: ~2-4 %
