@@ -1,10 +1,12 @@
 """Request hop tracing (MINISGL_TRACE_REQUESTS=1) and what it found: the trace line and its
 parser, the messages carrying a trace, the scheduler's hops and step lines (graph bucket, or
-why a step ran eagerly, logged once per reason)."""
+why a step ran eagerly, logged once per reason), and the HTTP listener's TCP_NODELAY."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import socket
 
 import pytest
 from test_graph_replay_cpu import graph_llm
@@ -12,6 +14,7 @@ from test_graph_replay_cpu import graph_llm
 from minisgl import SamplingParams
 from minisgl.message import DetokInit, TokenizeMsg, TokenOut, UserMsg, UserReply, decode, encode, trace
 from minisgl.message.trace import HOPS, parse_request_line, request_line
+from minisgl.server.launch import _bind
 
 
 @pytest.fixture
@@ -98,3 +101,29 @@ def test_too_large_step_says_why_it_runs_eagerly(tiny_model_path, log_lines) -> 
     eng.build_batch("extend", [row], [0], [list(range(700, 759))])
     assert len([x for x in log_lines if "runs eagerly" in x]) == 1
 
+
+def test_http_connections_get_tcp_nodelay() -> None:
+    """The listener the server hands uvicorn: every accepted connection must have TCP_NODELAY,
+    or Nagle holds a stream's first chunk until the client's delayed ACK (~40 ms)."""
+    listener = _bind("127.0.0.1", 0)
+    listener.listen()
+    seen: list[int] = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
+            seen.append(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Probe, sock=listener)
+        port = listener.getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(200):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0
