@@ -16,6 +16,13 @@ timing the first text would then count those decode steps as TTFT and shorten TP
 
 Targets (H100, Qwen3-8B shapes; issue 12) are printed beside the figures.
 
+Where the client's own time goes (sequential table): "client prep" is from the call until the
+request leaves the client (httpx's request hook: the openai client transforms and serializes
+the parameters first, which for a list of token ids costs a few µs per id), "from send" the
+TTFT counted from there. `--client-trace FILE` writes one JSON line per request (its
+x-request-id and the client's CLOCK_MONOTONIC times), which `benchmarks/trace_summary.py`
+lines up with a server run under MINISGL_TRACE_REQUESTS=1.
+
     python benchmarks/latency.py --base-url http://127.0.0.1:8123 --tokenizer qwen3
     python benchmarks/latency.py --parts poisson --rates 4   # one part
 """
@@ -24,13 +31,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
+import json
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
 TTFT_TARGET_MS = {16: 12.0, 1024: 35.0, 4096: 120.0}  # sequential, token-id prompts
 ITL_P99_OVER_P50 = {4.0: 2.0, 12.0: 3.0}  # Poisson rate -> the most ITL p99 / p50 may be
@@ -44,15 +53,37 @@ class Timing:
     tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    # CLOCK_MONOTONIC seconds: the call, the request leaving the client, the response headers
+    # (our server sends them with the first chunk), and the server's x-request-id.
+    call: float = float("nan")
+    sent: float = float("nan")
+    headers: float = float("nan")
+    request_id: str = ""
 
     @property
     def tpot(self) -> float:
         return (self.e2e - self.ttft) / (self.tokens - 1) if self.tokens > 1 else float("nan")
 
 
+_CURRENT: contextvars.ContextVar[Timing] = contextvars.ContextVar("timing")
+
+
+async def _on_request(request: object) -> None:  # httpx event hooks run in the caller's task
+    if (t := _CURRENT.get(None)) is not None:
+        t.sent = time.monotonic()
+
+
+async def _on_response(response: object) -> None:
+    if (t := _CURRENT.get(None)) is not None:
+        t.headers = time.monotonic()
+        t.request_id = response.headers.get("x-request-id", "")  # type: ignore[attr-defined]
+
+
 async def stream_one(client: AsyncOpenAI, model: str, prompt: list[int] | str, max_tokens: int) -> Timing:
     t = Timing()
+    _CURRENT.set(t)  # each call runs in its own task (or sequentially in one)
     start = last = time.perf_counter()
+    t.call = time.monotonic()
     chunks = 0
     try:
         stream = await client.completions.create(
@@ -89,8 +120,9 @@ def random_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
 async def sequential(client: AsyncOpenAI, model: str, args: argparse.Namespace, tok) -> None:  # noqa: ANN001
     rng = random.Random(0)
     print("\n## sequential (one request at a time)\n")
-    print("| prompt | kind | TTFT p50 ms | TTFT min ms | first text p50 ms | TPOT p50 ms | target TTFT | |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| prompt | kind | TTFT p50 ms | TTFT min ms | first text p50 ms | TPOT p50 ms | client prep p50 ms | "
+          "TTFT from send p50 ms | target TTFT | |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     kinds = ["ids", "text"] if tok is not None else ["ids"]
     for n in args.lengths:
         for kind in kinds:
@@ -104,16 +136,30 @@ async def sequential(client: AsyncOpenAI, model: str, args: argparse.Namespace, 
             await stream_one(client, model, prompt(), args.seq_output_len)  # warm this shape up
             runs = [await stream_one(client, model, prompt(), args.seq_output_len) for _ in range(args.requests)]
             ok = [r for r in runs if not r.error]
+            write_trace(args, runs, f"sequential {kind} {n}")
             if not ok:
-                print(f"| {n} | {kind} | failed: {runs[0].error} | | | | | |")
+                print(f"| {n} | {kind} | failed: {runs[0].error} | | | | | | | |")
                 continue
             ttft = [r.ttft * 1e3 for r in ok]
             text = statistics.median(r.first_text * 1e3 for r in ok)
             tpot = statistics.median(r.tpot * 1e3 for r in ok)
+            prep = statistics.median((r.sent - r.call) * 1e3 for r in ok)
+            from_send = statistics.median(r.ttft * 1e3 - (r.sent - r.call) * 1e3 for r in ok)
             target = TTFT_TARGET_MS.get(n) if kind == "ids" else None
             verdict = "" if target is None else ("met" if statistics.median(ttft) <= target else "MISSED")
             print(f"| {n} | {kind} | {statistics.median(ttft):.1f} | {min(ttft):.1f} | {text:.1f} | {tpot:.2f} | "
-                  f"{'' if target is None else f'<= {target:.0f}'} | {verdict} |")
+                  f"{prep:.1f} | {from_send:.1f} | {'' if target is None else f'<= {target:.0f}'} | {verdict} |")
+
+
+def write_trace(args: argparse.Namespace, runs: list[Timing], part: str) -> None:
+    """Appends the runs' client-side times to --client-trace (JSON lines), if given."""
+    if not args.client_trace:
+        return
+    with open(args.client_trace, "a") as f:
+        for r in runs:
+            first = r.call + r.ttft if r.ttft == r.ttft else None
+            f.write(json.dumps({"part": part, "request_id": r.request_id, "call": r.call, "sent": r.sent,
+                                "headers": r.headers, "first_token": first, "error": r.error}) + "\n")
 
 
 async def poisson(client: AsyncOpenAI, model: str, args: argparse.Namespace) -> None:
@@ -130,6 +176,7 @@ async def poisson(client: AsyncOpenAI, model: str, args: argparse.Namespace) -> 
             tasks.append(asyncio.create_task(stream_one(client, model, p, args.output_len)))
             await asyncio.sleep(arrivals.exponential(1.0 / rate))
         runs = await asyncio.gather(*tasks)
+        write_trace(args, runs, f"poisson {rate:g}")
         ok = [r for r in runs if not r.error]
         if not ok:
             print(f"| {rate:g} | 0 | failed: {runs[0].error} |")
@@ -147,8 +194,9 @@ async def poisson(client: AsyncOpenAI, model: str, args: argparse.Namespace) -> 
 
 
 async def main_async(args: argparse.Namespace) -> None:
+    hooks = {"request": [_on_request], "response": [_on_response]}
     client = AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none",
-                         max_retries=0, timeout=600)
+                         max_retries=0, timeout=600, http_client=DefaultAsyncHttpxClient(event_hooks=hooks))
     model = args.model or (await client.models.list()).data[0].id
     tok = None
     if args.tokenizer and "sequential" in args.parts:
@@ -180,6 +228,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=100000, help="token ids are drawn from [1000, vocab)")
+    ap.add_argument("--client-trace", default=None, help="append each request's client-side times here (JSON lines)")
     args = ap.parse_args()
     asyncio.run(main_async(args))
 
