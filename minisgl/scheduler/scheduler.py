@@ -206,7 +206,7 @@ class Scheduler:
         """Every decode plus a prefill chunk in one step (the decodes first: their KV slots
         are secured before the chunk's admission takes pages)."""
         decodes = self._ensure_decode_slots(self._decodable())
-        plan = admit(self, min(self.cfg.mixed_chunk_tokens, self.cfg.max_prefill_tokens))
+        plan = admit(self, self._mixed_chunk(len(decodes)))
         if not plan.reqs:
             return self._launch_decode(decodes)
         if not decodes:
@@ -218,6 +218,19 @@ class Scheduler:
             self._end_decodes(decodes)
         finish_admitted(self, plan)
         return True
+
+    def _mixed_chunk(self, num_decodes: int) -> int:
+        """Prompt tokens for a mixed step beside `num_decodes` decodes: at most the budget
+        (`mixed_chunk_tokens`), trimmed so that the whole step fills the largest captured mixed
+        bucket within it rather than padding up to the next one (7 decodes + 512 tokens would
+        replay the 640-token graph; 7 + 505 fill the 512 one). The prompt's rest rides in a
+        later step, whose decodes had to run anyway."""
+        budget = min(self.cfg.mixed_chunk_tokens, self.cfg.max_prefill_tokens)
+        graphs = self.engine.graphs
+        if graphs is None or not graphs.mixed:
+            return budget
+        fit = max((x.tokens for x in graphs.mixed if x.tokens <= num_decodes + budget), default=0) - num_decodes
+        return fit if fit > 0 else budget
 
     def _launch_decode(self, reqs: list[Request] | None = None) -> bool:
         reqs = self._ensure_decode_slots(self._decodable()) if reqs is None else reqs
