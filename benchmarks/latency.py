@@ -168,7 +168,7 @@ async def poisson(client: AsyncOpenAI, model: str, args: argparse.Namespace) -> 
           "ITL p99/p50 | target |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rate in args.rates:
-        rng = random.Random(1)
+        rng = random.Random(f"poisson {rate}")  # prompts of their own: not prefix-cache hits of another rate's
         arrivals = np.random.default_rng(2)
         prompts = [random_ids(rng, args.input_len, args.vocab) for _ in range(args.num_prompts)]
         tasks = []

@@ -98,6 +98,17 @@ def step_table(steps: dict[int, dict[str, str]]) -> None:
         print(f"| {mode} | {how} | {len(ss)} | {median([float(s['tokens']) for s in ss])} | "
               f"{median([float(s['host']) for s in ss])} | {median([float(s['ready']) for s in ss])} | "
               f"{median(gpu)} | {max(gpu) if gpu else ''} |")
+    buckets: dict[tuple[str, str], list[dict[str, str]]] = defaultdict(list)
+    for s in steps.values():
+        if s["mode"] != "decode" and s["how"].startswith("graph") and s["gpu"]:
+            buckets[(s["mode"], s["how"].removeprefix("graph="))].append(s)
+    if buckets:  # what a prefill or mixed step costs per graph bucket (the mixed-chunk budget's data)
+        print("\n| step kind | graph bucket (tokens) | count | reqs p50 | gpu p50 ms | gpu p90 ms |")
+        print("|---|---|---|---|---|---|")
+        for (mode, bucket), ss in sorted(buckets.items(), key=lambda kv: (kv[0][0], int(kv[0][1]))):
+            gpu = sorted(float(s["gpu"]) for s in ss)
+            print(f"| {mode} | {bucket} | {len(ss)} | {median([float(s['reqs']) for s in ss])} | "
+                  f"{median(gpu)} | {gpu[int(0.9 * (len(gpu) - 1))]:.2f} |")
     reasons = sorted({s["how"] for s in steps.values() if s["how"].startswith("eager")})
     for why in reasons:
         print(f"eager steps: {why}")

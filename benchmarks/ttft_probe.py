@@ -85,13 +85,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=100000, help="token ids are drawn from [1000, vocab)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="of the random prompts (another run's prompts would be prefix-cache hits)")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     url = urllib.parse.urlparse(args.base_url)
     model = json.loads(urllib.request.urlopen(args.base_url + "/v1/models").read())["data"][0]["id"]
-    rng = random.Random(0)
+    rng = random.Random(args.seed)
 
     def body(n: int, kind: str) -> bytes:
         ids = [rng.randrange(1000, args.vocab) for _ in range(n)]
