@@ -22,7 +22,11 @@ request leaves the client (httpx's request hook: the openai client transforms an
 the parameters first, which for a list of token ids costs a few µs per id), "from send" the
 TTFT counted from there. `--client-trace FILE` writes one JSON line per request (its
 x-request-id and the client's CLOCK_MONOTONIC times), which `benchmarks/trace_summary.py`
-lines up with a server run under MINISGL_TRACE_REQUESTS=1.
+lines up with a server run under MINISGL_TRACE_REQUESTS=1 (which also gives the ITL as the
+server emits it). The client's own CPU time can inflate what it measures: the Poisson table
+says how late its event loop ran. `--procs N` spreads the Poisson arrivals over N client
+processes; `--prompt-in-extra-body` sends the same JSON without the openai client's per-id
+parameter transform.
 
     python benchmarks/latency.py --base-url http://127.0.0.1:8123 --tokenizer qwen3
     python benchmarks/latency.py --parts poisson --rates 4   # one part
@@ -33,11 +37,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextvars
+import dataclasses
 import json
+import multiprocessing
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import numpy as np
 from openai import AsyncOpenAI, DefaultAsyncHttpxClient
@@ -80,16 +87,20 @@ async def _on_response(response: object) -> None:
         t.request_id = response.headers.get("x-request-id", "")  # type: ignore[attr-defined]
 
 
-async def stream_one(client: AsyncOpenAI, model: str, prompt: list[int] | str, max_tokens: int) -> Timing:
+async def stream_one(client: AsyncOpenAI, model: str, prompt: list[int] | str, max_tokens: int,
+                     via_extra_body: bool = False) -> Timing:
+    """One streamed completion. `via_extra_body`: the prompt goes in extra_body (the same JSON
+    body), which the openai client does not transform element by element."""
     t = Timing()
     _CURRENT.set(t)  # each call runs in its own task (or sequentially in one)
     start = last = time.perf_counter()
     t.call = time.monotonic()
     chunks = 0
     try:
+        extra: dict = {"ignore_eos": True, **({"prompt": prompt} if via_extra_body else {})}
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True, logprobs=0,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            model=model, prompt="" if via_extra_body else prompt, max_tokens=max_tokens, temperature=0.0,
+            stream=True, logprobs=0, stream_options={"include_usage": True}, extra_body=extra,
         )
         async for chunk in stream:
             if chunk.usage is not None:
@@ -134,8 +145,9 @@ async def sequential(client: AsyncOpenAI, model: str, args: argparse.Namespace, 
 
                 return random_prompt(tok, args.text_vocab, n, rng)
 
-            await stream_one(client, model, prompt(), args.seq_output_len)  # warm this shape up
-            runs = [await stream_one(client, model, prompt(), args.seq_output_len) for _ in range(args.requests)]
+            x = args.prompt_in_extra_body
+            await stream_one(client, model, prompt(), args.seq_output_len, x)  # warm this shape up
+            runs = [await stream_one(client, model, prompt(), args.seq_output_len, x) for _ in range(args.requests)]
             ok = [r for r in runs if not r.error]
             write_trace(args, runs, f"sequential {kind} {n}")
             if not ok:
@@ -159,8 +171,9 @@ def write_trace(args: argparse.Namespace, runs: list[Timing], part: str) -> None
     with open(args.client_trace, "a") as f:
         for r in runs:
             first = r.call + r.ttft if r.ttft == r.ttft else None
+            end = r.call + r.e2e if r.e2e == r.e2e else None
             f.write(json.dumps({"part": part, "request_id": r.request_id, "call": r.call, "sent": r.sent,
-                                "headers": r.headers, "first_token": first, "error": r.error}) + "\n")
+                                "headers": r.headers, "first_token": first, "end": end, "error": r.error}) + "\n")
 
 
 async def poisson(client: AsyncOpenAI, model: str, args: argparse.Namespace) -> None:
@@ -170,16 +183,13 @@ async def poisson(client: AsyncOpenAI, model: str, args: argparse.Namespace) -> 
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rate in args.rates:
         rng = random.Random(f"poisson {rate}")  # prompts of their own: not prefix-cache hits of another rate's
-        arrivals = np.random.default_rng(2)
+        offsets = np.cumsum(np.random.default_rng(2).exponential(1.0 / rate, args.num_prompts)).tolist()
+        offsets = [0.0, *offsets[:-1]]  # arrival times (s) from the first request
         prompts = [random_ids(rng, args.input_len, args.vocab) for _ in range(args.num_prompts)]
-        tasks = []
-        lags: list[float] = []
-        watch = asyncio.create_task(loop_lag(lags))
-        for p in prompts:
-            tasks.append(asyncio.create_task(stream_one(client, model, p, args.output_len)))
-            await asyncio.sleep(arrivals.exponential(1.0 / rate))
-        runs = await asyncio.gather(*tasks)
-        watch.cancel()
+        if args.procs > 1:
+            runs, lags = run_in_processes(args, model, prompts, offsets)
+        else:
+            runs, lags = await poisson_runs(client, model, args, prompts, offsets, time.monotonic())
         write_trace(args, runs, f"poisson {rate:g}")
         ok = [r for r in runs if not r.error]
         if not ok:
@@ -198,6 +208,71 @@ async def poisson(client: AsyncOpenAI, model: str, args: argparse.Namespace) -> 
         print(f"| {rate:g} | {len(ok)}/{len(runs)} | {cells} | {ratio:.2f}x | {verdict} | {lag} |")
 
 
+async def poisson_runs(client: AsyncOpenAI, model: str, args: argparse.Namespace, prompts: list[list[int]],
+                       offsets: list[float], start: float) -> tuple[list[Timing], list[float]]:
+    """Each prompt sent at `start` + its offset (CLOCK_MONOTONIC s): (timings, loop lags in ms)."""
+    lags: list[float] = []
+    watch = asyncio.create_task(loop_lag(lags))
+    tasks = []
+    for p, offset in zip(prompts, offsets):
+        if (delay := start + offset - time.monotonic()) > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(stream_one(client, model, p, args.output_len, args.prompt_in_extra_body)))
+    runs = await asyncio.gather(*tasks)
+    watch.cancel()
+    return list(runs), lags
+
+
+def _client_process(conn: Connection, args: argparse.Namespace, model: str, prompts: list[list[int]],
+                    offsets: list[float]) -> None:
+    async def main() -> tuple[list[Timing], list[float]]:
+        client = make_client(args)
+        conn.send("ready")
+        start = conn.recv()
+        try:
+            return await poisson_runs(client, model, args, prompts, offsets, start)
+        finally:
+            await client.close()
+
+    runs, lags = asyncio.run(main())
+    conn.send(([dataclasses.asdict(r) for r in runs], lags))
+
+
+def run_in_processes(args: argparse.Namespace, model: str, prompts: list[list[int]],
+                     offsets: list[float]) -> tuple[list[Timing], list[float]]:
+    """The same arrivals from --procs client processes (request i from process i mod procs),
+    so that no one client's event loop must parse every stream's chunks."""
+    ctx = multiprocessing.get_context("spawn")
+    n = args.procs
+    procs, conns = [], []
+    for j in range(n):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_client_process, args=(child, args, model, prompts[j::n], offsets[j::n]), daemon=True)
+        p.start()
+        procs.append(p)
+        conns.append(parent)
+    for c in conns:
+        c.recv()  # ready: imported and connected
+    start = time.monotonic() + 0.2
+    for c in conns:
+        c.send(start)
+    runs: list[Timing] = [Timing()] * len(prompts)
+    lags: list[float] = []
+    for j, c in enumerate(conns):
+        got, lag = c.recv()
+        runs[j::n] = [Timing(**r) for r in got]
+        lags += lag
+    for p in procs:
+        p.join()
+    return runs, lags
+
+
+def make_client(args: argparse.Namespace) -> AsyncOpenAI:
+    hooks = {"request": [_on_request], "response": [_on_response]}
+    return AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none",
+                       max_retries=0, timeout=600, http_client=DefaultAsyncHttpxClient(event_hooks=hooks))
+
+
 async def loop_lag(out: list[float], period: float = 0.001) -> None:
     """How late this client's event loop wakes a 1 ms sleep (ms): its own work (the openai
     client's per-request transform, parsing every stream's chunks) delays when chunks are read,
@@ -209,9 +284,7 @@ async def loop_lag(out: list[float], period: float = 0.001) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    hooks = {"request": [_on_request], "response": [_on_response]}
-    client = AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none",
-                         max_retries=0, timeout=600, http_client=DefaultAsyncHttpxClient(event_hooks=hooks))
+    client = make_client(args)
     model = args.model or (await client.models.list()).data[0].id
     tok = None
     if args.tokenizer and "sequential" in args.parts:
@@ -244,6 +317,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=100000, help="token ids are drawn from [1000, vocab)")
     ap.add_argument("--client-trace", default=None, help="append each request's client-side times here (JSON lines)")
+    ap.add_argument("--procs", type=int, default=1, help="client processes sharing the Poisson arrivals")
+    ap.add_argument("--prompt-in-extra-body", action="store_true",
+                    help="send prompts in extra_body (the same JSON, without the client's per-id transform)")
     args = ap.parse_args()
     asyncio.run(main_async(args))
 

@@ -11,7 +11,9 @@ client trace: prep (call -> request leaves the client: the openai client's own w
 wire in (request leaves the client -> the server's gate), wire out (first chunk written ->
 the client parsed its first token; "headers" = -> the client had the response headers, which
 our server sends together with the first chunk) and the client's TTFT. Then the steps by
-kind: count, median host launch, ready and GPU ms, and every reason a step ran eagerly.
+kind: count, median host launch, ready and GPU ms, and every reason a step ran eagerly; with
+the client trace, the ITL as the server emits it per part (gaps between consecutive steps'
+tokens, once per continuing request) and which steps make its slowest 1%.
 
     python benchmarks/trace_summary.py server.log --client client_trace.jsonl
 """
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minisgl.message.trace import HOPS, parse_request_line  # noqa: E402
 
 STEP = re.compile(r"step (\d+) (\w+) reqs=(\d+) tokens=(\d+) (graph=\d+|eager=\"[^\"]*\") host=([\d.]+) "
-                  r"ready=([\d.]+)(?: gpu=([\d.]+))?")
+                  r"ready=([\d.]+)(?: gpu=([\d.]+))?(?: decodes=(\d+) at=([\d.]+))?")
 
 
 def median(xs: list[float]) -> str:
@@ -44,7 +46,7 @@ def read_log(path: str) -> tuple[list[dict[str, str]], dict[int, dict[str, str]]
             requests.append(fields)
         elif m := STEP.search(line):
             steps[int(m[1])] = {"mode": m[2], "reqs": m[3], "tokens": m[4], "how": m[5], "host": m[6],
-                                "ready": m[7], "gpu": m[8] or ""}
+                                "ready": m[7], "gpu": m[8] or "", "decodes": m[9] or "0", "at": m[10] or ""}
     return requests, steps
 
 
@@ -114,6 +116,39 @@ def step_table(steps: dict[int, dict[str, str]]) -> None:
         print(f"eager steps: {why}")
 
 
+def server_itl(steps: dict[int, dict[str, str]], client: dict[str, dict]) -> None:
+    """The inter-token gaps as the server emits them, per client part: between consecutive
+    steps' `at` (tokens on the host), once per request that continues in the later step.
+    Which steps make the slowest 1%: the kind (and graph) of the step whose tokens arrive
+    late, and of the step launched just before they were read (overlap)."""
+    timed = sorted((float(s["at"]), n) for n, s in steps.items() if s["at"])
+    if not timed:
+        return
+    parts: dict[str, list[float]] = defaultdict(list)
+    for c in client.values():
+        if c.get("end"):
+            parts[c["part"]] += [c["call"], c["end"]]
+    print("\n| part | server ITL p50 ms | p90 | p99 | p99/p50 | slowest 1%: late step / step launched before: count |")
+    print("|---|---|---|---|---|---|")
+    for part, ts in parts.items():
+        lo, hi = min(ts), max(ts)
+        window = [(t, n) for t, n in timed if lo <= t <= hi]
+        gaps: list[tuple[float, int, int]] = []  # (ms, step, next step)
+        for (t0, _), (t1, n), nxt in zip(window, window[1:], [*window[2:], (0.0, -1)]):
+            gaps += [((t1 - t0) * 1e3, n, nxt[1])] * int(steps[n]["decodes"])
+        if not gaps:
+            continue
+        ms = sorted(g[0] for g in gaps)
+        p50, p90, p99 = (ms[int(q * (len(ms) - 1))] for q in (0.5, 0.9, 0.99))
+        slow: dict[str, int] = defaultdict(int)
+        for g, n, nxt in gaps:
+            if g >= p99:
+                after = steps[nxt]["mode"] + f" ({steps[nxt]['how']})" if nxt in steps else "-"
+                slow[f"{steps[n]['mode']} ({steps[n]['how']}) / {after}"] += 1
+        top = "; ".join(f"{k}: {v}" for k, v in sorted(slow.items(), key=lambda kv: -kv[1])[:4])
+        print(f"| {part} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {p99 / p50:.2f}x | {top} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("log", help="the server's log (MINISGL_TRACE_REQUESTS=1)")
@@ -132,6 +167,8 @@ def main() -> None:
     print(f"{len(requests)} traced requests, {len(steps)} steps in {args.log}\n")
     request_table(requests, steps, client)
     step_table(steps)
+    if client:
+        server_itl(steps, client)
 
 
 if __name__ == "__main__":

@@ -333,7 +333,8 @@ class Scheduler:
             event = torch.cuda.Event()
             event.record()
         if traced is not None:
-            step_trace.launched(traced, batch, eng.steps.eager_reason, reqs, samples)
+            decodes = len(reqs) if new is None else sum(t is None for t in new)
+            step_trace.launched(traced, batch, eng.steps.eager_reason, reqs, samples, decodes)
         self.inflight.append(_InFlight(reqs, samples, out, sampling, event, traced))
 
     def _process(self, item: _InFlight) -> list[Request]:

@@ -1,14 +1,16 @@
 """Per-step timing lines and the scheduler's hops of traced requests (MINISGL_TRACE_REQUESTS=1,
 see message/trace.py), logged when the host has read the step's tokens:
 
-    step 12 extend reqs=1 tokens=16 graph=16 host=0.31 ready=6.95 gpu=6.72
+    step 12 extend reqs=1 tokens=16 graph=16 host=0.31 ready=6.95 gpu=6.72 decodes=0 at=5123.456789
 
 host: ms from the start of building the step to its launch returning (scheduling, sampling
 inputs, index upload, graph replay or eager forward, sampling launch); ready: ms from that
 start until the host saw the tokens (with overlap it reads them only after launching the next
 step, so this is at least the next step's host time); gpu: ms of the stream from the step's
 first device work to its tokens on the host (CUDA events; includes any gap the host leaves).
-An eager step says why: `eager="no captured extend graph fits ..."`.
+An eager step says why: `eager="no captured extend graph fits ..."`. decodes: the rows that
+had a token before (their inter-token gap ends here); at: when the host saw the tokens
+(CLOCK_MONOTONIC seconds), so consecutive steps' gaps are the ITLs the server emits.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class StepTrace:
     graph: int | None = None  # the replayed graph's bucket (tokens or batch size)
     eager: str | None = None  # why the step ran eagerly
     launched: float = 0.0
+    decodes: int = 0  # rows continuing a request that already had tokens
 
 
 def begin(step: int, cuda: bool) -> StepTrace:
@@ -46,9 +49,10 @@ def begin(step: int, cuda: bool) -> StepTrace:
     return StepTrace(step, trace.now(), events)
 
 
-def launched(st: StepTrace, batch: ForwardBatch, eager: str | None, reqs: list[Request], samples: list[bool]) -> None:
+def launched(st: StepTrace, batch: ForwardBatch, eager: str | None, reqs: list[Request], samples: list[bool],
+             decodes: int) -> None:
     """After the launch: the step's shape, and the hops of the traced requests in it."""
-    st.launched = trace.now()
+    st.launched, st.decodes = trace.now(), decodes
     if st.events is not None:
         st.events[1].record()
     st.mode, st.requests, st.tokens = batch.mode, batch.batch_size, batch.num_tokens
@@ -73,5 +77,5 @@ def ready(st: StepTrace, reqs: list[Request], samples: list[bool]) -> None:
         st.events[1].synchronize()  # it has: the host read the tokens after it
         gpu = f" gpu={st.events[0].elapsed_time(st.events[1]):.3f}"
     how = f"graph={st.graph}" if st.graph is not None else f'eager="{st.eager}"'
-    log.info("step %d %s reqs=%d tokens=%d %s host=%.3f ready=%.3f%s", st.step, st.mode, st.requests, st.tokens,
-             how, (st.launched - st.start) * 1e3, (at - st.start) * 1e3, gpu)
+    log.info("step %d %s reqs=%d tokens=%d %s host=%.3f ready=%.3f%s decodes=%d at=%.6f", st.step, st.mode,
+             st.requests, st.tokens, how, (st.launched - st.start) * 1e3, (at - st.start) * 1e3, gpu, st.decodes, at)
