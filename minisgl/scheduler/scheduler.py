@@ -26,6 +26,8 @@ from minisgl.engine.logits_plan import LogitsSpec, StepOutput
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.kvcache.prefix_cache import make_prefix_cache
 from minisgl.logging_setup import get_logger
+from minisgl.message import trace
+from minisgl.scheduler import step_trace
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar_rows import GrammarRows
 from minisgl.scheduler.kv import RequestKV
@@ -49,6 +51,7 @@ class _InFlight:
     out: StepOutput  # host copies (filled asynchronously on CUDA)
     sampling: StepSampling  # which rows asked for top/prompt logprobs
     event: torch.cuda.Event | None
+    trace: step_trace.StepTrace | None = None  # timing, when tracing (MINISGL_TRACE_REQUESTS)
 
 
 class Scheduler:
@@ -70,6 +73,7 @@ class Scheduler:
         self._decode_next = False
         self._pending_done: list[Request] = []  # processed early (by a drain) during step()
         self.num_retractions = 0
+        self.num_steps = 0  # steps launched (the step number of trace lines)
         # Prompt positions whose logits one step may compute for prompt logprobs: they are
         # [rows, vocab] fp32 (~300 MB at 512 x 152k), so long prompts that ask take more steps.
         self.prompt_logprob_rows = 512
@@ -202,7 +206,7 @@ class Scheduler:
         """Every decode plus a prefill chunk in one step (the decodes first: their KV slots
         are secured before the chunk's admission takes pages)."""
         decodes = self._ensure_decode_slots(self._decodable())
-        plan = admit(self, min(self.cfg.mixed_chunk_tokens, self.cfg.max_prefill_tokens))
+        plan = admit(self, self._mixed_chunk(len(decodes)))
         if not plan.reqs:
             return self._launch_decode(decodes)
         if not decodes:
@@ -214,6 +218,19 @@ class Scheduler:
             self._end_decodes(decodes)
         finish_admitted(self, plan)
         return True
+
+    def _mixed_chunk(self, num_decodes: int) -> int:
+        """Prompt tokens for a mixed step beside `num_decodes` decodes: at most the budget
+        (`mixed_chunk_tokens`), trimmed so that the whole step fills the largest captured mixed
+        bucket within it rather than padding up to the next one (7 decodes + 512 tokens would
+        replay the 640-token graph; 7 + 505 fill the 512 one). The prompt's rest rides in a
+        later step, whose decodes had to run anyway."""
+        budget = min(self.cfg.mixed_chunk_tokens, self.cfg.max_prefill_tokens)
+        graphs = self.engine.graphs
+        if graphs is None or not graphs.mixed:
+            return budget
+        fit = max((x.tokens for x in graphs.mixed if x.tokens <= num_decodes + budget), default=0) - num_decodes
+        return fit if fit > 0 else budget
 
     def _launch_decode(self, reqs: list[Request] | None = None) -> bool:
         reqs = self._ensure_decode_slots(self._decodable()) if reqs is None else reqs
@@ -293,6 +310,8 @@ class Scheduler:
         samples: list[bool],
     ) -> None:
         eng = self.engine
+        self.num_steps += 1
+        traced = step_trace.begin(self.num_steps, eng.device.type == "cuda") if trace.ENABLED else None
         timed = self.gpu_timeline is not None and eng.device.type == "cuda"
         if timed:
             start = torch.cuda.Event(enable_timing=True)
@@ -313,11 +332,16 @@ class Scheduler:
             out = out.to_host()
             event = torch.cuda.Event()
             event.record()
-        self.inflight.append(_InFlight(reqs, samples, out, sampling, event))
+        if traced is not None:
+            decodes = len(reqs) if new is None else sum(t is None for t in new)
+            step_trace.launched(traced, batch, eng.steps.eager_reason, reqs, samples, decodes)
+        self.inflight.append(_InFlight(reqs, samples, out, sampling, event, traced))
 
     def _process(self, item: _InFlight) -> list[Request]:
         if item.event is not None:
             item.event.synchronize()
+        if item.trace is not None:
+            step_trace.ready(item.trace, item.reqs, item.samples)
         out = item.out
         add_prompt_logprobs(item.reqs, item.sampling, out)
         tops = top_logprobs_by_row(item.sampling, out)

@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--mixed-chunk-tokens", type=int, default=None,
-        help="prompt tokens a step may add to the running decodes (a mixed step; default 512); "
+        help="prompt tokens a step may add to the running decodes (a mixed step; default 384); "
         "0: prefill steps and decode steps alternate instead",
     )
     s.add_argument(
