@@ -194,8 +194,9 @@ def throughput(llm: LLM, n: int, max_in: int, max_out: int) -> None:
         caps = lengths if label == "none, same lengths" else [p.max_tokens for p in params]
         threads = MatcherThreads(1) if label == "json_schema, 1 thread" else default_threads
         sched.grammar.threads = sched.grammar.masks.threads = threads
-        ps = [SamplingParams(temperature=p.temperature, ignore_eos=True, max_tokens=c, **kw)
-              for p, c in zip(params, caps)]
+        # Seeded: both schema runs make the same tokens (the same steps, only the threads differ).
+        ps = [SamplingParams(temperature=p.temperature, ignore_eos=True, max_tokens=c, seed=i, **kw)
+              for i, (p, c) in enumerate(zip(params, caps))]
         sched.gpu_timeline = []
         sched.grammar.host_s = dict.fromkeys(sched.grammar.host_s, 0.0)
         torch.cuda.synchronize()
@@ -236,8 +237,8 @@ def main() -> None:
     copy_gbs, _ = ceilings()
     compile_delays(llm)
     mask_times(llm, copy_gbs)
-    thread_times(llm)
     throughput(llm, args.num_requests, args.max_input_len, args.max_output_len)
+    thread_times(llm)
 
 
 if __name__ == "__main__":
