@@ -6,14 +6,18 @@
 2. per-step mask time at batch 1, 64 and 256: the host fill (xgrammar, every row constrained)
    and the device apply (our Triton kernel at each BLOCK candidate, and xgrammar's own Triton
    kernel as the baseline); apply GB/s = rows * (V * 4 written at most + V / 8 mask read) /
-   time, against the device copy ceiling measured here; then the host fill and accept per step
-   at 1-16 threads (grammar/threads.py THREADS takes the best), rows at random depths;
+   time, against the device copy ceiling measured here; then the host fill per step at 1-16
+   threads (grammar/threads.py THREADS takes the best) and the batched accept, rows at random
+   depths;
 3. the offline standard workload (benchmarks/offline.py) with every request under a typical
    nested JSON schema vs none. Constrained requests end when their JSON completes (even with
    ignore_eos), so the like-for-like baseline is "none" with each request's max_tokens set to
-   its constrained output's length: the same steps at the same batch sizes. Target: <= 10%
-   loss at batch 256. Also the device idle share of the decode phase and the host's grammar
-   time per masked step (scheduler GrammarRows.host_s).
+   its constrained output's length: the same steps at the same batch sizes. Every run starts
+   cold (its prompts' first token differs per run: no prefix-cache hits from an earlier run).
+   The schema runs at 1, 4 and THREADS fill threads. Target: <= 10% loss at batch 256. Also
+   the device idle share of the decode phase, decode device ms per step (which includes any
+   wait inside a step for the host's mask) and the host's grammar time per masked step
+   (scheduler GrammarRows.host_s).
 
     python benchmarks/grammar.py                       # about 2-4 minutes on an H100
 """
@@ -127,8 +131,8 @@ def mask_times(llm: LLM, copy_gbs: float) -> None:
 
 
 def thread_times(llm: LLM) -> None:
-    """Host fill and accept per step at 1-16 threads, rows at random depths into the schema (a
-    random allowed token each time), every row advancing by one token per step as in decoding."""
+    """Host fill per step at 1-16 threads and the batched accept, rows at random depths into the
+    schema (a random allowed token each time), every row advancing by one token as in decoding."""
     import random
 
     from minisgl.kernels import token_bitmask as K
@@ -155,14 +159,14 @@ def thread_times(llm: LLM) -> None:
         for n in (1, 2, 4, 8, 16):
             threads = MatcherThreads(n)
             fill = statistics.median(_wall(lambda t=threads, g=grammars, h=host: t.fill(g, h)) for _ in range(10))
-            accepts = []
-            for _ in range(5):
-                forks = [copy_grammar(g) for g in grammars]
-                accepts.append(_wall(lambda t=threads, f=forks, k=tokens: t.accept(f, k)))
-            line.append(f"{fill:.3f} / {statistics.median(accepts):.3f}")
-        out.append(line)
-    print_table(f"host ms per step, fill / accept, by threads (THREADS = {THREADS} here)",
-                ["rows", "1", "2", "4", "8", "16"], out)
+            line.append(f"{fill:.3f}")
+        accepts = []
+        for _ in range(5):
+            forks = [copy_grammar(g) for g in grammars]
+            accepts.append(_wall(lambda f=forks, k=tokens: MatcherThreads.accept(f, k)))
+        out.append([*line, f"{statistics.median(accepts):.3f}"])
+    print_table(f"host ms per step: fill by threads (THREADS = {THREADS} here), batched accept",
+                ["rows", "fill 1", "fill 2", "fill 4", "fill 8", "fill 16", "accept"], out)
 
 
 def copy_grammar(g):  # noqa: ANN001, ANN201 - a RowGrammar in the same state (its matcher forked)
@@ -188,12 +192,13 @@ def throughput(llm: LLM, n: int, max_in: int, max_out: int) -> None:
     rate = {}
     lengths: list[int] = []
     sched = llm.scheduler
-    default_threads = sched.grammar.threads
-    for label in ("json_schema", "json_schema, 1 thread", "none, same lengths", "none"):
+    labels = {"json_schema": THREADS, "json_schema, 4 threads": 4, "json_schema, 1 thread": 1,
+              "none, same lengths": 0, "none": 0}
+    for run, (label, n_threads) in enumerate(labels.items()):
         kw = {"json_schema": schema} if label.startswith("json_schema") else {}
         caps = lengths if label == "none, same lengths" else [p.max_tokens for p in params]
-        threads = MatcherThreads(1) if label == "json_schema, 1 thread" else default_threads
-        sched.grammar.threads = sched.grammar.masks.threads = threads
+        sched.grammar.masks.threads = MatcherThreads(n_threads or None)
+        cold = [[11000 + run, *p[1:]] for p in prompts]  # no prefix-cache hit from an earlier run
         # Seeded: both schema runs make the same tokens (the same steps, only the threads differ).
         ps = [SamplingParams(temperature=p.temperature, ignore_eos=True, max_tokens=c, seed=i, **kw)
               for i, (p, c) in enumerate(zip(params, caps))]
@@ -201,7 +206,7 @@ def throughput(llm: LLM, n: int, max_in: int, max_out: int) -> None:
         sched.grammar.host_s = dict.fromkeys(sched.grammar.host_s, 0.0)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        out = llm.generate(prompts, ps, use_tqdm=False)
+        out = llm.generate(cold, ps, use_tqdm=False)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t
         if label == "json_schema":

@@ -89,7 +89,7 @@ def test_raw_copy_only_for_penalized_rows_that_report() -> None:
         lse = x[:2].logsumexp(dim=-1)
         x[:2, :10] = float("-inf")
         x[:2, 20:] = float("-inf")
-        return torch.tensor([0, 1], dtype=torch.int32), lse
+        return torch.tensor([0, 1]), lse
 
     def greedy(x: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.argmax(dim=-1)

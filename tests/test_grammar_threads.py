@@ -1,8 +1,9 @@
-"""Grammar rows advanced and masked on several threads (minisgl/grammar/threads.py) equal the
-one-row-at-a-time path: accepts (gate, rejection, termination on a stop token) and filled
-masks, on rows in different states; and the host order of a constrained step under overlap:
-the forward is launched before the previous step's tokens are read, the matchers advanced and
-the mask filled, and the sampling comes after the mask (CPU, tiny model)."""
+"""Grammar rows advanced in one batched call and masked on several threads
+(minisgl/grammar/threads.py) equal the one-row-at-a-time path: accepts (gate, rejection,
+termination on a stop token) and filled masks, on rows in different states; and the host order
+of a constrained step under overlap: the forward is launched before the previous step's tokens
+are read, the matchers advanced and the mask filled, and the sampling comes after the mask
+(CPU, tiny model)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def llm(tiny_model_path: Callable[[str], Path]) -> LLM:
     return LLM(str(tiny_model_path("llama3")), device="cpu", max_model_len=256, num_pages=2048)
 
 
-def test_threaded_accept_and_fill_equal_one_row_at_a_time(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batched_accept_and_threaded_fill_equal_one_row_at_a_time(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(T, "PARALLEL_MIN_ROWS", 4)
     comp = GrammarCompiler(lambda: llm.tokenizer, llm.engine.model_config.vocab_size)
     import json

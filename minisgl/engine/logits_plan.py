@@ -22,7 +22,7 @@ from minisgl.engine.sampling_params import SamplingParams
 # Changes the fp32 [B, V] sampled rows' logits in place (a grammar's token mask), after the
 # penalties and before sampling. It runs on the host once the step's forward is launched, so it
 # may wait for the host state it needs (the scheduler's in-flight tokens) while the forward runs.
-# It returns the batch rows it masked (int32 [k], on the device) and their log-normalizers as
+# It returns the batch rows it masked (int64 [k], on the device) and their log-normalizers as
 # they were before the mask (f32 [k]), or None when it masked nothing: a mask only sets
 # forbidden logits to -inf, so a masked row's chosen (allowed) token keeps its logit, and its raw
 # logprob is that logit minus the raw log-normalizer, without a raw copy of the row.
@@ -220,7 +220,7 @@ def sample_with_plan(
     masked = plan.mask(logits) if plan.mask is not None else None
     out.tokens, out.logprobs = sample(logits, st)
     if masked is not None:
-        rows, raw_lse = masked[0].long(), masked[1]
+        rows, raw_lse = masked
         out.logprobs.index_copy_(0, rows, logits[rows, out.tokens.index_select(0, rows)] - raw_lse)
     if raw is not None:
         assert plan.raw_rows is not None

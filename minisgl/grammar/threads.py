@@ -1,20 +1,20 @@
-"""Advancing and masking many grammar rows at once, on several cores.
+"""Advancing and masking many grammar rows at once.
 
-Per constrained row and step, xgrammar's accept_token and mask fill each cost ~5-20 us of host
-time (a JSON schema over a 152k vocabulary; benchmarks/grammar.py measures them), and both sit
-between a step's forward and its sampling: at batch 256 a single thread would take milliseconds.
-Both calls release the GIL, so rows are split into one contiguous chunk per thread: accepts run
-as one batched call per chunk on a small thread pool, fills through xgrammar's own threaded
-batch fill. Below PARALLEL_MIN_ROWS rows a plain loop on the calling thread is cheaper than
-handing work to threads.
+Per constrained row and step, xgrammar's mask fill costs ~5-50 us of host time (a JSON schema
+over a 152k vocabulary; more inside strings) and accept_token a few us; both sit between a
+step's forward and its sampling. Fills run through xgrammar's threaded batch fill (it releases
+the GIL and splits the rows over its own threads); accepts are one batched call on the calling
+thread: handing them to a thread pool cost more than it saved (H100 host, benchmarks/grammar.py:
+0.39 ms per step at 256 rows on one thread, 3.8 ms on eight). Below PARALLEL_MIN_ROWS rows a
+plain loop fills faster than xgrammar's threads.
 
-`THREADS` is data: benchmarks/grammar.py prints fill and accept times for 1 to 16 threads.
+`THREADS` is data: benchmarks/grammar.py prints the fill time at 1-16 threads and the offline
+workload's throughput at 1, 4 and 8.
 """
 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from minisgl.grammar.matcher import RowGrammar
@@ -23,18 +23,13 @@ THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))  # half the cores (xgrammar
 PARALLEL_MIN_ROWS = 8
 
 
-def _chunks(n: int, parts: int) -> list[range]:
-    step = -(-n // parts)
-    return [range(i, min(n, i + step)) for i in range(0, n, step)]
-
-
 class MatcherThreads:
-    def __init__(self, threads: int = THREADS) -> None:
-        self.threads = threads
-        self._pool: ThreadPoolExecutor | None = None
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or THREADS
         self._filler: Any = None
 
-    def accept(self, grammars: list[RowGrammar], tokens: list[int]) -> list[bool]:
+    @staticmethod
+    def accept(grammars: list[RowGrammar], tokens: list[int]) -> list[bool]:
         """grammars[i].accept(tokens[i]) for every i (False: the grammar forbids the token)."""
         ok = [True] * len(grammars)
         taking = []
@@ -43,20 +38,14 @@ class MatcherThreads:
                 taking.append(i)
             else:
                 ok[i] = g.accept(tokens[i])  # the gate (no matcher call), or already rejected
-        if len(taking) < PARALLEL_MIN_ROWS or self.threads == 1:
+        if len(taking) < 2:
             for i in taking:
                 ok[i] = grammars[i].accept(tokens[i])
             return ok
         import xgrammar as xgr
 
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="grammar-rows")
-        parts = _chunks(len(taking), self.threads)
-        matchers = [grammars[i].matcher for i in taking]
         toks = [tokens[i] for i in taking]
-        futures = [self._pool.submit(xgr.BatchGrammarMatcher.batch_accept_token, matchers[r.start : r.stop],
-                                     toks[r.start : r.stop]) for r in parts]
-        answers = [a for f in futures for a in f.result()]
+        answers = xgr.BatchGrammarMatcher.batch_accept_token([grammars[i].matcher for i in taking], toks)
         for i, answer in zip(taking, answers):
             ok[i] = grammars[i].record(tokens[i], answer)
         return ok

@@ -12,8 +12,9 @@ without constrained rows keep the plain overlap path and pay nothing.
 
 Host order of one constrained step N+1 (overlap), and why it is this one:
   launch forward N+1 (no mask needed) -> [mask callback] read step N's tokens -> advance every
-  constrained row's matcher (threaded) -> fill step N+1's bitmask (threaded, pinned buffer) ->
-  copy it, mask, sample N+1 -> schedule and launch step N+2.
+  constrained row's matcher (one batched call) -> fill step N+1's bitmask (threaded, pinned
+  buffer) -> copy it (on a side stream: the copy overlaps the forward too) -> mask, sample
+  N+1 -> schedule and launch step N+2.
 The device runs forward N+1 meanwhile; it idles only when the host's share of a step (reading,
 advancing, filling, scheduling) outlasts the device's.
 """
@@ -39,8 +40,7 @@ log = get_logger("minisgl.scheduler")
 class GrammarRows:
     def __init__(self, compiler: GrammarCompiler | None, vocab_size: int, max_rows: int, device: torch.device):
         self.compiler = compiler
-        self.threads = MatcherThreads()
-        self.masks = GrammarMasks(vocab_size, max_rows, device, self.threads)
+        self.masks = GrammarMasks(vocab_size, max_rows, device)
         # Host seconds spent on grammar work, for benchmarks: inside the mask callback, the wait
         # for in-flight tokens and their processing ("drain", advancing included) and the mask
         # (fill, copy, launch); advancing matchers, wherever it runs.
@@ -82,10 +82,10 @@ class GrammarRows:
 
     def advance(self, reqs: list[Request], tokens: list[int]) -> list[Request]:
         """After each of `reqs` appended its token and is still running: the grammars take them
-        (all rows at once, threaded). A grammar that terminated (its stop token, e.g. with
+        (all rows in one batched call). A grammar that terminated (its stop token, e.g. with
         ignore_eos) or that rejected the token ends its request. Returns the requests it ended."""
         t0 = time.perf_counter()
-        ok = self.threads.accept([r.grammar for r in reqs], tokens)
+        ok = MatcherThreads.accept([r.grammar for r in reqs], tokens)
         ended = []
         for req, tok, accepted in zip(reqs, tokens, ok):
             if not accepted:

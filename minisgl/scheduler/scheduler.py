@@ -338,7 +338,7 @@ class Scheduler:
             elif req.grammar is not None:
                 constrained.append(req)
                 tokens.append(tok)
-        if constrained:  # all rows at once: the matchers advance on several threads
+        if constrained:  # all rows at once: one batched matcher call
             for req in self.grammar.advance(constrained, tokens):
                 self._release(req)
         return done
