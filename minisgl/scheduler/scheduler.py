@@ -317,8 +317,8 @@ class Scheduler:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         self.kv.flush()
-        masks = self.grammar.step_mask(reqs, samples, self._drain)
-        sampling = prepare_step_sampling(eng, reqs, samples, prefix, new, masks)
+        mask = self.grammar.step_mask(reqs, samples, self._drain)
+        sampling = prepare_step_sampling(eng, reqs, samples, prefix, new, mask)
         batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new, extra_logit_rows=sampling.extra_logit_rows)
         out = eng.run_batch(batch, sampling.tensors, sampling.plan)
         if self.spec is not None:  # a draft model's KV follows every target step
@@ -346,6 +346,8 @@ class Scheduler:
         add_prompt_logprobs(item.reqs, item.sampling, out)
         tops = top_logprobs_by_row(item.sampling, out)
         done = []
+        constrained: list[Request] = []  # still running with a grammar: it takes the token
+        tokens: list[int] = []
         for i, (req, sampled, tok, lp) in enumerate(zip(item.reqs, item.samples, out.tokens.tolist(),
                                                         out.logprobs.tolist())):
             if not sampled:
@@ -354,10 +356,14 @@ class Scheduler:
             if req.finished:  # ended (abort, stop string, EOS) while this step was in flight
                 continue
             req.append(tok, lp, tops[i][: req.params.top_logprobs] if i in tops else None)
-            if req.grammar is not None and not req.finished:
-                self.grammar.advance(req, tok)
             done.append(req)
             if req.finished:
+                self._release(req)
+            elif req.grammar is not None:
+                constrained.append(req)
+                tokens.append(tok)
+        if constrained:  # all rows at once: one batched matcher call
+            for req in self.grammar.advance(constrained, tokens):
                 self._release(req)
         return done
 
