@@ -236,20 +236,3 @@ def test_tp2_equals_tp1(target, drafts, workload, reference) -> None:
         spec_models.assert_same_outputs(two.generate(prompts, sampled, use_tqdm=False), want)
     finally:
         two.shutdown()
-
-
-def test_ngram_beside_the_graph_path(target, drafts, workload, reference, tmp_path) -> None:
-    """With graphs (the CPU replay runner of test_graph_replay_cpu), plain steps replay them and
-    verify steps run eagerly beside them: greedy output still equals speculation off."""
-    from test_graph_replay_cpu import graph_llm
-
-    table = tmp_path / "table.json"
-    table.write_text(json.dumps({"num_draft_tokens": {"1": K, "3": 0}}))
-    llm = graph_llm(target, decode_kernel=True, speculative_num_draft_tokens=K, speculative_draft_table=str(table),
-                    **ALGOS["ngram"](target, drafts))
-    out, _, _ = reference
-    few = [0, 1, 3, 4]
-    got = llm.generate([workload[i][0] for i in few], [params(workload)[i] for i in few], use_tqdm=False)
-    spec_models.assert_same_outputs(got, [out[i] for i in few])
-    assert llm.engine.graphs.replays["decode"] > 0 and llm.scheduler.stats()["spec_verified"] > 0
-    llm.scheduler.check_integrity()

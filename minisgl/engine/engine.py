@@ -189,7 +189,7 @@ class Engine:
 
     def build_batch(
         self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int] | None] | None,
-        use_graphs: bool = True, extra_logit_rows: list[int] | None = None,
+        use_graphs: bool = True, extra_logit_rows: list[int] | None = None, all_rows: bool = False,
     ) -> ForwardBatch:
         """A batch for requests at table rows `rows`, each with `prefix_lens[i]` tokens already
         in the KV cache and `new_tokens[i]` to run now. The slots of the new tokens must
@@ -200,8 +200,10 @@ class Engine:
         The step is checked here, once; its indices go to the device in one copy, into a
         captured graph's buffers when one fits (`use_graphs`). `extra_logit_rows` (indices into
         the new tokens): logits are computed there too, after the B sampled rows (prompt
-        logprobs; such a step runs eagerly: a graph keeps the sampled rows only)."""
-        return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs, extra_logit_rows)
+        logprobs; such a step runs eagerly: a graph keeps the sampled rows only). `all_rows`: an
+        extend step that needs every position's logits (a verify step): it replays a verify
+        graph (one logits row per token) where one fits."""
+        return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs, extra_logit_rows, all_rows)
 
     def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0, max_mixed_tokens: int = 0,
                            runner_cls: type | None = None) -> None:
@@ -210,7 +212,8 @@ class Engine:
         to `max_mixed_tokens` (0: none of that kind; mixed steps then take the extend graphs,
         decodes as one-row tiles). `runner_cls`: a CudaGraphRunner subclass (tests replay
         "graphs" on the CPU with one)."""
-        from minisgl.engine.cuda_graph import CudaGraphRunner, graph_layouts
+        from minisgl.engine.cuda_graph import CudaGraphRunner, graph_layouts, verify_layouts
+        from minisgl.engine.step_builder import VERIFY_VIA_EXTEND_BUCKETS
 
         runner_cls = runner_cls or CudaGraphRunner
         cuda = self.device.type == "cuda"
@@ -221,6 +224,9 @@ class Engine:
             max_bs = 256 if total >= 40 * (1 << 30) else 128
         decode, extend = graph_layouts(min(max_bs, self.cfg.max_running_requests), max_tokens, max_mixed_tokens,
                                        self.cfg.max_running_requests, self.steps.block_m, self.steps.decode_kernel)
+        verify = []
+        if self.cfg.spec is not None and not VERIFY_VIA_EXTEND_BUCKETS:
+            verify = verify_layouts([x.tokens for x in decode], self.cfg.spec.draft_tokens_for, self.steps.block_m)
         table, buffer, bound = self.table.req_to_slot, self.token_buffer, self.max_model_len
         mem = (lambda: (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))) if cuda \
             else (lambda: (0, 0))
@@ -229,7 +235,7 @@ class Engine:
             decode, extend, lambda layout, buf: layout.views(buf, table, buffer, bound),
             lambda batch, out: self.forward_eager(batch, logits_out=out), self.steps.count_tiles,
             lambda layout, buf: self.steps.upload(StepSpec(layout.mode, [], [], []), layout, buf),
-            self.model_config.vocab_size, self.device,
+            self.model_config.vocab_size, self.device, verify,
         )
         self.steps.graphs = self.graphs
         gib = 1 << 30
@@ -240,9 +246,12 @@ class Engine:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
         """fp32 logits of each request's last new token [B, vocab] (every token's: [T, vocab]),
-        from the step's captured graph when it has one (the graph keeps the sampled rows only:
-        every position's logits come from an eager run; `batch.logit_rows` when set: [B + E, vocab])."""
-        if batch.graph is not None and not all_positions and batch.logit_rows is None:
+        from the step's captured graph when it has one (a graph keeps the sampled rows only, so
+        every position's logits come from an eager run, except from a graph built with
+        `all_rows`, whose sample rows are every token; `batch.logit_rows` when set: [B + E, vocab])."""
+        if batch.all_rows and not all_positions:
+            raise ValueError("a batch built with all_rows (a verify step) gives every position's logits")
+        if batch.graph is not None and batch.logit_rows is None and all_positions == batch.all_rows:
             return self.graphs.replay(batch)
         return self.forward_eager(batch, all_positions)
 
@@ -300,7 +309,8 @@ class Engine:
         self, batch: ForwardBatch, drafts: torch.Tensor, st: SamplingTensors
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Speculative verify: `batch` is an extend of 1 + k_b tokens per request (its last
-        token, then its drafts int64 [B, K >= k_b]). Forward every position, accept on the
+        token, then its drafts int64 [B, K >= k_b]), built with all_rows (a verify graph
+        replays where one fits). Forward every position, accept on the
         device (ops.spec_accept). Returns (tokens [B, K + 1], logprobs [B, K + 1],
         num_accepted [B]): request b's new tokens are tokens[b, :num_accepted[b] + 1]; the
         last of them goes to `token_buffer` (a plain decode may follow)."""

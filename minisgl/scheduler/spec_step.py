@@ -89,7 +89,7 @@ class SpecStep:
         lens = [r.seq_len for r in reqs]
         batch = eng.build_batch("extend", [r.row for r in reqs], [n - 1 for n in lens],
                                 [[r.output[-1] if r.output else r.prompt[-1], *d] for r, d in zip(reqs, drafts)],
-                                use_graphs=False)  # eager until verify graphs: every position's logits
+                                all_rows=True)
         kmax = max(1, max(len(d) for d in drafts))
         drafts_t = torch.tensor([d + [0] * (kmax - len(d)) for d in drafts], dtype=torch.int64)
         st = SamplingTensors.build(
