@@ -25,6 +25,8 @@ class _Replay:
         r.replays["verify" if self.layout in r.verify else self.layout.mode] += 1
         fresh = r.views(self.layout, r.buffer)
         r.forward(fresh, self.out)
+        if r.extras.get(self.layout) is not None:
+            r.extras[self.layout].copy_(r.extra())
         static = r.static[self.layout]
         for name in FIELDS:
             if getattr(static, name) is not None:
@@ -39,6 +41,7 @@ class ReplayRunner(CudaGraphRunner):
             out = self.logits[: layout.requests]
             batch = self.views(layout, self.buffer)
             self.outputs[layout] = self.forward(batch, out)
+            self.extras[layout] = self.extra() if self.extra is not None else None
             self.static[layout], self.graphs[layout] = batch, _Replay(self, layout, out)
 
 
@@ -47,6 +50,9 @@ def graph_llm(path: str, decode_kernel: bool, max_bs: int = 4, **options) -> LLM
     llm = LLM(path, device="cpu", dtype="float32", **options)
     eng = llm.engine
     eng.attn = TritonAttentionBackend(eng.pool, eng.num_q_heads, eng.model_config.head_dim**-0.5)
+    drafter = eng.drafter
+    if drafter is not None and drafter.has_model:  # its own backend over its own pool: tile maps too
+        drafter.attn = TritonAttentionBackend(drafter.pool, drafter.num_q_heads, drafter.attn.scale)
     eng.steps.block_m, eng.steps.decode_kernel = eng.attn.tile_block_m, decode_kernel
     eng.enable_cuda_graphs(max_bs, *llm.scheduler.graph_max_tokens, runner_cls=ReplayRunner)
     return llm

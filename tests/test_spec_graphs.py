@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import spec_models
@@ -83,17 +84,26 @@ def assert_no_stray_writes(llm: LLM, handed_out: set[int]) -> None:
         assert not stray, f"padding wrote KV slots {sorted(stray)[:8]} that no request owns"
 
 
-@pytest.mark.parametrize("table", [None, {"1": K, "3": 0}], ids=["always", "table"])
-def test_ngram_verify_graphs_equal_plain(target, workload, plain, tmp_path, table) -> None:
-    """Verify steps replay verify graphs (with a table that turns speculation off at 3+ requests,
-    plain decodes replay decode graphs between them); greedy output equals speculation off."""
-    opts = {}
+@pytest.fixture(scope="module")
+def eagle3_head(target, tmp_path_factory) -> str:
+    return str(spec_models.build_eagle3_head(Path(target), tmp_path_factory.mktemp("eagle3")))
+
+
+@pytest.mark.parametrize("algo,table", [("ngram", None), ("ngram", {"1": K, "3": 0}), ("draft-self", {"1": K, "3": 0}),
+                                        ("eagle3", None)])
+def test_verify_graphs_equal_plain(target, eagle3_head, workload, plain, tmp_path, algo, table) -> None:
+    """Verify steps replay verify graphs, a draft model's K/V mirror rides in the target's
+    graphs, draft chains replay their own (with a table that turns speculation off at 3+
+    requests, plain decodes replay decode graphs between verify steps); greedy output equals
+    speculation off, and the target as its own draft accepts every token."""
+    opts = {"ngram": {"speculative_algorithm": "ngram", "speculative_ngram_min": 2},
+            "draft-self": {"speculative_algorithm": "draft", "speculative_draft_model": target},
+            "eagle3": {"speculative_algorithm": "eagle3", "speculative_draft_model": eagle3_head}}[algo]
     if table is not None:
         (tmp_path / "t.json").write_text(json.dumps({"num_draft_tokens": table}))
         opts["speculative_draft_table"] = str(tmp_path / "t.json")
-    llm = graph_llm(target, decode_kernel=True, speculative_algorithm="ngram", speculative_ngram_min=2,
-                    speculative_num_draft_tokens=K, **opts, **OPTS)
-    runner = llm.engine.graphs
+    llm = graph_llm(target, decode_kernel=True, speculative_num_draft_tokens=K, **opts, **OPTS)
+    runner, drafter = llm.engine.graphs, llm.engine.drafter
     assert [x.tokens for x in runner.verify] == ([4, 8, 16] if table is None else [4, 8])
     handed_out = poison_and_track(llm)
     spec_models.assert_same_outputs(llm.generate(*workload, use_tqdm=False), plain)
@@ -101,6 +111,10 @@ def test_ngram_verify_graphs_equal_plain(target, workload, plain, tmp_path, tabl
     assert runner.replays["verify"] > 0 and st["spec_verified"] > 0
     if table is not None:
         assert runner.replays["decode"] > 0
+    if algo != "ngram":
+        assert drafter.steps.graphs.replays["decode"] > 0, "the draft chain replays its graphs"
+    if algo == "draft-self":
+        assert st["spec_accepted"] == st["spec_proposed"] > 0
     assert_no_stray_writes(llm, handed_out)
     llm.scheduler.check_integrity()
 

@@ -100,7 +100,11 @@ class CudaGraphRunner:
         forward: Callable[[ForwardBatch, torch.Tensor], torch.Tensor],
         count_tiles: Callable[[StepSpec, bool], int], fill_empty: Callable[[StepLayout, torch.Tensor], None],
         vocab_size: int, device: torch.device, verify: list[StepLayout] | None = None,
+        extra: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
+        """`extra`: called after each capture's forward; what it returns (a tensor the forward
+        left, e.g. the residual stream EAGLE-3 reads) is kept as `extras[layout]`, refreshed by
+        every replay of that layout."""
         self.decode = sorted(decode, key=lambda x: x.tokens)
         self.extend = sorted((x for x in extend if x.mode == "extend"), key=lambda x: x.tokens)
         self.mixed = sorted((x for x in extend if x.mode == "mixed"), key=lambda x: x.tokens)
@@ -117,6 +121,8 @@ class CudaGraphRunner:
         self.graphs: dict[StepLayout, torch.cuda.CUDAGraph] = {}
         self.static: dict[StepLayout, ForwardBatch] = {}
         self.outputs: dict[StepLayout, torch.Tensor] = {}
+        self.extra = extra
+        self.extras: dict[StepLayout, torch.Tensor | None] = {}
         self.capture_seconds = 0.0
         self._capture_all(fill_empty)
 
@@ -142,6 +148,7 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             batch = self.views(layout, self.buffer)
             self.outputs[layout] = self.forward(batch, out)
+            self.extras[layout] = self.extra() if self.extra is not None else None
         self.graphs[layout], self.static[layout] = graph, batch
 
     def layout_for(self, spec: StepSpec) -> StepLayout | None:

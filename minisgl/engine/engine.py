@@ -206,12 +206,13 @@ class Engine:
         return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs, extra_logit_rows, all_rows)
 
     def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0, max_mixed_tokens: int = 0,
-                           runner_cls: type | None = None) -> None:
+                           runner_cls: type | None = None, verify: list | None = None) -> None:
         """Captures decode graphs up to `max_bs` requests (default: from GPU memory), extend
         graphs up to `max_tokens` tokens per step and mixed ones (decodes + a prefill chunk) up
         to `max_mixed_tokens` (0: none of that kind; mixed steps then take the extend graphs,
         decodes as one-row tiles). `runner_cls`: a CudaGraphRunner subclass (tests replay
-        "graphs" on the CPU with one)."""
+        "graphs" on the CPU with one). `verify`: the verify layouts to capture (default: one per
+        decode batch size with the draft table's K when speculating; benchmarks pass their own)."""
         from minisgl.engine.cuda_graph import CudaGraphRunner, graph_layouts, verify_layouts
         from minisgl.engine.step_builder import VERIFY_VIA_EXTEND_BUCKETS
 
@@ -224,8 +225,7 @@ class Engine:
             max_bs = 256 if total >= 40 * (1 << 30) else 128
         decode, extend = graph_layouts(min(max_bs, self.cfg.max_running_requests), max_tokens, max_mixed_tokens,
                                        self.cfg.max_running_requests, self.steps.block_m, self.steps.decode_kernel)
-        verify = []
-        if self.cfg.spec is not None and not VERIFY_VIA_EXTEND_BUCKETS:
+        if verify is None and self.cfg.spec is not None and not VERIFY_VIA_EXTEND_BUCKETS:
             verify = verify_layouts([x.tokens for x in decode], self.cfg.spec.draft_tokens_for, self.steps.block_m)
         table, buffer, bound = self.table.req_to_slot, self.token_buffer, self.max_model_len
         mem = (lambda: (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))) if cuda \
@@ -235,13 +235,16 @@ class Engine:
             decode, extend, lambda layout, buf: layout.views(buf, table, buffer, bound),
             lambda batch, out: self.forward_eager(batch, logits_out=out), self.steps.count_tiles,
             lambda layout, buf: self.steps.upload(StepSpec(layout.mode, [], [], []), layout, buf),
-            self.model_config.vocab_size, self.device, verify,
+            self.model_config.vocab_size, self.device, verify, lambda: self.model.model.aux_hidden,
         )
         self.steps.graphs = self.graphs
+        if self.drafter is not None:
+            self.drafter.enable_cuda_graphs([x.tokens for x in decode], runner_cls)
         gib = 1 << 30
         alloc2, reserved2 = mem()
-        log.info("captured %s; graph memory +%.2f GiB allocated, +%.2f GiB reserved", self.graphs.describe(),
-                 (alloc2 - alloc) / gib, (reserved2 - reserved) / gib)
+        drafting = self.drafter.describe_graphs() if self.drafter is not None else ""
+        log.info("captured %s%s; graph memory +%.2f GiB allocated, +%.2f GiB reserved", self.graphs.describe(),
+                 drafting, (alloc2 - alloc) / gib, (reserved2 - reserved) / gib)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
@@ -252,7 +255,10 @@ class Engine:
         if batch.all_rows and not all_positions:
             raise ValueError("a batch built with all_rows (a verify step) gives every position's logits")
         if batch.graph is not None and batch.logit_rows is None and all_positions == batch.all_rows:
-            return self.graphs.replay(batch)
+            logits = self.graphs.replay(batch)
+            if self.model.model.aux_layers is not None:  # the graph's residual stream [T of the layout, n H]
+                self.model.model.aux_hidden = self.graphs.extras[batch.graph]
+            return logits
         return self.forward_eager(batch, all_positions)
 
     def forward_eager(
@@ -268,6 +274,8 @@ class Engine:
         with _checks.trusted():
             self.attn.prepare(batch)
             out = self.model(batch, self.attn, all_positions=all_positions, logits_out=logits_out)
+            if self.drafter is not None and self.drafter.mirrors_in_forward:
+                self.drafter.mirror(batch)  # a draft model's K/V over the same positions
         return out if rows is None else out[:rows]
 
     @torch.inference_mode()

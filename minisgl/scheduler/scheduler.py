@@ -79,11 +79,7 @@ class Scheduler:
         self.spec = SpecStep(self) if engine.drafter is not None else None
         if engine.device.type == "cuda":
             # Everything the serving path runs is compiled (and captured) before it serves.
-            if self.cfg.cuda_graph and self.spec is not None and self.spec.mirrors:
-                # The draft model's KV mirror (and EAGLE-3's residual-stream capture) of every
-                # target step is not in the graphs yet: those steps run eagerly (DESIGN.md §4).
-                log.warning("CUDA graphs are off with a %s drafter (eager steps)", engine.drafter.name)
-            elif self.cfg.cuda_graph:
+            if self.cfg.cuda_graph:
                 engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, *self.graph_max_tokens)
             engine.warm_up_sampling()
 

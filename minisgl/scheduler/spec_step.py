@@ -12,6 +12,7 @@ before they are read), so the radix cache only ever receives accepted tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,9 @@ class SpecStep:
         self.cfg = self.engine.cfg.spec
         self.drafter = self.engine.drafter
         assert self.cfg is not None and self.drafter is not None
-        self.mirrors = self.drafter.has_model
+        # A drafter with a model that the engine does not run inside its forward (EAGLE-3: it
+        # needs the sampled tokens) runs after each target step here.
+        self.mirrors = self.drafter.has_model and not self.drafter.mirrors_in_forward
         # Cumulative counters: draft tokens proposed / accepted, request-steps verified.
         self.proposed = self.accepted = self.verified = 0
         self._logged = (time.monotonic(), 0, 0, 0)
@@ -67,10 +70,21 @@ class SpecStep:
                 keep = torch.tensor(samples, device=sampled.device)
                 after = torch.where(keep, sampled, torch.tensor(host, device=sampled.device))
             next_ids[ends] = after
-        self.drafter.after_forward(TargetStep(batch, next_ids, batch.sample_rows, self._aux()))
+        self.drafter.after_forward(self._target_step(batch, next_ids, batch.sample_rows))
 
-    def _aux(self) -> torch.Tensor | None:
-        return self.engine.model.model.aux_hidden if self.drafter.aux_layers else None
+    def _target_step(self, batch: ForwardBatch, next_ids: torch.Tensor | None, last_rows: torch.Tensor) -> TargetStep:
+        """A step that replayed a graph hands the drafter the graph's padded batch (its static
+        tensors, valid until another graph of the pool replays), which the residual stream it
+        left matches; next_ids are padded to it."""
+        aux = self.engine.model.model.aux_hidden if self.drafter.aux_layers else None
+        if batch.graph is None:
+            return TargetStep(batch, next_ids, last_rows, aux)
+        full = dataclasses.replace(self.engine.graphs.static[batch.graph])
+        if next_ids is not None:
+            padded = torch.zeros(full.num_tokens, dtype=next_ids.dtype, device=next_ids.device)
+            padded[: next_ids.numel()] = next_ids
+            next_ids = padded
+        return TargetStep(full, next_ids, last_rows, aux)
 
     # ---- the speculative step ----
 
@@ -130,7 +144,7 @@ class SpecStep:
             # token sampled there): positions past the first rejection are rewritten later.
             flat = [b * kmax1 + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
             next_ids = tokens.view(-1)[torch.tensor(flat, dtype=torch.int64).to(dev, non_blocking=True)]
-        self.drafter.after_forward(TargetStep(batch, next_ids, last_rows, self._aux()))
+        self.drafter.after_forward(self._target_step(batch, next_ids, last_rows))
 
     def stats(self) -> dict[str, int]:
         return {"spec_proposed": self.proposed, "spec_accepted": self.accepted, "spec_verified": self.verified}
