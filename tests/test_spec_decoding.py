@@ -119,21 +119,28 @@ def test_target_as_own_draft_accepts_k_plus_one(target, drafts) -> None:
     assert st["spec_verified"] == 6 and st["spec_accepted"] == 6 * 4
 
 
-def test_logits_processing_requests_decode_plainly(target, drafts, workload, reference, plain) -> None:
-    """Penalties, logit bias and top_logprobs are not in the acceptance kernel yet: while such a
-    request runs, its batch decodes plainly (outputs equal speculation off, the bias honoured);
-    speculation resumes once it finishes."""
+def test_penalties_bias_min_tokens_in_verify_steps(target, drafts, workload, reference, plain) -> None:
+    """Penalties, logit bias, min_tokens and top_logprobs apply at every verified row, the
+    penalty counts of row j including the drafts before it: outputs equal speculation off
+    (tokens, logprobs, alternatives), and the requests speculate. The first request repeats a
+    biased token until its frequency penalty stops it; n-gram drafts the repetition, so a row
+    that missed the drafts before it in its counts would repeat it too long."""
     out, _, _ = reference
-    prompts = [workload[0][0], workload[4][0]]
-    sp = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, frequency_penalty=1.5, top_logprobs=2,
+    prompts = [[1500, 1600, 1700], workload[0][0], workload[4][0]]
+    sp = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=1.0,
+                         logit_bias={1234: 10.0}),
+          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, presence_penalty=0.5, top_logprobs=2,
                          logit_bias={out[0]["token_ids"][0]: -100.0}),
-          SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)]
+          SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.3, min_tokens=6,
+                         stop_token_ids=[out[4]["token_ids"][2]])]
     want = plain.generate(prompts, sp, use_tqdm=False)
-    assert want[0]["token_ids"][0] != out[0]["token_ids"][0]
-    llm = spec_llm(target, drafts, "draft-self")
-    got = llm.generate(prompts, sp, use_tqdm=False)
-    spec_models.assert_same_outputs(got, want)
-    assert llm.scheduler.stats()["spec_verified"] > 0
+    assert want[0]["token_ids"][:4] == [1234] * 4 and want[0]["token_ids"].count(1234) < 24
+    assert want[1]["token_ids"][0] != out[0]["token_ids"][0] and want[2]["token_ids"] != out[4]["token_ids"][:16]
+    llm = spec_llm(target, drafts, "ngram", speculative_ngram_min=1)
+    spec_models.assert_same_outputs(llm.generate(prompts[:1], sp[:1], use_tqdm=False), want[:1])
+    st = llm.scheduler.stats()  # alone: its steps were verify steps, not a plain fallback
+    assert st["spec_verified"] >= 10 and st["spec_accepted"] > 0
+    spec_models.assert_same_outputs(llm.generate(prompts, sp, use_tqdm=False), want)
     llm.scheduler.check_integrity()
 
 

@@ -16,6 +16,7 @@ from minisgl.engine.prompt import check_prompt
 from minisgl.engine.sampler import SamplingTensors
 from minisgl.engine.step_builder import StepBuilder, host_to_device
 from minisgl.engine.step_layout import StepSpec
+from minisgl.engine.verify_plan import VerifyPlan
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
 from minisgl.models.config import ModelConfig
@@ -314,20 +315,25 @@ class Engine:
 
     @torch.inference_mode()
     def verify(
-        self, batch: ForwardBatch, drafts: torch.Tensor, st: SamplingTensors
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, batch: ForwardBatch, drafts: torch.Tensor, st: SamplingTensors, plan: VerifyPlan | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Speculative verify: `batch` is an extend of 1 + k_b tokens per request (its last
         token, then its drafts int64 [B, K >= k_b]), built with all_rows (a verify graph
         replays where one fits). Forward every position, accept on the
         device (ops.spec_accept). Returns (tokens [B, K + 1], logprobs [B, K + 1],
         num_accepted [B]): request b's new tokens are tokens[b, :num_accepted[b] + 1]; the
-        last of them goes to `token_buffer` (a plain decode may follow)."""
+        last of them goes to `token_buffer` (a plain decode may follow). `plan`: penalties, logit
+        bias, min_tokens and alternatives at every row (engine/verify_plan.py); then the fourth
+        value is (top ids, top logprobs) of its top rows, else None."""
         logits = self.forward(batch, all_positions=True)
+        raw, tops = plan.apply(logits, self.penalties) if plan is not None else (None, None)
         tokens, logprobs, num_acc = ops.spec_accept(
             logits, batch.cu_seqlens_q, drafts, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps
         )
+        if plan is not None:
+            plan.finish(tokens, logprobs, num_acc, raw, self.penalties)
         self.token_buffer[batch.req_rows.long()] = tokens.gather(1, num_acc.long()[:, None]).squeeze(1)
-        return tokens, logprobs, num_acc
+        return tokens, logprobs, num_acc, tops
 
     # ---- helpers for tests and prompt scoring ----
 

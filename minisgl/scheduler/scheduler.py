@@ -174,11 +174,10 @@ class Scheduler:
         self._decode_next = False
         if self.spec is not None:
             reqs = self._decodable()
-            # Penalties, logit bias, min_tokens, logprob alternatives and grammar masks are not
-            # in the acceptance kernel yet: a batch holding such a request decodes plainly
-            # (lossless; a grammar must never be skipped).
-            if (reqs and self.spec.draft_tokens(len(reqs)) > 0
-                    and all(r.logits_spec is None and r.grammar is None for r in reqs)):
+            # Grammar masks are not applied to verify rows: a batch holding a constrained
+            # request decodes plainly (lossless: a grammar is never skipped). Penalties, logit
+            # bias, min_tokens and alternatives are (engine/verify_plan.py).
+            if reqs and self.spec.draft_tokens(len(reqs)) > 0 and all(r.grammar is None for r in reqs):
                 return self._launch_verify()
         return self._launch_decode()
 

@@ -20,8 +20,10 @@ import torch
 
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.sampler import SamplingTensors
+from minisgl.engine.verify_plan import VerifyPlan
 from minisgl.logging_setup import get_logger
 from minisgl.scheduler.request import Request
+from minisgl.scheduler.step_sampling import rebuild_histories
 from minisgl.spec.drafter import DraftRequest, TargetStep
 
 if TYPE_CHECKING:
@@ -110,18 +112,23 @@ class SpecStep:
             [r.params.temperature for r in reqs], [r.params.top_k for r in reqs], [r.params.top_p for r in reqs],
             [r.params.min_p for r in reqs], [r.seed for r in reqs], [len(r.output) for r in reqs], eng.device,
         )
+        rebuild_histories(eng, reqs)
+        plan = VerifyPlan.build([r.logits_spec for r in reqs], [len(r.output) for r in reqs], drafts,
+                                [r.row for r in reqs], [r.report_logprobs for r in reqs], kmax + 1, eng.device)
         for r, n in zip(reqs, lens):
             r.cached_len = n
-        tokens, logprobs, num_acc = eng.verify(batch, drafts_t.to(eng.device, non_blocking=True), st)
+        tokens, logprobs, num_acc, tops = eng.verify(batch, drafts_t.to(eng.device, non_blocking=True), st, plan)
+        alternatives = plan.tops_by_request(tops) if plan is not None else {}
         if self.mirrors:
             self._after_verify(batch, drafts, tokens, num_acc)
         tokens_h, logprobs_h, num_h = tokens.tolist(), logprobs.tolist(), num_acc.tolist()
-        for r, d, n, toks, lps, start in zip(reqs, drafts, num_h, tokens_h, logprobs_h, lens):
+        for b, (r, d, n, toks, lps, start) in enumerate(zip(reqs, drafts, num_h, tokens_h, logprobs_h, lens)):
             self.proposed += len(d)
             self.accepted += n
             self.verified += 1
-            for tok, lp in zip(toks[: n + 1], lps[: n + 1]):
-                r.append(tok, lp)
+            for j, (tok, lp) in enumerate(zip(toks[: n + 1], lps[: n + 1])):
+                top = alternatives.get((b, j))
+                r.append(tok, lp, top[: r.params.top_logprobs] if top is not None else None)
                 if r.finished:  # EOS, a stop token or the length limit: the rest is dropped
                     break
             # K/V now holds positions < start + n (the last input and the accepted drafts).
