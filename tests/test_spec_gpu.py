@@ -127,3 +127,19 @@ def test_verify_graphs_equal_eager(models, backend: str) -> None:
     written = (~torch.isnan(eng.pool._k)).any(-1).any(-1).any(0)
     stray = set(written.nonzero().flatten().tolist()) - owned - {DUMMY_SLOT}
     assert not stray, f"padding wrote KV slots {sorted(stray)[:8]}"
+
+
+def test_penalties_in_verify_rows_fp32(models) -> None:
+    """The penalty op and the acceptance kernel compiled: a biased token repeated until its
+    frequency penalty stops it (n-gram drafts the repetition) and a presence penalty with
+    alternatives, through verify graphs, equal speculation off exactly (fp32)."""
+    opts = dict(device="cuda", dtype="float32", attention_backend="triton")
+    sp = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=1.0,
+                         logit_bias={1234: 10.0}),
+          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, presence_penalty=0.5, top_logprobs=2)]
+    prompts = [[1500, 1600, 1700], PROMPTS[0]]
+    want = LLM(models["target"], **opts).generate(prompts, sp, use_tqdm=False)
+    spec = LLM(models["target"], **opts, speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+    spec_models.assert_same_outputs(spec.generate(prompts, sp, use_tqdm=False), want)
+    st = spec.scheduler.stats()
+    assert st["spec_verified"] > 0 and st["spec_accepted"] > 0
