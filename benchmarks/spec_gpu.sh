@@ -21,7 +21,7 @@ OUT=${OUT:-/tmp/minisgl-spec}
 mkdir -p "$OUT/spec"
 export PYTHONUNBUFFERED=1
 echo "== 1. tests (tokenizer: ${MINISGL_TEST_SMOLLM2_TOKENIZER:-none: the model tests skip})"
-timeout 150 python3 -m pytest -q -m "gpu or triton" tests/test_spec_accept.py tests/test_spec_gpu.py \
+timeout 170 python3 -m pytest -q -m "gpu or triton" tests/test_spec_accept.py tests/test_spec_gpu.py \
   --durations=8 -p no:cacheprovider > "$OUT/spec/tests.txt" 2>&1
 grep -v "^E  " "$OUT/spec/tests.txt" | tail -25
 
