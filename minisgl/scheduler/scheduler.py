@@ -177,7 +177,7 @@ class Scheduler:
             # Grammar masks are not applied to verify rows: a batch holding a constrained
             # request decodes plainly (lossless: a grammar is never skipped). Penalties, logit
             # bias, min_tokens and alternatives are (engine/verify_plan.py).
-            if reqs and self.spec.draft_tokens(len(reqs)) > 0 and all(r.grammar is None for r in reqs):
+            if reqs and all(r.grammar is None for r in reqs) and self.spec.should_verify(len(reqs)):
                 return self._launch_verify()
         return self._launch_decode()
 

@@ -25,6 +25,7 @@ from minisgl.logging_setup import get_logger
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.step_sampling import rebuild_histories
 from minisgl.spec.drafter import DraftRequest, TargetStep
+from minisgl.spec.gate import SpecGate
 
 if TYPE_CHECKING:
     from minisgl.scheduler.scheduler import Scheduler
@@ -45,10 +46,16 @@ class SpecStep:
         self.mirrors = self.drafter.has_model and not self.drafter.mirrors_in_forward
         # Cumulative counters: draft tokens proposed / accepted, request-steps verified.
         self.proposed = self.accepted = self.verified = 0
-        self._logged = (time.monotonic(), 0, 0, 0)
+        self.gate = SpecGate()  # pauses speculation while drafts are not accepted (spec/gate.py)
+        self._logged = (time.monotonic(), 0, 0, 0, 0)
 
     def draft_tokens(self, batch_size: int) -> int:
         return self.cfg.draft_tokens_for(batch_size)
+
+    def should_verify(self, batch_size: int) -> bool:
+        """Whether a decode step of `batch_size` requests speculates: the table gives K > 0 and
+        the gate is open (it counts the steps it turns into plain ones)."""
+        return self.draft_tokens(batch_size) > 0 and self.gate.open()
 
     def release(self, req: Request) -> None:
         self.drafter.release(req.uid)
@@ -122,6 +129,7 @@ class SpecStep:
         if self.mirrors:
             self._after_verify(batch, drafts, tokens, num_acc)
         tokens_h, logprobs_h, num_h = tokens.tolist(), logprobs.tolist(), num_acc.tolist()
+        self.gate.record(sum(num_h), sum(1 for d in drafts if d))
         for b, (r, d, n, toks, lps, start) in enumerate(zip(reqs, drafts, num_h, tokens_h, logprobs_h, lens)):
             self.proposed += len(d)
             self.accepted += n
@@ -154,20 +162,22 @@ class SpecStep:
         self.drafter.after_forward(self._target_step(batch, next_ids, last_rows))
 
     def stats(self) -> dict[str, int]:
-        return {"spec_proposed": self.proposed, "spec_accepted": self.accepted, "spec_verified": self.verified}
+        return {"spec_proposed": self.proposed, "spec_accepted": self.accepted, "spec_verified": self.verified,
+                "spec_paused_steps": self.gate.paused_steps}
 
     def _maybe_log(self) -> None:
         now = time.monotonic()
-        t0, p0, a0, v0 = self._logged
-        if now - t0 < LOG_INTERVAL_S:
+        if now - self._logged[0] < LOG_INTERVAL_S:
             return
-        p, a, v = self.proposed - p0, self.accepted - a0, self.verified - v0
+        t0, p0, a0, v0, s0 = self._logged
+        p, a, v, s = self.proposed - p0, self.accepted - a0, self.verified - v0, self.gate.paused_steps - s0
         if v:
             log.info(
-                "speculative (%s): %d draft tokens proposed, %d accepted (%.0f%%), mean accepted length %.2f",
-                self.drafter.name, p, a, 100.0 * a / max(1, p), (a + v) / v,
+                "speculative (%s): %d draft tokens proposed, %d accepted (%.0f%%), mean accepted length %.2f; "
+                "%d decode steps plain while drafts were not accepted",
+                self.drafter.name, p, a, 100.0 * a / max(1, p), (a + v) / v, s,
             )
-        self._logged = (now, self.proposed, self.accepted, self.verified)
+        self._logged = (now, self.proposed, self.accepted, self.verified, self.gate.paused_steps)
 
 
 def _token_at(req: Request, i: int) -> int:
