@@ -144,6 +144,23 @@ def test_penalties_bias_min_tokens_in_verify_steps(target, drafts, workload, ref
     llm.scheduler.check_integrity()
 
 
+def test_grammar_rows_decode_plainly_beside_speculation(target, drafts, workload, plain) -> None:
+    """A grammar-constrained request drafts nothing (its one verify row is masked) while the
+    others in its batch speculate: greedy outputs equal speculation off (seeded sampling draws
+    the same token on the GPU, where both paths run the Triton kernels)."""
+    regex = r"(yes|no), [a-z]{1,6}@[a-z]{2,5}\.(com|org)"
+    prompts = [workload[1][0], workload[0][0]]
+    sp = [SamplingParams(max_tokens=40, temperature=0.0, regex=regex),
+          SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
+    want = plain.generate(prompts, sp, use_tqdm=False)
+    assert want[0]["finish_reason"] == "stop" and len(want[0]["token_ids"]) > 8
+    llm = spec_llm(target, drafts, "draft-self")
+    spec_models.assert_same_outputs(llm.generate(prompts, sp, use_tqdm=False), want)
+    st = llm.scheduler.stats()
+    assert st["spec_verified"] > 0 and st["spec_accepted"] > 0, "the unconstrained request speculated"
+    llm.scheduler.check_integrity()
+
+
 @pytest.mark.parametrize(
     "algo,options",
     [

@@ -131,13 +131,16 @@ def test_verify_graphs_equal_eager(models, backend: str) -> None:
 
 def test_penalties_in_verify_rows_fp32(models) -> None:
     """The penalty op and the acceptance kernel compiled: a biased token repeated until its
-    frequency penalty stops it (n-gram drafts the repetition) and a presence penalty with
-    alternatives, through verify graphs, equal speculation off exactly (fp32)."""
+    frequency penalty stops it (n-gram drafts the repetition), a presence penalty with
+    alternatives and a seeded grammar row, through verify graphs, equal speculation off
+    exactly (fp32)."""
     opts = dict(device="cuda", dtype="float32", attention_backend="triton")
     sp = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=1.0,
                          logit_bias={1234: 10.0}),
-          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, presence_penalty=0.5, top_logprobs=2)]
-    prompts = [[1500, 1600, 1700], PROMPTS[0]]
+          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, presence_penalty=0.5, top_logprobs=2),
+          # a grammar row drafts nothing; its seeded draw is the plain sampler's (Philox output 0)
+          SamplingParams(max_tokens=40, temperature=1.0, seed=3, regex=r"(yes|no), [a-z]{1,6}@[a-z]{2,5}\.(com|org)")]
+    prompts = [[1500, 1600, 1700], PROMPTS[0], [42]]
     want = LLM(models["target"], **opts).generate(prompts, sp, use_tqdm=False)
     spec = LLM(models["target"], **opts, speculative_algorithm="ngram", speculative_num_draft_tokens=3)
     spec_models.assert_same_outputs(spec.generate(prompts, sp, use_tqdm=False), want)

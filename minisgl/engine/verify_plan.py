@@ -8,7 +8,8 @@ sample that token with d_1..d_j already generated, so:
 - the presence / frequency / repetition penalties at row j count b's history plus d_1..d_j:
   each such row reads a scratch copy of b's token counts with those drafts added (R rows x V
   int32, only for the rows of requests that use a penalty), built on the device per step;
-- logit bias is the same at every row; logprobs are of the raw logits, as in plain decoding
+- logit bias is the same at every row; a grammar's mask (requests with one draft nothing: one
+  row each) runs after the penalties, as in plain decoding; logprobs are of the raw logits
   (a changed row keeps a raw copy when its request reports logprobs), and alternatives are
   one batched top-k over the rows that ask.
 After acceptance, each request's accepted tokens (its new tokens, num_accepted + 1) are added
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl import ops
-from minisgl.engine.logits_plan import LogitsPlan, LogitsSpec
+from minisgl.engine.logits_plan import LogitsMask, LogitsPlan, LogitsSpec
 from minisgl.engine.penalty_state import PenaltyState
 
 
@@ -47,13 +48,15 @@ class VerifyPlan:
     @staticmethod
     def build(specs: Sequence[LogitsSpec | None], generated: Sequence[int], drafts: Sequence[Sequence[int]],
               state_rows: Sequence[int], reports: Sequence[bool], width: int, device: torch.device,
-              ) -> VerifyPlan | None:
+              mask: LogitsMask | None = None, masked: Sequence[bool] | None = None) -> VerifyPlan | None:
         """Per request: its LogitsSpec (None: nothing), tokens generated before the step, its
-        drafts, its request-table row, whether it reports logprobs. None when no row needs
-        anything."""
-        if all(s is None for s in specs):
+        drafts, its request-table row, whether it reports logprobs; `mask` (a grammar's, on the
+        [T, V] verify logits after the penalties) may change the rows of the requests `masked`
+        says. None when no row needs anything."""
+        masked = masked if mask is not None and masked is not None else [False] * len(specs)
+        if all(s is None for s in specs) and not any(masked):
             return None
-        row_specs, row_gen, row_state, row_reports, row_bj = [], [], [], [], []
+        row_specs, row_gen, row_state, row_reports, row_bj, row_masked = [], [], [], [], [], []
         src, d_rows, d_ids, count_b = [], [], [], []
         for b, (spec, gen, d, srow, rep) in enumerate(zip(specs, generated, drafts, state_rows, reports)):
             tracks = spec is not None and spec.tracks_counts
@@ -63,6 +66,7 @@ class VerifyPlan:
                 row_specs.append(spec)
                 row_gen.append(gen + j)
                 row_reports.append(rep)
+                row_masked.append(masked[b])
                 row_bj.append((b, j))
                 if tracks:
                     d_rows.extend([len(src)] * j)
@@ -72,14 +76,14 @@ class VerifyPlan:
                 else:
                     row_state.append(0)  # its counts are never read (no penalty on this row)
         plan = LogitsPlan.build(row_specs, row_gen, [True] * len(row_specs), row_state, [], 0, device,
-                                reports=row_reports)
+                                mask, row_masked if mask is not None else None, row_reports)
         if plan is None:
             return None
         plan.count_rows = plan.count_state_rows = None  # counted after acceptance instead
         raw_flat = None
         if plan.raw_rows is not None:  # the rows LogitsPlan.build keeps raw copies of, in order
-            raw = [t for t, (spec, gen, rep) in enumerate(zip(row_specs, row_gen, row_reports))
-                   if rep and spec is not None and (spec.tracks_counts or spec.sparse(gen)[0])]
+            raw = [t for t, (spec, gen, rep, m) in enumerate(zip(row_specs, row_gen, row_reports, row_masked))
+                   if rep and (m or (spec is not None and (spec.tracks_counts or spec.sparse(gen)[0])))]
             raw_flat = _dev([row_bj[t][0] * width + row_bj[t][1] for t in raw], device)
         return VerifyPlan(
             plan, width, row_bj, _dev(src, device) if src else None, _dev(d_rows, device) if d_rows else None,
@@ -108,6 +112,8 @@ class VerifyPlan:
                     prompt = state.prompt.index_select(0, self.scratch_src)
             ops.apply_penalties(logits, pen.rows, pen.state_rows, counts, prompt, pen.rep, pen.pres, pen.freq,
                                 pen.bias_ptr, pen.bias_ids, pen.bias_vals)
+        if plan.mask is not None:
+            plan.mask(logits)
         return raw, tops
 
     def finish(self, tokens: torch.Tensor, logprobs: torch.Tensor, num_acc: torch.Tensor, raw: torch.Tensor | None,

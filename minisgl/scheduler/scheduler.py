@@ -174,10 +174,9 @@ class Scheduler:
         self._decode_next = False
         if self.spec is not None:
             reqs = self._decodable()
-            # Grammar masks are not applied to verify rows: a batch holding a constrained
-            # request decodes plainly (lossless: a grammar is never skipped). Penalties, logit
-            # bias, min_tokens and alternatives are (engine/verify_plan.py).
-            if reqs and all(r.grammar is None for r in reqs) and self.spec.should_verify(len(reqs)):
+            # Grammar-constrained requests draft nothing (their one verify row is masked);
+            # a batch of nothing else decodes plainly.
+            if reqs and any(r.grammar is None for r in reqs) and self.spec.should_verify(len(reqs)):
                 return self._launch_verify()
         return self._launch_decode()
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.engine.batch import ForwardBatch
+from minisgl.engine.logits_plan import LogitsMask
 from minisgl.engine.sampler import SamplingTensors
 from minisgl.engine.verify_plan import VerifyPlan
 from minisgl.logging_setup import get_logger
@@ -102,8 +103,9 @@ class SpecStep:
         with their accepted tokens appended (finished ones released)."""
         sched, eng, kv = self.sched, self.engine, self.sched.kv
         k = self.draft_tokens(len(reqs))
-        # A request may emit at most its remaining tokens: 1 sampled + k drafts.
-        ks = [max(0, min(k, r.max_total_len - r.seq_len - 1)) for r in reqs]
+        # A request may emit at most its remaining tokens: 1 sampled + k drafts. A grammar-
+        # constrained request drafts nothing (its one row is masked like a plain decode's).
+        ks = [0 if r.grammar is not None else max(0, min(k, r.max_total_len - r.seq_len - 1)) for r in reqs]
         # Slots for every position the drafter and the verify write, before drafting; no room
         # for the drafts: that request decodes plainly (its next token's slot is there).
         ks = [ki if ki == 0 or kv.grow(r, r.seq_len + ki) else 0 for r, ki in zip(reqs, ks)]
@@ -120,8 +122,10 @@ class SpecStep:
             [r.params.min_p for r in reqs], [r.seed for r in reqs], [len(r.output) for r in reqs], eng.device,
         )
         rebuild_histories(eng, reqs)
+        mask, masked = self._grammar_mask(reqs, drafts)
         plan = VerifyPlan.build([r.logits_spec for r in reqs], [len(r.output) for r in reqs], drafts,
-                                [r.row for r in reqs], [r.report_logprobs for r in reqs], kmax + 1, eng.device)
+                                [r.row for r in reqs], [r.report_logprobs for r in reqs], kmax + 1, eng.device,
+                                mask, masked)
         for r, n in zip(reqs, lens):
             r.cached_len = n
         tokens, logprobs, num_acc, tops = eng.verify(batch, drafts_t.to(eng.device, non_blocking=True), st, plan)
@@ -137,6 +141,8 @@ class SpecStep:
             for j, (tok, lp) in enumerate(zip(toks[: n + 1], lps[: n + 1])):
                 top = alternatives.get((b, j))
                 r.append(tok, lp, top[: r.params.top_logprobs] if top is not None else None)
+                if r.grammar is not None and not r.finished:
+                    sched.grammar.advance(r, tok)
                 if r.finished:  # EOS, a stop token or the length limit: the rest is dropped
                     break
             # K/V now holds positions < start + n (the last input and the accepted drafts).
@@ -147,6 +153,26 @@ class SpecStep:
                 kv.shrink(r, r.cached_len)
         self._maybe_log()
         return reqs
+
+    def _grammar_mask(self, reqs: list[Request], drafts: list[list[int]]
+                      ) -> tuple[LogitsMask | None, list[bool] | None]:
+        """The verify rows of the grammar-constrained requests (one each: they draft nothing)
+        and the mask that fills and applies their grammars' bitmasks there."""
+        masked = [r.grammar is not None for r in reqs]
+        if not any(masked):
+            return None, None
+        first, rows = 0, {}  # request index -> its (only) verify row
+        for b, d in enumerate(drafts):
+            if masked[b]:
+                rows[b] = first
+            first += 1 + len(d)
+
+        def mask(logits: torch.Tensor) -> None:
+            live = [b for b in rows if not reqs[b].finished and reqs[b].grammar.needs_mask]
+            if live:
+                self.sched.grammar.masks.apply(logits, [rows[b] for b in live], [reqs[b].grammar for b in live])
+
+        return mask, masked
 
     def _after_verify(self, batch: ForwardBatch, drafts: list[list[int]], tokens: torch.Tensor,
                       num_acc: torch.Tensor) -> None:
