@@ -48,6 +48,10 @@ def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v
     else:
         k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+    # An FP8 cache: e4m3 values are exact in q's 16/32-bit dtype; their per-tensor scales are
+    # folded into qk_scale (K) and v_scale (V, applied to the output in fp32).
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     qk = tl.dot(q, k, input_precision=DOT_PREC)
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -63,7 +67,7 @@ def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v
 
 @triton.jit
 def _extend_attn_kernel(
-    Q, KCache, VCache, Out, ReqToSlot, ReqRows, PrefixLens, CuSeqlensQ, Tiles, qk_scale,
+    Q, KCache, VCache, Out, ReqToSlot, ReqRows, PrefixLens, CuSeqlensQ, Tiles, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_rt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -112,7 +116,7 @@ def _extend_attn_kernel(
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
             stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1.0 for 16-bit caches)
     o_ptrs = Out + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -159,12 +163,14 @@ def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
     max_extend_len: int, scale: float, out: torch.Tensor | None = None,
-    config: tuple[int, ...] | None = None, tiles: torch.Tensor | None = None,
+    config: tuple[int, ...] | None = None, tiles: torch.Tensor | None = None, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype. With `tiles`
     (int32 [capacity, 2] from `tile_map` with this config's BLOCK_M), the grid is
     (Hq, capacity) and `max_extend_len` is not used: the launch is fixed for a CUDA graph.
-    Query rows that no tile covers (padding tokens) are left unwritten."""
+    Query rows that no tile covers (padding tokens) are left unwritten. An FP8 cache holds
+    K / k_scale and V / v_scale (per-tensor scales)."""
     t, hq, d = q.shape
     if out is None:
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -178,7 +184,7 @@ def extend_attention(
         grid = (hq, tiles.shape[0], 1)
     _extend_attn_kernel[grid](
         q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens, cu_seqlens_q,
-        cu_seqlens_q if tiles is None else tiles, scale * math.log2(math.e),
+        cu_seqlens_q if tiles is None else tiles, scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), req_to_slot.stride(0),
         GROUP=hq // k_cache.shape[1], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),

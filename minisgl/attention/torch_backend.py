@@ -33,7 +33,8 @@ class TorchAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
-        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots)
+        ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]
+        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots, ks, vs)
         out = torch.empty_like(q)
         starts = [0]  # offsets of each request's new tokens, from host lengths (no device sync)
         for s, p in zip(batch.seq_lens_cpu, batch.prefix_lens_cpu):
@@ -42,5 +43,7 @@ class TorchAttentionBackend(AttentionBackend):
             lo, hi = starts[i], starts[i + 1]
             slots = batch.req_to_slot[batch.req_rows[i], :seq_len].long()
             positions = torch.arange(prefix, seq_len, device=q.device)
-            out[lo:hi] = attend_reference(q[lo:hi], k_cache[slots], v_cache[slots], positions, self.scale)
+            # FP8 cache: dequantized here (fp32 math with the scales; exact for 16/32-bit).
+            kk, vv = k_cache[slots].float() * ks, v_cache[slots].float() * vs
+            out[lo:hi] = attend_reference(q[lo:hi], kk, vv, positions, self.scale)
         return out
