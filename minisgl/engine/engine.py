@@ -232,9 +232,8 @@ class Engine:
         The step is checked here, once; its indices go to the device in one copy, into a
         captured graph's buffers when one fits (`use_graphs`). `extra_logit_rows` (indices into
         the new tokens): logits are computed there too, after the B sampled rows (prompt
-        logprobs; such a step runs eagerly: a graph keeps the sampled rows only). `all_rows`: an
-        extend step that needs every position's logits (a verify step): it replays a verify
-        graph (one logits row per token) where one fits."""
+        logprobs; such a step runs eagerly: a graph keeps the sampled rows only). `all_rows`:
+        every position's logits (a verify step: a verify graph where one fits)."""
         return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs, extra_logit_rows, all_rows)
 
     def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0, max_mixed_tokens: int = 0,
@@ -349,9 +348,8 @@ class Engine:
         self, batch: ForwardBatch, drafts: torch.Tensor, st: SamplingTensors, plan: VerifyPlan | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Speculative verify: `batch` is an extend of 1 + k_b tokens per request (its last
-        token, then its drafts int64 [B, K >= k_b]), built with all_rows (a verify graph
-        replays where one fits). Forward every position, accept on the
-        device (ops.spec_accept). Returns (tokens [B, K + 1], logprobs [B, K + 1],
+        token, then its drafts int64 [B, K >= k_b]), built with all_rows. Forward every
+        position, accept on the device (ops.spec_accept). Returns (tokens [B, K + 1], logprobs [B, K + 1],
         num_accepted [B]): request b's new tokens are tokens[b, :num_accepted[b] + 1]; the
         last of them goes to `token_buffer` (a plain decode may follow). `plan`: penalties, logit
         bias, min_tokens and alternatives at every row (engine/verify_plan.py); then the fourth
