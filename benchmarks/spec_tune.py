@@ -86,7 +86,9 @@ def main() -> None:
     a = args.accept_rate
     spec = {"speculative_algorithm": args.algorithm, "speculative_draft_model": args.draft_model,
             "speculative_num_draft_tokens": args.max_k}
-    bench = StepBench(args.model, max(args.batch), args.max_k, args.context, args.dtype, args.device, **spec)
+    pairs = [(b, k) for b in args.batch for k in range(1, args.max_k + 1)]  # verify graphs, as served
+    bench = StepBench(args.model, max(args.batch), args.max_k, args.context, args.dtype, args.device, verify=pairs,
+                      **spec)
     table: dict[str, int] = {}
     measured: list[dict] = []
     print(f"model {args.model}, {args.algorithm}, acceptance rate {a:.3f}, context {args.context}")

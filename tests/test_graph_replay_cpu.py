@@ -13,50 +13,10 @@ import math
 
 import pytest
 import torch
+from graph_replay import graph_llm
 
 from minisgl import LLM, SamplingParams
-from minisgl.attention.triton_backend import TritonAttentionBackend
-from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.kvcache.pool import DUMMY_SLOT
-
-FIELDS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens", "prefix_lens", "cu_seqlens_q",
-          "sample_rows", "tiles", "decode_rows", "decode_seq_lens")
-
-
-class _Replay:
-    def __init__(self, runner: ReplayRunner, layout, out: torch.Tensor) -> None:  # noqa: ANN001
-        self.runner, self.layout, self.out = runner, layout, out
-
-    def replay(self) -> None:
-        r = self.runner
-        r.replays[self.layout.mode] += 1
-        fresh = r.views(self.layout, r.buffer)
-        r.forward(fresh, self.out)
-        static = r.static[self.layout]
-        for name in FIELDS:
-            if getattr(static, name) is not None:
-                getattr(static, name).copy_(getattr(fresh, name))
-
-
-class ReplayRunner(CudaGraphRunner):
-    def _capture_all(self, fill_empty) -> None:  # noqa: ANN001
-        self.replays = {"decode": 0, "extend": 0, "mixed": 0}
-        for layout in [*self.decode, *self.extend, *self.mixed]:
-            fill_empty(layout, self.buffer)
-            out = self.logits[: layout.requests]
-            batch = self.views(layout, self.buffer)
-            self.outputs[layout] = self.forward(batch, out)
-            self.static[layout], self.graphs[layout] = batch, _Replay(self, layout, out)
-
-
-def graph_llm(path: str, decode_kernel: bool, **options) -> LLM:
-    llm = LLM(path, device="cpu", dtype="float32", **options)
-    eng = llm.engine
-    eng.attn = TritonAttentionBackend(eng.pool, eng.num_q_heads, eng.model_config.head_dim**-0.5)
-    eng.steps.block_m, eng.steps.decode_kernel = eng.attn.tile_block_m, decode_kernel
-    eng.enable_cuda_graphs(4, *llm.scheduler.graph_max_tokens, runner_cls=ReplayRunner)
-    return llm
-
 
 PROMPTS = [list(range(300, 317)), [42], list(range(1000, 1070)), [5, 6, 7, 8] * 5, list(range(300, 330))]
 PARAMS = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 14, 6, 11, 8)]

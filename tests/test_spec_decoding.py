@@ -119,21 +119,45 @@ def test_target_as_own_draft_accepts_k_plus_one(target, drafts) -> None:
     assert st["spec_verified"] == 6 and st["spec_accepted"] == 6 * 4
 
 
-def test_logits_processing_requests_decode_plainly(target, drafts, workload, reference, plain) -> None:
-    """Penalties, logit bias and top_logprobs are not in the acceptance kernel yet: while such a
-    request runs, its batch decodes plainly (outputs equal speculation off, the bias honoured);
-    speculation resumes once it finishes."""
+def test_penalties_bias_min_tokens_in_verify_steps(target, drafts, workload, reference, plain) -> None:
+    """Penalties, logit bias, min_tokens and top_logprobs apply at every verified row, the
+    penalty counts of row j including the drafts before it: outputs equal speculation off
+    (tokens, logprobs, alternatives), and the requests speculate. The first request repeats a
+    biased token until its frequency penalty stops it; n-gram drafts the repetition, so a row
+    that missed the drafts before it in its counts would repeat it too long."""
     out, _, _ = reference
-    prompts = [workload[0][0], workload[4][0]]
-    sp = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, frequency_penalty=1.5, top_logprobs=2,
+    prompts = [[1500, 1600, 1700], workload[0][0], workload[4][0]]
+    sp = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, frequency_penalty=1.0,
+                         logit_bias={1234: 10.0}),
+          SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, presence_penalty=0.5, top_logprobs=2,
                          logit_bias={out[0]["token_ids"][0]: -100.0}),
-          SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)]
+          SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=1.3, min_tokens=6,
+                         stop_token_ids=[out[4]["token_ids"][2]])]
     want = plain.generate(prompts, sp, use_tqdm=False)
-    assert want[0]["token_ids"][0] != out[0]["token_ids"][0]
+    assert want[0]["token_ids"][:4] == [1234] * 4 and want[0]["token_ids"].count(1234) < 24
+    assert want[1]["token_ids"][0] != out[0]["token_ids"][0] and want[2]["token_ids"] != out[4]["token_ids"][:16]
+    llm = spec_llm(target, drafts, "ngram", speculative_ngram_min=1)
+    spec_models.assert_same_outputs(llm.generate(prompts[:1], sp[:1], use_tqdm=False), want[:1])
+    st = llm.scheduler.stats()  # alone: its steps were verify steps, not a plain fallback
+    assert st["spec_verified"] >= 10 and st["spec_accepted"] > 0
+    spec_models.assert_same_outputs(llm.generate(prompts, sp, use_tqdm=False), want)
+    llm.scheduler.check_integrity()
+
+
+def test_grammar_rows_decode_plainly_beside_speculation(target, drafts, workload, plain) -> None:
+    """A grammar-constrained request drafts nothing (its one verify row is masked) while the
+    others in its batch speculate: greedy outputs equal speculation off (seeded sampling draws
+    the same token on the GPU, where both paths run the Triton kernels)."""
+    regex = r"(yes|no), [a-z]{1,6}@[a-z]{2,5}\.(com|org)"
+    prompts = [workload[1][0], workload[0][0]]
+    sp = [SamplingParams(max_tokens=40, temperature=0.0, regex=regex),
+          SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
+    want = plain.generate(prompts, sp, use_tqdm=False)
+    assert want[0]["finish_reason"] == "stop" and len(want[0]["token_ids"]) > 8
     llm = spec_llm(target, drafts, "draft-self")
-    got = llm.generate(prompts, sp, use_tqdm=False)
-    spec_models.assert_same_outputs(got, want)
-    assert llm.scheduler.stats()["spec_verified"] > 0
+    spec_models.assert_same_outputs(llm.generate(prompts, sp, use_tqdm=False), want)
+    st = llm.scheduler.stats()
+    assert st["spec_verified"] > 0 and st["spec_accepted"] > 0, "the unconstrained request speculated"
     llm.scheduler.check_integrity()
 
 
@@ -236,20 +260,3 @@ def test_tp2_equals_tp1(target, drafts, workload, reference) -> None:
         spec_models.assert_same_outputs(two.generate(prompts, sampled, use_tqdm=False), want)
     finally:
         two.shutdown()
-
-
-def test_ngram_beside_the_graph_path(target, drafts, workload, reference, tmp_path) -> None:
-    """With graphs (the CPU replay runner of test_graph_replay_cpu), plain steps replay them and
-    verify steps run eagerly beside them: greedy output still equals speculation off."""
-    from test_graph_replay_cpu import graph_llm
-
-    table = tmp_path / "table.json"
-    table.write_text(json.dumps({"num_draft_tokens": {"1": K, "3": 0}}))
-    llm = graph_llm(target, decode_kernel=True, speculative_num_draft_tokens=K, speculative_draft_table=str(table),
-                    **ALGOS["ngram"](target, drafts))
-    out, _, _ = reference
-    few = [0, 1, 3, 4]
-    got = llm.generate([workload[i][0] for i in few], [params(workload)[i] for i in few], use_tqdm=False)
-    spec_models.assert_same_outputs(got, [out[i] for i in few])
-    assert llm.engine.graphs.replays["decode"] > 0 and llm.scheduler.stats()["spec_verified"] > 0
-    llm.scheduler.check_integrity()

@@ -44,6 +44,9 @@ class ForwardBatch:
     # int64 [B + E] rows of [T] whose logits the model computes: sample_rows, then E extra rows
     # (prompt logprobs). None: sample_rows only.
     logit_rows: torch.Tensor | None = None
+    # A captured graph's step whose sample rows are all T tokens (a speculative verify step):
+    # its replay yields every position's logits [T, vocab].
+    all_rows: bool = False
 
     @property
     def is_decode(self) -> bool:

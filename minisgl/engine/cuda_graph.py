@@ -9,7 +9,11 @@ LM head) in one shared memory pool:
   tile-map mode, so no launch depends on the step's lengths;
 - mixed: the same up to the largest mixed step (every decode + a prefill chunk), plus the
   decode kernel over min(bucket, max requests) leading rows for the decodes (without this
-  ladder, mixed steps take the extend graphs, their decodes as one-row tiles).
+  ladder, mixed steps take the extend graphs, their decodes as one-row tiles);
+- verify (speculative decoding): extend layouts of b x (1 + K_b) tokens for the decode
+  ladder's batch sizes b (K_b: the draft table's largest K up to b) whose sample rows are all
+  T tokens (requests capacity T: one logits row per token), so one replay yields every
+  position's logits. A verify step may also take an extend bucket that has T logits rows.
 
 A step replays the smallest layout that fits it: the host fills the static index buffer (one
 copy, see step_builder) and launches one graph. Padding tokens write K/V only to the dummy
@@ -49,6 +53,26 @@ def token_bucket_ladder(max_tokens: int) -> list[int]:
     return [s for s in sizes if s < max_tokens] + [max_tokens]
 
 
+# Verify graphs hold one fp32 logits row per token: none past this many tokens (1024 x a 152k
+# vocabulary is 0.6 GiB of logits); larger verify steps run eagerly.
+VERIFY_GRAPH_MAX_TOKENS = 1024
+
+
+def verify_layouts(batch_sizes: list[int], k_for: Callable[[int], int], block_m: int,
+                   max_tokens: int = VERIFY_GRAPH_MAX_TOKENS) -> list[StepLayout]:
+    """One verify layout per decode batch size b with K > 0: b x (1 + K) tokens, K the largest
+    draft length of the sizes it serves (those above the previous ladder size), one logits row
+    per token, the tile capacity of b requests (per request ceil((1 + K) / BLOCK_M) tiles)."""
+    out, prev = [], 0
+    for b in sorted(batch_sizes):
+        k = max(k_for(x) for x in range(prev + 1, b + 1))
+        prev = b
+        t = b * (1 + k)
+        if k > 0 and t <= max_tokens:
+            out.append(StepLayout("extend", t, t, min(t, b * -(-(1 + k) // block_m)), 0))
+    return out
+
+
 def graph_layouts(
     max_bs: int, max_tokens: int, max_mixed_tokens: int, max_requests: int, block_m: int, decode_kernel: bool
 ) -> tuple[list[StepLayout], list[StepLayout]]:
@@ -75,14 +99,21 @@ class CudaGraphRunner:
         views: Callable[[StepLayout, torch.Tensor], ForwardBatch],
         forward: Callable[[ForwardBatch, torch.Tensor], torch.Tensor],
         count_tiles: Callable[[StepSpec, bool], int], fill_empty: Callable[[StepLayout, torch.Tensor], None],
-        vocab_size: int, device: torch.device,
+        vocab_size: int, device: torch.device, verify: list[StepLayout] | None = None,
+        extra: Callable[[], torch.Tensor | None] | None = None,
     ) -> None:
+        """`extra`: called after each capture's forward; what it returns (a tensor the forward
+        left, e.g. the residual stream EAGLE-3 reads) is kept as `extras[layout]`, refreshed by
+        every replay of that layout."""
         self.decode = sorted(decode, key=lambda x: x.tokens)
         self.extend = sorted((x for x in extend if x.mode == "extend"), key=lambda x: x.tokens)
         self.mixed = sorted((x for x in extend if x.mode == "mixed"), key=lambda x: x.tokens)
-        self._keys = {m: [x.tokens for x in getattr(self, m)] for m in ("decode", "extend", "mixed")}
+        self.verify = sorted(set(verify or ()) - set(self.extend), key=lambda x: x.tokens)
+        # A verify step takes the smallest verify or extend layout with a logits row per token.
+        self._all_rows = sorted({*self.verify, *self.extend}, key=lambda x: (x.tokens, x.requests))
+        self._keys = {m: [x.tokens for x in getattr(self, m)] for m in ("decode", "extend", "mixed", "_all_rows")}
         self.views, self.forward, self.count_tiles, self.device = views, forward, count_tiles, device
-        layouts = [*self.decode, *self.extend, *self.mixed]
+        self.layouts = layouts = [*self.decode, *self.extend, *self.mixed, *self.verify]
         self.buffer = torch.zeros(max(x.size for x in layouts), dtype=torch.int64, device=device)
         # One fp32 logits buffer for every graph: each graph's own output would stay allocated
         # for the runner's lifetime (~1.3 GiB over the decode ladder at 256 x 152k vocab).
@@ -90,6 +121,8 @@ class CudaGraphRunner:
         self.graphs: dict[StepLayout, torch.cuda.CUDAGraph] = {}
         self.static: dict[StepLayout, ForwardBatch] = {}
         self.outputs: dict[StepLayout, torch.Tensor] = {}
+        self.extra = extra
+        self.extras: dict[StepLayout, torch.Tensor | None] = {}
         self.capture_seconds = 0.0
         self._capture_all(fill_empty)
 
@@ -101,7 +134,7 @@ class CudaGraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             # Largest first: the smaller graphs reuse its pool memory.
-            for layout in sorted([*self.decode, *self.extend, *self.mixed], key=lambda x: -x.size):
+            for layout in sorted(self.layouts, key=lambda x: -x.size):
                 fill_empty(layout, self.buffer)  # a step of padding only: valid indices
                 out = self.logits[: layout.requests]
                 self.forward(self.views(layout, self.buffer), out)  # compiles, picks GEMMs: outside capture
@@ -115,6 +148,7 @@ class CudaGraphRunner:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             batch = self.views(layout, self.buffer)
             self.outputs[layout] = self.forward(batch, out)
+            self.extras[layout] = self.extra() if self.extra is not None else None
         self.graphs[layout], self.static[layout] = graph, batch
 
     def layout_for(self, spec: StepSpec) -> StepLayout | None:
@@ -122,7 +156,7 @@ class CudaGraphRunner:
         if spec.mode == "decode":
             i = bisect.bisect_left(self._keys["decode"], len(spec.rows))
             return self.decode[i] if i < len(self.decode) else None
-        mode = "mixed" if spec.mode == "mixed" and self.mixed else "extend"
+        mode = "mixed" if spec.mode == "mixed" and self.mixed else "_all_rows" if spec.all_rows else "extend"
         i = bisect.bisect_left(self._keys[mode], spec.num_tokens)
         for layout in getattr(self, mode)[i:]:
             if layout.fits(spec, self.count_tiles(spec, layout.decodes > 0)):
@@ -137,16 +171,19 @@ class CudaGraphRunner:
         return ForwardBatch(
             mode=spec.mode, input_ids=s.input_ids[:n], positions=s.positions[:n], out_slots=s.out_slots[:n],
             req_rows=s.req_rows[:b], seq_lens=s.seq_lens[:b], prefix_lens=s.prefix_lens[:b],
-            cu_seqlens_q=s.cu_seqlens_q[: b + 1], sample_rows=s.sample_rows[:b], req_to_slot=s.req_to_slot,
-            seq_lens_cpu=seq, prefix_lens_cpu=spec.prefix_lens, max_seq_len=max(seq), max_extend_len=max(spec.ext),
-            tiles=s.tiles, decode_rows=s.decode_rows, decode_seq_lens=s.decode_seq_lens, graph=layout,
+            cu_seqlens_q=s.cu_seqlens_q[: b + 1], sample_rows=s.sample_rows[: n if spec.all_rows else b],
+            req_to_slot=s.req_to_slot, seq_lens_cpu=seq, prefix_lens_cpu=spec.prefix_lens, max_seq_len=max(seq),
+            max_extend_len=max(spec.ext), tiles=s.tiles, decode_rows=s.decode_rows,
+            decode_seq_lens=s.decode_seq_lens, graph=layout, all_rows=spec.all_rows,
         )
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step's logits: [B, vocab], or [T, vocab] for an all-rows (verify) step."""
         self.graphs[batch.graph].replay()
-        return self.outputs[batch.graph][: batch.batch_size]
+        return self.outputs[batch.graph][: batch.num_tokens if batch.all_rows else batch.batch_size]
 
     def describe(self) -> str:
         k = self._keys
+        verify = f", verify token counts {[x.tokens for x in self.verify]}" if self.verify else ""
         return (f"{len(self.graphs)} CUDA graphs (decode batch sizes {k['decode']}, prefill token buckets "
-                f"{k['extend']}, mixed token buckets {k['mixed']}) in {self.capture_seconds:.1f} s")
+                f"{k['extend']}, mixed token buckets {k['mixed']}{verify}) in {self.capture_seconds:.1f} s")

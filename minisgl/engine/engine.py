@@ -18,6 +18,7 @@ from minisgl.engine.prompt import check_prompt
 from minisgl.engine.sampler import SamplingTensors
 from minisgl.engine.step_builder import StepBuilder, host_to_device
 from minisgl.engine.step_layout import StepSpec
+from minisgl.engine.verify_plan import VerifyPlan
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
 from minisgl.models.config import ModelConfig
@@ -220,7 +221,7 @@ class Engine:
 
     def build_batch(
         self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int] | None] | None,
-        use_graphs: bool = True, extra_logit_rows: list[int] | None = None,
+        use_graphs: bool = True, extra_logit_rows: list[int] | None = None, all_rows: bool = False,
     ) -> ForwardBatch:
         """A batch for requests at table rows `rows`, each with `prefix_lens[i]` tokens already
         in the KV cache and `new_tokens[i]` to run now. The slots of the new tokens must
@@ -231,17 +232,20 @@ class Engine:
         The step is checked here, once; its indices go to the device in one copy, into a
         captured graph's buffers when one fits (`use_graphs`). `extra_logit_rows` (indices into
         the new tokens): logits are computed there too, after the B sampled rows (prompt
-        logprobs; such a step runs eagerly: a graph keeps the sampled rows only)."""
-        return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs, extra_logit_rows)
+        logprobs; such a step runs eagerly: a graph keeps the sampled rows only). `all_rows`:
+        every position's logits (a verify step: a verify graph where one fits)."""
+        return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs, extra_logit_rows, all_rows)
 
     def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0, max_mixed_tokens: int = 0,
-                           runner_cls: type | None = None) -> None:
+                           runner_cls: type | None = None, verify: list | None = None) -> None:
         """Captures decode graphs up to `max_bs` requests (default: from GPU memory), extend
         graphs up to `max_tokens` tokens per step and mixed ones (decodes + a prefill chunk) up
         to `max_mixed_tokens` (0: none of that kind; mixed steps then take the extend graphs,
         decodes as one-row tiles). `runner_cls`: a CudaGraphRunner subclass (tests replay
-        "graphs" on the CPU with one)."""
-        from minisgl.engine.cuda_graph import CudaGraphRunner, graph_layouts
+        "graphs" on the CPU with one). `verify`: the verify layouts to capture (default: one per
+        decode batch size with the draft table's K when speculating; benchmarks pass their own)."""
+        from minisgl.engine.cuda_graph import CudaGraphRunner, graph_layouts, verify_layouts
+        from minisgl.engine.step_builder import VERIFY_VIA_EXTEND_BUCKETS
 
         runner_cls = runner_cls or CudaGraphRunner
         cuda = self.device.type == "cuda"
@@ -252,6 +256,8 @@ class Engine:
             max_bs = 256 if total >= 40 * (1 << 30) else 128
         decode, extend = graph_layouts(min(max_bs, self.cfg.max_running_requests), max_tokens, max_mixed_tokens,
                                        self.cfg.max_running_requests, self.steps.block_m, self.steps.decode_kernel)
+        if verify is None and self.cfg.spec is not None and not VERIFY_VIA_EXTEND_BUCKETS:
+            verify = verify_layouts([x.tokens for x in decode], self.cfg.spec.draft_tokens_for, self.steps.block_m)
         table, buffer, bound = self.table.req_to_slot, self.token_buffer, self.max_model_len
         mem = (lambda: (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))) if cuda \
             else (lambda: (0, 0))
@@ -260,21 +266,30 @@ class Engine:
             decode, extend, lambda layout, buf: layout.views(buf, table, buffer, bound),
             lambda batch, out: self.forward_eager(batch, logits_out=out), self.steps.count_tiles,
             lambda layout, buf: self.steps.upload(StepSpec(layout.mode, [], [], []), layout, buf),
-            self.model_config.vocab_size, self.device,
+            self.model_config.vocab_size, self.device, verify, lambda: self.model.model.aux_hidden,
         )
         self.steps.graphs = self.graphs
+        if self.drafter is not None:
+            self.drafter.enable_cuda_graphs([x.tokens for x in decode], runner_cls)
         gib = 1 << 30
         alloc2, reserved2 = mem()
-        log.info("captured %s; graph memory +%.2f GiB allocated, +%.2f GiB reserved", self.graphs.describe(),
-                 (alloc2 - alloc) / gib, (reserved2 - reserved) / gib)
+        drafting = self.drafter.describe_graphs() if self.drafter is not None else ""
+        log.info("captured %s%s; graph memory +%.2f GiB allocated, +%.2f GiB reserved", self.graphs.describe(),
+                 drafting, (alloc2 - alloc) / gib, (reserved2 - reserved) / gib)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
         """fp32 logits of each request's last new token [B, vocab] (every token's: [T, vocab]),
-        from the step's captured graph when it has one (the graph keeps the sampled rows only:
-        every position's logits come from an eager run; `batch.logit_rows` when set: [B + E, vocab])."""
-        if batch.graph is not None and not all_positions and batch.logit_rows is None:
-            return self.graphs.replay(batch)
+        from the step's captured graph when it has one (a graph keeps the sampled rows only, so
+        every position's logits come from an eager run, except from a graph built with
+        `all_rows`, whose sample rows are every token; `batch.logit_rows` when set: [B + E, vocab])."""
+        if batch.all_rows and not all_positions:
+            raise ValueError("a batch built with all_rows (a verify step) gives every position's logits")
+        if batch.graph is not None and batch.logit_rows is None and all_positions == batch.all_rows:
+            logits = self.graphs.replay(batch)
+            if self.model.model.aux_layers is not None:  # the graph's residual stream [T of the layout, n H]
+                self.model.model.aux_hidden = self.graphs.extras[batch.graph]
+            return logits
         return self.forward_eager(batch, all_positions)
 
     def forward_eager(
@@ -290,6 +305,8 @@ class Engine:
         with _checks.trusted():
             self.attn.prepare(batch)
             out = self.model(batch, self.attn, all_positions=all_positions, logits_out=logits_out)
+            if self.drafter is not None and self.drafter.mirrors_in_forward:
+                self.drafter.mirror(batch)  # a draft model's K/V over the same positions
         return out if rows is None else out[:rows]
 
     @torch.inference_mode()
@@ -328,19 +345,24 @@ class Engine:
 
     @torch.inference_mode()
     def verify(
-        self, batch: ForwardBatch, drafts: torch.Tensor, st: SamplingTensors
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, batch: ForwardBatch, drafts: torch.Tensor, st: SamplingTensors, plan: VerifyPlan | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         """Speculative verify: `batch` is an extend of 1 + k_b tokens per request (its last
-        token, then its drafts int64 [B, K >= k_b]). Forward every position, accept on the
-        device (ops.spec_accept). Returns (tokens [B, K + 1], logprobs [B, K + 1],
+        token, then its drafts int64 [B, K >= k_b]), built with all_rows. Forward every
+        position, accept on the device (ops.spec_accept). Returns (tokens [B, K + 1], logprobs [B, K + 1],
         num_accepted [B]): request b's new tokens are tokens[b, :num_accepted[b] + 1]; the
-        last of them goes to `token_buffer` (a plain decode may follow)."""
+        last of them goes to `token_buffer` (a plain decode may follow). `plan`: penalties, logit
+        bias, min_tokens and alternatives at every row (engine/verify_plan.py); then the fourth
+        value is (top ids, top logprobs) of its top rows, else None."""
         logits = self.forward(batch, all_positions=True)
+        raw, tops = plan.apply(logits, self.penalties) if plan is not None else (None, None)
         tokens, logprobs, num_acc = ops.spec_accept(
             logits, batch.cu_seqlens_q, drafts, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps
         )
+        if plan is not None:
+            plan.finish(tokens, logprobs, num_acc, raw, self.penalties)
         self.token_buffer[batch.req_rows.long()] = tokens.gather(1, num_acc.long()[:, None]).squeeze(1)
-        return tokens, logprobs, num_acc
+        return tokens, logprobs, num_acc, tops
 
     # ---- helpers for tests and prompt scoring ----
 

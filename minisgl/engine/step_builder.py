@@ -25,6 +25,11 @@ from minisgl.logging_setup import log_once
 # the captured graph) rather than one-row extend tiles. From benchmarks/graph_designs.py on an
 # H100: see DESIGN.md §4 ("a-decode" vs "a-tiles").
 MIXED_DECODES_VIA_DECODE_KERNEL = True
+# A speculative verify step (b requests x (1 + K) tokens, logits at every token) replays a
+# verify graph of exactly b x (1 + K) tokens (False), or the smallest extend bucket with a
+# logits row per token (True: no verify graphs are captured). benchmarks/spec_verify.py times
+# both on the same steps ("verify graph" vs "extend bucket" columns).
+VERIFY_VIA_EXTEND_BUCKETS = False
 
 
 def pinned_host(size: int, device: torch.device) -> torch.Tensor:
@@ -49,7 +54,7 @@ class StepBuilder:
         self.eager_reason: str | None = None  # why the last step built runs eagerly (None: a graph)
 
     def spec(self, mode: str, rows: list[int], prefix_lens: list[int],
-             new_tokens: Sequence[list[int] | None] | None) -> StepSpec:
+             new_tokens: Sequence[list[int] | None] | None, all_rows: bool = False) -> StepSpec:
         """The step, checked once (the ops skip their own checks in the forward)."""
         if mode not in ("decode", "extend", "mixed"):
             raise ValueError(f"unknown step mode {mode!r}")
@@ -60,7 +65,9 @@ class StepBuilder:
         if not rows or not len(rows) == len(prefix_lens) == len(new_tokens):
             raise ValueError(f"a step needs rows, prefix_lens and new_tokens of one length >= 1, got "
                              f"{len(rows)}, {len(prefix_lens)}, {len(new_tokens)}")
-        spec = StepSpec(mode, list(rows), list(prefix_lens), list(new_tokens))
+        if all_rows and mode != "extend":
+            raise ValueError("only an extend step computes logits at every new token (all_rows)")
+        spec = StepSpec(mode, list(rows), list(prefix_lens), list(new_tokens), all_rows)
         nd = spec.num_decodes if mode == "mixed" else 0
         if mode == "decode" and max(spec.ext) != 1:
             raise ValueError("a decode step takes exactly one new token per request")
@@ -78,14 +85,17 @@ class StepBuilder:
 
     def build(self, mode: str, rows: list[int], prefix_lens: list[int],
               new_tokens: Sequence[list[int] | None] | None, use_graphs: bool = True,
-              extra_logit_rows: list[int] | None = None) -> ForwardBatch:
-        spec = self.spec(mode, rows, prefix_lens, new_tokens)
+              extra_logit_rows: list[int] | None = None, all_rows: bool = False) -> ForwardBatch:
+        """`all_rows`: the step needs every position's logits (a verify step); a graph that fits
+        computes them all (`batch.all_rows`), an eager batch via forward(all_positions=True)."""
+        spec = self.spec(mode, rows, prefix_lens, new_tokens, all_rows)
         if extra_logit_rows and (min(extra_logit_rows) < 0 or max(extra_logit_rows) >= spec.num_tokens):
             raise ValueError(f"extra_logit_rows must index the step's {spec.num_tokens} new tokens")
         layout, self.eager_reason = self._pick_graph(spec, use_graphs, bool(extra_logit_rows))
         if layout is not None:
             self.upload(spec, layout, self.graphs.buffer)
             return self.graphs.batch(layout, spec)
+        spec.all_rows = False  # eager: the caller asks the forward for all positions
         layout = exact_layout(spec, self.block_m, self.decode_kernel)
         buf = self.upload(spec, layout, None)
         batch = layout.views(buf, self.table.req_to_slot, self.token_buffer, max(spec.seq_lens))
@@ -103,7 +113,7 @@ class StepBuilder:
         if self.graphs is None:
             return None, "CUDA graphs off"
         if not use_graphs:
-            why, key = "the caller asked for an eager forward (speculative verify, prompt scoring)", "caller"
+            why, key = "the caller asked for an eager forward (prompt scoring)", "caller"
         elif extra_rows:  # a graph computes the sampled rows' logits only
             why, key = "prompt logprobs need logits at more rows than the sampled ones", "extra_rows"
         else:

@@ -44,6 +44,9 @@ class StepSpec:
     rows: list[int]
     prefix_lens: list[int]
     new_tokens: list[list[int] | None]
+    # Logits at every new token (a speculative verify step, "extend" only): the layout's sample
+    # rows are then the tokens 0..T-1, so it needs `requests` >= T (one logits row per token).
+    all_rows: bool = False
 
     def __post_init__(self) -> None:
         self.ext = [1 if t is None else len(t) for t in self.new_tokens]
@@ -84,13 +87,14 @@ class StepLayout:
     def fits(self, spec: StepSpec, num_tiles: int) -> bool:
         """`num_tiles`: `count_tiles(spec, block_m, self.decodes > 0)`."""
         return (spec.num_tokens <= self.tokens and len(spec.rows) <= self.requests
+                and (not spec.all_rows or spec.num_tokens <= self.requests)
                 and (spec.num_decodes if self.decodes else 0) <= self.decodes and num_tiles <= self.tiles)
 
     def fill(self, out: np.ndarray, spec: StepSpec, pad_row: int, block_m: int) -> None:
         """Writes `spec` padded to this layout into out[:size] (int64)."""
         t, b, s = _seg(self.tokens), len(spec.rows), _seg(self.requests + 1)
         n, nd = spec.num_tokens, (spec.num_decodes if self.decodes else 0)
-        if n > self.tokens or b > self.requests or nd > self.decodes:
+        if n > self.tokens or b > self.requests or nd > self.decodes or (spec.all_rows and n > self.requests):
             raise ValueError(f"a step of {n} tokens in {b} requests does not fit {self}")
         ext = np.asarray(spec.ext, dtype=np.int64)
         prefix = np.asarray(spec.prefix_lens, dtype=np.int64)
@@ -104,7 +108,10 @@ class StepLayout:
         tok_rows[:n] = np.repeat(np.asarray(spec.rows, dtype=np.int64), ext)
         tok_rows[n : self.tokens] = pad_row
         o = 3 * t
-        out[o : o + b] = cu[1:] - 1  # sample rows
+        if spec.all_rows:
+            out[o : o + n] = np.arange(n)  # every token's logits, in token order
+        else:
+            out[o : o + b] = cu[1:] - 1  # sample rows
         o = self._i32_start
         out[o : o + b] = spec.rows
         out[o + b : o + self.requests] = pad_row

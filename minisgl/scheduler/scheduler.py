@@ -83,11 +83,7 @@ class Scheduler:
         self.spec = SpecStep(self) if engine.drafter is not None else None
         if engine.device.type == "cuda":
             # Everything the serving path runs is compiled (and captured) before it serves.
-            if self.cfg.cuda_graph and self.spec is not None and self.spec.mirrors:
-                # The draft model's KV mirror (and EAGLE-3's residual-stream capture) of every
-                # target step is not in the graphs yet: those steps run eagerly (DESIGN.md §4).
-                log.warning("CUDA graphs are off with a %s drafter (eager steps)", engine.drafter.name)
-            elif self.cfg.cuda_graph:
+            if self.cfg.cuda_graph:
                 engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, *self.graph_max_tokens)
             engine.warm_up_sampling()
 
@@ -182,11 +178,9 @@ class Scheduler:
         self._decode_next = False
         if self.spec is not None:
             reqs = self._decodable()
-            # Penalties, logit bias, min_tokens, logprob alternatives and grammar masks are not
-            # in the acceptance kernel yet: a batch holding such a request decodes plainly
-            # (lossless; a grammar must never be skipped).
-            if (reqs and self.spec.draft_tokens(len(reqs)) > 0
-                    and all(r.logits_spec is None and r.grammar is None for r in reqs)):
+            # Grammar-constrained requests draft nothing (their one verify row is masked);
+            # a batch of nothing else decodes plainly.
+            if reqs and any(r.grammar is None for r in reqs) and self.spec.should_verify(len(reqs)):
                 return self._launch_verify()
         return self._launch_decode()
 

@@ -33,7 +33,7 @@ def prepare_step_sampling(
         [r.params.top_p for r in reqs], [r.params.min_p for r in reqs],
         [r.seed for r in reqs], generated, engine.device,
     )
-    _rebuild_histories(engine, reqs)
+    rebuild_histories(engine, reqs)
     extra: list[int] = []
     targets: list[int] = []
     spans: list[tuple[int, int, int]] = []
@@ -64,7 +64,7 @@ def prepare_step_sampling(
     return StepSampling(tensors, plan, extra, spans)
 
 
-def _rebuild_histories(engine: Engine, reqs: list[Request]) -> None:
+def rebuild_histories(engine: Engine, reqs: list[Request]) -> None:
     """A request that tracks token counts and is new on its table row (fresh, or back after a
     retraction with the output it had: the host holds every token then) gets its row's history
     rebuilt before its first step there, in stream order."""

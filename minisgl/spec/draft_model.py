@@ -3,10 +3,12 @@ tokens per request by k greedy decode steps.
 
 KV: the draft keeps its own pool (its layers and heads) with the target's pages, so a slot
 id means the same token position in both pools and the target's request table indexes both.
-`after_forward` runs the draft over every target forward's positions and slots (prefill
-chunks, plain decodes, verify steps), so the draft's KV always holds the tokens the target's
-does; a draft chain then writes the positions of the next verify step, which that step's
-mirror overwrites with the tokens the target actually took.
+`mirror` runs the draft over every target forward's positions and slots (prefill chunks,
+plain decodes, verify steps; the engine calls it inside its forward, so the target's CUDA
+graphs hold it), so the draft's KV always holds the tokens the target's does; a draft chain
+then writes the positions of the next verify step, which that step's mirror overwrites with
+the tokens the target actually took. The chain's steps replay graphs per decode batch size
+(spec/draft_steps.py).
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from minisgl.engine.batch import ForwardBatch
 from minisgl.kvcache.pool import KVPool
-from minisgl.spec.drafter import Drafter, DraftRequest, TargetStep, subset_index
+from minisgl.ops import _checks
+from minisgl.spec.draft_steps import DraftSteps
+from minisgl.spec.drafter import Drafter, DraftRequest
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -25,6 +30,7 @@ if TYPE_CHECKING:
 class DraftModelDrafter(Drafter):
     name = "draft"
     has_model = True
+    mirrors_in_forward = True
 
     def __init__(self, engine: Engine, path: str) -> None:
         from minisgl.engine.engine import load_model, load_model_config
@@ -45,6 +51,9 @@ class DraftModelDrafter(Drafter):
         attn = self.model.model.layers[0].self_attn
         self.num_q_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.pool: KVPool | None = None
+        # Per request-table row: the next input of a draft chain (a draft step writes its argmax).
+        self.tokens = torch.zeros(engine.cfg.max_running_requests + 1, dtype=torch.int64, device=engine.device)
+        self.steps = DraftSteps(engine, self.tokens, self._step)
 
     def kv_bytes_per_token(self) -> int:
         mc = self.model_config
@@ -57,10 +66,21 @@ class DraftModelDrafter(Drafter):
         self.pool = KVPool(mc.num_layers, num_pages, page_size, self.num_kv_heads, mc.head_dim, eng.dtype, eng.device)
         self.attn = make_backend(eng.cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, eng.device)
 
-    @torch.inference_mode()
-    def after_forward(self, step: TargetStep) -> None:
-        self.attn.prepare(step.batch)
-        self.model.model(step.batch, self.attn)  # K/V only: no LM head
+    def mirror(self, batch: ForwardBatch) -> None:
+        """The draft's K/V over a target forward's positions and slots (no LM head). The engine
+        calls it inside every target forward, so CUDA graphs capture it with the target."""
+        self.attn.prepare(batch)
+        self.model.model(batch, self.attn)
+
+    def _step(self, batch: ForwardBatch) -> None:
+        """One greedy draft step (graph-safe): next input token per row, from the argmax."""
+        self.attn.prepare(batch)
+        with _checks.trusted():
+            logits = self.model(batch, self.attn)
+        self.tokens[batch.req_rows.long()] = logits.argmax(dim=-1)
+
+    def enable_cuda_graphs(self, batch_sizes: list[int], runner_cls: type) -> None:
+        self.steps.enable_cuda_graphs(batch_sizes, runner_cls)
 
     @torch.inference_mode()
     def propose(self, reqs: list[DraftRequest]) -> list[list[int]]:
@@ -68,30 +88,18 @@ class DraftModelDrafter(Drafter):
         out: list[list[int]] = [[] for _ in reqs]
         if not active:
             return out
-        eng = self.engine
+        dev = self.engine.device
         kmax = max(reqs[i].k for i in active)
-        dev = eng.device
-        # drafts[s, a]: the s-th draft of active request a, kept on the device until the end.
-        drafts = torch.zeros(kmax, len(active), dtype=torch.int64, device=dev)
-        last = torch.tensor([reqs[i].last for i in active], dtype=torch.int64).to(dev, non_blocking=True)
+        rows = [reqs[i].row for i in active]
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        self.tokens[rows_t] = torch.tensor([reqs[i].last for i in active], dtype=torch.int64).to(dev, non_blocking=True)
+        drafts = []  # drafts[s]: [A] the s-th draft of each active request (stale where k <= s)
         for s in range(kmax):
             live = [a for a, i in enumerate(active) if reqs[i].k > s]
-            rows = [reqs[active[a]].row for a in live]
-            # Step s feeds the request's last token (s = 0) or draft s at position len - 1 + s.
-            batch = eng.build_batch(
-                "decode", rows, [reqs[active[a]].length - 1 + s for a in live], [[0]] * len(live), use_graphs=False
-            )
-            index = subset_index(live, len(active), dev)
-            prev = last if s == 0 else drafts[s - 1]
-            batch.input_ids = prev if index is None else prev[index]
-            self.attn.prepare(batch)
-            logits = self.model(batch, self.attn)
-            nxt = logits.argmax(dim=-1)
-            if index is None:
-                drafts[s] = nxt
-            else:
-                drafts[s, index] = nxt
-        host = drafts.T.tolist()
+            # Step s feeds the last token (s = 0) or draft s, at position len - 1 + s.
+            self.steps.run([rows[a] for a in live], [reqs[active[a]].length - 1 + s for a in live])
+            drafts.append(self.tokens[rows_t])
+        host = torch.stack(drafts, dim=1).tolist()
         for a, i in enumerate(active):
             out[i] = host[a][: reqs[i].k]
         return out

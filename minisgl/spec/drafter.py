@@ -67,6 +67,10 @@ class Drafter(ABC):
     aux_layers: tuple[int, ...] | None = None
     # Whether after_forward reads TargetStep.next_ids (building them costs a gather).
     needs_next_ids: bool = False
+    # The engine runs `mirror(batch)` inside every target forward (CUDA graphs capture it with
+    # the target); after_forward is then not called. For drafters whose pass needs nothing
+    # but the batch (a draft model's K/V).
+    mirrors_in_forward: bool = False
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of draft KV per token slot (added to the target's when sizing the pool)."""
@@ -78,6 +82,16 @@ class Drafter(ABC):
     def after_forward(self, step: TargetStep) -> None:
         """Keep the draft's KV in step with a target forward (no-op without a draft model)."""
 
+    def mirror(self, batch: ForwardBatch) -> None:
+        """The draft's pass over a target forward's batch, inside it (mirrors_in_forward)."""
+
+    def enable_cuda_graphs(self, batch_sizes: list[int], runner_cls: type) -> None:
+        """Capture the draft chain's steps per decode batch size (drafters with a model)."""
+
+    def describe_graphs(self) -> str:
+        steps = getattr(self, "steps", None)
+        return steps.describe() if steps is not None else ""
+
     @abstractmethod
     def propose(self, reqs: list[DraftRequest]) -> list[list[int]]:
         """Up to `k` draft tokens per request. Requests are in batch order; the slots of
@@ -85,11 +99,3 @@ class Drafter(ABC):
 
     def release(self, key: int) -> None:
         """A request left (finished, aborted or retracted): drop per-request state."""
-
-
-def subset_index(live: list[int], total: int, device: torch.device) -> torch.Tensor | None:
-    """Device index of the `live` entries among `total` (a draft chain's requests that still
-    want tokens), or None when every entry is live."""
-    if len(live) == total:
-        return None
-    return torch.tensor(live, dtype=torch.int64).to(device, non_blocking=True)

@@ -4,8 +4,11 @@ After every target forward (`after_forward`) the head runs over the same positio
 (its own one-layer KV pool, the target's pages), position t taking the target's fused hidden
 state at t and the token that followed t; at each request's last valid position it leaves the
 first draft token and its pre-norm hidden state in per-row buffers. `propose` continues the
-chain k - 1 steps on the head's own hidden states, one position further each step. Positions
-past the accepted tokens hold draft K/V only until the next forward rewrites them.
+chain k - 1 steps on the head's own hidden states, one position further each step, each step
+reading and writing those buffers (so it replays a graph per decode batch size, see
+spec/draft_steps.py). Positions past the accepted tokens hold draft K/V only until the next
+forward rewrites them. `after_forward` runs eagerly after the target's step (it needs the
+sampled tokens), over the step's graph-padded batch when the target replayed a graph.
 
 A prefix the radix cache shares is valid for the head too, except that the head's K/V at the
 prefix's last position was computed with the token that followed it in the request that
@@ -19,9 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from minisgl.engine.batch import ForwardBatch
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.eagle3 import Eagle3Config, Eagle3Head, has_own_embedding
-from minisgl.spec.drafter import Drafter, DraftRequest, TargetStep, subset_index
+from minisgl.ops import _checks
+from minisgl.spec.draft_steps import DraftSteps
+from minisgl.spec.drafter import Drafter, DraftRequest, TargetStep
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -73,6 +79,7 @@ class Eagle3Drafter(Drafter):
         attn = self.head.self_attn
         self.num_q_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.pool: KVPool | None = None
+        self.steps = DraftSteps(engine, self.next_token, self._step)
 
     def kv_bytes_per_token(self) -> int:
         return KVPool.bytes_per_token_for(1, self.num_kv_heads, self.cfg.layer.head_dim, self.engine.dtype)
@@ -86,12 +93,28 @@ class Eagle3Drafter(Drafter):
 
     @torch.inference_mode()
     def after_forward(self, step: TargetStep) -> None:
+        """`step.batch` may be a graph's padded batch (its tokens past the step's write only the
+        dummy slot); its first last_rows.numel() requests are the step's."""
         assert step.next_ids is not None and step.aux is not None
         self.attn.prepare(step.batch)
-        normed, prenorm = self.head(step.batch, self.attn, step.next_ids, step.aux)
-        rows = step.batch.req_rows.long()
+        with _checks.trusted():
+            normed, prenorm = self.head(step.batch, self.attn, step.next_ids, step.aux)
+        rows = step.batch.req_rows[: step.last_rows.numel()].long()
         self.next_token[rows] = self.head.draft_tokens(normed[step.last_rows])
         self.next_hidden[rows] = prenorm[step.last_rows]
+
+    def _step(self, batch: ForwardBatch) -> None:
+        """One chain step (graph-safe): token and hidden state from the per-row buffers, the
+        next ones written back there."""
+        rows = batch.req_rows.long()
+        self.attn.prepare(batch)
+        with _checks.trusted():
+            normed, prenorm = self.head(batch, self.attn, batch.input_ids, self.next_hidden[rows])
+        self.next_token[rows] = self.head.draft_tokens(normed)
+        self.next_hidden[rows] = prenorm
+
+    def enable_cuda_graphs(self, batch_sizes: list[int], runner_cls: type) -> None:
+        self.steps.enable_cuda_graphs(batch_sizes, runner_cls)
 
     @torch.inference_mode()
     def propose(self, reqs: list[DraftRequest]) -> list[list[int]]:
@@ -99,31 +122,17 @@ class Eagle3Drafter(Drafter):
         out: list[list[int]] = [[] for _ in reqs]
         if not active:
             return out
-        eng, dev = self.engine, self.engine.device
+        dev = self.engine.device
         kmax = max(reqs[i].k for i in active)
-        rows = torch.tensor([reqs[i].row for i in active], dtype=torch.int64).to(dev, non_blocking=True)
-        drafts = torch.zeros(kmax, len(active), dtype=torch.int64, device=dev)
-        drafts[0] = self.next_token[rows]
-        hidden = self.next_hidden[rows]
+        rows = [reqs[i].row for i in active]
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        drafts = [self.next_token[rows_t]]  # the first draft: from the target's last forward
         for s in range(1, kmax):
             live = [a for a, i in enumerate(active) if reqs[i].k > s]
-            index = subset_index(live, len(active), dev)
             # Step s: draft s at position len - 2 + s (the head's positions trail the tokens by one).
-            batch = eng.build_batch("decode", [reqs[active[a]].row for a in live],
-                                    [reqs[active[a]].length - 2 + s for a in live], [[0]] * len(live),
-                                    use_graphs=False)
-            batch.input_ids = drafts[s - 1] if index is None else drafts[s - 1][index]
-            h = hidden if index is None else hidden[index]
-            self.attn.prepare(batch)
-            normed, prenorm = self.head(batch, self.attn, batch.input_ids, h)
-            nxt = self.head.draft_tokens(normed)
-            if index is None:
-                drafts[s], hidden = nxt, prenorm
-            else:
-                drafts[s, index] = nxt
-                hidden = hidden.clone()
-                hidden[index] = prenorm
-        host = drafts.T.tolist()
+            self.steps.run([rows[a] for a in live], [reqs[active[a]].length - 2 + s for a in live])
+            drafts.append(self.next_token[rows_t])
+        host = torch.stack(drafts, dim=1).tolist()
         for a, i in enumerate(active):
             out[i] = host[a][: reqs[i].k]
         return out
