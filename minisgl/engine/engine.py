@@ -21,6 +21,9 @@ from minisgl.models.weights import fill_dummy, iter_safetensors
 
 log = get_logger("minisgl.engine")
 
+# What Engine.shutdown() drops: every attribute that holds device memory.
+_DEVICE_STATE = ("model", "pool", "allocator", "table", "token_buffer", "attn", "graphs", "comm")
+
 
 def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
@@ -69,6 +72,7 @@ def make_backend(name: str, pool: KVPool, num_q_heads: int, scale: float, device
 
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
+        self.closed = False
         self.cfg = cfg
         self.device = cfg.torch_device
         if self.device.type == "cuda":
@@ -173,9 +177,17 @@ class Engine:
         return pages
 
     def shutdown(self) -> None:
-        """Frees the CUDA graphs, then the communicators. With TP every rank must call it
-        together: NCCL teardown is collective, and it waits until no captured graph still
-        references the communicator (so the graphs go first)."""
+        """Returns everything this engine holds on its device, at once: the CUDA graphs first
+        (they reference the communicator and the static buffers; the runner also references
+        the engine, a cycle that only `gc.collect()` would break), then the communicators,
+        the weights, the KV pool, the request table, the attention backend and the token
+        buffer; then the allocator's cached blocks go back to the device, so that the next
+        engine in this process, which sizes its KV pool from free memory, finds them free.
+        Idempotent; anything that still uses the engine afterwards gets a clear error. With TP
+        every rank must call it together: NCCL teardown is collective, and it waits until no
+        captured graph still references the communicator (so the graphs go first)."""
+        if self.closed:
+            return
         self.graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -185,6 +197,20 @@ class Engine:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+        self.closed = True
+        for name in _DEVICE_STATE:
+            self.__dict__.pop(name, None)
+        if self.device.type == "cuda":
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:  # cuBLAS keeps a workspace per (handle, stream), graph streams too
+                clear()
+            torch.cuda.empty_cache()
+
+    def __getattr__(self, name: str):
+        # Only reached when normal lookup fails, so it costs the hot path nothing.
+        if name in _DEVICE_STATE and self.__dict__.get("closed"):
+            raise RuntimeError(f"this engine was shut down (its {name} is freed); make a new one")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ---- one step ----
 
