@@ -187,7 +187,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """One {"text", "token_ids"} dict per prompt, in input order (generated part only)."""
+        """One {"text", "token_ids", "logprobs", "finish_reason"} dict per prompt, in input order
+        (generated part only; logprobs: of each generated token under the raw logits)."""
         if self._closed:
             raise RuntimeError("this LLM was shut down; make a new one")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -225,7 +226,7 @@ class LLM:
             self._requests.pop(r.uid, None)
         return [
             {"text": texts.get(r.uid) if r.uid in texts else self._decode(r.output), "token_ids": list(r.output),
-             "finish_reason": "stop" if r.uid in texts else r.finish_reason}
+             "logprobs": list(r.logprobs), "finish_reason": "stop" if r.uid in texts else r.finish_reason}
             for r in reqs
         ]
 

@@ -1,6 +1,10 @@
 """The torch reference backend: plain fp32 math over K/V gathered through the request table.
 Runs on CPU and GPU; it is the path the CPU engine and the tests use, and the reference the
-kernel backends are compared with."""
+kernel backends are compared with.
+
+Deterministic mode: one query token at a time over exactly its keys 0..p, so the matmul
+shapes a token sees depend on its position alone (not on how many tokens share its step, nor
+on the prefix/extend split); the BLAS then gives the same bits for the same token."""
 
 from __future__ import annotations
 
@@ -42,5 +46,12 @@ class TorchAttentionBackend(AttentionBackend):
             lo, hi = starts[i], starts[i + 1]
             slots = batch.req_to_slot[batch.req_rows[i], :seq_len].long()
             positions = torch.arange(prefix, seq_len, device=q.device)
-            out[lo:hi] = attend_reference(q[lo:hi], k_cache[slots], v_cache[slots], positions, self.scale)
+            k, v = k_cache[slots], v_cache[slots]
+            if not self.deterministic:
+                out[lo:hi] = attend_reference(q[lo:hi], k, v, positions, self.scale)
+                continue
+            for j in range(hi - lo):
+                p = prefix + j
+                out[lo + j : lo + j + 1] = attend_reference(q[lo + j : lo + j + 1], k[: p + 1], v[: p + 1],
+                                                            positions[j : j + 1], self.scale)
         return out

@@ -35,6 +35,9 @@ class EngineConfig:
     custom_nccl: bool = True  # our NCCL bindings; False: torch.distributed's NCCL
     gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV)
     cpu_kv_cache_gb: float = 1.0  # KV pool size on the CPU when num_pages is not given
+    # Batch-invariant kernels: a request's tokens and logprobs do not depend on what is
+    # batched with it, on chunking or on prefix-cache hits (README "Determinism").
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

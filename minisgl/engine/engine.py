@@ -86,12 +86,15 @@ class Engine:
         self.max_model_len = self._context_length(mc)
         mc.check_tp(cfg.tp_size)
         self.tp = TPInfo(cfg.tp_rank, cfg.tp_size)
+        if cfg.deterministic:
+            _check_deterministic(mc, self.tp)
         self.comm, self.cpu_group = make_communicator(
             self.tp, self.device, cfg.dist_init_addr, cfg.custom_nccl
         )
         torch.manual_seed(cfg.seed)
         self.model = self._build_model()
-        if self.device.type == "cuda":
+        ops.set_deterministic(self.device, cfg.deterministic)
+        if self.device.type == "cuda" and not cfg.deterministic:  # deterministic: one GEMM, nothing to choose
             self._tune_gemms()
         self.num_q_heads = self.model.model.layers[0].self_attn.num_heads
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
@@ -109,6 +112,7 @@ class Engine:
         self.token_buffer = torch.zeros(cfg.max_running_requests + 1, dtype=torch.int64, device=self.device)
         self.graphs = None  # CudaGraphRunner once enable_cuda_graphs() ran
         self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device)
+        self.attn.deterministic = cfg.deterministic
         log.info(
             "engine ready: %s (%s) on %s, %s, context %d, KV pool %d tokens in pages of %d, attention %s",
             self.source.name, mc.architecture, self.device, str(self.dtype).removeprefix("torch."),
@@ -198,6 +202,8 @@ class Engine:
             if dist.is_initialized():
                 dist.destroy_process_group()
         self.closed = True
+        if self.cfg.deterministic:
+            ops.set_deterministic(self.device, False)
         for name in _DEVICE_STATE:
             self.__dict__.pop(name, None)
         if self.device.type == "cuda":
@@ -288,6 +294,8 @@ class Engine:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logprobs of the chosen tokens under the raw logits)."""
+        if self.cfg.deterministic:
+            return _sample_per_row(logits, st)
         if st.all_greedy:  # no randomness: skip the sampling kernel
             tokens = logits.argmax(dim=-1)
             # log_softmax at one index, without writing a [B, vocab] tensor every step.
@@ -336,3 +344,31 @@ class Engine:
 
     def check_prompt(self, ids: list[int]) -> None:
         check_prompt(ids, self.max_model_len, self.model_config.vocab_size)
+
+
+def _check_deterministic(mc: ModelConfig, tp: TPInfo) -> None:
+    """Deterministic mode covers what its kernels cover; refuse the rest by name."""
+    if mc.moe is not None:
+        raise ValueError("deterministic mode does not cover MoE models yet (the grouped GEMM's tiles depend on M)")
+    if tp.size > 1:
+        import os
+
+        # NCCL picks its algorithm and protocol by message size and topology: pin them, so an
+        # all-reduce's summation order does not change with the batch's token count.
+        os.environ.setdefault("NCCL_ALGO", "Ring")
+        os.environ.setdefault("NCCL_PROTO", "Simple")
+
+
+def _sample_per_row(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic mode's sampler: each row alone. The GPU kernel (ops.sample) is one program
+    per row already, greedy rows included (exact argmax; log_softmax by the row's own program),
+    unlike torch's argmax/logsumexp, whose reduction split depends on the batch size. On the
+    CPU the torch reference runs on one [1, V] row at a time."""
+    if logits.device.type == "cuda":
+        return ops.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
+    parts = [
+        ops.sample(logits[i : i + 1], st.temperature[i : i + 1], st.top_k[i : i + 1], st.top_p[i : i + 1],
+                   st.min_p[i : i + 1], st.seeds[i : i + 1], st.steps[i : i + 1])
+        for i in range(logits.shape[0])
+    ]
+    return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])

@@ -4,6 +4,7 @@ torch reference. Each wrapper checks its arguments (ValueError naming the argume
 from minisgl.ops.activation import silu_and_mul
 from minisgl.ops.attention import decode_attention_triton, extend_attention
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
+from minisgl.ops.deterministic import is_deterministic, set_deterministic
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
 from minisgl.ops.linear import linear
 from minisgl.ops.moe import fused_experts, fused_moe, moe_align, moe_route
@@ -22,6 +23,7 @@ __all__ = [
     "fused_add_rmsnorm",
     "fused_experts",
     "fused_moe",
+    "is_deterministic",
     "linear",
     "moe_align",
     "moe_route",
@@ -30,6 +32,7 @@ __all__ = [
     "qk_norm_rope",
     "rmsnorm",
     "sample",
+    "set_deterministic",
     "silu_and_mul",
     "skinny_gemm",
     "skinny_gemm_reference",

@@ -47,6 +47,7 @@ class ServerArgs:
     seed: int = 0
     gpu_memory_fraction: float = 0.85
     cpu_kv_cache_gb: float = 1.0
+    deterministic: bool = False
     # scheduler (None / False = the scheduler's own default)
     max_prefill_tokens: int | None = None
     cache: str | None = None
@@ -278,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d.cpu_kv_cache_gb,
         help="KV-cache size on the CPU when --num-pages is not given",
+    )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant kernels: a request's tokens and logprobs do not depend on its batch (README)",
     )
     s = p.add_argument_group("scheduler (unset: the scheduler's default)")
     s.add_argument(
