@@ -3,8 +3,8 @@
 # after building the project): offline throughput (Qwen3-0.6B shapes, dummy weights) with
 # overlap + CUDA graphs, without overlap, without CUDA graphs; then the online benchmark
 # against the server (Qwen3-8B shapes, dummy weights, 1024 in / 256 out) at each concurrency
-# in $CONCURRENCY (default 4). Extra server flags: $SERVER_ARGS. With --two-gpu: the data-
-# parallel runs instead (below).
+# in $CONCURRENCY (default 4). Extra server flags: $SERVER_ARGS.
+# `--two-gpu [STEP ...]` runs the two-GPU section below instead.
 set -u
 OUT=${OUT:-/tmp/minisgl-bench}
 mkdir -p "$OUT"
@@ -18,23 +18,84 @@ wait_health() {  # URL: up to 180 s for a server (or the router's workers) to co
   echo "no answer from $1"; return 1
 }
 
-# --two-gpu (issue 21; needs 2 GPUs, ~9 min; set MINISGL_TEST_SMOLLM2_TOKENIZER as for the GPU
-# tests): tests/test_dp_gpu.py (replicas on GPUs 0 and 1, tokens equal to one replica); offline
-# --dp 2 vs --dp 1 (Qwen3-0.6B shapes; target >= 1.9x on the standard workload; also 512
-# requests, for scaling at equal per-replica load); then under the same Poisson load (Qwen3-8B
-# shapes, 1024 in / 256 out, $RATES req/s, default 8; $ONLINE_PROMPTS requests, default 128):
-# one server on GPU 0, two servers (GPUs 0, 1) behind sglang-router (cache_aware), one server
-# with --dp 2. Tables at the end (benchmarks/scaling_table.py $OUT).
-if [ "${1:-}" = "--two-gpu" ]; then
-  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  [ "$gpus" -ge 2 ] || { echo "--two-gpu needs 2 GPUs, found $gpus"; exit 1; }
-  echo "== tests/test_dp_gpu.py (replicas on GPUs 0 and 1, equal to one replica)"
-  timeout 300 python3 -m pytest -q -m gpu tests/test_dp_gpu.py 2>&1 | tail -3
+# ---- Two GPUs (issues 21 and 23), on nvidia-h200-x2: benchmarks/gpu_suite.sh --two-gpu [STEP ...] ----
+# Every two-GPU run. Without STEPs, all of them in the order of TWO_GPU_STEPS (about 35 min in
+# all); each under its own time limit (a hang costs only that step); output also in
+# $OUT/two_gpu_STEP.txt. One device command may run 10 minutes: pass a few STEPs per call.
+# To add a run: define a function two_gpu_NAME and add NAME:LIMIT_SECONDS to TWO_GPU_STEPS.
+export OUT Q offline
+PYTEST="python3 -m pytest -q -m gpu"
+python3 -c "import pytest_timeout" 2>/dev/null && PYTEST="$PYTEST -p timeout --timeout 240"
+[ -d .gpu_assets/smollm2_tokenizer ] && export MINISGL_TEST_SMOLLM2_TOKENIZER=$PWD/.gpu_assets/smollm2_tokenizer
+export PYTEST
+start_server() {  # PORT SERVER_FLAGS...: python -m minisgl.serve (dummy weights) until /health answers
+  local port=$1; shift
+  python3 -m minisgl.serve --load-format dummy --tokenizer "$Q" --port "$port" "$@" > "$OUT/server_$port.log" 2>&1 &
+  echo $! > "$OUT/server_$port.pid"
+  wait_health "http://127.0.0.1:$port/health" || { tail -20 "$OUT/server_$port.log"; return 1; }
+  grep -h "one-shot" "$OUT/server_$port.log"
+  return 0
+}
+stop_server() { kill "$(cat "$OUT/server_$1.pid")"; wait "$(cat "$OUT/server_$1.pid")" 2>/dev/null || true; }
+offline_rows() { grep -E "one-shot|batch-1|^\||^model"; }  # offline.py's results and the all-reduce log line
+
+# Issue 23: TP over two GPUs and the one-shot all-reduce.
+# The one-shot all-reduce kernel (also two processes on one GPU) and our collectives, one-shot on and off.
+two_gpu_allreduce_tests() {
+  $PYTEST tests/test_custom_all_reduce_gpu.py tests/test_nccl_gpu.py -k "two_ranks or world_one or bad_arg or collectives"
+}
+# TP = 2 greedy equals TP = 1 (bf16 tie rule): llama3, qwen3, qwen3_moe, qwen2_moe, mixtral; our NCCL and torch's.
+two_gpu_tp2_tests() { $PYTEST tests/test_nccl_gpu.py -k tp2_gpu_equals_tp1; }
+# python -m minisgl.serve --tp 2 through /generate and the openai client; --nnodes 2, one GPU each.
+two_gpu_serve_tests() { $PYTEST tests/test_nccl_gpu.py -k "server_tp2 or two_nodes"; }
+# The rest of the GPU suite (the one-GPU tests), on this machine.
+two_gpu_suite() {
+  $PYTEST tests/ --ignore tests/test_nccl_gpu.py --ignore tests/test_custom_all_reduce_gpu.py --ignore tests/test_dp_gpu.py
+}
+# One-shot vs our NCCL vs torch.distributed, 1 KB .. 256 MB; the threshold and block-cap data.
+two_gpu_allreduce_bench() { python3 benchmarks/kernels/allreduce.py --gpus 2; }
+# Llama-3.1-8B shapes, TP 2, batch-1 decode: every all-reduce through NCCL (before), then one-shot (after).
+two_gpu_llama8b_decode() {
+  for flag in --disable-custom-all-reduce ""; do
+    echo "-- TP 2 ${flag:-(one-shot all-reduce on)}"
+    python3 benchmarks/offline.py --model benchmarks/configs/llama-3.1-8b --load-format dummy --tokenizer "$Q" \
+      --tp 2 --num-requests 16 --decode-latency $flag 2>&1 | offline_rows
+  done
+}
+# Qwen3-8B shapes served at TP 1 and TP 2: the latency benchmark sequentially (concurrency 1).
+two_gpu_serve_latency() {
+  for tp in 1 2; do
+    echo "-- serve --tp $tp"
+    start_server 8124 --model benchmarks/configs/qwen3-8b --tp $tp || continue
+    python3 benchmarks/online.py --base-url http://127.0.0.1:8124 --tokenizer "$Q" --num-prompts 8 \
+      --input-len 1024 --output-len 256 --concurrency 1 2>&1 | tail -12
+    stop_server 8124
+  done
+}
+# Qwen3-30B-A3B shapes, TP 2, batch-1 decode against its floor (one GPU's weight bytes / read ceiling).
+two_gpu_moe_decode() {
+  python3 benchmarks/offline.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --tokenizer "$Q" \
+    --tp 2 --num-requests 16 --decode-latency 2>&1 | offline_rows
+}
+
+# Issue 21: data parallelism (set MINISGL_TEST_SMOLLM2_TOKENIZER as for the GPU tests).
+# tests/test_dp_gpu.py: replicas on GPUs 0 and 1 give one replica's tokens.
+two_gpu_dp_tests() { python3 -m pytest -q -m gpu tests/test_dp_gpu.py 2>&1 | tail -3; }
+# Offline --dp 2 vs --dp 1 (Qwen3-0.6B shapes; target >= 1.9x on the standard workload; also 512
+# requests, for scaling at equal per-replica load).
+two_gpu_dp_offline() {
   for run in "1 256 offline_dp1" "2 256 offline_dp2" "2 512 offline_dp2_x2"; do
     set -- $run
     echo "== offline --dp $1, $2 requests"
     timeout 240 $offline --dp "$1" --num-requests "$2" --json "$OUT/$3.json" 2>&1 | grep -v -E "it/s\]|INFO" | tail -6
   done
+  python3 benchmarks/scaling_table.py "$OUT"
+}
+# Under the same Poisson load (Qwen3-8B shapes, 1024 in / 256 out, $RATES req/s, default 8;
+# $ONLINE_PROMPTS requests, default 128): one server on GPU 0, two servers (GPUs 0, 1) behind
+# sglang-router (cache_aware), one server with --dp 2. Tables at the end (scaling_table.py, with
+# the offline rows if dp_offline ran in the same call).
+two_gpu_dp_online() {
   serve="python3 -m minisgl.serve --model benchmarks/configs/qwen3-8b --load-format dummy --tokenizer $Q"
   online() {  # NAME URL: the Poisson runs against URL
     for rate in ${RATES:-8}; do
@@ -66,8 +127,29 @@ sys.exit(not (len(ws) == 2 and all(w['is_healthy'] for w in ws)))" && break
   wait_health http://127.0.0.1:8127/health && online online_dp2 http://127.0.0.1:8127
   kill "$s2"; wait "$s2"
   python3 benchmarks/scaling_table.py "$OUT"
+}
+
+TWO_GPU_STEPS="allreduce_tests:300 tp2_tests:480 serve_tests:300 dp_tests:300 suite:540 allreduce_bench:300
+  llama8b_decode:420 serve_latency:480 moe_decode:420 dp_offline:600 dp_online:600"
+if [ "${1:-}" = "--two-gpu" ]; then
+  shift
+  gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  [ "$gpus" -ge 2 ] || { echo "--two-gpu needs 2 GPUs, found $gpus"; exit 1; }
+  for step in "$@"; do
+    [[ " $TWO_GPU_STEPS " == *" $step:"* ]] || { echo "unknown step $step; steps: $TWO_GPU_STEPS"; exit 1; }
+  done
+  export -f wait_health start_server stop_server offline_rows $(compgen -A function two_gpu_)
+  for entry in $TWO_GPU_STEPS; do
+    step=${entry%%:*}
+    [ $# -gt 0 ] && [[ " $* " != *" $step "* ]] && continue
+    echo "== two-gpu $step (limit ${entry##*:} s)"
+    timeout -k 10 "${entry##*:}" bash -c "two_gpu_$step" 2>&1 | tee "$OUT/two_gpu_$step.txt"
+    echo "== two-gpu $step: exit ${PIPESTATUS[0]}"
+  done
   exit 0
 fi
+# ---- end of the two-GPU section ----
+
 variants=("" "--disable-overlap" "--disable-cuda-graph")
 [ "${1:-}" = "--online-only" ] && variants=()
 for variant in "${variants[@]}"; do

@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     ap.add_argument("--decode-latency", action="store_true", help="also time batch-1 decode (ms/token)")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true",
+                    help="TP: every all-reduce through NCCL (the before of the one-shot all-reduce)")
     ap.add_argument("--json", default=None, help="also write the summary row to this file")
     args = ap.parse_args()
 
@@ -91,6 +93,7 @@ def main() -> None:
         max_prefill_tokens=args.max_prefill_tokens, page_size=args.page_size, cache=args.cache,
         disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp,
+        custom_all_reduce=not args.disable_custom_all_reduce,
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
     # Warm-up: Triton compiles each kernel once per specialization (batch sizes, sampling
@@ -144,7 +147,16 @@ def main() -> None:
         n = 128
         t0 = time.perf_counter()
         llm.generate([[1] * 32], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), use_tqdm=False)
-        print(f"batch-1 decode: {(time.perf_counter() - t0) / n * 1000:.2f} ms/token (incl. a 32-token prefill)")
+        ms = (time.perf_counter() - t0) / n * 1000
+        print(f"batch-1 decode: {ms:.2f} ms/token (incl. a 32-token prefill)")
+        if llm.engine.device.type == "cuda":
+            from weight_floor import decode_weight_bytes, read_bandwidth
+
+            # With TP every rank reads its own shard at once: the floor is one rank's bytes.
+            w, bw = decode_weight_bytes(llm.engine.model, 1), read_bandwidth(llm.engine.device)
+            print(f"batch-1 floor: {w / 1e9:.2f} GB of weights per GPU (TP {args.tp}) / {bw / 1e9:,.0f} GB/s read "
+                  f"ceiling = {w / bw * 1e3:.2f} ms/token; measured {ms / (w / bw * 1e3):.2f}x the floor "
+                  "(KV reads excluded)")
     llm.shutdown()
 
 

@@ -73,8 +73,9 @@ def main() -> None:
     print(f"floor (weights {w_bytes / 1e9:.2f} GB + KV {kv_bytes / 1e9:.2f} GB at copy bw {bw / 1e9:.0f} GB/s): "
           f"{floor_ms:.2f} ms -> {floor_ms / graph_ms * 100:.0f}% of floor")
     profile(lambda: eng.forward_eager(batch))
-    # A prefill step: the first `--prefill-requests` requests' whole contexts as one extend.
-    n = args.prefill_requests
+    # A prefill step: the first `--prefill-requests` requests' whole contexts as one extend
+    # (at most the batch's requests: there are no other rows to prefill).
+    n = min(args.prefill_requests, args.batch)
     gen = torch.Generator().manual_seed(0)
     toks = torch.randint(0, 10000, (n, args.context), generator=gen).tolist()
     extend = eng.build_batch("extend", rows[:n], [0] * n, toks)

@@ -92,6 +92,68 @@ PYBIND11_MODULE(_C, m) {
       py::arg("out"), py::arg("weight"), py::arg("ids"), py::arg("ids_are_int64"), py::arg("n"),
       py::arg("row_bytes"), py::arg("weight_stride"), py::arg("out_stride"), py::arg("start"), py::arg("end"),
       py::arg("stream"));
+  // ---- One-shot all-reduce over peer memory (csrc/custom_all_reduce.cu) ----
+  m.attr("IPC_HANDLE_BYTES") = minisgl::kIpcHandleBytes;
+  m.attr("CUSTOM_ALL_REDUCE_MAX_WORLD") = minisgl::kCustomAllReduceMaxWorld;
+  m.attr("CUSTOM_ALL_REDUCE_MAX_BLOCKS") = minisgl::kCustomAllReduceMaxBlocks;
+  m.def(
+      "custom_all_reduce_alloc",
+      [](int device, int64_t buffer_bytes) {
+        void* base = nullptr;
+        check(minisgl::custom_all_reduce_alloc(device, buffer_bytes, &base), "custom_all_reduce_alloc");
+        return reinterpret_cast<std::uintptr_t>(base);
+      },
+      py::arg("device"), py::arg("buffer_bytes"));
+  m.def(
+      "custom_all_reduce_free",
+      [](int device, std::uintptr_t base) {
+        check(minisgl::custom_all_reduce_free(device, ptr(base)), "custom_all_reduce_free");
+      },
+      py::arg("device"), py::arg("base"));
+  m.def(
+      "peer_memory_handle",
+      [](int device, std::uintptr_t base) {
+        std::string handle(minisgl::kIpcHandleBytes, '\0');
+        check(minisgl::peer_memory_handle(device, ptr(base), handle.data()), "peer_memory_handle");
+        return py::bytes(handle);
+      },
+      py::arg("device"), py::arg("base"));
+  m.def(
+      "peer_memory_open",
+      [](int device, const py::bytes& handle) {
+        std::string h = handle;
+        if (h.size() != static_cast<size_t>(minisgl::kIpcHandleBytes)) {
+          throw std::invalid_argument("peer_memory_open: an IPC handle is 64 bytes");
+        }
+        void* base = nullptr;
+        check(minisgl::peer_memory_open(device, h.data(), &base), "peer_memory_open");
+        return reinterpret_cast<std::uintptr_t>(base);
+      },
+      py::arg("device"), py::arg("handle"));
+  m.def(
+      "peer_memory_close",
+      [](int device, std::uintptr_t base) {
+        check(minisgl::peer_memory_close(device, ptr(base)), "peer_memory_close");
+      },
+      py::arg("device"), py::arg("base"));
+  m.def(
+      "custom_all_reduce",
+      [](const py::sequence& bases, int rank, std::uintptr_t in, std::uintptr_t out, int64_t n, int dtype,
+         int64_t buffer_bytes, int max_blocks, std::uintptr_t stream) {
+        const int world = static_cast<int>(bases.size());
+        if (world < 1 || world > minisgl::kCustomAllReduceMaxWorld) {
+          throw std::invalid_argument("custom_all_reduce: 1 to 8 ranks");
+        }
+        void* b[minisgl::kCustomAllReduceMaxWorld] = {};
+        for (int r = 0; r < world; ++r) b[r] = ptr(bases[r].cast<std::uintptr_t>());
+        check(minisgl::custom_all_reduce(b, world, rank, ptr<const void>(in), ptr(out), n, dtype, buffer_bytes,
+                                         max_blocks, ptr(stream)),
+              "custom_all_reduce");
+      },
+      py::arg("bases"), py::arg("rank"), py::arg("inp"), py::arg("out"), py::arg("n"), py::arg("dtype"),
+      py::arg("buffer_bytes"), py::arg("max_blocks"), py::arg("stream"));
+  // ---- end of the one-shot all-reduce ----
+
   // Skinny GEMM (csrc/skinny_gemm.cu): tile configurations by id as (row tiles, chunks, max m), and the launch.
   m.def("skinny_gemm_configs", []() {
     py::list out;

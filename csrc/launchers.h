@@ -29,6 +29,26 @@ int embedding_lookup(void* out, const void* weight, const void* ids, int ids_are
                      int64_t row_bytes, int64_t weight_stride_bytes, int64_t out_stride_bytes,
                      int64_t start, int64_t end, void* stream);
 
+// ---- One-shot all-reduce over peer memory (csrc/custom_all_reduce.cuh) ----
+// Set-up, once per communicator: each rank allocates one zeroed region (signals + two staging
+// buffers of buffer_bytes, a multiple of 16), exports it as a CUDA IPC handle, and opens every
+// peer's handle. `device` is the CUDA ordinal these calls run on.
+constexpr int kIpcHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
+constexpr int kCustomAllReduceMaxWorld = 8;
+constexpr int kCustomAllReduceMaxBlocks = 128;
+int custom_all_reduce_alloc(int device, int64_t buffer_bytes, void** base);
+int custom_all_reduce_free(int device, void* base);
+int peer_memory_handle(int device, void* base, char* handle);  // writes kIpcHandleBytes bytes
+int peer_memory_open(int device, const char* handle, void** base);
+int peer_memory_close(int device, void* base);
+// Sum of every rank's n elements (dtype: an NcclDataType of nccl.h) into out, which may be in.
+// bases: every rank's region in rank order (this rank's own at `rank`). Needs
+// round_up(n * element size, 16) <= buffer_bytes; at most max_blocks blocks
+// (<= kCustomAllReduceMaxBlocks). Every rank must make the same sequence of calls.
+int custom_all_reduce(void* const* bases, int world, int rank, const void* in, void* out, int64_t n, int dtype,
+                      int64_t buffer_bytes, int max_blocks, void* stream);
+// ---- end of the one-shot all-reduce ----
+
 // Skinny GEMM y = x W^T (+ bias) for 1..32 rows of x (csrc/skinny_gemm.cuh). dtype: 0 =
 // float16, 1 = bfloat16. Strides in elements. silu = 1: W is (gate | up) [2n, k] and y [m, n]
 // = silu(gate) * up. cfg indexes the tile configurations (skinny_gemm_config gives its row

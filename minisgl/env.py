@@ -9,6 +9,19 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _bytes_or_none(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name} must be a byte count >= 0, got {raw!r}")
+    return value
+
+
 # Run the scheduler's KV-cache integrity check whenever it goes idle (slow; for tests).
 DEBUG_CHECKS: bool = _flag("MINISGL_DEBUG")
 # Force the torch reference for every op, even on CUDA (to bisect a kernel bug).
@@ -27,3 +40,6 @@ TRITON_INTERPRET: bool = _flag("TRITON_INTERPRET")
 NCCL_LIBRARY: str = os.environ.get("MINISGL_NCCL_LIBRARY", "")
 # A fused-MoE tile config JSON to use instead of the installed kernels/fused_moe_configs.json.
 FUSED_MOE_CONFIGS: str = os.environ.get("MINISGL_FUSED_MOE_CONFIGS", "")
+# Largest all-reduce (bytes) sent through the one-shot peer-memory path instead of NCCL
+# (default: a measured threshold per TP size, minisgl/distributed/custom_all_reduce.py; 0: off).
+CUSTOM_ALL_REDUCE_MAX_BYTES: int | None = _bytes_or_none("MINISGL_CUSTOM_ALL_REDUCE_MAX_BYTES")

@@ -1,8 +1,10 @@
 """One rank of tests/test_nccl_gpu.py::test_nccl_collectives_two_gpus, run as a script
-(`python nccl_collectives_worker.py RANK PORT`) so that it needs nothing from the test module.
+(`python nccl_collectives_worker.py RANK PORT one-shot|nccl`) so that it needs nothing from
+the test module.
 
 Our NCCL communicator's all-reduce and all-gather must be exact for every dtype and for sizes
-from 1 element to 256 MB, eagerly and under CUDA-graph replay."""
+from 1 element to 256 MB, eagerly and under CUDA-graph replay; with `one-shot` the messages up
+to the threshold go through the one-shot all-reduce, with `nccl` every one through NCCL."""
 
 from __future__ import annotations
 
@@ -10,17 +12,21 @@ import sys
 
 import torch
 
-SIZES = [1, 7, 1023, 65536 + 3, 1 << 20, 64 << 20]  # elements; 64 Mi fp32 = 256 MB
+# Elements; 64 Mi fp32 = 256 MB. 512 KB (the one-shot threshold at TP 2) is 131072 fp32 or
+# 262144 2-byte elements: one element more goes through NCCL.
+SIZES = [1, 7, 1023, 65536 + 3, 131072, 131073, 262144, 262145, 1 << 20, 64 << 20]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def main(rank: int, port: int) -> None:
+def main(rank: int, port: int, one_shot: bool) -> None:
     from minisgl.distributed.communicator import make_communicator
     from minisgl.distributed.info import TPInfo
 
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    comm, _ = make_communicator(TPInfo(rank, 2), dev, f"127.0.0.1:{port}", custom_nccl=True)
+    comm, _ = make_communicator(TPInfo(rank, 2), dev, f"127.0.0.1:{port}", custom_nccl=True,
+                                custom_all_reduce=one_shot)
+    assert (comm.custom is not None) == one_shot, "the one-shot all-reduce is not as asked (see the log)"
     for dtype in DTYPES:
         for n in SIZES:
             if dtype != torch.float32 and n == SIZES[-1]:
@@ -57,4 +63,4 @@ def main(rank: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "one-shot")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -16,14 +17,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, world: int, timeout: float) -> list[str]:
-    """Each rank's output; fails with every rank's output tail if a rank failed or hung (a rank
-    that failed leaves the others blocked in a collective: they are killed)."""
+def run_ranks(script: str, world: int, timeout: float, args: Sequence[str] = ()) -> list[str]:
+    """Each rank's output (`python SCRIPT RANK PORT *args`); fails with every rank's output tail
+    if a rank failed or hung (a rank that failed leaves the others blocked in a collective: they
+    are killed)."""
     path = str(Path(__file__).with_name(script))
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, path, str(r), port], text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            [sys.executable, path, str(r), port, *args], text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
         )
         for r in range(world)
     ]

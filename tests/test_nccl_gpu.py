@@ -21,18 +21,20 @@ def _one_gpu(path: str, max_tokens: int):  # noqa: ANN202 - (LLM, greedy ids of 
     return one, [o["token_ids"] for o in one.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def test_nccl_collectives_two_gpus() -> None:
+@pytest.mark.parametrize("one_shot", [True, False], ids=["one-shot on", "NCCL only"])
+def test_nccl_collectives_two_gpus(one_shot: bool) -> None:
     """Our NCCL communicator on two GPUs (tests/nccl_collectives_worker.py, one process per
     rank): all-reduce and all-gather exact for every dtype, 1 element to 256 MB, eager and
-    under CUDA-graph replay."""
+    under CUDA-graph replay; with the one-shot all-reduce on (small messages take it) and off
+    (every size through NCCL)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    outs = run_ranks("nccl_collectives_worker.py", 2, timeout=240)
+    outs = run_ranks("nccl_collectives_worker.py", 2, timeout=240, args=["one-shot" if one_shot else "nccl"])
     assert all(f"rank {r}: ok" in outs[r] for r in range(2)), outs
 
 
-# qwen3_moe / qwen2_moe: every expert's intermediate dim sharded, one all-reduce per MoE block.
-@pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen3_moe", "qwen2_moe"])
+# MoE models: every expert's intermediate dim sharded, one all-reduce per MoE block.
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("custom_nccl", [True, False])
 def test_tp2_gpu_equals_tp1(tiny_model_path, name: str, custom_nccl: bool) -> None:
     if torch.cuda.device_count() < 2:
@@ -43,6 +45,8 @@ def test_tp2_gpu_equals_tp1(tiny_model_path, name: str, custom_nccl: bool) -> No
     one, want = _one_gpu(path, 12)
     two = LLM(path, device="cuda", dtype="bfloat16", tp_size=2, custom_nccl=custom_nccl)
     try:
+        # With our NCCL, the tiny models' all-reduces (a few KB) take the one-shot path.
+        assert (getattr(two.engine.comm, "custom", None) is not None) == custom_nccl
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         got = [o["token_ids"] for o in two.generate(PROMPTS, params, use_tqdm=False)]
     finally:

@@ -45,9 +45,11 @@ def min_across_ranks(value: int, group: object) -> int:
 
 
 def make_communicator(
-    tp: TPInfo, device: torch.device, init_addr: str | None, custom_nccl: bool = True
+    tp: TPInfo, device: torch.device, init_addr: str | None, custom_nccl: bool = True,
+    custom_all_reduce: bool = True,
 ) -> tuple[Communicator, object]:
-    """(communicator, host group). World size 1 needs no process group."""
+    """(communicator, host group). World size 1 needs no process group. custom_all_reduce: let
+    our NCCL communicator send small all-reduces through the one-shot peer-memory path."""
     if tp.size == 1:
         return Communicator(tp), None
     if init_addr is None:
@@ -63,5 +65,5 @@ def make_communicator(
     if custom_nccl:
         from minisgl.distributed.nccl import NcclCommunicator
 
-        return NcclCommunicator(tp, device, cpu_group), cpu_group
+        return NcclCommunicator(tp, device, cpu_group, custom_all_reduce), cpu_group
     return TorchDistCommunicator(tp, dist.new_group(backend="nccl")), cpu_group

@@ -1,5 +1,7 @@
 """Our NCCL communicator: minisgl._C's run-time-loaded NCCL bindings, on torch's current
-stream, safe inside CUDA-graph capture (NCCL kernels are captured like any other)."""
+stream, safe inside CUDA-graph capture (NCCL kernels are captured like any other). Small
+all-reduces take the one-shot path over peer memory where the GPUs allow it
+(custom_all_reduce.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from minisgl import env
+from minisgl.distributed.custom_all_reduce import CustomAllReduce, current_stream, make_custom_all_reduce
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.logging_setup import get_logger
 
@@ -33,7 +36,7 @@ def find_libnccl() -> str:
 
 
 class NcclCommunicator(Communicator):
-    def __init__(self, tp: TPInfo, device: torch.device, cpu_group: object) -> None:
+    def __init__(self, tp: TPInfo, device: torch.device, cpu_group: object, custom_all_reduce: bool = True) -> None:
         super().__init__(tp)
         from minisgl import _C
 
@@ -48,6 +51,8 @@ class NcclCommunicator(Communicator):
             self.comm = _C.nccl_comm_init_rank(tp.size, box[0], tp.rank)
         if tp.rank == 0:
             log.info("NCCL %s communicator over %d ranks (minisgl._C bindings)", _C.nccl_version(), tp.size)
+        # Registered now, before any CUDA graph is captured.
+        self.custom: CustomAllReduce | None = make_custom_all_reduce(tp, device, cpu_group, custom_all_reduce)
 
     def _code(self, x: torch.Tensor) -> int:
         if x.dtype not in self._codes:
@@ -57,10 +62,14 @@ class NcclCommunicator(Communicator):
         return self._codes[x.dtype]
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """In-place sum across ranks; returns x."""
+        """In-place sum across ranks; returns x. Messages the one-shot path takes go there (the
+        decision depends on the size only, so every rank decides alike)."""
         if self.tp.size > 1:
-            stream = torch.cuda.current_stream(self.device).cuda_stream
-            self._C.nccl_all_reduce(self.comm, x.data_ptr(), x.data_ptr(), x.numel(), self._code(x), stream)
+            code, stream = self._code(x), current_stream(self.device)
+            if self.custom is not None and self.custom.takes(x):
+                self.custom.launch(x, code, stream)
+            else:
+                self._C.nccl_all_reduce(self.comm, x.data_ptr(), x.data_ptr(), x.numel(), code, stream)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -69,13 +78,16 @@ class NcclCommunicator(Communicator):
             return x
         x = x.contiguous()
         out = torch.empty((self.tp.size, *x.shape), dtype=x.dtype, device=x.device)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = current_stream(self.device)
         self._C.nccl_all_gather(self.comm, x.data_ptr(), out.data_ptr(), x.numel(), self._code(x), stream)
         dim = dim % x.dim()
         # [tp, d0, ..., dn] -> rank blocks side by side along `dim`
         return torch.cat(out.unbind(0), dim=dim) if dim != 0 else out.reshape(-1, *x.shape[1:])
 
     def destroy(self) -> None:
+        if self.custom is not None:
+            self.custom.destroy()
+            self.custom = None
         if self.comm:
             self._C.nccl_comm_destroy(self.comm)
             self.comm = 0

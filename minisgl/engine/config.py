@@ -33,6 +33,7 @@ class EngineConfig:
     # base_gpu_id + l. Data-parallel replica r of a TP size M gets base + r * M (server/args.py).
     base_gpu_id: int = 0
     custom_nccl: bool = True  # our NCCL bindings; False: torch.distributed's NCCL
+    custom_all_reduce: bool = True  # small all-reduces over peer memory (with custom_nccl only)
     gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV)
     cpu_kv_cache_gb: float = 1.0  # KV pool size on the CPU when num_pages is not given
     # Batch-invariant kernels: a request's tokens and logprobs do not depend on what is

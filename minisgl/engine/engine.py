@@ -89,7 +89,7 @@ class Engine:
         if cfg.deterministic:
             _check_deterministic(mc, self.tp)
         self.comm, self.cpu_group = make_communicator(
-            self.tp, self.device, cfg.dist_init_addr, cfg.custom_nccl
+            self.tp, self.device, cfg.dist_init_addr, cfg.custom_nccl, cfg.custom_all_reduce
         )
         torch.manual_seed(cfg.seed)
         self.model = self._build_model()

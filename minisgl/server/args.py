@@ -59,6 +59,7 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: str | None = None
     disable_custom_nccl: bool = False
+    disable_custom_all_reduce: bool = False
     # data parallelism: dp replicas of tp GPUs each behind this one API server
     dp: int = 1
     base_gpu_id: int = 0
@@ -119,7 +120,10 @@ class ServerArgs:
         # base GPU is its replica's first (gpu_id with tp rank 0 of this machine).
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(self, f.name)}
         shared["base_gpu_id"] = self.gpu_id(dp_rank, 0)
-        return EngineConfig(**shared, tp_rank=tp_rank, tp_size=self.tp, custom_nccl=not self.disable_custom_nccl)
+        return EngineConfig(
+            **shared, tp_rank=tp_rank, tp_size=self.tp, custom_nccl=not self.disable_custom_nccl,
+            custom_all_reduce=not self.disable_custom_all_reduce,
+        )
 
     @property
     def local_ranks(self) -> list[int]:
@@ -313,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--disable-custom-nccl", action="store_true",
         help="reduce through torch.distributed's NCCL instead of minisgl's own NCCL bindings",
+    )
+    t.add_argument(
+        "--disable-custom-all-reduce", action="store_true",
+        help="send every all-reduce through NCCL, not small ones through the one-shot peer-memory kernel",
     )
     g = p.add_argument_group("data parallelism")
     g.add_argument(
