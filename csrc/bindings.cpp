@@ -51,13 +51,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("v_stride"), py::arg("stream"));
   m.def(
       "paged_decode_num_splits",
-      [](int batch, int kv_heads, int group, int head_dim, int dtype, int64_t max_seq_len) {
+      [](int device, int batch, int kv_heads, int group, int head_dim, int dtype, int64_t max_seq_len) {
         int splits = 0;
-        check(minisgl::paged_decode_num_splits(batch, kv_heads, group, head_dim, dtype, max_seq_len, &splits),
+        check(minisgl::paged_decode_num_splits(device, batch, kv_heads, group, head_dim, dtype, max_seq_len,
+                                               &splits),
               "paged_decode_num_splits");
         return splits;
       },
-      py::arg("batch"), py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"),
+      py::arg("device"), py::arg("batch"), py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"),
       py::arg("max_seq_len"));
   m.def(
       "paged_decode_attention",
@@ -65,20 +66,20 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t req_rows, std::uintptr_t seq_lens, std::uintptr_t out, std::uintptr_t part_o,
          std::uintptr_t part_lse, int batch, int kv_heads, int group, int head_dim, int dtype,
          int64_t q_stride_b, int64_t out_stride_b, int64_t cache_stride_s, int64_t table_stride,
-         int max_context, int num_splits, float scale, std::uintptr_t stream) {
+         int max_context, int num_splits, float scale, int device, std::uintptr_t stream) {
         check(minisgl::paged_decode_attention(
                   ptr<const void>(q), ptr<const void>(k_cache), ptr<const void>(v_cache),
                   ptr<const int32_t>(req_to_slot), ptr<const int32_t>(req_rows), ptr<const int32_t>(seq_lens),
                   ptr(out), ptr<float>(part_o), ptr<float>(part_lse), batch, kv_heads, group, head_dim, dtype,
                   q_stride_b, out_stride_b, cache_stride_s, table_stride, max_context, num_splits, scale,
-                  ptr(stream)),
+                  device, ptr(stream)),
               "paged_decode_attention");
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("req_to_slot"), py::arg("req_rows"),
       py::arg("seq_lens"), py::arg("out"), py::arg("part_o"), py::arg("part_lse"), py::arg("batch"),
       py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"), py::arg("q_stride_b"),
       py::arg("out_stride_b"), py::arg("cache_stride_s"), py::arg("table_stride"), py::arg("max_context"),
-      py::arg("num_splits"), py::arg("scale"), py::arg("stream"));
+      py::arg("num_splits"), py::arg("scale"), py::arg("device"), py::arg("stream"));
   m.def(
       "embedding_lookup",
       [](std::uintptr_t out, std::uintptr_t weight, std::uintptr_t ids, bool ids_are_int64, int64_t n,

@@ -2,6 +2,7 @@
 // the two launches. The split count depends only on host values (batch, heads, head_dim,
 // dtype, a max-length bound, the GPU), so a captured CUDA graph keeps a valid launch shape.
 #include <algorithm>
+#include <atomic>
 
 #include "decode_attention.cuh"
 #include "decode_merge.cuh"
@@ -62,15 +63,33 @@ Instance pick(int dtype, int head_dim, int group) {
   return Instance{};
 }
 
+// A device attribute, read from the driver once per device and process (launches read the
+// cache: no cudaGetDevice / cudaDeviceGetAttribute per launch). 0 in the cache = not read yet.
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_sms[kMaxDevices];
+std::atomic<int> g_major[kMaxDevices];
+
+cudaError_t cached_attribute(std::atomic<int>* cache, cudaDeviceAttr attr, int device, int* value) {
+  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
+  int v = cache[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    const cudaError_t err = cudaDeviceGetAttribute(&v, attr, device);
+    if (err != cudaSuccess) return err;
+    cache[device].store(v, std::memory_order_relaxed);  // racing first reads store the same value
+  }
+  *value = v;
+  return cudaSuccess;
+}
+
 }  // namespace
 
-int paged_decode_num_splits(int batch, int kv_heads, int group, int head_dim, int dtype,
+int paged_decode_num_splits(int device, int batch, int kv_heads, int group, int head_dim, int dtype,
                             int64_t max_seq_len, int* num_splits) {
   const Instance inst = pick(dtype, head_dim, group);
   if (inst.split == nullptr) return static_cast<int>(cudaErrorInvalidValue);
-  int device = 0, sms = 0, per_sm = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  int sms = 0, per_sm = 0;
+  cudaError_t err = cached_attribute(g_sms, cudaDevAttrMultiProcessorCount, device, &sms);
+  // Occupancy of the current device's instance: called once per shape (the caller caches it).
   if (err == cudaSuccess)
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, inst.split, decode::kThreads, 0);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -95,7 +114,7 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
                            int batch, int kv_heads, int group, int head_dim, int dtype,
                            int64_t q_stride_b, int64_t out_stride_b, int64_t cache_stride_s,
                            int64_t table_stride, int max_context, int num_splits, float scale,
-                           void* stream_ptr) {
+                           int device, void* stream_ptr) {
   const Instance inst = pick(dtype, head_dim, group);
   if (inst.split == nullptr || num_splits < 1 || num_splits > decode::kMaxSplits || kv_heads < 1 ||
       batch > 65535 || kv_heads > 65535 || (num_splits > 1 && (part_o == nullptr || part_lse == nullptr)))
@@ -110,9 +129,8 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
   if (err != cudaSuccess || num_splits == 1) return static_cast<int>(err);
   // Programmatic dependent launch (Hopper+): the merge grid's launch overlaps the split
   // grid's tail instead of following it; griddepcontrol.wait in the kernel keeps it correct.
-  int device = 0, major = 0;
-  err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  int major = 0;
+  err = cached_attribute(g_major, cudaDevAttrComputeCapabilityMajor, device, &major);
   if (err != cudaSuccess) return static_cast<int>(err);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

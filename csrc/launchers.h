@@ -13,8 +13,9 @@ int store_kv(void* k_cache, void* v_cache, const void* k, const void* v, const i
 // Paged decode attention (csrc/decode_attention.cuh). dtype: 0 = float16, 1 = bfloat16.
 // Strides in elements. num_splits comes from paged_decode_num_splits for the same shape;
 // part_o [batch, kv_heads * group, num_splits, head_dim] and part_lse [.., num_splits] are
-// fp32 scratch, needed only when num_splits > 1.
-int paged_decode_num_splits(int batch, int kv_heads, int group, int head_dim, int dtype,
+// fp32 scratch, needed only when num_splits > 1. `device`: the CUDA device the tensors are on
+// (its attributes are read once and cached: a launch makes no device queries).
+int paged_decode_num_splits(int device, int batch, int kv_heads, int group, int head_dim, int dtype,
                             int64_t max_seq_len, int* num_splits);
 int paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
                            const int32_t* req_to_slot, const int32_t* req_rows,
@@ -22,7 +23,7 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
                            int batch, int kv_heads, int group, int head_dim, int dtype,
                            int64_t q_stride_b, int64_t out_stride_b, int64_t cache_stride_s,
                            int64_t table_stride, int max_context, int num_splits, float scale,
-                           void* stream);
+                           int device, void* stream);
 
 // Embedding rows for token ids (csrc/embedding.cuh); ids outside [start, end) give zeros.
 int embedding_lookup(void* out, const void* weight, const void* ids, int ids_are_int64, int64_t n,

@@ -9,6 +9,11 @@ Grid: (q_heads, q blocks, B) with heads fastest, so the heads of one KV group ru
 (their K/V tiles are shared in L2) and, with q blocks taken last-first, the longest causal
 rows start first. Each program: one BLOCK_M tile of queries of one head; an unmasked loop
 over keys every query of the tile sees, then a short masked loop over the diagonal.
+
+Tile-map mode (CUDA graphs): the grid is (q_heads, capacity), a bound that depends only on
+the token bucket (`tile_capacity`), and program (h, t) reads its (request, first query) from
+`tiles[t]` (int32 [capacity, 2], built on the host by `tile_map`, longest work first); rows
+(-1, 0) are unused and exit at once. Nothing of the launch then depends on the batch's lengths.
 """
 
 from __future__ import annotations
@@ -58,18 +63,23 @@ def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v
 
 @triton.jit
 def _extend_attn_kernel(
-    Q, KCache, VCache, Out, ReqToSlot, ReqRows, PrefixLens, CuSeqlensQ, qk_scale,
+    Q, KCache, VCache, Out, ReqToSlot, ReqRows, PrefixLens, CuSeqlensQ, Tiles, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_rt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, TILED: tl.constexpr,
 ):
     head = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    b = tl.program_id(2)
+    if TILED:
+        b = tl.load(Tiles + 2 * tl.program_id(1))
+        m_start = tl.load(Tiles + 2 * tl.program_id(1) + 1)
+    else:
+        b = tl.program_id(2)
+        m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    if b < 0:  # an unused tile
+        return
     q_start = tl.load(CuSeqlensQ + b)
     ext = tl.load(CuSeqlensQ + b + 1) - q_start
-    m_start = pid_m * BLOCK_M
     if m_start >= ext:
         return
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
@@ -126,28 +136,53 @@ def default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> t
     return (64, 64, 8, 2)
 
 
+def tile_capacity(num_tokens: int, num_requests: int, block_m: int) -> int:
+    """Rows `tile_map` may fill for at most `num_tokens` new tokens in at most `num_requests`
+    requests: sum(ceil(ext_b / M)) <= T / M + B, and no more than one tile per token."""
+    return min(num_tokens, triton.cdiv(num_tokens, block_m) + num_requests)
+
+
+def tile_map(prefix_lens: list[int], extend_lens: list[int], block_m: int, capacity: int | None = None) -> list[int]:
+    """Flat int32 pairs (request index, first query row) of every BLOCK_M query tile, the
+    tiles that see the most keys first (they take longest; the grid's tail then stays short),
+    padded with (-1, 0) to `capacity` tiles."""
+    tiles = [(p + m + min(block_m, n - m), b, m) for b, (p, n) in enumerate(zip(prefix_lens, extend_lens))
+             for m in range(0, n, block_m)]
+    tiles.sort(key=lambda x: -x[0])
+    if capacity is not None and len(tiles) > capacity:
+        raise ValueError(f"{len(tiles)} attention tiles exceed the capacity of {capacity}")
+    flat = [v for _, b, m in tiles for v in (b, m)]
+    return flat + [-1, 0] * ((capacity or len(tiles)) - len(tiles))
+
+
 def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
     max_extend_len: int, scale: float, out: torch.Tensor | None = None,
-    config: tuple[int, ...] | None = None,
+    config: tuple[int, ...] | None = None, tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype."""
+    """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype. With `tiles`
+    (int32 [capacity, 2] from `tile_map` with this config's BLOCK_M), the grid is
+    (Hq, capacity) and `max_extend_len` is not used: the launch is fixed for a CUDA graph.
+    Query rows that no tile covers (padding tokens) are left unwritten."""
     t, hq, d = q.shape
     if out is None:
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     b = req_rows.shape[0]
-    if t == 0 or b == 0 or max_extend_len <= 0:
+    if t == 0 or b == 0 or (tiles is None and max_extend_len <= 0) or (tiles is not None and tiles.shape[0] == 0):
         return out
     block_m, block_n, num_warps, num_stages = config or default_config(d, q.dtype, q.device)
-    grid = (hq, triton.cdiv(max_extend_len, block_m), b)
+    if tiles is None:
+        grid = (hq, triton.cdiv(max_extend_len, block_m), b)
+    else:
+        grid = (hq, tiles.shape[0], 1)
     _extend_attn_kernel[grid](
         q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens, cu_seqlens_q,
-        scale * math.log2(math.e),
+        cu_seqlens_q if tiles is None else tiles, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), req_to_slot.stride(0),
         GROUP=hq // k_cache.shape[1], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype), TILED=tiles is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -187,8 +187,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """One {"text", "token_ids", "logprobs", "finish_reason"} dict per prompt, in input order
-        (generated part only; logprobs: of each generated token under the raw logits)."""
+        """One dict per prompt, in input order, of the generated part: "text", "token_ids",
+        "finish_reason", "logprobs" (of each chosen token under the raw logits), and where asked
+        "top_logprobs" (per token, [(token_id, logprob), ...] most likely first) and
+        "prompt_logprobs" (per prompt position: None at 0, else (logprob, [(id, logprob), ...]))."""
         if self._closed:
             raise RuntimeError("this LLM was shut down; make a new one")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -224,11 +226,18 @@ class LLM:
                     bar.update(1)
         for r in reqs:
             self._requests.pop(r.uid, None)
-        return [
-            {"text": texts.get(r.uid) if r.uid in texts else self._decode(r.output), "token_ids": list(r.output),
-             "logprobs": list(r.logprobs), "finish_reason": "stop" if r.uid in texts else r.finish_reason}
-            for r in reqs
-        ]
+        return [self._result(r, texts) for r in reqs]
+
+    def _result(self, r: Request, texts: dict[int, str]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "text": texts[r.uid] if r.uid in texts else self._decode(r.output), "token_ids": list(r.output),
+            "finish_reason": "stop" if r.uid in texts else r.finish_reason, "logprobs": list(r.logprobs),
+        }
+        if r.params.top_logprobs:
+            out["top_logprobs"] = list(r.top_logprobs)
+        if r.params.prompt_logprobs is not None:
+            out["prompt_logprobs"] = list(r.prompt_logprobs or [])
+        return out
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,7 +1,8 @@
 """Shared by the attention kernel tests. The accuracy rule (FlashAttention-3's): against fp64
 math, the kernel's max error may be at most twice torch's own error when it computes in the
 output dtype, plus two rounding steps of that dtype (the floor for outputs rounded once).
-And NaN in the cache slots no request owns, which no kernel may let through."""
+And NaN in the cache slots no request owns, which no kernel may let through; `paged_table` builds
+a request table over permuted pages."""
 
 from __future__ import annotations
 
@@ -29,3 +30,21 @@ def poison_unused_slots(c: dict, seq_lens: list[int]) -> None:
         used[c["req_to_slot"][row, :n].long()] = True
     c["k_cache"][~used] = float("nan")
     c["v_cache"][~used] = float("nan")
+
+
+def paged_table(seq_lens: list[int], page_size: int, gen: torch.Generator, device: str, spare_rows: int = 2):
+    """req_to_slot [B + spare, max_ctx] over randomly permuted pages (page 0 = dummy, unused);
+    requests get rows in shuffled order. Returns (table, rows int32 [B], num_slots)."""
+    b = len(seq_lens)
+    pages_needed = sum(-(-s // page_size) for s in seq_lens)
+    num_pages = pages_needed + 3
+    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    max_ctx = max(seq_lens) + 5
+    table = torch.zeros(b + spare_rows, max_ctx, dtype=torch.int32)
+    rows = torch.randperm(b + spare_rows, generator=gen)[:b].to(torch.int32)
+    for i, s in enumerate(seq_lens):
+        n = -(-s // page_size)
+        pages, perm = torch.tensor(perm[:n]), perm[n:]
+        slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[:s]
+        table[rows[i], :s] = slots.to(torch.int32)
+    return table.to(device), rows.to(device), num_pages * page_size

@@ -39,24 +39,58 @@ def test_gemm_rows_invariant_up_to_8192(n: int, k: int) -> None:
 
 
 def test_attention_prefill_extend_decode_equal() -> None:
-    from minisgl.kernels.extend_attention import extend_attention
+    """A token's attention output from a whole prefill equals its output from chunks, extends
+    and one-token decodes, in the plain launch and in the tile-map launch the engine uses
+    (graph or eager), alone or beside another request's tiles in the same launch."""
+    from minisgl.kernels.extend_attention import default_config, extend_attention, tile_map
 
     dev, hq, hkv, d, n = torch.device("cuda"), 16, 8, 128, 700
     g = torch.Generator(device=dev).manual_seed(1)
-    kc = torch.randn(n + 1, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
-    vc = torch.randn(n + 1, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
+    kc = torch.randn(2 * n + 1, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(2 * n + 1, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
     q = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
-    table = torch.randperm(n, device=dev, generator=g).add(1).to(torch.int32)[None].contiguous()
-    rows = torch.zeros(1, dtype=torch.int32, device=dev)
+    q_other = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(2 * n, device=dev, generator=g).add(1).to(torch.int32).view(2, n).contiguous()
+    block_m = default_config(d, q.dtype, dev)[0]
 
-    def ext(lo: int, hi: int) -> torch.Tensor:
-        cu = torch.tensor([0, hi - lo], dtype=torch.int32, device=dev)
-        pre = torch.tensor([lo], dtype=torch.int32, device=dev)
-        return extend_attention(q[lo:hi], kc, vc, table, rows, pre, cu, hi - lo, d**-0.5)
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=dev)
 
-    full = ext(0, n)
-    for lo, hi in ((0, 64), (64, 577), (577, 700), (300, 301), (699, 700)):  # chunks, extends, decodes
-        assert torch.equal(ext(lo, hi), full[lo:hi]), f"tokens {lo}..{hi}"
+    def ext(lo: int, hi: int, tiled: bool, other: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tokens lo..hi-1 of request 0 (and `other`'s of request 1 after them in the launch)."""
+        reqs = [(0, lo, hi)] + ([(1, *other)] if other else [])
+        qs = torch.cat([q[lo:hi]] + ([q_other[other[0] : other[1]]] if other else []))
+        lens = [b - a for _, a, b in reqs]
+        cu = i32([0] + [sum(lens[: i + 1]) for i in range(len(lens))])
+        rows, pre = i32([r for r, _, _ in reqs]), i32([a for _, a, _ in reqs])
+        tiles = None
+        if tiled:  # with spare capacity, as a graph bucket has
+            tiles = i32(tile_map(pre.tolist(), lens, block_m, len(qs) + 3)).view(-1, 2)
+        out = extend_attention(qs, kc, vc, table, rows, pre, cu, max(lens), d**-0.5, tiles=tiles)
+        return out[: hi - lo]
+
+    full = ext(0, n, False)
+    cases = ((0, 64), (64, 577), (577, 700), (300, 301), (699, 700))  # chunks, extends, decodes
+    for lo, hi in cases:
+        for tiled in (False, True):
+            for other in (None, (0, 130), (411, 412)):  # beside a prefill, beside a decode
+                got = ext(lo, hi, tiled, other)
+                assert torch.equal(got, full[lo:hi]), f"tokens {lo}..{hi}, tiled {tiled}, beside {other}"
+
+
+def test_logprob_normalizer_rows_invariant() -> None:
+    """top/prompt logprobs' log-normalizer: each row's bits whatever rows share the call."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(2)
+    x = torch.randn(300, 151936, device=dev, generator=g) * 4
+    ops.set_deterministic(dev, True)
+    try:
+        alone = torch.cat([ops.logsumexp_rows(x[i : i + 1]) for i in range(3)])
+        for n in (2, 3, 17, 300):
+            assert torch.equal(ops.logsumexp_rows(x[:n])[: min(n, 3)], alone[: min(n, 3)]), f"n={n}"
+        torch.testing.assert_close(alone, x[:3].double().logsumexp(-1).float())
+    finally:
+        ops.set_deterministic(dev, False)
 
 
 def _check_requests(path: str, tok: str | None, n_prompts: int, max_tokens: int) -> None:
@@ -70,8 +104,11 @@ def _check_requests(path: str, tok: str | None, n_prompts: int, max_tokens: int)
         max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=11)] * (n_prompts // 2)
     with LLM(path, cache="naive", disable_cuda_graph=True, **base) as llm:
         alone = [run(llm, [p], [sp])[0] for p, sp in zip(mine, params)]
-    for batch, chunk, graphs in ((8, 4096, True), (64, 512, False), (256, 64, True)):
-        with LLM(path, max_prefill_tokens=chunk, disable_cuda_graph=not graphs, **base) as llm:
+    # Mixed steps (decodes + a prompt chunk of up to `mixed` tokens) in every run but one.
+    for batch, chunk, graphs, mixed in ((8, 4096, True, 512), (64, 512, False, 512), (256, 64, True, 64),
+                                        (64, 512, True, 0)):
+        with LLM(path, max_prefill_tokens=chunk, mixed_chunk_tokens=mixed, disable_cuda_graph=not graphs,
+                 **base) as llm:
             for warm in (False, True):
                 others = prompts(max(0, batch - n_prompts), vocab, seed=rng.randrange(1 << 30), shared=0)
                 order = list(range(len(others) + n_prompts))
@@ -81,7 +118,8 @@ def _check_requests(path: str, tok: str | None, n_prompts: int, max_tokens: int)
                 got = run(llm, [items[i][0] for i in order], [items[i][1] for i in order])
                 mine_got = [got[order.index(i)] for i in range(n_prompts)]
                 bad = [i for i in range(n_prompts) if mine_got[i] != alone[i]]
-                assert not bad, f"batch {batch}, chunk {chunk}, graphs {graphs}, warm {warm}: prompts {bad} differ"
+                assert not bad, (f"batch {batch}, chunk {chunk}, graphs {graphs}, mixed {mixed}, warm {warm}: "
+                                 f"prompts {bad} differ")
 
 
 def test_requests_bit_identical_qwen3_06b() -> None:

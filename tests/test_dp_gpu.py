@@ -29,7 +29,10 @@ def test_offline_dp2_uses_gpu_1_and_equals_dp1(tiny_model_path) -> None:
         got = two.generate(PROMPTS, params, use_tqdm=False)
     finally:
         two.shutdown()
-    assert got == want
+    # Equal results; the logprobs within rounding (the replicas' batches differ).
+    assert [{k: v for k, v in r.items() if k != "logprobs"} for r in got] == [
+        {k: v for k, v in r.items() if k != "logprobs"} for r in want]
+    assert [r["logprobs"] for r in got] == [pytest.approx(r["logprobs"], abs=1e-3) for r in want]
 
 
 def test_server_dp2_places_replicas_on_gpus_0_and_1(tiny_model_path, tmp_path) -> None:

@@ -21,6 +21,16 @@ def _calls(llm: LLM, prompts: list, params: list[SamplingParams]) -> list[list[d
     ]
 
 
+def assert_same(got: list[list[dict]], want: list[list[dict]]) -> None:
+    """Equal results; the logprobs (fp32) within rounding, as the replicas' batches differ."""
+    def strip(calls: list[list[dict]]) -> list[list[dict]]:
+        return [[{k: v for k, v in r.items() if k != "logprobs"} for r in c] for c in calls]
+
+    assert strip(got) == strip(want)
+    for g, w in zip(got, want):
+        assert [r["logprobs"] for r in g] == [pytest.approx(r["logprobs"], abs=1e-4) for r in w]
+
+
 def test_dp2_returns_results_in_input_order_equal_to_dp1(tiny_model_path) -> None:
     path = str(tiny_model_path("llama3"))
     prompts = ["Hello, my name is", [5, 6, 7, 8, 9] * 9, "The capital of France is", [42],
@@ -41,8 +51,8 @@ def test_dp2_returns_results_in_input_order_equal_to_dp1(tiny_model_path) -> Non
         again = two.generate(prompts[:2], params[:2], use_tqdm=False)  # still serving after a refusal
     finally:
         two.shutdown()
-    assert got == want
-    assert again == want[0][:2]
+    assert_same(got, want)
+    assert_same([again], [want[0][:2]])
     workers[0].join(30)
     assert not workers[0].is_alive()
     with pytest.raises(RuntimeError, match="shut down"):

@@ -17,6 +17,8 @@ import tiny_models
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.attention.triton_backend import TritonAttentionBackend
+from minisgl.engine.cuda_graph import CudaGraphRunner
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
@@ -56,6 +58,33 @@ def test_shutdown_frees_engine_tensors_at_once(tiny_model_path, no_gc) -> None:
     llm.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+
+
+class _UncapturedRunner(CudaGraphRunner):
+    """The real runner (static buffers, closures over the engine) minus the CUDA capture."""
+
+    def _capture_all(self, fill_empty) -> None:  # noqa: ANN001
+        pass
+
+
+def test_shutdown_frees_graph_runner_step_builder_and_penalty_state(tiny_model_path, no_gc) -> None:
+    """The graph runner's closures reference the engine, and the step builder references the
+    runner: shutdown must cut both, and drop the penalty buffers too."""
+    llm = LLM(str(tiny_model_path("qwen3")), device="cpu", dtype="float32", num_pages=256)
+    eng = llm.engine
+    llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.3), use_tqdm=False)
+    assert eng.penalties.counts is not None
+    eng.attn = TritonAttentionBackend(eng.pool, eng.num_q_heads, eng.model_config.head_dim**-0.5)
+    eng.steps.block_m = eng.attn.tile_block_m
+    eng.enable_cuda_graphs(4, 32, 20, runner_cls=_UncapturedRunner)
+    assert eng.steps.graphs is eng.graphs
+    refs = engine_tensors(llm) + [weakref.ref(t) for t in (eng.graphs.buffer, eng.graphs.logits,
+                                                            eng.penalties.counts, eng.penalties.prompt)]
+    engine, steps, runner = weakref.ref(eng), weakref.ref(eng.steps), weakref.ref(eng.graphs)
+    del eng
+    llm.shutdown()
+    assert engine() is None and steps() is None and runner() is None
+    assert sum(r() is not None for r in refs) == 0, "tensors outlive shutdown() (a reference cycle?)"
 
 
 def test_engine_after_shutdown_says_so(tiny_model_path) -> None:

@@ -21,29 +21,11 @@ needs_triton = pytest.mark.skipif(
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def paged_table(seq_lens: list[int], page_size: int, gen: torch.Generator, spare_rows: int = 2):
-    """req_to_slot [B + spare, max_ctx] over randomly permuted pages (page 0 = dummy, unused);
-    requests get rows in shuffled order. Returns (table, rows int32 [B], num_slots)."""
-    b = len(seq_lens)
-    pages_needed = sum(-(-s // page_size) for s in seq_lens)
-    num_pages = pages_needed + 3
-    perm = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
-    max_ctx = max(seq_lens) + 5
-    table = torch.zeros(b + spare_rows, max_ctx, dtype=torch.int32)
-    rows = torch.randperm(b + spare_rows, generator=gen)[:b].to(torch.int32)
-    for i, s in enumerate(seq_lens):
-        n = -(-s // page_size)
-        pages, perm = torch.tensor(perm[:n]), perm[n:]
-        slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[:s]
-        table[rows[i], :s] = slots.to(torch.int32)
-    return table.to(DEV), rows.to(DEV), num_pages * page_size
-
-
 def make_case(prefix: list[int], ext: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype,
               page_size: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     seq = [p + e for p, e in zip(prefix, ext)]
-    table, rows, num_slots = paged_table(seq, page_size, gen)
+    table, rows, num_slots = attention_rule.paged_table(seq, page_size, gen, DEV)
     k_cache = torch.randn(num_slots, hkv, d, generator=gen).to(DEV, dtype)
     v_cache = torch.randn(num_slots, hkv, d, generator=gen).to(DEV, dtype)
     t = sum(ext)
@@ -152,7 +134,7 @@ def test_triton_backend_matches_torch_backend(page_size: int) -> None:
     hq, hkv, d, layers = 4, 2, 64, 2
     prefix, ext = [0, 21], [13, 6]
     seq = [p + e for p, e in zip(prefix, ext)]
-    table, rows, num_slots = paged_table([s + 1 for s in seq], page_size, gen)
+    table, rows, num_slots = attention_rule.paged_table([s + 1 for s in seq], page_size, gen, DEV)
     pools = [KVPool(layers, num_slots // page_size, page_size, hkv, d, torch.float16, torch.device(DEV))
              for _ in range(2)]
     cached = torch.randn((2, *pools[0]._k.shape), generator=gen).half()
@@ -183,3 +165,39 @@ def test_triton_backend_matches_torch_backend(page_size: int) -> None:
             got = backends[1].forward(q, k, v, layer, b)
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
     assert torch.equal(pools[0]._k, pools[1]._k) and torch.equal(pools[0]._v, pools[1]._v)
+
+
+@needs_triton
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_tile_map_launch_matches_reference(page_size: int, dtype: torch.dtype) -> None:
+    """The CUDA-graph launch: grid sized by a bucket's capacity, tiles read on the device.
+    Decode-like 1-token rows, a chunk with a prefix, and padding: 2 empty padding requests
+    and 5 padding tokens past the last request; those rows stay as they were (NaN here)."""
+    prefix, ext = [30, 0, 41, 3, 0, 0], [1, 70, 1, 33, 0, 0]
+    c = make_case(prefix, ext, 4, 2, 64, dtype, page_size, seed=5 + page_size)
+    attention_rule.poison_unused_slots(c, [p + e for p, e in zip(prefix, ext)])
+    real = sum(ext)
+    q = torch.randn(real + 5, 4, 64, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
+    q[:real] = c["q"]
+    block_m = ops.extend_block_m(64, dtype, torch.device(DEV))
+    cap = ops.extend_tile_capacity(real + 5, len(ext), block_m)
+    flat = ops.extend_tile_map(prefix, ext, block_m, cap)
+    tiles = torch.tensor(flat, dtype=torch.int32, device=DEV).view(-1, 2)
+    assert tiles.shape[0] == cap and (tiles[:, 0] >= 0).sum() == sum(-(-e // block_m) for e in ext)
+    out = torch.full_like(q, float("nan"))
+    ops.extend_attention(**{**c, "q": q, "max_extend_len": 0}, out=out, tiles=tiles)
+    assert torch.isnan(out[real:]).all()
+    assert_fa3_rule(out[:real], c)
+
+
+def test_tile_map_order_and_capacity() -> None:
+    # Requests (prefix, new): tiles of 4 rows; the tile seeing most keys goes first.
+    flat = K.tile_map([0, 10, 2], [9, 1, 0], 4, capacity=6)
+    pairs = list(zip(flat[::2], flat[1::2]))
+    assert pairs[:4] == [(1, 0), (0, 8), (0, 4), (0, 0)] and pairs[4:] == [(-1, 0), (-1, 0)]
+    for t, b in [(1, 1), (7, 3), (300, 5), (8192, 256)]:  # the bound holds for any split of T
+        for lens in ([t - b + 1] + [1] * (b - 1), [t // b] * (b - 1) + [t - (t // b) * (b - 1)]):
+            assert len(K.tile_map([0] * b, lens, 128)) // 2 <= K.tile_capacity(t, b, 128)
+    with pytest.raises(ValueError, match="capacity"):
+        K.tile_map([0], [9], 4, capacity=2)

@@ -47,6 +47,10 @@ SAMPLES = [
     ECHO,
     TokenOut(3, [10, 11], [-0.5, -1.25], "length", INIT),
     TokenOut(3, [], None, None, None),
+    TokenOut(
+        4, [10, 11], [-0.5, -1.25], None, INIT, top_logprobs=[[[10, -0.5], [7, -1.0]], [[11, -1.25], [3, -2.0]]],
+        prompt_logprobs=[None, [-3.5, [[4, -0.125], [9, -2.5]]], [-0.25, []]],
+    ),
     DetokenizeMsg([TokenOut(1, [5], None), TokenOut(2, [6], [-3.0], "stop")]),
     DetokenizeMsg([]),
     UserReply(1, "text ✓", [1, 2], [-0.1, -0.2], ["te", "xt ✓"], "stop", 3, 2, None, None),

@@ -1,7 +1,7 @@
 """Issue 14 against the real server (tiny random model, CPU) with the official openai client:
 the model's sampling defaults, the utility routes, stop handling, large inputs that neither
-stall other requests nor leave memory behind, and (with the device side of issue 14)
-logprobs, penalties, logit_bias and min_tokens against transformers references.
+stall other requests nor leave memory behind, and logprobs, penalties, logit_bias and
+min_tokens (issue 14's device side) against transformers references, alone and in mixed batches.
 
 The model folder is the tiny llama3 with a generation_config.json that says temperature 0 and
 a 64k context (so large prompts reach the tokenizer instead of being refused by length).
@@ -9,6 +9,7 @@ a 64k context (so large prompts reach the tokenizer instead of being refused by 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -22,15 +23,9 @@ import pytest
 import torch
 from server_harness import Server, model_variant
 
-from minisgl.engine.sampling_params import SamplingParams
-
 pytestmark = pytest.mark.slow
 NAME = "tiny"
 CONTEXT = 65536
-NEEDS_DEVICE_SIDE = pytest.mark.skipif(
-    "top_logprobs" not in SamplingParams.__dataclass_fields__,
-    reason="needs issue 14's device side (the sample branch): SamplingParams has no top_logprobs yet",
-)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +167,6 @@ def hf_top(hf, ids: list[int], k: int) -> list[tuple[torch.Tensor, torch.Tensor]
     return [lp[i].topk(k) for i in range(len(ids))], lp
 
 
-@NEEDS_DEVICE_SIDE
 @pytest.mark.parametrize("stream", [False, True])
 def test_top_logprobs_match_transformers(client: openai.OpenAI, hf, tok, stream: bool) -> None:  # noqa: ANN001
     messages = [{"role": "user", "content": "Name a colour."}]
@@ -199,7 +193,6 @@ def test_top_logprobs_match_transformers(client: openai.OpenAI, hf, tok, stream:
         assert c.top_logprobs[0].logprob == pytest.approx(lp[at, indices[0]].item(), abs=1e-4)
 
 
-@NEEDS_DEVICE_SIDE
 def test_echo_prompt_logprobs_match_transformers(http: httpx.Client, hf, tok) -> None:  # noqa: ANN001
     ids = tok("The quick brown fox jumps", add_special_tokens=False).input_ids
     body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 2}
@@ -226,7 +219,6 @@ def hf_greedy(hf, ids: list[int], steps: int, presence: float = 0.0, frequency: 
     return out
 
 
-@NEEDS_DEVICE_SIDE
 def test_penalties_bias_and_min_tokens(http: httpx.Client, hf, tok, model_dir: Path) -> None:  # noqa: ANN001
     ids = tok("the the the the", add_special_tokens=False).input_ids
     first = hf_greedy(hf, ids, 1)[0]
@@ -248,3 +240,40 @@ def test_penalties_bias_and_min_tokens(http: httpx.Client, hf, tok, model_dir: P
         body = {"prompt": ids, "max_tokens": 10, "logit_bias": bias, "min_tokens": min_tokens}
         r = http.post("/v1/completions", json=body).json()
         assert r["usage"]["completion_tokens"] == want and r["choices"][0]["finish_reason"] == "stop", r
+
+
+def test_mixed_batch_equals_alone_and_repetition_penalty(server: Server, hf, tok) -> None:  # noqa: ANN001
+    """Both halves of issue 14 end to end: requests with and without penalties, bias, logprob
+    alternatives and prompt logprobs, sent at once, each get what they get alone; greedy with
+    repetition_penalty equals transformers' generate with it."""
+    from transformers import GenerationConfig
+
+    ids = tok("the cat sat on the mat and the cat", add_special_tokens=False).input_ids
+    base = {"model": NAME, "prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    variants = [  # (OpenAI fields, vLLM extension fields)
+        ({}, {}), ({"presence_penalty": 1.2, "frequency_penalty": 0.5}, {}), ({}, {"repetition_penalty": 0.5}),
+        ({"logit_bias": {str(ids[-1]): -100}}, {}), ({}, {"prompt_logprobs": 1, "min_tokens": 3}),
+    ]
+
+    async def run(kws: list[tuple[dict, dict]]) -> list:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+            return await asyncio.gather(*(c.completions.create(**base, **kw, extra_body={"ignore_eos": True, **ext})
+                                          for kw, ext in kws))
+
+    alone = [asyncio.run(run([kw]))[0] for kw in variants]
+    together = asyncio.run(run(variants * 2))
+    for i, got in enumerate(together):
+        want = alone[i % len(variants)].choices[0]
+        assert got.choices[0].text == want.text and got.choices[0].logprobs.tokens == want.logprobs.tokens
+        assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.logprobs.token_logprobs, abs=1e-4)
+    cfg = GenerationConfig(max_new_tokens=6, do_sample=False, repetition_penalty=0.5, eos_token_id=None, pad_token_id=0)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=cfg)[0, len(ids):].tolist()
+    assert alone[2].choices[0].text == tok.decode(ref) and alone[2].choices[0].text != alone[0].choices[0].text
+    # vLLM's prompt_logprobs: per position None, else {id: {logprob, rank, decoded_token}}.
+    prompt_lps = alone[4].choices[0].model_extra["prompt_logprobs"]
+    _, lp = hf_top(hf, ids, 1)
+    assert prompt_lps[0] is None and len(prompt_lps) == len(ids)
+    for i in range(1, len(ids)):
+        assert prompt_lps[i][str(ids[i])]["logprob"] == pytest.approx(lp[i - 1, ids[i]].item(), abs=1e-4)

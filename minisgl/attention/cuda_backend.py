@@ -13,7 +13,6 @@ import torch
 
 from minisgl import ops
 from minisgl.attention.triton_backend import TritonAttentionBackend
-from minisgl.engine.batch import ForwardBatch
 from minisgl.kvcache.pool import KVPool
 from minisgl.ops.decode_attention import _HEAD_DIMS
 
@@ -42,8 +41,8 @@ class CudaAttentionBackend(TritonAttentionBackend):
             )
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
+        rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return ops.paged_decode_attention(
-            q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens, self.scale, batch.max_seq_len
-        )
+        return ops.paged_decode_attention(q, k_cache, v_cache, req_to_slot, rows, seq_lens, self.scale, max_seq_len,
+                                          out=out)

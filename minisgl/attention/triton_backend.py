@@ -2,16 +2,22 @@
 
 Works on any GPU Triton supports (and on the CPU under TRITON_INTERPRET=1, for tests). No
 per-step metadata beyond what ForwardBatch already carries: both kernels read the request
-table, lengths and offsets directly, so prepare() has nothing to build and decode stays
-CUDA-graph safe (its grid depends only on the batch size and the max_seq_len bound).
+table, lengths and offsets directly, so prepare() has nothing to build. Every launch is
+CUDA-graph safe: decode's grid depends only on the batch size and the max_seq_len bound;
+extend runs in tile-map mode when the batch carries tiles (engine-built batches do), its
+grid then sized by the tile capacity; a mixed step's decode rows (batch.decode_rows) go
+through the decode kernel first, and the tiles then write every other row.
 
-Deterministic mode: decode steps run the extend kernel too, as extends of one token. That
-kernel walks each query's keys in BLOCK_N chunks at fixed absolute positions (0, BLOCK_N,
-2 BLOCK_N, ...) with one fixed tile configuration, and a chunk wholly past a query's position
-leaves its running max, sum and accumulator bit-identical (weight exp2(-inf) = 0, rescale
-exp2(0) = 1). So a token's output is the same from a prefill, a chunked prefill, an extend
-after a radix-cache hit or a decode, whatever else shares the launch. The split-K decode
-kernels are not used: their split count depends on the batch.
+Deterministic mode: no step reaches a decode kernel (their split count depends on the
+batch). Decode steps run the extend kernel as extends of one token (the step builder gives
+them a tile map: one one-row tile per request), and a mixed step's decodes are one-row tiles
+(no batch.decode_rows). The extend kernel walks each query's keys in BLOCK_N chunks at fixed
+absolute positions (0, BLOCK_N, 2 BLOCK_N, ...) with one fixed tile configuration, and a
+chunk wholly past a query's position leaves its running max, sum and accumulator
+bit-identical (weight exp2(-inf) = 0, rescale exp2(0) = 1); which tile row a query sits in,
+and what the tile's other rows hold, changes nothing of its row. So a token's output is the
+same from a prefill, a chunked prefill, an extend after a radix-cache hit, a mixed step or a
+decode, graph or eager, whatever else shares the launch.
 """
 
 from __future__ import annotations
@@ -26,28 +32,35 @@ from minisgl.engine.batch import ForwardBatch
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def prepare(self, batch: ForwardBatch) -> None:
-        if self.deterministic and batch.is_decode:
-            # Decode as an extend of one token: its prefix is seq_len - 1. Computed on the
-            # device (CUDA graphs capture it; their static prefix_lens are not refreshed).
-            batch.attn_metadata = batch.seq_lens - 1
-
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
         ops.store_kv(k_cache, v_cache, k, v, batch.out_slots)
         if batch.is_decode and not self.deterministic:
-            return self._decode(q, k_cache, v_cache, batch)
-        prefix = batch.attn_metadata if batch.is_decode else batch.prefix_lens
+            return self._decode(q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens,
+                                batch.max_seq_len)
+        out = None
+        if batch.decode_rows is not None:  # first: the extend tiles then overwrite the other rows
+            if self.deterministic:
+                raise ValueError("deterministic mode takes a mixed step's decodes as extend tiles, not decode rows")
+            d = batch.decode_rows.shape[0]
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self._decode(q[:d], k_cache, v_cache, batch.req_to_slot, batch.decode_rows, batch.decode_seq_lens,
+                         batch.max_seq_len, out[:d])
         return ops.extend_attention(
-            q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, prefix,
-            batch.seq_lens, batch.cu_seqlens_q, batch.max_extend_len, self.scale,
+            q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.prefix_lens,
+            batch.seq_lens, batch.cu_seqlens_q, batch.max_extend_len, self.scale, out=out, tiles=batch.tiles,
         )
 
+    @property
+    def tile_block_m(self) -> int:
+        """The extend kernel's query-tile height: the unit of the batch's tile map."""
+        return ops.extend_block_m(self.pool.head_dim, self.pool.dtype, self.pool.device)
+
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
+        rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return ops.decode_attention_triton(
-            q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens, batch.max_seq_len, self.scale
-        )
+        return ops.decode_attention_triton(q, k_cache, v_cache, req_to_slot, rows, seq_lens, max_seq_len, self.scale,
+                                           out=out)

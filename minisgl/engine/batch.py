@@ -17,6 +17,7 @@ class ForwardBatch:
     # "extend": each request brings `extend_lens[i]` new tokens after `prefix_lens[i]` cached
     # ones (plain prefill, chunked prefill and prefix-cache hits alike).
     # "decode": each request brings exactly one new token.
+    # "mixed": an extend step whose first requests are decodes (one token each).
     mode: str
     input_ids: torch.Tensor  # int64 [T] new tokens, requests concatenated
     positions: torch.Tensor  # int64 [T] position of each new token in its request
@@ -32,6 +33,17 @@ class ForwardBatch:
     max_seq_len: int  # max of seq_lens (host); an upper bound under CUDA graphs
     max_extend_len: int  # max new tokens of one request (host); 1 for decode
     attn_metadata: Any = field(default=None)  # built by the attention backend's prepare()
+    # Extend attention's tile map, int32 [C, 2] (request, first query row), unused rows (-1, 0):
+    # the launch that depends on no host value (CUDA graphs; engine-built batches always).
+    tiles: torch.Tensor | None = None
+    # A mixed step's decodes through the decode kernel: table rows and lengths int32 [D]
+    # (padded: the padding row, length 1). They are the first D token rows of the step.
+    decode_rows: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    graph: Any = field(default=None)  # the captured graph's key when this step replays one
+    # int64 [B + E] rows of [T] whose logits the model computes: sample_rows, then E extra rows
+    # (prompt logprobs). None: sample_rows only.
+    logit_rows: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

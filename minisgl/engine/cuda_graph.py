@@ -1,25 +1,34 @@
-"""Decode through CUDA graphs captured for a ladder of batch sizes.
+"""Every step of the serving path through CUDA graphs captured at startup.
 
-A decode batch of size bs replays the graph of the smallest captured size >= bs; the padding
-rows use the request table's padding row (all dummy slots), write their K/V to the dummy
-slot and attend over one token. Everything a captured kernel reads lives in static buffers
-that `replay` refreshes; the attention kernels take `max_seq_len` = the context length, so
-their launch configuration is fixed per captured size.
+Two ladders of `StepLayout`s, each captured as one graph of the whole forward (embedding to
+LM head) in one shared memory pool:
+- decode: a batch-size ladder; the decode kernel's launch depends on the batch size and the
+  context-length bound only;
+- extend: a total-token ladder up to the largest prefill step (prefill, chunked prefill,
+  prefix hits), with room for min(bucket, max requests) requests; extend attention runs in
+  tile-map mode, so no launch depends on the step's lengths;
+- mixed: the same up to the largest mixed step (every decode + a prefill chunk), plus the
+  decode kernel over min(bucket, max requests) leading rows for the decodes (without this
+  ladder, mixed steps take the extend graphs, their decodes as one-row tiles).
+
+A step replays the smallest layout that fits it: the host fills the static index buffer (one
+copy, see step_builder) and launches one graph. Padding tokens write K/V only to the dummy
+slot, attend to nothing (no tile covers them) and are never sampled; padding requests have no
+tokens. Everything here is handed in by the engine: this module does not know the Engine.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+import time
+from collections.abc import Callable
 
 import torch
 
+from minisgl import ops
 from minisgl.engine.batch import ForwardBatch
-from minisgl.kvcache.pool import DUMMY_SLOT
+from minisgl.engine.step_layout import StepLayout, StepSpec
 from minisgl.logging_setup import get_logger
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
 
 log = get_logger("minisgl.engine")
 
@@ -29,73 +38,117 @@ def batch_size_ladder(max_bs: int) -> list[int]:
     return sorted(set(sizes + [max_bs]))
 
 
-class CudaGraphRunner:
-    def __init__(self, engine: Engine, max_bs: int) -> None:
-        self.engine = engine
-        self.sizes = batch_size_ladder(max_bs)
-        self.max_bs = max_bs
-        dev = engine.device
-        pad_row = engine.table.padding_row
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.out_slots = torch.full((max_bs,), DUMMY_SLOT, dtype=torch.int32, device=dev)
-        self.req_rows = torch.full((max_bs,), pad_row, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=dev)
-        self.prefix_lens = torch.zeros(max_bs, dtype=torch.int32, device=dev)
-        self.cu_seqlens_q = torch.arange(max_bs + 1, dtype=torch.int32, device=dev)
-        self.sample_rows = torch.arange(max_bs, dtype=torch.int64, device=dev)
-        # One fp32 logits buffer for every captured size. Each graph's own output tensor would
-        # stay allocated for the runner's lifetime: ~1.3 GiB over the ladder at 256 x 152k vocab.
-        vocab = engine.model_config.vocab_size
-        self.logits = torch.empty(max_bs, vocab, dtype=torch.float32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self._capture_all()
+def token_bucket_ladder(max_tokens: int) -> list[int]:
+    """16, 32, 64, 128, 256, then four buckets per octave (ratio <= 1.25: a padded step costs
+    at most ~25% more; below 256 tokens a step costs about the same whatever its size)."""
+    sizes = [16, 32, 64, 128, 256]
+    p = 256
+    while sizes[-1] < max_tokens:
+        sizes += [p * 5 // 4, p * 3 // 2, p * 7 // 4, 2 * p]
+        p *= 2
+    return [s for s in sizes if s < max_tokens] + [max_tokens]
 
-    def _static_batch(self, bs: int) -> ForwardBatch:
-        eng = self.engine
-        return ForwardBatch(
-            mode="decode", input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_slots=self.out_slots[:bs], req_rows=self.req_rows[:bs], seq_lens=self.seq_lens[:bs],
-            prefix_lens=self.prefix_lens[:bs], cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
-            sample_rows=self.sample_rows[:bs], req_to_slot=eng.table.req_to_slot,
-            seq_lens_cpu=[1] * bs, prefix_lens_cpu=[0] * bs,
-            max_seq_len=eng.max_model_len, max_extend_len=1,
-        )
+
+def graph_layouts(
+    max_bs: int, max_tokens: int, max_mixed_tokens: int, max_requests: int, block_m: int, decode_kernel: bool,
+    decode_tiles: bool = False,
+) -> tuple[list[StepLayout], list[StepLayout]]:
+    """(decode layouts, extend + mixed layouts) to capture. Without the decode kernel for a
+    mixed step's decodes there is no mixed ladder: those steps take the extend graphs.
+    `decode_tiles` (deterministic mode): the decode layouts carry one tile per request."""
+
+    def ladder(mode: str, top: int, decodes: bool) -> list[StepLayout]:
+        caps = [(t, min(t, max_requests)) for t in (token_bucket_ladder(top) if top > 0 else [])]
+        return [StepLayout(mode, t, b, ops.extend_tile_capacity(t, b, block_m), b if decodes else 0) for t, b in caps]
+
+    decode = [StepLayout("decode", b, b, b if decode_tiles else 0) for b in batch_size_ladder(max_bs)]
+    if decode_kernel:
+        return decode, ladder("extend", max_tokens, False) + ladder("mixed", max_mixed_tokens, True)
+    return decode, ladder("extend", max(max_tokens, max_mixed_tokens), False)
+
+
+class CudaGraphRunner:
+    """`views(layout, buffer)` builds a layout's ForwardBatch over the static buffer (graph-safe);
+    `forward(batch, logits_out)` runs the model; `count_tiles(spec, decode_kernel)` counts a
+    step's extend tiles. Layouts: decode layouts for the batch sizes, extend ones per bucket."""
+
+    def __init__(
+        self, decode: list[StepLayout], extend: list[StepLayout],
+        views: Callable[[StepLayout, torch.Tensor], ForwardBatch],
+        forward: Callable[[ForwardBatch, torch.Tensor], torch.Tensor],
+        count_tiles: Callable[[StepSpec, bool], int], fill_empty: Callable[[StepLayout, torch.Tensor], None],
+        vocab_size: int, device: torch.device,
+    ) -> None:
+        self.decode = sorted(decode, key=lambda x: x.tokens)
+        self.extend = sorted((x for x in extend if x.mode == "extend"), key=lambda x: x.tokens)
+        self.mixed = sorted((x for x in extend if x.mode == "mixed"), key=lambda x: x.tokens)
+        self._keys = {m: [x.tokens for x in getattr(self, m)] for m in ("decode", "extend", "mixed")}
+        self.views, self.forward, self.count_tiles, self.device = views, forward, count_tiles, device
+        layouts = [*self.decode, *self.extend, *self.mixed]
+        self.buffer = torch.zeros(max(x.size for x in layouts), dtype=torch.int64, device=device)
+        # One fp32 logits buffer for every graph: each graph's own output would stay allocated
+        # for the runner's lifetime (~1.3 GiB over the decode ladder at 256 x 152k vocab).
+        self.logits = torch.empty(max(x.requests for x in layouts), vocab_size, dtype=torch.float32, device=device)
+        self.graphs: dict[StepLayout, torch.cuda.CUDAGraph] = {}
+        self.static: dict[StepLayout, ForwardBatch] = {}
+        self.outputs: dict[StepLayout, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self._capture_all(fill_empty)
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
-        eng = self.engine
+    def _capture_all(self, fill_empty: Callable[[StepLayout, torch.Tensor], None]) -> None:
+        start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(eng.device)
-        stream.wait_stream(torch.cuda.current_stream(eng.device))
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for bs in reversed(self.sizes):  # largest first: later captures reuse its memory
-                batch = self._static_batch(bs)
-                for _ in range(2):  # warm up (Triton compiles, cuBLAS picks kernels) outside capture
-                    eng.forward_eager(batch)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bs] = eng.forward_eager(batch, logits_out=self.logits[:bs])
-                self.graphs[bs] = graph
-        torch.cuda.current_stream(eng.device).wait_stream(stream)
-        log.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+            # Largest first: the smaller graphs reuse its pool memory.
+            for layout in sorted([*self.decode, *self.extend, *self.mixed], key=lambda x: -x.size):
+                fill_empty(layout, self.buffer)  # a step of padding only: valid indices
+                out = self.logits[: layout.requests]
+                self.forward(self.views(layout, self.buffer), out)  # compiles, picks GEMMs: outside capture
+                self._record(layout, out, pool, stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and batch.batch_size <= self.max_bs
+    def _record(self, layout: StepLayout, out: torch.Tensor, pool: object, stream: torch.cuda.Stream) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            batch = self.views(layout, self.buffer)
+            self.outputs[layout] = self.forward(batch, out)
+        self.graphs[layout], self.static[layout] = graph, batch
+
+    def layout_for(self, spec: StepSpec) -> StepLayout | None:
+        """The smallest captured layout `spec` fits, or None (run it eagerly)."""
+        if spec.mode == "decode":
+            i = bisect.bisect_left(self._keys["decode"], len(spec.rows))
+            return self.decode[i] if i < len(self.decode) else None
+        mode = "mixed" if spec.mode == "mixed" and self.mixed else "extend"
+        i = bisect.bisect_left(self._keys[mode], spec.num_tokens)
+        for layout in getattr(self, mode)[i:]:
+            if layout.fits(spec, self.count_tiles(spec, layout.decodes > 0)):
+                return layout
+        return None
+
+    def batch(self, layout: StepLayout, spec: StepSpec) -> ForwardBatch:
+        """The step's batch: the captured batch's tensors (valid once the graph has replayed)
+        cut to the step's own sizes."""
+        s, b, n = self.static[layout], len(spec.rows), spec.num_tokens
+        seq = spec.seq_lens
+        return ForwardBatch(
+            mode=spec.mode, input_ids=s.input_ids[:n], positions=s.positions[:n], out_slots=s.out_slots[:n],
+            req_rows=s.req_rows[:b], seq_lens=s.seq_lens[:b], prefix_lens=s.prefix_lens[:b],
+            cu_seqlens_q=s.cu_seqlens_q[: b + 1], sample_rows=s.sample_rows[:b], req_to_slot=s.req_to_slot,
+            seq_lens_cpu=seq, prefix_lens_cpu=spec.prefix_lens, max_seq_len=max(seq), max_extend_len=max(spec.ext),
+            tiles=s.tiles, decode_rows=s.decode_rows, decode_seq_lens=s.decode_seq_lens, graph=layout,
+        )
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        bs = batch.batch_size
-        gbs = self.sizes[bisect.bisect_left(self.sizes, bs)]
-        self.input_ids[:bs].copy_(batch.input_ids)
-        self.positions[:bs].copy_(batch.positions)
-        self.out_slots[:bs].copy_(batch.out_slots)
-        self.req_rows[:bs].copy_(batch.req_rows)
-        self.seq_lens[:bs].copy_(batch.seq_lens)
-        if gbs > bs:  # padding rows: stale values from a larger batch would read real slots
-            self.out_slots[bs:gbs].fill_(DUMMY_SLOT)
-            self.req_rows[bs:gbs].fill_(self.engine.table.padding_row)
-            self.seq_lens[bs:gbs].fill_(1)
-            self.positions[bs:gbs].zero_()
-        self.graphs[gbs].replay()
-        return self.outputs[gbs][:bs]
+        self.graphs[batch.graph].replay()
+        return self.outputs[batch.graph][: batch.batch_size]
+
+    def describe(self) -> str:
+        k = self._keys
+        return (f"{len(self.graphs)} CUDA graphs (decode batch sizes {k['decode']}, prefill token buckets "
+                f"{k['extend']}, mixed token buckets {k['mixed']}) in {self.capture_seconds:.1f} s")

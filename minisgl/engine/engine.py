@@ -5,24 +5,30 @@ from __future__ import annotations
 import torch
 
 from minisgl import ops
-from minisgl.attention.base import AttentionBackend
+from minisgl.attention.select import make_backend
 from minisgl.distributed.communicator import make_communicator, min_across_ranks
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.config import DTYPES, EngineConfig
+from minisgl.engine.logits_plan import LogitsPlan, StepOutput, sample_with_plan
+from minisgl.engine.penalty_state import PenaltyState
 from minisgl.engine.prompt import check_prompt
 from minisgl.engine.sampler import SamplingTensors
+from minisgl.engine.step_builder import StepBuilder, host_to_device
+from minisgl.engine.step_layout import StepSpec
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.source import ModelSource, resolve_model
 from minisgl.models.weights import fill_dummy, iter_safetensors
+from minisgl.ops import _checks
 
 log = get_logger("minisgl.engine")
 
 # What Engine.shutdown() drops: every attribute that holds device memory.
-_DEVICE_STATE = ("model", "pool", "allocator", "table", "token_buffer", "attn", "graphs", "comm")
+_DEVICE_STATE = ("model", "pool", "allocator", "table", "token_buffer", "penalties", "attn", "steps", "graphs",
+                 "comm")
 
 
 def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -40,34 +46,6 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
         return ModelConfig.from_dict(gguf_config(source.path))
     return ModelConfig.from_folder(source.path)
-
-
-def make_backend(name: str, pool: KVPool, num_q_heads: int, scale: float, device: torch.device) -> AttentionBackend:
-    if name == "auto":
-        # GPU: our CUDA decode kernel + Triton extend where _C has CUDA, else all-Triton. A
-        # float32 KV cache gets the torch backend: our CUDA kernel takes 16-bit caches only,
-        # and float32 is the reference dtype, whose math the torch backend shares with the CPU.
-        # (The Triton kernels are exact in fp32 too, with ieee dots; `triton` can be chosen.)
-        from minisgl.ops._backend import compiled
-
-        ext = compiled()
-        if device.type != "cuda" or pool.dtype == torch.float32:
-            name = "torch"
-        else:
-            name = "cuda" if ext is not None and ext.has_cuda else "triton"
-    if name == "torch":
-        from minisgl.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend(pool, num_q_heads, scale)
-    if device.type != "cuda":
-        raise ValueError(f"attention_backend {name!r} needs a CUDA device; use 'torch' on {device}")
-    if name == "triton":
-        from minisgl.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(pool, num_q_heads, scale)
-    from minisgl.attention.cuda_backend import CudaAttentionBackend
-
-    return CudaAttentionBackend(pool, num_q_heads, scale)
 
 
 class Engine:
@@ -110,9 +88,14 @@ class Engine:
         # from here on the device, so step N+1 can be launched before the host has read step
         # N's tokens (overlap scheduling).
         self.token_buffer = torch.zeros(cfg.max_running_requests + 1, dtype=torch.int64, device=self.device)
+        # Per-row token history for penalties (allocated when a request first needs it).
+        self.penalties = PenaltyState(cfg.max_running_requests + 1, mc.vocab_size, self.device)
         self.graphs = None  # CudaGraphRunner once enable_cuda_graphs() ran
         self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device)
         self.attn.deterministic = cfg.deterministic
+        block_m = getattr(self.attn, "tile_block_m", None)  # backends that take the extend tile map
+        self.steps = StepBuilder(self.table, self.token_buffer, self.device, self.max_model_len, mc.vocab_size,
+                                 block_m, deterministic=cfg.deterministic)
         log.info(
             "engine ready: %s (%s) on %s, %s, context %d, KV pool %d tokens in pages of %d, attention %s",
             self.source.name, mc.architecture, self.device, str(self.dtype).removeprefix("torch."),
@@ -184,15 +167,17 @@ class Engine:
         """Returns everything this engine holds on its device, at once: the CUDA graphs first
         (they reference the communicator and the static buffers; the runner also references
         the engine, a cycle that only `gc.collect()` would break), then the communicators,
-        the weights, the KV pool, the request table, the attention backend and the token
-        buffer; then the allocator's cached blocks go back to the device, so that the next
-        engine in this process, which sizes its KV pool from free memory, finds them free.
+        the weights, the KV pool, the request table, the attention backend, the step builder,
+        the penalty state and the token buffer; then the allocator's cached blocks go back to
+        the device, so that the next engine in this process, which sizes its KV pool from free
+        memory, finds them free.
         Idempotent; anything that still uses the engine afterwards gets a clear error. With TP
         every rank must call it together: NCCL teardown is collective, and it waits until no
         captured graph still references the communicator (so the graphs go first)."""
         if self.closed:
             return
-        self.graphs = None
+        # The step builder holds the runner too (its captured closures hold this engine).
+        self.graphs = self.steps.graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.comm.destroy()
@@ -221,75 +206,88 @@ class Engine:
     # ---- one step ----
 
     def build_batch(
-        self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int]] | None
+        self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int] | None] | None,
+        use_graphs: bool = True, extra_logit_rows: list[int] | None = None,
     ) -> ForwardBatch:
         """A batch for requests at table rows `rows`, each with `prefix_lens[i]` tokens already
         in the KV cache and `new_tokens[i]` to run now. The slots of the new tokens must
-        already be written to the request table. Decode may pass `new_tokens=None`: each row's
-        input is then its last sampled token, read on the device from `token_buffer`."""
-        dev = self.device
-        if new_tokens is None:
-            if mode != "decode":
-                raise ValueError("only decode batches may take their inputs from the token buffer")
-            ext = [1] * len(rows)
-        else:
-            ext = [len(t) for t in new_tokens]
-        seq = [p + n for p, n in zip(prefix_lens, ext)]
-        cu = [0]
-        for n in ext:
-            cu.append(cu[-1] + n)
-        pos = [p for pre, n in zip(prefix_lens, ext) for p in range(pre, pre + n)]
-        tok_rows = [r for r, n in zip(rows, ext) for _ in range(n)]
+        already be written to the request table. A request's input None means one token, its
+        last sampled one, read on the device from `token_buffer` (so step N+1 can launch
+        before the host has read step N's tokens): all of a decode step (`new_tokens=None`),
+        or the leading requests of a "mixed" step (decodes riding along with an extend).
+        The step is checked here, once; its indices go to the device in one copy, into a
+        captured graph's buffers when one fits (`use_graphs`). `extra_logit_rows` (indices into
+        the new tokens): logits are computed there too, after the B sampled rows (prompt
+        logprobs; such a step runs eagerly: a graph keeps the sampled rows only)."""
+        return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs, extra_logit_rows)
 
-        # Every index tensor in one host-to-device copy, then views (fewer tiny copies/step).
-        # Each view starts on a 16-byte boundary: Triton specializes kernels on pointer
-        # alignment, so offsets that moved with the batch size would recompile kernels.
-        b, n = len(rows), len(pos)
-        n2, b4 = n + n % 2, -(-(b + 1) // 4) * 4  # int64 segments: even; int32 segments: x4
-        meta_host = [*rows, *[0] * (b4 - b), *seq, *[0] * (b4 - b), *prefix_lens, *[0] * (b4 - b), *cu]
-        meta_host += [0] * (4 * b4 - len(meta_host))
-        host = [*pos, *[0] * (n2 - n), *tok_rows, *[0] * (n2 - n), *meta_host, *[c - 1 for c in cu[1:]]]
-        host += [0] * ((2 * n2 + 4 * b4 + b) % 2)
-        if new_tokens is not None:
-            host += [tok for toks in new_tokens for tok in toks]
-        flat = torch.tensor(host, dtype=torch.int64).to(dev, non_blocking=True)
-        positions, tok_rows_d = flat[:n], flat[n2 : n2 + n]
-        meta = flat[2 * n2 : 2 * n2 + 4 * b4].to(torch.int32)
-        rest = 2 * n2 + 4 * b4
-        sample_rows = flat[rest : rest + b]
-        req_rows = meta[:b]
-        out_slots = self.table.req_to_slot[tok_rows_d, positions]
-        input_ids = self.token_buffer[req_rows] if new_tokens is None else flat[rest + b + b % 2 :]
-        return ForwardBatch(
-            mode=mode, input_ids=input_ids, positions=positions, out_slots=out_slots, req_rows=req_rows,
-            seq_lens=meta[b4 : b4 + b], prefix_lens=meta[2 * b4 : 2 * b4 + b],
-            cu_seqlens_q=meta[3 * b4 : 3 * b4 + b + 1],
-            sample_rows=sample_rows, req_to_slot=self.table.req_to_slot, seq_lens_cpu=seq,
-            prefix_lens_cpu=list(prefix_lens), max_seq_len=max(seq), max_extend_len=max(ext),
-        )
+    def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0, max_mixed_tokens: int = 0,
+                           runner_cls: type | None = None) -> None:
+        """Captures decode graphs up to `max_bs` requests (default: from GPU memory), extend
+        graphs up to `max_tokens` tokens per step and mixed ones (decodes + a prefill chunk) up
+        to `max_mixed_tokens` (0: none of that kind; mixed steps then take the extend graphs,
+        decodes as one-row tiles). `runner_cls`: a CudaGraphRunner subclass (tests replay
+        "graphs" on the CPU with one)."""
+        from minisgl.engine.cuda_graph import CudaGraphRunner, graph_layouts
 
-    def enable_cuda_graphs(self, max_bs: int | None) -> None:
-        """Captures decode graphs up to `max_bs` (default: from GPU memory)."""
-        from minisgl.engine.cuda_graph import CudaGraphRunner
-
+        runner_cls = runner_cls or CudaGraphRunner
+        cuda = self.device.type == "cuda"
         if self.attn.name == "torch":
             raise ValueError("CUDA graphs need the 'triton' or 'cuda' attention backend (or disable CUDA graphs)")
         if max_bs is None:
-            total = torch.cuda.get_device_properties(self.device).total_memory
+            total = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
             max_bs = 256 if total >= 40 * (1 << 30) else 128
-        self.graphs = CudaGraphRunner(self, min(max_bs, self.cfg.max_running_requests))
+        decode, extend = graph_layouts(min(max_bs, self.cfg.max_running_requests), max_tokens, max_mixed_tokens,
+                                       self.cfg.max_running_requests, self.steps.block_m, self.steps.decode_kernel,
+                                       self.steps.decode_tiles)
+        table, buffer, bound = self.table.req_to_slot, self.token_buffer, self.max_model_len
+        mem = (lambda: (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))) if cuda \
+            else (lambda: (0, 0))
+        alloc, reserved = mem()
+        self.graphs = runner_cls(
+            decode, extend, lambda layout, buf: layout.views(buf, table, buffer, bound),
+            lambda batch, out: self.forward_eager(batch, logits_out=out), self.steps.count_tiles,
+            lambda layout, buf: self.steps.upload(StepSpec(layout.mode, [], [], []), layout, buf),
+            self.model_config.vocab_size, self.device,
+        )
+        self.steps.graphs = self.graphs
+        gib = 1 << 30
+        alloc2, reserved2 = mem()
+        log.info("captured %s; graph memory +%.2f GiB allocated, +%.2f GiB reserved", self.graphs.describe(),
+                 (alloc2 - alloc) / gib, (reserved2 - reserved) / gib)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
-        if self.graphs is not None and not all_positions and self.graphs.can_run(batch):
+        """fp32 logits of each request's last new token [B, vocab] (every token's: [T, vocab]),
+        from the step's captured graph when it has one (the graph keeps the sampled rows only:
+        every position's logits come from an eager run; `batch.logit_rows` when set: [B + E, vocab])."""
+        if batch.graph is not None and not all_positions and batch.logit_rows is None:
             return self.graphs.replay(batch)
         return self.forward_eager(batch, all_positions)
 
     def forward_eager(
         self, batch: ForwardBatch, all_positions: bool = False, logits_out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        self.attn.prepare(batch)
-        return self.model(batch, self.attn, all_positions=all_positions, logits_out=logits_out)
+        """The model on `batch`, layer by layer. The batch was checked when it was built: the
+        ops skip their per-call argument checks here. A graph's step (built last) runs over
+        the graph's padded buffers, and the padding rows are cut off."""
+        rows = None
+        if batch.graph is not None:
+            rows = batch.num_tokens if all_positions else batch.batch_size
+            batch = self.graphs.views(batch.graph, self.graphs.buffer)
+        with _checks.trusted():
+            self.attn.prepare(batch)
+            out = self.model(batch, self.attn, all_positions=all_positions, logits_out=logits_out)
+        return out if rows is None else out[:rows]
+
+    @torch.inference_mode()
+    def warm_up_sampling(self) -> None:
+        """Compiles the sampling kernel now rather than at the first request that samples (its
+        specialization depends on the vocabulary and the 16-byte-aligned inputs only)."""
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        logits = torch.randn(2, self.model_config.vocab_size, generator=gen, device=self.device)
+        st = SamplingTensors.build([0.8, 1.0], [20, -1], [0.9, 1.0], [0.05, 0.0], [1, 2], [0, 0], self.device)
+        self.sample(logits, st)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,13 +302,17 @@ class Engine:
         return ops.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
 
     @torch.inference_mode()
-    def run_batch(self, batch: ForwardBatch, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward + sample; the sampled tokens also go to `token_buffer` (the next decode's
-        inputs). A prefill chunk's row samples too; the scheduler drops that token."""
+    def run_batch(self, batch: ForwardBatch, st: SamplingTensors, plan: LogitsPlan | None = None) -> StepOutput:
+        """Forward + (penalties, bias, logprob alternatives as `plan` says) + sample; the sampled
+        tokens also go to `token_buffer` (the next decode's inputs). A prefill chunk's row
+        samples too; the scheduler drops that token."""
         logits = self.forward(batch)
-        tokens, logprobs = self.sample(logits, st)
-        self.token_buffer[batch.req_rows.long()] = tokens
-        return tokens, logprobs
+        if plan is None:
+            out = StepOutput(*self.sample(logits, st))
+        else:
+            out = sample_with_plan(logits, st, plan, self.penalties, self.sample)
+        self.token_buffer[batch.req_rows.long()] = out.tokens
+        return out
 
     # ---- helpers for tests and prompt scoring ----
 
@@ -319,7 +321,7 @@ class Engine:
         step with page size 1 gives every request a new slot: one copy each would dominate)."""
         if not rows:
             return
-        idx = torch.tensor([rows, cols, slots], dtype=torch.int64).to(self.device, non_blocking=True)
+        idx = host_to_device([rows, cols, slots], torch.int64, self.device)
         self.table.req_to_slot[idx[0], idx[1]] = idx[2].to(torch.int32)
 
     @torch.inference_mode()
@@ -335,7 +337,7 @@ class Engine:
             pages = self.allocator.allocate(pages_needed)
             try:
                 self.write_slots([row] * len(ids), list(range(len(ids))), self.allocator.slot_ids(pages)[: len(ids)])
-                batch = self.build_batch("extend", [row], [0], [list(ids)])
+                batch = self.build_batch("extend", [row], [0], [list(ids)], use_graphs=False)
                 out.append(self.forward(batch, all_positions=True).cpu())
             finally:
                 self.allocator.free(pages)

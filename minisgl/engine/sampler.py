@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.engine.step_builder import host_to_device
+
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the seed space
 
 
@@ -34,8 +36,9 @@ class SamplingTensors:
         # bytes: Triton specializes on pointer alignment (no recompiles as the batch changes).
         b = len(temperature)
         pf, pi = [0.0] * (-b % 4), [0] * (-b % 2)
-        f = torch.tensor([temperature + pf, top_p + pf, min_p + pf], dtype=torch.float32).to(device, non_blocking=True)
-        i = torch.tensor([top_k + pi, seeds + pi, steps + pi], dtype=torch.int64).to(device, non_blocking=True)
+        # From pinned memory: a pageable copy may wait for the stream (no overlap).
+        f = host_to_device([temperature + pf, top_p + pf, min_p + pf], torch.float32, device)
+        i = host_to_device([top_k + pi, seeds + pi, steps + pi], torch.int64, device)
         return SamplingTensors(
             f[0, :b], i[0, :b].to(torch.int32), f[1, :b], f[2, :b], i[1, :b], i[2, :b],
             all_greedy=all(x == 0.0 for x in temperature),

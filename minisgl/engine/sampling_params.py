@@ -1,8 +1,26 @@
-"""SamplingParams: how one request's tokens are chosen and when it stops."""
+"""SamplingParams: how one request's tokens are chosen and when it stops.
+
+Logits pipeline of one sampled token (all per request, on the device):
+  raw logits ──▶ repetition penalty ──▶ presence/frequency penalties ──▶ logit_bias
+            ──▶ min_tokens mask ──▶ temperature ──▶ top-k ──▶ top-p ──▶ min-p ──▶ draw.
+Reported log-probabilities (the chosen token's, `top_logprobs`, `prompt_logprobs`) are those of
+the raw logits: log_softmax before any of the steps above (vLLM's default "raw_logprobs").
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MAX_LOGPROBS = 20  # alternatives per position, as OpenAI allows for top_logprobs
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -16,31 +34,73 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    # OpenAI: logit[t] -= presence * (count[t] > 0) + frequency * count[t], counts over the
+    # tokens this request generated.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # CTRL / transformers, over prompt + generated tokens: a seen token's logit l becomes
+    # l / r if l > 0 else l * r.
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100 bans)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
+    top_logprobs: int = 0  # alternatives returned per generated token
+    prompt_logprobs: int | None = None  # None: off; k: every prompt token's logprob + k alternatives
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        """Raises ValueError whose message starts with the offending field's name."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k != -1):
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if self.stop_token_ids is not None and not all(
-            isinstance(t, int) and t >= 0 for t in self.stop_token_ids
-        ):
+        if self.stop_token_ids is not None and not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        self._validate_logit_bias()
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
+
+    def _validate_logit_bias(self) -> None:
+        """Token ids must be ints >= 0 (the vocabulary bound is checked where the vocabulary is
+        known: the scheduler's add); biases finite numbers in [-100, 100]."""
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+        for tok, bias in self.logit_bias.items():
+            if not _is_int(tok) or tok < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+            if not _is_real(bias) or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}")
 
     @property
     def greedy(self) -> bool:

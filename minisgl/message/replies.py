@@ -19,6 +19,12 @@ class TokenOut:
     logprobs: list[float] | None = None  # of the chosen tokens, when the request asked
     finish_reason: str | None = None  # "stop" | "length" | "abort" (client gone: drop state)
     init: DetokInit | None = None  # set on the request's first TokenOut only
+    # When the request asked (params.top_logprobs > 0): per token of token_ids, its
+    # [[token_id, logprob], ...] alternatives, most likely first.
+    top_logprobs: list[list[list]] | None = None
+    # When asked (params.prompt_logprobs), on the first TokenOut only: per prompt position,
+    # None at 0, else [logprob of the prompt token, [[token_id, logprob], ...] top-k].
+    prompt_logprobs: list | None = None
 
 
 @message

@@ -154,11 +154,12 @@ class LlamaForCausalLM(nn.Module):
         self, batch: ForwardBatch, attn: AttentionBackend, all_positions: bool = False,
         logits_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """fp32 logits of each request's last new token [B, vocab] (every token: [T, vocab]),
-        written into `logits_out` when given (CUDA graphs: one buffer shared by every size)."""
+        """fp32 logits of each request's last new token [B, vocab] (every token: [T, vocab];
+        `batch.logit_rows` when set: [B + E, vocab]), written into `logits_out` when given (CUDA
+        graphs: one buffer shared by every size)."""
         h = self.model(batch, attn)
         if not all_positions:
-            h = h[batch.sample_rows]
+            h = h[batch.sample_rows if batch.logit_rows is None else batch.logit_rows]
         logits = self.lm_head(h)
         if logits_out is None:
             return logits.float()

@@ -2,29 +2,42 @@
 torch reference. Each wrapper checks its arguments (ValueError naming the argument) first."""
 
 from minisgl.ops.activation import silu_and_mul
-from minisgl.ops.attention import decode_attention_triton, extend_attention
+from minisgl.ops.attention import (
+    decode_attention_triton,
+    extend_attention,
+    extend_block_m,
+    extend_tile_capacity,
+    extend_tile_map,
+)
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
-from minisgl.ops.deterministic import is_deterministic, set_deterministic
+from minisgl.ops.deterministic import is_deterministic, logsumexp_rows, set_deterministic
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
 from minisgl.ops.linear import linear
+from minisgl.ops.logprobs import top_logprobs
 from minisgl.ops.moe import fused_experts, fused_moe, moe_align, moe_route
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
+from minisgl.ops.penalties import apply_penalties
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
 from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
 from minisgl.ops.store import store_kv, store_kv_reference
 
 __all__ = [
+    "apply_penalties",
     "apply_rope",
     "decode_attention_triton",
     "embedding_lookup",
     "embedding_lookup_reference",
     "extend_attention",
+    "extend_block_m",
+    "extend_tile_capacity",
+    "extend_tile_map",
     "fused_add_rmsnorm",
     "fused_experts",
     "fused_moe",
     "is_deterministic",
     "linear",
+    "logsumexp_rows",
     "moe_align",
     "moe_route",
     "paged_decode_attention",
@@ -38,4 +51,5 @@ __all__ = [
     "skinny_gemm_reference",
     "store_kv",
     "store_kv_reference",
+    "top_logprobs",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.kernels import activation as _k
+from minisgl.ops import _checks
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_inner_contiguous, check_tensor
 
@@ -14,10 +15,11 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = (gate | up), last dim packed, row stride free -> new [T, I]:
     silu(gate) * up in fp32, rounded to x's dtype."""
-    check_tensor("x", x, dtype=_DTYPES, ndim=2)
-    if x.shape[1] % 2:
-        raise ValueError(f"x must have an even last dimension (gate | up), got shape {tuple(x.shape)}")
-    check_inner_contiguous("x", x)
+    if _checks.enabled():
+        check_tensor("x", x, dtype=_DTYPES, ndim=2)
+        if x.shape[1] % 2:
+            raise ValueError(f"x must have an even last dimension (gate | up), got shape {tuple(x.shape)}")
+        check_inner_contiguous("x", x)
     if use_triton("silu_and_mul", x):
         return _k.silu_and_mul(x)
     log_cpu_reference_once("silu_and_mul")

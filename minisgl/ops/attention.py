@@ -9,6 +9,7 @@ import torch
 
 from minisgl.kernels import decode_attention as _dec
 from minisgl.kernels import extend_attention as _ext
+from minisgl.ops import _checks
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import (
     check_contiguous,
@@ -51,12 +52,21 @@ def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, max_extend_len: int, scale: float, out: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] (head dim packed, row/head strides free); k_cache, v_cache [S, Hkv, D]
     holding every position's K/V, the new tokens' included; req_rows, prefix_lens, seq_lens
     int32 [B]; cu_seqlens_q int32 [B+1] (new tokens of request b: rows cu[b]..cu[b+1]-1 of q,
     at positions prefix_lens[b]..seq_lens[b]-1); max_extend_len >= every request's new-token
-    count. Causal attention per request; returns [T, Hq, D] in q's dtype (into `out` if given)."""
+    count. Causal attention per request; returns [T, Hq, D] in q's dtype (into `out` if given).
+
+    `tiles` (int32 [capacity, 2], from `extend_tile_map` with `extend_block_m(...)`) switches
+    to the launch a CUDA graph can hold: grid (Hq, capacity), each program reading its
+    (request, first query) on the device; `max_extend_len` is then unused, and rows of q past
+    cu_seqlens_q[B] (bucket padding) are left unwritten. Batch-level checks are the caller's."""
+    if not _checks.enabled():
+        return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, cu_seqlens_q, max_extend_len,
+                       scale, out, tiles)
     check_tensor("q", q, dtype=_DTYPES, ndim=3)
     _check_cache(q, k_cache, v_cache, req_to_slot)
     b = req_rows.shape[0] if isinstance(req_rows, torch.Tensor) else -1
@@ -65,8 +75,13 @@ def extend_attention(
     check_shape("cu_seqlens_q", cu_seqlens_q, (b + 1,))
     check_contiguous("cu_seqlens_q", cu_seqlens_q)
     t = q.shape[0]
+    if tiles is not None:
+        check_tensor("tiles", tiles, dtype=torch.int32, ndim=2)
+        check_shape("tiles", tiles, (None, 2))
+        check_contiguous("tiles", tiles)
+        check_same_device(q=q, tiles=tiles)
     # The kernel's grid covers max_extend_len rows per request: too small leaves rows unwritten.
-    if t and (b < 1 or not -(-t // b) <= max_extend_len <= t):
+    elif t and (b < 1 or not -(-t // b) <= max_extend_len <= t):
         raise ValueError(
             f"max_extend_len ({max_extend_len}) must be the longest request's new-token count: "
             f"between ceil(T/B) and T for T={t} tokens in B={b} requests"
@@ -76,16 +91,43 @@ def extend_attention(
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, req_to_slot=req_to_slot,
                       req_rows=req_rows, prefix_lens=prefix_lens, seq_lens=seq_lens,
                       cu_seqlens_q=cu_seqlens_q)
+    return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, cu_seqlens_q, max_extend_len,
+                   scale, out, tiles)
+
+
+def _extend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
+    req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_extend_len: int,
+    scale: float, out: torch.Tensor | None, tiles: torch.Tensor | None,
+) -> torch.Tensor:
     if use_triton("extend_attention", q):
         return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
-                                     cu_seqlens_q, max_extend_len, scale, out)
+                                     cu_seqlens_q, max_extend_len, scale, out, tiles=tiles)
     log_cpu_reference_once("extend_attention")
-    ref = _ext.extend_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows,
-                                          prefix_lens, cu_seqlens_q, scale)
+    if tiles is None:
+        ref = _ext.extend_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
+                                              cu_seqlens_q, scale)
+        return ref.to(q.dtype) if out is None else out.copy_(ref)
+    # As the kernel: only the requests the tiles cover, only their rows (a mixed step's decode
+    # rows and the bucket's padding rows are left as they are).
     if out is None:
-        return ref.to(q.dtype)
-    out.copy_(ref)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    for b in sorted(set(tiles[:, 0].tolist()) - {-1}):
+        lo, hi = cu[b], cu[b + 1]
+        one = torch.tensor([0, hi - lo], dtype=cu_seqlens_q.dtype, device=q.device)
+        out[lo:hi] = _ext.extend_attention_reference(q[lo:hi], k_cache, v_cache, req_to_slot, req_rows[b : b + 1],
+                                                     prefix_lens[b : b + 1], one, scale)
     return out
+
+
+def extend_block_m(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The query-tile height `extend_attention` uses for these inputs (the `tiles` unit)."""
+    return _ext.default_config(head_dim, dtype, device)[0]
+
+
+extend_tile_map = _ext.tile_map
+extend_tile_capacity = _ext.tile_capacity
 
 
 def decode_attention_triton(
@@ -96,15 +138,16 @@ def decode_attention_triton(
     """q [B, Hq, D]: one new token per request (its K/V already stored), attending to
     positions 0..seq_lens[b]-1; seq_lens[b] <= max_seq_len (a fixed bound keeps a captured CUDA
     graph valid). Split-K flash decoding; returns [B, Hq, D] in q's dtype."""
-    check_tensor("q", q, dtype=_DTYPES, ndim=3)
-    _check_cache(q, k_cache, v_cache, req_to_slot)
-    _check_lens(q.shape[0], req_rows=req_rows, seq_lens=seq_lens)
-    if out is not None:
-        _check_out(out, q)
-    if max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, req_to_slot=req_to_slot,
-                      req_rows=req_rows, seq_lens=seq_lens)
+    if _checks.enabled():
+        check_tensor("q", q, dtype=_DTYPES, ndim=3)
+        _check_cache(q, k_cache, v_cache, req_to_slot)
+        _check_lens(q.shape[0], req_rows=req_rows, seq_lens=seq_lens)
+        if out is not None:
+            _check_out(out, q)
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, req_to_slot=req_to_slot,
+                          req_rows=req_rows, seq_lens=seq_lens)
     if use_triton("decode_attention_triton", q):
         return _dec.decode_attention(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens,
                                      max_seq_len, scale, out)

@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from minisgl.ops import _checks
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 from minisgl.ops._checks import (
     check_contiguous,
@@ -47,8 +48,7 @@ def paged_decode_attention_reference(
 
 @functools.lru_cache(maxsize=1024)
 def _num_splits(device: int, batch: int, kv_heads: int, group: int, dim: int, dtype: int, max_len: int) -> int:
-    # `device` is part of the key only: the SM count and occupancy are read for the current device.
-    return compiled().paged_decode_num_splits(batch, kv_heads, group, dim, dtype, max_len)
+    return compiled().paged_decode_num_splits(device, batch, kv_heads, group, dim, dtype, max_len)
 
 
 def _check(
@@ -131,9 +131,10 @@ def paged_decode_attention(
     should pass the same bound (e.g. the context length) on every replay.
     Returns out [B, Hq, D] in q's dtype (written into `out` if given). `num_splits`
     overrides the split policy (1..256; for tuning and tests)."""
-    _check(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, out)
-    if max_seq_len < 1:
-        raise ValueError(f"max_seq_len must be >= 1 (a bound on seq_lens), got {max_seq_len}")
+    if _checks.enabled():
+        _check(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, out)
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1 (a bound on seq_lens), got {max_seq_len}")
     if not use_cuda_kernel("paged_decode_attention", q):
         ref = paged_decode_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, scale)
         if out is None:
@@ -142,7 +143,8 @@ def paged_decode_attention(
         return out
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _check_kernel_layout(q, k_cache, v_cache, out)
+    if _checks.enabled():
+        _check_kernel_layout(q, k_cache, v_cache, out)
     batch, num_heads, dim = q.shape
     kv_heads = k_cache.size(1)
     group = num_heads // kv_heads
@@ -167,7 +169,8 @@ def paged_decode_attention(
         req_rows.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
         0 if part_o is None else part_o.data_ptr(), 0 if part_lse is None else part_lse.data_ptr(),
         batch, kv_heads, group, dim, dtype, q.stride(0), out.stride(0), k_cache.stride(0),
-        req_to_slot.stride(0), req_to_slot.size(1), splits, float(scale), current_stream(q.device),
+        req_to_slot.stride(0), req_to_slot.size(1), splits, float(scale), q.device.index or 0,
+        current_stream(q.device),
     )
     # fmt: on
     return out

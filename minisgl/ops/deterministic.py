@@ -4,7 +4,8 @@ An engine built with `deterministic=True` switches its device into this mode (an
 shutdown); `ops.linear` then sends every GEMM through `batch_invariant_linear` instead of the
 M-dependent skinny / cuBLAS choice. The other ops need no switch: RMSNorm, RoPE, SiLU-and-mul,
 the embedding and the sampler are per row on every path (one program per row, or elementwise),
-and attention's mode lives in the attention backend (minisgl/attention/).
+and attention's mode lives in the attention backend (minisgl/attention/). What torch reduces
+over a row (the log-normalizer of the logprob features) goes through `logsumexp_rows`.
 
 Per device, not per call: the layers stay free of the flag, and a CUDA graph captured in the
 mode records the mode's kernels. Two engines on one device share it (the last one set wins).
@@ -53,3 +54,13 @@ def batch_invariant_linear(
         y = torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(x.shape[0])]) if x.shape[0] else (
             F.linear(x, weight, bias))
     return silu_and_mul(y) if silu else y
+
+
+def logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [n, V] -> logsumexp of each row, [n]. In deterministic mode each row is reduced alone,
+    as a fresh [1, V] tensor: torch's reduction splits a row over more blocks when fewer rows
+    share the launch (and vectorizes by the row's alignment), so a row's bits would depend on
+    n. Used only by the logprob features (top / prompt logprobs, penalized rows' logprobs)."""
+    if not is_deterministic(x.device) or x.shape[0] == 0:
+        return x.logsumexp(dim=-1)
+    return torch.cat([x[i : i + 1].clone().logsumexp(dim=-1) for i in range(x.shape[0])])

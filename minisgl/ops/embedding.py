@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.ops import _checks
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 from minisgl.ops._checks import (
     check_contiguous,
@@ -45,21 +46,23 @@ def embedding_lookup(
 ) -> torch.Tensor:
     """weight [rows, hidden] (row stride free); ids int32/int64 [n]. Rows for ids in
     [start, end) (default: all of weight's rows), zeros elsewhere; returns [n, hidden]."""
-    check_tensor("weight", weight, dtype=_DTYPES, ndim=2)
-    check_tensor("ids", ids, dtype=_ID_DTYPES, ndim=1)
-    check_contiguous("ids", ids)
-    check_inner_contiguous("weight", weight, inner_dims=1)
+    if _checks.enabled():
+        check_tensor("weight", weight, dtype=_DTYPES, ndim=2)
+        check_tensor("ids", ids, dtype=_ID_DTYPES, ndim=1)
+        check_contiguous("ids", ids)
+        check_inner_contiguous("weight", weight, inner_dims=1)
     end = weight.size(0) + start if end is None else end
-    if not 0 <= end - start <= weight.size(0):
-        raise ValueError(f"end - start must be in [0, {weight.size(0)}] (weight's rows), got [{start}, {end})")
     n, hidden = ids.size(0), weight.size(1)
-    if out is not None:
-        check_tensor("out", out, dtype=weight.dtype, ndim=2)
-        check_shape("out", out, (n, hidden))
-        check_inner_contiguous("out", out, inner_dims=1)
-        check_same_device(weight=weight, ids=ids, out=out)
-    else:
-        check_same_device(weight=weight, ids=ids)
+    if _checks.enabled():
+        if not 0 <= end - start <= weight.size(0):
+            raise ValueError(f"end - start must be in [0, {weight.size(0)}] (weight's rows), got [{start}, {end})")
+        if out is not None:
+            check_tensor("out", out, dtype=weight.dtype, ndim=2)
+            check_shape("out", out, (n, hidden))
+            check_inner_contiguous("out", out, inner_dims=1)
+            check_same_device(weight=weight, ids=ids, out=out)
+        else:
+            check_same_device(weight=weight, ids=ids)
     if not use_cuda_kernel("embedding_lookup", weight):
         ref = embedding_lookup_reference(weight, ids, start, end)
         if out is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.kernels import rope as _k
+from minisgl.ops import _checks
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
 
@@ -33,7 +34,8 @@ def apply_rope(
     """Rotates q [T, Hq, D] and k [T, Hkv, D] in place (each head's last dim packed; row and
     head strides free, e.g. views of a fused qkv output). positions: int64 [T], each in
     [0, max_pos); cos_sin_cache: fp32 [max_pos, R], R even and <= D (cos | sin halves)."""
-    _check(q, k, positions, cos_sin_cache)
+    if _checks.enabled():
+        _check(q, k, positions, cos_sin_cache)
     if use_triton("apply_rope", q):
         _k.apply_rope(q, k, positions, cos_sin_cache)
         return
@@ -53,14 +55,17 @@ def qk_norm_rope(
     """Qwen3's attention input: RMSNorm of every q and k head (weights [D], q's dtype or fp32),
     then RoPE, in place; arguments as `apply_rope`, but the rotation must cover the whole head
     (cos_sin_cache [max_pos, D])."""
-    _check(q, k, positions, cos_sin_cache)
-    if cos_sin_cache.shape[1] != q.shape[2]:
-        raise ValueError(f"qk_norm_rope needs full rotary: cos_sin_cache width {cos_sin_cache.shape[1]} != head_dim")
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        check_tensor(name, w, dtype=(q.dtype, torch.float32), ndim=1)
-        check_shape(name, w, (q.shape[2],))
-        check_inner_contiguous(name, w)
-    check_same_device(q=q, q_weight=q_weight, k_weight=k_weight)
+    if _checks.enabled():
+        _check(q, k, positions, cos_sin_cache)
+        if cos_sin_cache.shape[1] != q.shape[2]:
+            raise ValueError(
+                f"qk_norm_rope needs full rotary: cos_sin_cache width {cos_sin_cache.shape[1]} != head_dim"
+            )
+        for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+            check_tensor(name, w, dtype=(q.dtype, torch.float32), ndim=1)
+            check_shape(name, w, (q.shape[2],))
+            check_inner_contiguous(name, w)
+        check_same_device(q=q, q_weight=q_weight, k_weight=k_weight)
     if use_triton("qk_norm_rope", q):
         _k.qk_norm_rope(q, k, positions, cos_sin_cache, q_weight, k_weight, float(eps))
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.ops import _checks
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 from minisgl.ops._checks import check_inner_contiguous, check_same_device, check_shape, check_tensor
 
@@ -22,6 +23,21 @@ def store_kv(
 ) -> None:
     """k_cache, v_cache: [num_slots, kv_heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim]
     (row stride free, heads packed); slots: int32 [num_tokens], each in [0, num_slots)."""
+    if _checks.enabled():
+        _check(k_cache, v_cache, k, v, slots)
+    n, heads, dim = k.shape
+    if not use_cuda_kernel("store_kv", k):
+        store_kv_reference(k_cache, v_cache, k, v, slots)
+        return
+    esize = k.element_size()
+    compiled().store_kv(
+        k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+        n, heads * dim * esize, k_cache.stride(0) * esize, k.stride(0) * esize,
+        v.stride(0) * esize, current_stream(k.device),
+    )
+
+
+def _check(k_cache: object, v_cache: object, k: object, v: object, slots: object) -> None:
     check_tensor("k_cache", k_cache, dtype=_DTYPES, ndim=3)
     check_tensor("v_cache", v_cache, dtype=k_cache.dtype, ndim=3)
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
@@ -37,12 +53,3 @@ def store_kv(
         check_inner_contiguous(name, t, inner_dims=2)
     if k_cache.stride(0) != v_cache.stride(0):
         raise ValueError("v_cache must have the same row stride as k_cache")
-    if not use_cuda_kernel("store_kv", k):
-        store_kv_reference(k_cache, v_cache, k, v, slots)
-        return
-    esize = k.element_size()
-    compiled().store_kv(
-        k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(),
-        n, heads * dim * esize, k_cache.stride(0) * esize, k.stride(0) * esize,
-        v.stride(0) * esize, current_stream(k.device),
-    )

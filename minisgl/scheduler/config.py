@@ -11,9 +11,17 @@ from minisgl import env
 class SchedulerConfig:
     cache: str = "radix"  # "radix" | "naive"
     max_prefill_tokens: int = 8192  # token budget of one prefill (extend) step
+    # Prompt tokens a step may add to the running decodes (a mixed step). The latency budget:
+    # a mixed step should cost the decoding streams at most about two decode steps (DESIGN.md
+    # §4; benchmarks/graph_designs.py prints step time per chunk). 0: no mixed steps (prefill
+    # and decode steps alternate).
+    mixed_chunk_tokens: int = 512
     overlap: bool = True  # prepare step N+1 on the CPU while the GPU runs step N
     cuda_graph: bool = True  # decode through CUDA graphs (GPU only)
     cuda_graph_max_bs: int | None = None  # default: from GPU memory
+    # Largest extend / mixed step captured (a token bucket ladder up to it); larger steps run
+    # eagerly. Default: the largest step the scheduler forms; 0: no extend graphs.
+    cuda_graph_max_tokens: int | None = None
     debug_checks: bool = env.DEBUG_CHECKS  # integrity check whenever the scheduler idles
     # Admission estimate: a running request is expected to still need this share of its
     # remaining max_tokens. It decays while decoding goes well and rises after a retraction.
@@ -28,6 +36,10 @@ class SchedulerConfig:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.mixed_chunk_tokens < 0:
+            raise ValueError(f"mixed_chunk_tokens must be >= 0, got {self.mixed_chunk_tokens}")
+        if self.cuda_graph_max_tokens is not None and self.cuda_graph_max_tokens < 0:
+            raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}")
 
 
 def scheduler_config(options: dict, attn_name: str, device_type: str) -> SchedulerConfig:

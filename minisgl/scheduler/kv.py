@@ -43,6 +43,8 @@ class RequestKV:
         return -(-tokens // self.page_size)
 
     def match(self, req: Request) -> MatchResult:
+        if req.needs_prompt_logprobs:  # every prompt position's logits must be computed
+            return self.cache.match_prefix([])
         # At least one token must be computed (its logits pick the next token).
         return self.cache.match_prefix(req.tokens()[:-1])
 

@@ -44,6 +44,19 @@ STATS_INTERVAL_S = 0.1
 # collectives never wait long enough to time out.
 TP_IDLE_POLL_MS = 1000
 
+
+def logprob_extras(req: Request, start: int, first: bool) -> tuple[list | None, list | None]:
+    """TokenOut's (top_logprobs, prompt_logprobs) for the tokens from `start` on, as msgpack
+    lists; None where the request did not ask (prompt logprobs: first TokenOut only)."""
+    top = None
+    if req.params.top_logprobs:
+        top = [[[t, lp] for t, lp in alts] for alts in req.top_logprobs[start:]]
+    prompt = None
+    if first and req.prompt_logprobs is not None:
+        prompt = [None if e is None else [e[0], [[t, lp] for t, lp in e[1]]] for e in req.prompt_logprobs]
+    return top, prompt
+
+
 def scheduler_builder(options: dict[str, Any]) -> Callable[[Engine], Scheduler]:
     """Checks the scheduler options now (before the model loads) and returns a function that
     builds the scheduler for an engine."""
@@ -119,14 +132,16 @@ class SchedulerProcess:
 
     def add(self, msg: UserMsg) -> None:
         # The tokenizer checked the prompt and the sampling fields; what is left to refuse is a
-        # request the KV pool could never hold (then fewer max_tokens would fit).
-        param = "max_tokens"
+        # request the KV pool could never hold (then fewer max_tokens would fit), or a logit_bias
+        # id outside the vocabulary. Messages start with the field to blame.
         try:
             params = SamplingParams(**msg.sampling)
             limit = min(len(msg.input_ids) + params.max_tokens, self.engine.max_model_len)
             req = Request(msg.uid, list(msg.input_ids), params, msg.seed, self.eos_ids, limit)
             self.sched.add_check(req)
         except ValueError as e:
+            first = str(e).split(" ", 1)[0].rstrip(":")
+            param = first if first in SamplingParams.__dataclass_fields__ else "max_tokens"
             send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param=param)]))
             return
         self.inputs.append(("add", req))  # added on every rank at the next exchange
@@ -148,7 +163,8 @@ class SchedulerProcess:
             init = self.inits.pop(uid, None)
             if init is not None:  # first tokens: the prefill is done, its cache hits known
                 self.cache_hit_tokens += req.cache_hit_tokens
-            items.append(TokenOut(uid, req.output[start:], logprobs, req.finish_reason, init))
+            items.append(TokenOut(uid, req.output[start:], logprobs, req.finish_reason, init,
+                                  *logprob_extras(req, start, first=init is not None)))
             self.sent[uid] = len(req.output)
             if req.finished:
                 self._forget(uid)

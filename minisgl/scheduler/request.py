@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minisgl.engine.logits_plan import LogitsSpec
 from minisgl.engine.sampling_params import SamplingParams
 from minisgl.kvcache.prefix_cache import MatchResult
 
@@ -27,6 +28,13 @@ class Request:
     # Tokens sampled on the GPU whose values the host has not read yet (overlap scheduling).
     num_pending: int = 0
     cache_hit_tokens: int = 0  # prompt tokens served by the prefix cache (for metrics)
+    # Per generated token, when params.top_logprobs > 0: (token id, logprob), most likely first.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # When params.prompt_logprobs is set: per prompt position, None at 0, else (logprob of the
+    # prompt token, [(token id, logprob), ...] top-k). Filled chunk by chunk during prefill.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    logits_spec: LogitsSpec | None = None  # penalties/bias/min_tokens/top_logprobs (set at add)
+    history_ready: bool = False  # its penalty token history is built on its current table row
 
     @property
     def finished(self) -> bool:
@@ -45,14 +53,24 @@ class Request:
     def remaining_tokens(self) -> int:
         return max(0, self.max_total_len - self.seq_len)
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs that are not all computed yet. Such a request takes no
+        prefix-cache match: every prompt position's logits must be computed."""
+        p = self.prompt_logprobs
+        return self.params.prompt_logprobs is not None and (p is None or len(p) < len(self.prompt))
+
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
-    def append(self, token: int, logprob: float) -> None:
-        """Adds a sampled token and decides whether the request is done (EOS, a stop token id,
-        max_tokens or the context). Stop strings are found on text, by the caller."""
+    def append(self, token: int, logprob: float, top: list[tuple[int, float]] | None = None) -> None:
+        """Adds a sampled token (with its alternatives, when asked) and decides whether the
+        request is done (EOS, a stop token id, max_tokens or the context). Stop strings are
+        found on text, by the caller."""
         self.output.append(token)
         self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
         p = self.params
         if not p.ignore_eos and token in self.eos_ids:
             self.finish_reason = "stop"

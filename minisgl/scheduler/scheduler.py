@@ -1,10 +1,12 @@
 """The scheduler: radix prefix cache, chunked prefill, estimate-based admission, retraction
 under KV pressure, and overlap of host work with device work.
 
-Step policy: prefill (extend) and decode steps alternate while both have work, so a decode
-request never waits more than one prefill chunk (at most `max_prefill_tokens` tokens).
-Separate steps keep decode on its fast path (decode kernel + CUDA graph) instead of folding
-decodes into the slower extend kernel.
+Step policy: with nothing decoding, a prefill step takes up to `max_prefill_tokens` prompt
+tokens. While requests decode and prompts wait, each step is mixed: every decode plus a
+prefill chunk of at most `mixed_chunk_tokens` tokens in one forward (one CUDA graph), so a new
+prompt costs the running streams a somewhat longer step, never a stall of a whole prefill.
+The chunk size is a latency budget (DESIGN.md §4). `mixed_chunk_tokens=0` instead alternates
+prefill steps and decode steps.
 
 Overlap: step N+1 is scheduled and launched before the host reads step N's tokens. Decode
 inputs come from the engine's device-side token buffer, and everything the host needs to
@@ -20,19 +22,26 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.engine.engine import Engine
-from minisgl.engine.sampler import SamplingTensors
+from minisgl.engine.logits_plan import LogitsSpec, StepOutput
 from minisgl.kvcache.prefix_cache import make_prefix_cache
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.kv import RequestKV
+from minisgl.scheduler.prefill import admit, finish_admitted
 from minisgl.scheduler.request import Request
+from minisgl.scheduler.step_sampling import (
+    StepSampling,
+    add_prompt_logprobs,
+    prepare_step_sampling,
+    top_logprobs_by_row,
+)
 
 
 @dataclass
 class _InFlight:
     reqs: list[Request]
     samples: list[bool]  # False for a prefill chunk that samples nothing
-    tokens: torch.Tensor  # host copy (filled asynchronously on CUDA)
-    logprobs: torch.Tensor
+    out: StepOutput  # host copies (filled asynchronously on CUDA)
+    sampling: StepSampling  # which rows asked for top/prompt logprobs
     event: torch.cuda.Event | None
 
 
@@ -50,10 +59,26 @@ class Scheduler:
         self._decode_next = False
         self._pending_done: list[Request] = []  # processed early (by a drain) during step()
         self.num_retractions = 0
+        # Prompt positions whose logits one step may compute for prompt logprobs: they are
+        # [rows, vocab] fp32 (~300 MB at 512 x 152k), so long prompts that ask take more steps.
+        self.prompt_logprob_rows = 512
         # (start, end) CUDA events around each step's device work, when a benchmark asks.
         self.gpu_timeline: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] | None = None
-        if engine.device.type == "cuda" and self.cfg.cuda_graph:
-            engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs)
+        if engine.device.type == "cuda":
+            # Everything the serving path runs is compiled (and captured) before it serves.
+            if self.cfg.cuda_graph:
+                engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, *self.graph_max_tokens)
+            engine.warm_up_sampling()
+
+    @property
+    def graph_max_tokens(self) -> tuple[int, int]:
+        """The largest prefill step and the largest mixed step (0: none) this scheduler forms:
+        the tops of the extend and mixed graph ladders, unless `cuda_graph_max_tokens` caps them."""
+        cfg = self.cfg
+        chunk = min(cfg.mixed_chunk_tokens, cfg.max_prefill_tokens)
+        mixed = self.engine.cfg.max_running_requests + chunk if chunk else 0
+        cap = cfg.cuda_graph_max_tokens
+        return (cfg.max_prefill_tokens, mixed) if cap is None else (min(cfg.max_prefill_tokens, cap), min(mixed, cap))
 
     # ---- requests in and out ----
 
@@ -62,7 +87,12 @@ class Scheduler:
         return bool(self.waiting or self.running or self.prefilling or self.inflight)
 
     def add_check(self, req: Request) -> None:
-        """Raises ValueError if `req` could never run (it must fit the KV pool alone)."""
+        """Raises ValueError if `req` could never run (it must fit the KV pool alone, and its
+        logit_bias ids the vocabulary)."""
+        vocab = self.engine.model_config.vocab_size
+        outside = sorted(t for t in (req.params.logit_bias or {}) if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary of {vocab} tokens")
         if self.kv.pages_for(req.max_total_len) > self.engine.allocator.total_pages:
             raise ValueError(
                 f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds "
@@ -71,6 +101,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.add_check(req)
+        req.logits_spec = LogitsSpec.of(req.params, req.eos_ids, self.engine.model_config.vocab_size)
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: str) -> None:
@@ -114,6 +145,8 @@ class Scheduler:
 
     def _launch_next(self) -> bool:
         want_prefill = bool(self.waiting or self.prefilling)
+        if want_prefill and self.cfg.mixed_chunk_tokens > 0 and self._decodable():
+            return self._launch_mixed()
         if want_prefill and not (self._decode_next and self._decodable()):
             if self._launch_prefill():
                 self._decode_next = True
@@ -125,86 +158,55 @@ class Scheduler:
         # A request at its length limit waits for its last token; it is never extended.
         return [r for r in self.running if r.seq_len < r.max_total_len]
 
-    def _reserved_pages(self) -> int:
-        """Pages the running requests are expected to still need (the admission estimate)."""
-        reqs = [*self.running, *([self.prefilling] if self.prefilling else [])]
-        return sum(
-            max(0, self.kv.pages_for(r.seq_len + int(r.remaining_tokens * self.new_token_ratio)) - len(r.pages))
-            for r in reqs
-        )
-
     def _launch_prefill(self) -> bool:
-        budget = self.cfg.max_prefill_tokens
-        reqs: list[Request] = []
-        prefix: list[int] = []
-        new: list[list[int]] = []
-        samples: list[bool] = []
-        reserved = self._reserved_pages()
-        table = self.engine.table
-        while budget > 0:
-            if self.prefilling is not None:
-                req = self.prefilling
-            elif self.waiting and table.free_rows > 0:
-                req = self.waiting[0]
-                match = self.kv.match(req)
-                tokens_needed = req.seq_len + int(req.remaining_tokens * self.new_token_ratio)
-                need = self.kv.pages_for(tokens_needed) - len(match.pages)
-                alone = not self.running and not reqs
-                if not alone and need + reserved > self.kv.available_pages:
-                    break
-                self.waiting.popleft()
-                self.kv.attach(req, match)
-                reserved += need
-            else:
-                break
-            tokens = req.tokens()
-            chunk = min(len(tokens) - req.cached_len, budget)
-            if not self.kv.grow(req, req.cached_len + chunk):
-                if req is not self.prefilling:  # undo the admission; try again later
-                    self.kv.release(req)
-                    req.cached_len = 0
-                    self.waiting.appendleft(req)
-                break
-            reqs.append(req)
-            prefix.append(req.cached_len)
-            new.append(tokens[req.cached_len : req.cached_len + chunk])
-            req.cached_len += chunk
-            budget -= chunk
-            complete = req.cached_len == len(tokens)
-            samples.append(complete)
-            if complete:
-                self.running.append(req)
-                self.prefilling = None
-            else:
-                self.prefilling = req
-                break  # a chunked request takes the rest of the budget by construction
-        if not reqs:
+        plan = admit(self, self.cfg.max_prefill_tokens)
+        if not plan.reqs:
             return False
-        self._launch("extend", reqs, prefix, new, samples)
-        for req, sampled in zip(reqs, samples):
-            if sampled:
-                req.num_pending += 1
-            else:
-                self.kv.cache_progress(req)
+        self._launch("extend", plan.reqs, plan.prefix, plan.new, plan.samples)
+        finish_admitted(self, plan)
         return True
 
-    def _launch_decode(self) -> bool:
-        reqs = self._decodable()
+    def _launch_mixed(self) -> bool:
+        """Every decode plus a prefill chunk in one step (the decodes first: their KV slots
+        are secured before the chunk's admission takes pages)."""
+        decodes = self._ensure_decode_slots(self._decodable())
+        plan = admit(self, min(self.cfg.mixed_chunk_tokens, self.cfg.max_prefill_tokens))
+        if not plan.reqs:
+            return self._launch_decode(decodes)
+        if not decodes:
+            self._launch("extend", plan.reqs, plan.prefix, plan.new, plan.samples)
+        else:
+            self._start_decodes(decodes)
+            self._launch("mixed", decodes + plan.reqs, [r.seq_len - 1 for r in decodes] + plan.prefix,
+                         [None] * len(decodes) + plan.new, [True] * len(decodes) + plan.samples)
+            self._end_decodes(decodes)
+        finish_admitted(self, plan)
+        return True
+
+    def _launch_decode(self, reqs: list[Request] | None = None) -> bool:
+        reqs = self._ensure_decode_slots(self._decodable()) if reqs is None else reqs
         if not reqs:
             return False
-        reqs = self._ensure_decode_slots(reqs)
+        self._start_decodes(reqs)
+        self._launch("decode", reqs, [r.seq_len - 1 for r in reqs], None, [True] * len(reqs))
+        self._end_decodes(reqs)
+        return True
+
+    def _start_decodes(self, reqs: list[Request]) -> None:
         for r in reqs:
             r.cached_len = r.seq_len
-        self._launch("decode", reqs, [r.seq_len - 1 for r in reqs], None, [True] * len(reqs))
+
+    def _end_decodes(self, reqs: list[Request]) -> None:
         for r in reqs:
             r.num_pending += 1
         self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay)
-        return True
 
     def _ensure_decode_slots(self, reqs: list[Request]) -> list[Request]:
         """Every decoding request needs a slot for its next token. Out of KV: retract the
         requests with the least progress (their KV goes to the prefix cache, they requeue at
         the front) until the rest fit."""
+        if not reqs:
+            return reqs
         ok = [r for r in reqs if self.kv.grow(r, r.seq_len)]
         if len(ok) == len(reqs):
             return reqs
@@ -235,7 +237,8 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _launch(
-        self, mode: str, reqs: list[Request], prefix: list[int], new: list[list[int]] | None, samples: list[bool]
+        self, mode: str, reqs: list[Request], prefix: list[int], new: list[list[int] | None] | None,
+        samples: list[bool],
     ) -> None:
         eng = self.engine
         timed = self.gpu_timeline is not None and eng.device.type == "cuda"
@@ -243,36 +246,35 @@ class Scheduler:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         self.kv.flush()
-        batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new)
-        st = SamplingTensors.build(
-            [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
-            [r.params.top_p for r in reqs], [r.params.min_p for r in reqs],
-            [r.seed for r in reqs], [len(r.output) + r.num_pending for r in reqs], eng.device,
-        )
-        tokens, logprobs = eng.run_batch(batch, st)
+        sampling = prepare_step_sampling(eng, reqs, samples, prefix, new)
+        batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new, extra_logit_rows=sampling.extra_logit_rows)
+        out = eng.run_batch(batch, sampling.tensors, sampling.plan)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.gpu_timeline.append((mode, len(reqs), start, end))
         event = None
-        if tokens.device.type == "cuda":
-            tokens = tokens.to("cpu", non_blocking=True)
-            logprobs = logprobs.to("cpu", non_blocking=True)
+        if out.tokens.device.type == "cuda":
+            out = out.to_host()
             event = torch.cuda.Event()
             event.record()
-        self.inflight.append(_InFlight(reqs, samples, tokens, logprobs, event))
+        self.inflight.append(_InFlight(reqs, samples, out, sampling, event))
 
     def _process(self, item: _InFlight) -> list[Request]:
         if item.event is not None:
             item.event.synchronize()
+        out = item.out
+        add_prompt_logprobs(item.reqs, item.sampling, out)
+        tops = top_logprobs_by_row(item.sampling, out)
         done = []
-        for req, sampled, tok, lp in zip(item.reqs, item.samples, item.tokens.tolist(), item.logprobs.tolist()):
+        for i, (req, sampled, tok, lp) in enumerate(zip(item.reqs, item.samples, out.tokens.tolist(),
+                                                        out.logprobs.tolist())):
             if not sampled:
                 continue
             req.num_pending -= 1
             if req.finished:  # ended (abort, stop string, EOS) while this step was in flight
                 continue
-            req.append(tok, lp)
+            req.append(tok, lp, tops[i][: req.params.top_logprobs] if i in tops else None)
             done.append(req)
             if req.finished:
                 self._release(req)
@@ -289,3 +291,4 @@ class Scheduler:
         if req is self.prefilling:
             self.prefilling = None
         self.kv.release(req)
+

@@ -50,10 +50,12 @@ class ServerArgs:
     deterministic: bool = False
     # scheduler (None / False = the scheduler's own default)
     max_prefill_tokens: int | None = None
+    mixed_chunk_tokens: int | None = None
     cache: str | None = None
     disable_overlap: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    cuda_graph_max_tokens: int | None = None
     tp: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -137,6 +139,8 @@ class ServerArgs:
         opts: dict[str, Any] = {}
         if self.max_prefill_tokens is not None:
             opts["max_prefill_tokens"] = self.max_prefill_tokens
+        if self.mixed_chunk_tokens is not None:
+            opts["mixed_chunk_tokens"] = self.mixed_chunk_tokens
         if self.cache is not None:
             opts["cache"] = self.cache
         if self.disable_overlap:
@@ -145,6 +149,8 @@ class ServerArgs:
             opts["cuda_graph"] = False
         if self.cuda_graph_max_bs is not None:
             opts["cuda_graph_max_bs"] = self.cuda_graph_max_bs
+        if self.cuda_graph_max_tokens is not None:
+            opts["cuda_graph_max_tokens"] = self.cuda_graph_max_tokens
         return opts
 
 
@@ -294,14 +300,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prefill-tokens", type=int, default=None, help="token budget of one prefill step (default 8192)"
     )
     s.add_argument(
+        "--mixed-chunk-tokens", type=int, default=None,
+        help="prompt tokens a step may add to the running decodes (a mixed step; default 512); "
+        "0: prefill steps and decode steps alternate instead",
+    )
+    s.add_argument(
         "--cache",
         choices=("radix", "naive"),
         default=None,
         help="prefix cache: radix (reuse shared prefixes) or naive (none)",
     )
     s.add_argument("--disable-overlap", action="store_true", help="do not overlap CPU scheduling with GPU execution")
-    s.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
+    s.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly (no CUDA graphs)")
     s.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a CUDA graph")
+    s.add_argument(
+        "--cuda-graph-max-tokens", type=int, default=None,
+        help="largest prefill / mixed step (tokens) captured in a CUDA graph; larger ones run eagerly "
+        "(default: the largest step the scheduler forms; 0: decode graphs only)",
+    )
     t = p.add_argument_group("tensor parallelism")
     t.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size: one scheduler process per GPU")
     t.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the TP ranks span")
