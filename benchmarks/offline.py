@@ -34,7 +34,8 @@ def qwen_tokenizer_dir() -> str | None:
 def workload(n: int, max_in: int, max_out: int) -> tuple[list[list[int]], list[SamplingParams]]:
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_in))] for _ in range(n)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_out)) for _ in range(n)]
+    lo = min(100, max_out)  # short runs (--max-output-len below 100) still work
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(lo, max_out)) for _ in range(n)]
     return prompts, params
 
 
@@ -44,12 +45,12 @@ def gpu_breakdown(timeline) -> dict[str, float] | None:
     if not timeline:
         return None
     timeline[-1][3].synchronize()
-    first = next((i for i, t in enumerate(timeline) if t[0] == "decode"), None)
-    last = max((i for i, t in enumerate(timeline) if t[0] == "decode"), default=None)
+    first = next((i for i, t in enumerate(timeline) if t[0] in ("decode", "verify")), None)
+    last = max((i for i, t in enumerate(timeline) if t[0] in ("decode", "verify")), default=None)
     if first is None or last == first:
         return None
     out: dict[str, float] = {}
-    for mode in ("extend", "mixed", "decode"):
+    for mode in ("extend", "mixed", "decode", "verify"):
         steps = [t for t in timeline if t[0] == mode]
         out[f"{mode}_steps"] = len(steps)
         out[f"{mode}_ms"] = sum(s.elapsed_time(e) for _, _, s, e in steps)
@@ -85,7 +86,17 @@ def main() -> None:
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="TP: every all-reduce through NCCL (the before of the one-shot all-reduce)")
     ap.add_argument("--json", default=None, help="also write the summary row to this file")
+    ap.add_argument("--speculative-algorithm", default=None, choices=["ngram", "draft", "eagle3"])
+    ap.add_argument("--speculative-num-draft-tokens", type=int, default=4)
+    ap.add_argument("--speculative-draft-model", default=None)
+    ap.add_argument("--speculative-draft-table", default=None)
     args = ap.parse_args()
+    spec = {} if args.speculative_algorithm is None else {
+        "speculative_algorithm": args.speculative_algorithm,
+        "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+        "speculative_draft_model": args.speculative_draft_model,
+        "speculative_draft_table": args.speculative_draft_table,
+    }
 
     has_tokenizer = any((Path(args.model) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = args.tokenizer or (None if has_tokenizer or args.model.endswith(".gguf") else qwen_tokenizer_dir())
@@ -95,7 +106,7 @@ def main() -> None:
         max_prefill_tokens=args.max_prefill_tokens, page_size=args.page_size, cache=args.cache,
         disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp,
-        custom_all_reduce=not args.disable_custom_all_reduce,
+        custom_all_reduce=not args.disable_custom_all_reduce, **spec,
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
     # Warm-up: Triton compiles each kernel once per specialization (batch sizes, sampling
@@ -125,6 +136,11 @@ def main() -> None:
     print(f"| {len(prompts)} | {n_in} | {n_out} | {elapsed:.2f} | {n_out / elapsed:,.0f} | "
           f"{(n_in + n_out) / elapsed:,.0f} | {idle_s} |")
     print(f"retractions: {llm.scheduler.num_retractions}")
+    st = llm.scheduler.stats()
+    if st.get("spec_verified"):
+        print(f"speculative ({args.speculative_algorithm}): {st['spec_proposed']} draft tokens proposed, "
+              f"{st['spec_accepted']} accepted, mean accepted length "
+              f"{(st['spec_accepted'] + st['spec_verified']) / st['spec_verified']:.2f}")
     if args.json:
         import json
 
@@ -137,6 +153,8 @@ def main() -> None:
             f"(mean batch {gb['decode_mean_bs']:.0f}, {gb['decode_ms'] / max(1, gb['decode_steps']):.2f} ms/step); "
             f"{gb['extend_steps']:.0f} prefill steps {gb['extend_ms'] / 1000:.2f} s; "
             f"{gb['mixed_steps']:.0f} mixed steps {gb['mixed_ms'] / 1000:.2f} s"
+            + (f"; {gb['verify_steps']:.0f} verify steps {gb['verify_ms'] / 1000:.2f} s (mean batch "
+               f"{gb['verify_mean_bs']:.0f})" if gb["verify_steps"] else "")
         )
         if llm.engine.device.type == "cuda":
             from weight_floor import decode_weight_bytes, read_bandwidth

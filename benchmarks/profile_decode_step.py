@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
+from collections.abc import Callable
 
 import torch
 from weight_floor import decode_weight_bytes
@@ -20,8 +22,17 @@ from minisgl import LLM
 from minisgl.kvcache.pool import KVPool
 
 
-def time_ms(fn, reps: int = 20) -> float:
+def time_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median time of fn() per call in ms, GPU work included (CUDA events). Without a GPU (a
+    smoke run of a script on the CPU) host wall time."""
     fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1000)
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):

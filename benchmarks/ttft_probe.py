@@ -1,10 +1,14 @@
 """Time to first token as the server delivers it, without an HTTP client library in the way.
 
 Sends sequential streaming completions over a raw TCP socket (TCP_NODELAY, the request in one
-`sendall`) and times the first SSE chunk. Alongside, it reads the server's own TTFT metric
-(`minisgl_time_to_first_token_seconds` in /metrics: submit to first token) for the same
-requests. Prompt kinds: `ids` (random token ids), `text` (the same decoded to text), and
-`text+usage` (text, with `stream_options.include_usage`).
+`sendall`) and times the first SSE chunk (the first token: requests ask for `logprobs: 0`, so
+every token gets a chunk even while its text is empty) and the first chunk with text (later
+when the first tokens decode to nothing yet: special tokens, or a UTF-8 character split across
+tokens, which random dummy weights may well emit). Alongside, it reads the server's own TTFT
+metric (`minisgl_time_to_first_token_seconds` in /metrics: submit to first token) for the same
+requests. The first token minus the engine's step time (`offline.py`, `graph_designs.py`) is
+the HTTP, tokenizer, ZMQ and detokenizer hops. Prompt kinds: `ids` (random token ids), `text`
+(the same decoded to text), and `text+usage` (text, with `stream_options.include_usage`).
 
     python benchmarks/ttft_probe.py --base-url http://127.0.0.1:8123 --tokenizer <folder> \
         --cases 1024:ids 1024:text 16:text
@@ -32,7 +36,8 @@ def server_ttft(base: str) -> tuple[float, float]:
     return total, count
 
 
-def first_chunk_ms(host: str, port: int, body: bytes) -> float:
+def first_chunk_ms(host: str, port: int, body: bytes) -> tuple[float, float]:
+    """(ms to the first SSE chunk, ms to the first chunk whose text is not empty; NaN: none)."""
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -41,17 +46,26 @@ def first_chunk_ms(host: str, port: int, body: bytes) -> float:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         start = time.perf_counter()
         s.sendall(head + body)
-        buf, first = b"", None
+        buf, first, text, seen = b"", None, float("nan"), 0
         while True:
             data = s.recv(65536)
             if not data:
                 break
+            now = (time.perf_counter() - start) * 1e3
             buf += data
             if first is None and b"data: {" in buf:
-                first = (time.perf_counter() - start) * 1e3
+                first = now
+            # Events completed by this read (each is one HTTP chunk: `data: {json}` + blank line).
+            while text != text and (start_ev := buf.find(b"data: {", seen)) >= 0:
+                end = buf.find(b"\n\n", start_ev)
+                if end < 0:
+                    break
+                seen = end + 2
+                if any(c.get("text") for c in json.loads(buf[start_ev + 6 : end]).get("choices", [])):
+                    text = now
     if first is None:
         raise RuntimeError(f"no SSE chunk in the response: {buf[:300]!r}")
-    return first
+    return first, text
 
 
 def main() -> None:
@@ -61,6 +75,7 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", default=["1024:ids", "1024:text", "1024:text+usage", "16:text"])
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=100000, help="token ids are drawn from [1000, vocab)")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -70,14 +85,14 @@ def main() -> None:
     rng = random.Random(0)
 
     def body(n: int, kind: str) -> bytes:
-        ids = [rng.randrange(1000, 100000) for _ in range(n)]
+        ids = [rng.randrange(1000, args.vocab) for _ in range(n)]
         req = {"model": model, "prompt": ids if kind == "ids" else tok.decode(ids), "max_tokens": args.max_tokens,
-               "stream": True, "ignore_eos": True}
+               "stream": True, "ignore_eos": True, "logprobs": 0}
         if kind == "text+usage":
             req["stream_options"] = {"include_usage": True}
         return json.dumps(req).encode()
 
-    print(f"{'prompt':>7} {'kind':<11} {'client first chunk (ms)':<40} server metric mean")
+    print(f"{'prompt':>7} {'kind':<11} {'first token (ms)':<40} {'first text (ms)':<40} server metric mean")
     for case in args.cases:
         n, kind = case.split(":")
         first_chunk_ms(url.hostname, url.port, body(int(n), kind))  # warm up this shape
@@ -85,8 +100,9 @@ def main() -> None:
         times = [first_chunk_ms(url.hostname, url.port, body(int(n), kind)) for _ in range(args.requests)]
         after = server_ttft(args.base_url)
         mean = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
-        shown = ", ".join(f"{t:.1f}" for t in times)
-        print(f"{n:>7} {kind:<11} {shown:<40} {mean:.1f} ms")
+        token = ", ".join(f"{t:.1f}" for t, _ in times)
+        text = ", ".join(f"{t:.1f}" for _, t in times)
+        print(f"{n:>7} {kind:<11} {token:<40} {text:<40} {mean:.1f} ms")
 
 
 if __name__ == "__main__":

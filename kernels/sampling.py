@@ -53,18 +53,12 @@ def _lane_stats(x, idx, lm, ls, lt, la, lmn, lf, inv_t):
 
 
 @triton.jit
-def _sample_kernel(
-    Logits, stride_l, V, Temp, TopK, TopP, MinP, Seeds, Steps, OutTok, OutLogp, OutThr, Scratch,
-    stride_s, BLOCK: tl.constexpr, NB: tl.constexpr, PER_LANE: tl.constexpr, WALK: tl.constexpr,
-    MAX_PASSES: tl.constexpr, STORE_THR: tl.constexpr,
-):
-    r = tl.program_id(0).to(tl.int64)
-    row = Logits + r * stride_l
+def _row_stats(row, V, inv_t, BLOCK: tl.constexpr):
+    """Pass A over one row: (lane maxima [BLOCK], max m, sum exp(x - m), tempered sum
+    exp((x - m) / T), first argmax, min finite, count finite)."""
     lane = tl.arange(0, BLOCK)
-    temp = tl.load(Temp + r)
-    inv_t = LOG2E / tl.where(temp > 0, temp, 1.0)  # greedy rows: any finite value
-    # Pass A, lane-wise: max and first argmax, sums of exp (raw, and tempered for the masses)
-    # rescaled online with one exp2 each, finite count and min.
+    # Lane-wise max and first argmax, sums of exp (raw, and tempered for the masses) rescaled
+    # online with one exp2 each, finite count and min.
     lm = tl.full([BLOCK], float("-inf"), tl.float32)
     ls = tl.zeros([BLOCK], tl.float32)
     lt = tl.zeros([BLOCK], tl.float32)
@@ -82,54 +76,74 @@ def _sample_kernel(
     s = tl.sum(tl.where(live, ls * tl.exp2((lm - m) * LOG2E), 0.0), 0)
     s_t = tl.sum(tl.where(live, lt * tl.exp2((lm - m) * inv_t), 0.0), 0)
     tok = tl.min(tl.where(lm == m, la, 2147483647), 0)
-    mn = tl.min(lmn, 0)
-    nfin = tl.sum(lf, 0)
+    return lm, m, s, s_t, tok, tl.min(lmn, 0), tl.sum(lf, 0)
+
+
+@triton.jit
+def _filter_threshold(row, V, buf, lm, m, s_t, mn, nfin, k, top_p, inv_t, BLOCK: tl.constexpr,
+                      NB: tl.constexpr, PER_LANE: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """thr = max(t_k, t_p) of a tempered row from its pass-A statistics (mn when neither
+    filter is on); `buf` is the row's scratch (3 regions of BLOCK x PER_LANE)."""
+    lane = tl.arange(0, BLOCK)
+    topk_on = (k > 0) & (k < nfin)
+    topp_on = top_p < 1.0
+    thr = mn
+    if topk_on | topp_on:
+        # Lower bounds from the sorted lane maxima: at least K elements are >= the K-th
+        # largest lane max; the mass >= the j-th is at least that of the top j lane maxima.
+        srt = tl.sort(lm, descending=True)
+        bound_k = tl.sum(tl.where(lane == k - 1, srt, 0.0), 0)
+        cw = tl.cumsum(tl.where(srt > float("-inf"), tl.exp2((srt - m) * inv_t), 0.0), 0)
+        jp = tl.min(tl.where(cw >= top_p * s_t, lane, BLOCK), 0)
+        bound_p = tl.sum(tl.where(lane == jp, srt, 0.0), 0)
+        bound = tl.where(topk_on, tl.where(k <= BLOCK, bound_k, float("-inf")),
+                         tl.where(jp < BLOCK, bound_p, float("-inf")))
+        bound = tl.where(bound > float("-inf"), bound, mn)
+        # Copy every element >= bound into buffer region 0 (usually a few per lane).
+        cnt0 = tl.zeros([BLOCK], tl.int32)
+        from_row0 = tl.full([], 1, tl.int32)
+        if bound > mn:
+            _, _, _, _, cnt0 = _lane_pass(
+                row, V, buf, cnt0, from_row0, buf, bound, float("inf"), tl.zeros([1], tl.float32),
+                m, inv_t, False, False, BLOCK, 1, PER_LANE)
+            if tl.max(cnt0, 0) <= PER_LANE:
+                from_row0 = from_row0 * 0
+        if topk_on:
+            thr = _search(row, V, buf, cnt0, from_row0, bound, m, k.to(tl.float32), 1.0, m,
+                          inv_t, False, BLOCK, NB, PER_LANE, MAX_PASSES)
+        if topp_on:
+            # After top-k the target is relative to the top-k mass (learned in the first
+            # pass); alone it is top_p times the whole mass.
+            lo_p = tl.where(topk_on, thr, bound)
+            target = tl.where(topk_on, -1.0, top_p * s_t)
+            thr = _search(row, V, buf, cnt0, from_row0, lo_p, m, target, top_p, m, inv_t,
+                          True, BLOCK, NB, PER_LANE, MAX_PASSES)
+    return thr
+
+
+@triton.jit
+def _sample_kernel(
+    Logits, stride_l, V, Temp, TopK, TopP, MinP, Seeds, Steps, OutTok, OutLogp, OutThr, Scratch,
+    stride_s, BLOCK: tl.constexpr, NB: tl.constexpr, PER_LANE: tl.constexpr, WALK: tl.constexpr,
+    MAX_PASSES: tl.constexpr, STORE_THR: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    row = Logits + r * stride_l
+    temp = tl.load(Temp + r)
+    inv_t = LOG2E / tl.where(temp > 0, temp, 1.0)  # greedy rows: any finite value
+    lm, m, s, s_t, tok, mn, nfin = _row_stats(row, V, inv_t, BLOCK)
     thr = m  # greedy: only the max
     if temp > 0:
-        k = tl.load(TopK + r)
-        top_p = tl.load(TopP + r)
         min_p = tl.load(MinP + r)
-        buf = Scratch + r * stride_s
-        topk_on = (k > 0) & (k < nfin)
-        topp_on = top_p < 1.0
-        thr = mn
-        if topk_on | topp_on:
-            # Lower bounds from the sorted lane maxima: at least K elements are >= the K-th
-            # largest lane max; the mass >= the j-th is at least that of the top j lane maxima.
-            srt = tl.sort(lm, descending=True)
-            bound_k = tl.sum(tl.where(lane == k - 1, srt, 0.0), 0)
-            cw = tl.cumsum(tl.where(srt > float("-inf"), tl.exp2((srt - m) * inv_t), 0.0), 0)
-            jp = tl.min(tl.where(cw >= top_p * s_t, lane, BLOCK), 0)
-            bound_p = tl.sum(tl.where(lane == jp, srt, 0.0), 0)
-            bound = tl.where(topk_on, tl.where(k <= BLOCK, bound_k, float("-inf")),
-                             tl.where(jp < BLOCK, bound_p, float("-inf")))
-            bound = tl.where(bound > float("-inf"), bound, mn)
-            # Copy every element >= bound into buffer region 0 (usually a few per lane).
-            cnt0 = tl.zeros([BLOCK], tl.int32)
-            from_row0 = tl.full([], 1, tl.int32)
-            if bound > mn:
-                _, _, _, _, cnt0 = _lane_pass(
-                    row, V, buf, cnt0, from_row0, buf, bound, float("inf"), tl.zeros([1], tl.float32),
-                    m, inv_t, False, False, BLOCK, 1, PER_LANE)
-                if tl.max(cnt0, 0) <= PER_LANE:
-                    from_row0 = from_row0 * 0
-            if topk_on:
-                thr = _search(row, V, buf, cnt0, from_row0, bound, m, k.to(tl.float32), 1.0, m,
-                              inv_t, False, BLOCK, NB, PER_LANE, MAX_PASSES)
-            if topp_on:
-                # After top-k the target is relative to the top-k mass (learned in the first
-                # pass); alone it is top_p times the whole mass.
-                lo_p = tl.where(topk_on, thr, bound)
-                target = tl.where(topk_on, -1.0, top_p * s_t)
-                thr = _search(row, V, buf, cnt0, from_row0, lo_p, m, target, top_p, m, inv_t,
-                              True, BLOCK, NB, PER_LANE, MAX_PASSES)
+        thr = _filter_threshold(row, V, Scratch + r * stride_s, lm, m, s_t, mn, nfin, tl.load(TopK + r),
+                                tl.load(TopP + r), inv_t, BLOCK, NB, PER_LANE, MAX_PASSES)
         seed = tl.load(Seeds + r)
         step = tl.load(Steps + r)
         zero = tl.zeros([], tl.uint32)
         r0, _, _, _ = tl.philox(seed, (step & 0xFFFFFFFF).to(tl.uint32),
                                 ((step >> 32) & 0xFFFFFFFF).to(tl.uint32), zero, zero)
         u = tl.uint_to_uniform_float(r0)
-        tok = _draw(row, V, thr, m, inv_t, min_p, u, BLOCK, WALK)
+        tok = _draw(row, V, thr, m, inv_t, min_p, u, row, False, 1.0, -1, False, False, BLOCK, WALK)
     x_tok = tl.load(row + tok)
     tl.store(OutTok + r, tok.to(tl.int64))
     tl.store(OutLogp + r, x_tok - m - tl.log(s))

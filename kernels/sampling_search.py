@@ -104,23 +104,41 @@ def _search(Row, V, Buf, cnt0, from_row0, lo0, top0, target0, frac, m, inv_t,
 
 
 @triton.jit
-def _draw(Row, V, thr, m, inv_t, min_p, u, BLOCK: tl.constexpr, WALK: tl.constexpr):
-    """Inverse CDF in lane-major order over the kept set {x >= thr, w >= min_p}, w = p / p_max:
-    lane sums in one pass, a scan over lanes, then a walk down the chosen lane."""
+def _draw_weight(x, idx, V, thr, m, inv_t, min_p, Q, q_on, inv_S, excl, HAS_Q: tl.constexpr,
+                 EXCL: tl.constexpr):
+    """Unnormalized draw weight of elements x (indices idx): the kept weight w = p / p_max on
+    {x >= thr, w >= min_p}; with HAS_Q (and q_on), the residual max(0, w * inv_S - q[idx]) of
+    rejection sampling (inv_S = 1 / kept mass, so w * inv_S = p); with EXCL, index `excl`
+    weighs 0 (the residual of a one-hot q)."""
+    w = tl.exp2((x - m) * inv_t)
+    w = tl.where((x >= thr) & (w >= min_p), w, 0.0)
+    if HAS_Q:
+        q = tl.load(Q + idx, mask=(idx < V) & (idx >= 0), other=0.0)
+        w = tl.maximum(w * inv_S - tl.where(q_on, q, 0.0), 0.0)
+    if EXCL:
+        w = tl.where(idx == excl, 0.0, w)
+    return w
+
+
+@triton.jit
+def _draw(Row, V, thr, m, inv_t, min_p, u, Q, q_on, inv_S, excl, HAS_Q: tl.constexpr,
+          EXCL: tl.constexpr, BLOCK: tl.constexpr, WALK: tl.constexpr):
+    """Inverse CDF in lane-major order over the weights of `_draw_weight` (plain sampling:
+    the kept set {x >= thr, w >= min_p}, w = p / p_max): lane sums in one pass, a scan over
+    lanes, then a walk down the chosen lane. Returns -1 when every weight is 0."""
     lane = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, V, 2 * BLOCK):  # two chunks per step: twice the loads in flight
         idx = start + lane
         x0 = tl.load(Row + idx, mask=idx < V, other=float("-inf"))
         x1 = tl.load(Row + idx + BLOCK, mask=idx + BLOCK < V, other=float("-inf"))
-        w0 = tl.exp2((x0 - m) * inv_t)
-        w1 = tl.exp2((x1 - m) * inv_t)
-        acc += tl.where((x0 >= thr) & (w0 >= min_p), w0, 0.0)
-        acc += tl.where((x1 >= thr) & (w1 >= min_p), w1, 0.0)
+        acc += _draw_weight(x0, idx, V, thr, m, inv_t, min_p, Q, q_on, inv_S, excl, HAS_Q, EXCL)
+        acc += _draw_weight(x1, idx + BLOCK, V, thr, m, inv_t, min_p, Q, q_on, inv_S, excl, HAS_Q, EXCL)
     cum = tl.cumsum(acc, 0)
     r = u * tl.sum(acc, 0)
     j = tl.min(tl.where(cum > r, lane, BLOCK), 0)
     j = tl.where(j < BLOCK, j, tl.max(tl.where(acc > 0, lane, -1), 0))  # rounding guard
+    j = tl.maximum(j, 0)  # all weights 0: walk lane 0, find nothing, return -1
     r = r - tl.sum(tl.where(lane == j, cum - acc, 0.0), 0)
     # Walk lane j: elements j, j + BLOCK, ... in order (WALK of them per step).
     steps = tl.arange(0, WALK)
@@ -130,8 +148,7 @@ def _draw(Row, V, thr, m, inv_t, min_p, u, BLOCK: tl.constexpr, WALK: tl.constex
     for c0 in range(0, tl.cdiv(V, BLOCK), WALK):
         idx = j + (c0 + steps) * BLOCK
         x = tl.load(Row + idx, mask=idx < V, other=float("-inf"))
-        w = tl.exp2((x - m) * inv_t)
-        w = tl.where((x >= thr) & (w >= min_p), w, 0.0)
+        w = _draw_weight(x, idx, V, thr, m, inv_t, min_p, Q, q_on, inv_S, excl, HAS_Q, EXCL)
         c = run + tl.cumsum(w, 0)
         first = tl.min(tl.where(c > r, idx, 2147483647), 0)
         tok = tl.where((tok < 0) & (first < 2147483647), first, tok)

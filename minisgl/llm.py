@@ -18,6 +18,8 @@ from minisgl.dp.placement import share_cpu
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampling_params import SamplingParams
+from minisgl.grammar.compiler import GrammarCompiler
+from minisgl.grammar.spec import check_grammar, grammar_spec
 from minisgl.message import DetokInit
 from minisgl.scheduler.config import SchedulerConfig, scheduler_config
 from minisgl.scheduler.request import Request
@@ -97,8 +99,9 @@ class LLM:
         tok_eos = self.tokenizer.eos_token_id
         extra = () if tok_eos is None or tok_eos in mc.eos_token_ids else (tok_eos,)
         self.model_config = dataclasses.replace(mc, eos_token_ids=mc.eos_token_ids + extra)
+        self.grammars = GrammarCompiler(lambda: self.tokenizer, mc.vocab_size)
         self.scheduler = Scheduler(
-            self.engine, scheduler_config(options, self.engine.attn.name, self.engine.device.type)
+            self.engine, scheduler_config(options, self.engine.attn.name, self.engine.device.type), self.grammars
         )
         self._sync = InputSync(self.engine.tp.rank, self.engine.tp.size, self.engine.cpu_group)
         self._requests: dict[int, Request] = {}
@@ -176,6 +179,10 @@ class LLM:
             raise ValueError("each prompt must be a string or a list of token ids")
         self.engine.check_prompt(ids)
         params.validate()
+        spec = grammar_spec(params)
+        if spec is not None:
+            check_grammar(spec)
+            self.grammars.compiled(spec)  # raises GrammarError (a ValueError) if it does not compile
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         limit = min(len(ids) + params.max_tokens, self.engine.max_model_len)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -215,26 +222,30 @@ class LLM:
 
     def _run(self, reqs: list[Request], bar: tqdm) -> list[dict[str, Any]]:
         """Runs checked requests on this replica to the end; one result per request, in order."""
+        specs = {s for s in (grammar_spec(r.params) for r in reqs) if s is not None}
+        self._inputs.extend(("grammar", s) for s in specs)  # other TP ranks compile meanwhile
         self._inputs.extend(("add", r) for r in reqs)
         texts: dict[int, str] = {}
+        kept: dict[int, int] = {}  # output tokens up to a stop string's last
         # Requests with stop strings decode incrementally, as the server's detokenizer does.
         decoders = {r.uid: DecodeState(self.tokenizer, DetokInit(len(r.prompt), r.params.stop)) for r in reqs
                     if r.params.stop}
         while self._inputs or self.scheduler.has_work:
             for req in self._step():
-                if self._check_stop_strings(req, decoders, texts) or req.finished:
+                if self._check_stop_strings(req, decoders, texts, kept) or req.finished:
                     bar.update(1)
         for r in reqs:
             self._requests.pop(r.uid, None)
-        return [self._result(r, texts) for r in reqs]
+        return [self._result(r, texts, kept.get(r.uid, len(r.output))) for r in reqs]
 
-    def _result(self, r: Request, texts: dict[int, str]) -> dict[str, Any]:
+    def _result(self, r: Request, texts: dict[int, str], n: int) -> dict[str, Any]:
+        """`n`: output tokens kept (fewer than made when a stop string ended a multi-token step)."""
         out: dict[str, Any] = {
-            "text": texts[r.uid] if r.uid in texts else self._decode(r.output), "token_ids": list(r.output),
-            "finish_reason": "stop" if r.uid in texts else r.finish_reason, "logprobs": list(r.logprobs),
+            "text": texts[r.uid] if r.uid in texts else self._decode(r.output), "token_ids": r.output[:n],
+            "finish_reason": "stop" if r.uid in texts else r.finish_reason, "logprobs": r.logprobs[:n],
         }
         if r.params.top_logprobs:
-            out["top_logprobs"] = list(r.top_logprobs)
+            out["top_logprobs"] = r.top_logprobs[:n]
         if r.params.prompt_logprobs is not None:
             out["prompt_logprobs"] = list(r.prompt_logprobs or [])
         return out
@@ -242,21 +253,26 @@ class LLM:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _check_stop_strings(self, req: Request, decoders: dict[int, DecodeState], texts: dict[int, str]) -> bool:
+    def _check_stop_strings(
+        self, req: Request, decoders: dict[int, DecodeState], texts: dict[int, str], kept: dict[int, int]
+    ) -> bool:
         """True when a stop string ended `req`: now (the scheduler frees it next step), or in the
         tokens that finished it anyway (length or EOS), as the server's detokenizer sees it."""
         state = decoders.get(req.uid)
         if state is None or req.uid in texts:
             return False
-        state.add(req.output[len(state.ids) :])
-        if req.finished:
+        # One token at a time: a speculative step brings several, and those after the one
+        # that completes a stop string are dropped (from the output and from the KV cache).
+        cut = state.add_until_stop(req.output[len(state.ids) :])
+        if cut is None and req.finished:
             state.finalize()
-        cut = state.find_stop()
+            cut = state.find_stop()
         if cut is None:
             return False
         texts[req.uid] = state.text[:cut]  # the stop string itself is not returned
+        kept[req.uid] = len(state.ids)
         if not req.finished:
-            self._inputs.append(("finish", req.uid, "stop"))
+            self._inputs.append(("finish", req.uid, "stop", len(state.ids)))
         return True
 
 

@@ -6,7 +6,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minisgl.server.args import parse_args
+    from minisgl.server.cli import parse_args
 
     try:
         args = parse_args(argv)

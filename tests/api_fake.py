@@ -11,15 +11,14 @@ from fastapi.testclient import TestClient
 from minisgl.message import DecodeMsg, PromptEcho, TokenizeMsg, UserReply, decode
 from minisgl.server.api import ServerInfo, build_app
 from minisgl.server.args import Addresses
+from minisgl.server.chat_request import ChatFeatures
 from minisgl.server.frontend import Frontend
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol_types import Limits
 
 VOCAB, CONTEXT = 1000, 64
-# SamplingParams' fields once issue 14's device side is in: the contract of the whole server.
-ENGINE_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                 "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                 "min_tokens", "top_logprobs", "prompt_logprobs"}
+SAY = "say:"  # a last message "say:TEXT" makes the stand-in output TEXT (tool calls, reasoning)
+OPEN = "</think>"  # ... and when TEXT holds this, the reply says the prompt opened a think block
 OUTPUT = [10, 11, 12]  # every generation: these tokens, then "length"
 TEXTS = {10: "ab", 11: "\ufffd", 12: "c"}
 BYTES = {10: b"ab", 11: b"\xe2\x82", 12: b"c"}  # a partial character in the middle
@@ -57,6 +56,12 @@ class ScriptedBackend:
         if msg.mode == "tokenize":
             return [UserReply(msg.uids[0], token_ids=prompt, prompt_tokens=len(prompt), finish_reason="stop",
                               token_texts=["p"] * len(prompt) if msg.return_prompt else None)]
+        if text.startswith(SAY):  # the output is the rest, in three pieces, then "stop"
+            said = text[len(SAY):]
+            cuts = [0, len(said) // 3, 2 * len(said) // 3, len(said)]
+            return [UserReply(uid, said[a:b], [10], prompt_tokens=2, completion_tokens=i + 1,
+                              finish_reason="stop" if i == 2 else None, reasoning_open=i == 0 and OPEN in said)
+                    for uid in msg.uids for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
         k = msg.sampling.get("top_logprobs", 0)
         pk = msg.sampling.get("prompt_logprobs")
         out = []
@@ -75,10 +80,13 @@ class ScriptedBackend:
         return out
 
 
-def make_client(api_key: str | None = None, defaults: dict[str, Any] | None = None) -> tuple[TestClient, Any]:
+def make_client(
+    api_key: str | None = None, defaults: dict[str, Any] | None = None, features: ChatFeatures | None = None
+) -> tuple[TestClient, Any]:
     frontend = Frontend(Addresses("ipc://unused", "ipc://unused", "ipc://unused", ["ipc://unused"]), 1, Metrics())
     backend = ScriptedBackend(frontend)
     frontend._push = [backend]
-    info = ServerInfo("tiny", Limits(VOCAB, CONTEXT), defaults or {}, 4096, api_key, engine_fields=ENGINE_FIELDS)
+    info = ServerInfo("tiny", Limits(VOCAB, CONTEXT), defaults or {}, 4096, api_key,
+                      features=features or ChatFeatures())
     # The client must not raise the app's exceptions: the point is what the server answers.
     return TestClient(build_app(frontend, info), raise_server_exceptions=False), backend

@@ -7,7 +7,9 @@ for each is a regression test of its own):
 - the prompt's tokens plus max_tokens must fit the context (exact, with the model's tokenizer);
 - min_tokens <= max_tokens; chat's top_logprobs > 0 needs logprobs: true; stream_options
   needs stream: true;
-- on an engine build without prompt logprobs, completions' echo with logprobs.
+- on an engine build without prompt logprobs, completions' echo with logprobs;
+- chat's output constraint: one at most (response_format, regex, ebnf, tool_choice), and it
+  must compile with xgrammar (checked here with the server's own planning code).
 Requests whose generation work (prompts x n x max_tokens) exceeds FUZZ_MAX_WORK tokens are
 dropped too, positive or negative: they are valid, only slow on a CPU.
 
@@ -23,6 +25,9 @@ import schemathesis
 from transformers import AutoTokenizer
 
 from minisgl.engine.sampling_params import SamplingParams
+from minisgl.server.build import chat_messages
+from minisgl.server.chat_request import plan_chat
+from minisgl.server.protocol import ChatMessage
 
 GENERATING = {"/v1/chat/completions", "/v1/completions", "/generate"}
 # Loaded now, at import: schemathesis runs hooks on several threads, and a first import of
@@ -38,13 +43,10 @@ def _tokenizer() -> Any:
 def _prompt_lengths(path: str, body: dict[str, Any]) -> list[int]:
     tok = _tokenizer()
     if path == "/v1/chat/completions":
-        messages = [
-            {"role": "system" if m["role"] == "developer" else m["role"],
-             "content": m.get("content") if isinstance(m.get("content"), str)
-             else "".join(p["text"] for p in m.get("content") or [])}
-            for m in body["messages"]
-        ]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        # The server's own conversion (tool calls, tool results) and template variables.
+        messages = chat_messages([ChatMessage.model_validate(m) for m in body["messages"]])
+        kwargs = body.get("chat_template_kwargs") or {}
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         return [len(tok(text, add_special_tokens=bool(body.get("add_special_tokens"))).input_ids)]
     if path == "/generate":
         if "input_ids" in body:
@@ -80,7 +82,18 @@ def acceptable(path: str, body: dict[str, Any]) -> bool:
         return False
     if path == "/v1/chat/completions" and (body.get("top_logprobs") or 0) > 0 and not body.get("logprobs"):
         return False
+    if path == "/v1/chat/completions" and not _constraint_ok(body):
+        return False
     return not (_NO_PROMPT_LOGPROBS and body.get("echo") and body.get("logprobs") is not None)
+
+
+def _constraint_ok(body: dict[str, Any]) -> bool:
+    try:  # the fuzzed server has no tool-call parser: its schema admits no tools
+        plan_chat(body.get("response_format"), body.get("regex"), body.get("ebnf"), body.get("tools"),
+                  body.get("tool_choice"), body.get("parallel_tool_calls") is not False, None)
+    except ValueError:
+        return False
+    return True
 
 
 def work(path: str, body: dict[str, Any]) -> int:

@@ -144,7 +144,7 @@ def test_openapi_states_the_contract(client) -> None:  # noqa: ANN001
     defs = schema["components"]["schemas"]
     chat = defs["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and chat["properties"]["messages"]["minItems"] == 1
-    assert defs["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant"]
+    assert defs["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant", "tool"]
     assert chat["properties"]["max_tokens"]["anyOf"][0]["maximum"] == CONTEXT - 1
     assert "oneOf" in defs["GenerateRequest"] and "oneOf" in defs["TokenizeRequest"]
     ids = defs["GenerateRequest"]["properties"]["input_ids"]
@@ -236,16 +236,3 @@ def test_completion_logprobs_echo_and_prompt_logprobs(client) -> None:  # noqa: 
                            "8": {"logprob": -2.0, "rank": None, "decoded_token": "P"}}]
     chat = client.post(CHAT, json={"messages": HI, "prompt_logprobs": 0}).json()
     assert chat["prompt_logprobs"][1] == {"8": {"logprob": -2.0, "rank": None, "decoded_token": "P"}}
-
-
-def test_schema_of_an_engine_without_issue_14_fields_admits_only_their_neutral_values() -> None:
-    from minisgl.server.protocol import Protocol
-    from minisgl.server.protocol_types import Limits
-
-    old = Protocol(Limits(VOCAB, CONTEXT), {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"})
-    props = old.completion.model_json_schema()["properties"]
-    assert props["presence_penalty"]["anyOf"][0] == {"maximum": 0.0, "minimum": 0.0, "type": "number"}
-    assert "no top_logprobs" in props["logprobs"]["description"] and props["prompt_logprobs"]["type"] == "null"
-    assert old.completion(prompt="x", presence_penalty=0, logprobs=0).min_tokens == 0
-    with pytest.raises(ValueError, match="less than or equal to 0"):
-        old.completion(prompt="x", presence_penalty=0.5)

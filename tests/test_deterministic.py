@@ -68,6 +68,12 @@ def test_deterministic_refuses_moe(tiny_model_path) -> None:
         LLM(str(tiny_model_path("qwen3_moe")), device="cpu", dtype="float32", deterministic=True)
 
 
+def test_deterministic_refuses_speculative_decoding(tiny_model_path) -> None:
+    with pytest.raises(ValueError, match="speculative"):
+        LLM(str(tiny_model_path("qwen3")), device="cpu", dtype="float32", deterministic=True,
+            speculative_algorithm="ngram")
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_batch_invariant_gemm_rows_do_not_depend_on_m(dtype: torch.dtype) -> None:

@@ -82,10 +82,9 @@ def test_kernel_backends_equal_torch(tiny_model_path, backend: str, name: str, d
     ref = LLM(path, device="cuda", dtype=dtype, attention_backend="torch")
     want = greedy(ref)
     got = greedy(LLM(path, device="cuda", dtype=dtype, attention_backend=backend, disable_cuda_graph=True))
-    if dtype == "float16":
-        assert got == want
-    else:
-        assert_same_or_bf16_tie(ref, want, got)
+    # fp16 as bf16: our attention kernels and torch's SDPA round differently, so a near-tie in
+    # the reference's logits may flip (seen on the H100: llama3 fp16, triton, one prompt).
+    assert_same_or_bf16_tie(ref, want, got)
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])

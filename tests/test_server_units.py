@@ -12,8 +12,8 @@ import pytest
 
 from minisgl.message import DetokenizeMsg, DetokInit, TokenOut
 from minisgl.scheduler.process import scheduler_builder
-from minisgl.server.args import build_parser, parse_args
 from minisgl.server.build import Builder
+from minisgl.server.cli import build_parser, parse_args
 from minisgl.server.errors import ApiError
 from minisgl.server.protocol import Protocol
 from minisgl.server.protocol_types import Limits
@@ -30,8 +30,9 @@ def tok(tiny_model_path: Callable[[str], Path]) -> Any:
 def run(
     tok: Any, ids: list[int], stop: list[str] | None = None, finish: str = "length", per_step: int = 1,
     init: DetokInit | None = None,
-) -> tuple[list[str], list[str | None], list[int]]:
-    """Feeds `ids` `per_step` at a time; returns the text deltas, finish reasons, stopped uids."""
+) -> tuple[list[str], list[str | None], list[tuple[int, int]]]:
+    """Feeds `ids` `per_step` at a time; returns the text deltas, finish reasons, and the
+    (uid, output tokens to keep) pairs told to the scheduler."""
     detok = Detokenizer(tok)
     deltas, reasons, stopped = [], [], []
     for i in range(0, len(ids), per_step):
@@ -69,8 +70,24 @@ def test_stop_string_across_tokens_is_trimmed(tok: Any) -> None:
     deltas, reasons, stopped = run(tok, ids, stop=["own fo"])
     assert "".join(deltas) == "The quick br"
     assert reasons[-1] == "stop" and reasons.count("stop") == 1
-    assert stopped == [7]  # the scheduler is told once; later tokens are dropped
+    assert [uid for uid, _ in stopped] == [7]  # the scheduler is told once; later tokens are dropped
     assert all("o" not in d for d in deltas[2:])  # no part of the stop string went out
+
+
+def test_stop_inside_a_multi_token_step(tok: Any) -> None:
+    """A speculative step brings several tokens: those after the stop string's last are not
+    output, not counted, and the scheduler is told how many to keep."""
+    text = "The quick brown fox jumps over the lazy dog"
+    ids = tok(text).input_ids
+    one = tok("The quick brown fox").input_ids
+    assert ids[: len(one)] == one
+    detok = Detokenizer(tok)
+    item = TokenOut(7, ids, [0.5] * len(ids), None, DetokInit(3, ["own fo"], logprobs=True))
+    replies, stopped = detok.process(DetokenizeMsg([item]))
+    (r,) = replies
+    assert r.text == "The quick br" and r.finish_reason == "stop"
+    assert r.token_ids == one and r.completion_tokens == len(one) and len(r.logprobs) == len(one)
+    assert stopped == [(7, len(one))]
 
 
 def test_earliest_stop_string_wins(tok: Any) -> None:
@@ -109,7 +126,7 @@ def test_stop_token_text_and_include_stop_str(tok: Any) -> None:
     assert "".join(run(tok, ids, stop=["two"])[0]) == "one "
     keep = DetokInit(3, ["two"], include_stop_str=True)
     deltas, reasons, stopped = run(tok, ids, init=keep)
-    assert "".join(deltas) == "one two" and reasons[-1] == "stop" and stopped == [7]
+    assert "".join(deltas) == "one two" and reasons[-1] == "stop" and [uid for uid, _ in stopped] == [7]
 
 
 def test_every_flag_has_help() -> None:
@@ -212,22 +229,21 @@ def test_scheduler_options_checked_before_the_model_loads() -> None:
 
 def test_build_sampling() -> None:
     limits = Limits(vocab_size=1000, max_model_len=64)
-    proto, builder = Protocol(limits, set()), Builder("m", limits, {"temperature": 0.2, "top_k": 20})
+    proto, builder = Protocol(limits), Builder("m", limits, {"temperature": 0.2, "top_k": 20})
     job = builder.completion(proto.completion(prompt="x", top_k=0, stop="x", temperature=0))
     d = job.msgs[0].sampling
     assert d["top_k"] == -1 and d["stop"] == ["x"] and d["max_tokens"] == 16  # OpenAI's completions default
     assert d["temperature"] == 0 and d["top_p"] == 1.0  # the request wins; then the model; then OpenAI
     d = builder.completion(proto.completion(prompt="x")).msgs[0].sampling
     assert (d["temperature"], d["top_k"]) == (0.2, 20)
-    assert "presence_penalty" not in d and "logit_bias" not in d  # neutral fields are not sent
-    # What the schema cannot state is checked here: min_tokens <= max_tokens (or, on an engine
-    # build without min_tokens, that it is missing), logprobs needed by top_logprobs, the model.
-    full = Protocol(limits, {"min_tokens"})
+    assert (d["presence_penalty"], d["repetition_penalty"], d["logit_bias"], d["min_tokens"]) == (0.0, 1.0, None, 0)
+    # What the schema cannot state is checked here: min_tokens <= max_tokens, logprobs needed by
+    # top_logprobs, the model.
     with pytest.raises(ApiError) as e:
-        builder.completion(full.completion(prompt="x", min_tokens=20, max_tokens=5))
+        builder.completion(proto.completion(prompt="x", min_tokens=20, max_tokens=5))
     assert e.value.param == "min_tokens" and e.value.status == 400
     with pytest.raises(ApiError) as e:
-        builder.chat(full.chat(messages=[{"role": "user", "content": "x"}], top_logprobs=0, logprobs=False,
+        builder.chat(proto.chat(messages=[{"role": "user", "content": "x"}], top_logprobs=0, logprobs=False,
                                stream_options={"include_usage": True}))
     assert e.value.param == "stream_options"
     with pytest.raises(ApiError) as e:

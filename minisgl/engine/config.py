@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.spec.config import SpecConfig, make_spec_config
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
@@ -39,6 +41,13 @@ class EngineConfig:
     # Batch-invariant kernels: a request's tokens and logprobs do not depend on what is
     # batched with it, on chunking or on prefix-cache hits (README "Determinism").
     deterministic: bool = False
+    # Speculative decoding (minisgl/spec/); None: off, and nothing of it is built or paid.
+    speculative_algorithm: str | None = None  # "ngram" | "draft" | "eagle3"
+    speculative_num_draft_tokens: int = 4
+    speculative_draft_model: str | None = None
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
+    speculative_draft_table: str | None = None  # JSON: draft tokens per batch size (spec_tune.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -68,6 +77,18 @@ class EngineConfig:
                 f"device {self.device!r} names one GPU and base_gpu_id {self.base_gpu_id} another: "
                 f"give device='{d.type}' with base_gpu_id, or the device alone"
             )
+        object.__setattr__(self, "_spec", self._build_spec())  # validated once, here
+
+    @property
+    def spec(self) -> SpecConfig | None:
+        """The speculative-decoding settings, or None when speculation is off."""
+        return self._spec  # type: ignore[attr-defined]
+
+    def _build_spec(self) -> SpecConfig | None:
+        return make_spec_config(
+            self.speculative_algorithm, self.speculative_num_draft_tokens, self.speculative_draft_model,
+            self.speculative_ngram_min, self.speculative_ngram_max, self.speculative_draft_table,
+        )
 
     @property
     def torch_device(self) -> torch.device:

@@ -10,6 +10,7 @@ from minisgl.distributed.communicator import make_communicator, min_across_ranks
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.config import DTYPES, EngineConfig
+from minisgl.engine.deterministic import check_deterministic, sample_per_row
 from minisgl.engine.logits_plan import LogitsPlan, StepOutput, sample_with_plan
 from minisgl.engine.penalty_state import PenaltyState
 from minisgl.engine.prompt import check_prompt
@@ -23,6 +24,7 @@ from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.source import ModelSource, resolve_model
 from minisgl.models.weights import fill_dummy, iter_safetensors
 from minisgl.ops import _checks
+from minisgl.spec.drafter import Drafter
 
 log = get_logger("minisgl.engine")
 
@@ -48,6 +50,27 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return ModelConfig.from_folder(source.path)
 
 
+def load_model(engine: Engine, source: ModelSource, model_cfg: ModelConfig, seed: int) -> LlamaForCausalLM:
+    """A Llama-family model on the engine's device, dtype and TP ranks, with its weights (the
+    target, or a draft model for speculative decoding)."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(engine.dtype)
+    try:
+        with torch.device(engine.device):
+            model = LlamaForCausalLM(model_cfg, engine.tp, engine.comm, engine.max_model_len, engine.device)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if engine.cfg.load_format == "dummy":
+        fill_dummy(model, seed)
+    elif source.is_gguf:
+        from minisgl.models.gguf_file import gguf_config, iter_gguf
+
+        model.load_weights(iter_gguf(source.path, gguf_config(source.path)))
+    else:
+        model.load_weights(iter_safetensors(source.path))
+    return model.eval()
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.closed = False
@@ -65,7 +88,7 @@ class Engine:
         mc.check_tp(cfg.tp_size)
         self.tp = TPInfo(cfg.tp_rank, cfg.tp_size)
         if cfg.deterministic:
-            _check_deterministic(mc, self.tp)
+            check_deterministic(cfg, mc, self.tp)
         self.comm, self.cpu_group = make_communicator(
             self.tp, self.device, cfg.dist_init_addr, cfg.custom_nccl, cfg.custom_all_reduce
         )
@@ -76,6 +99,13 @@ class Engine:
             self._tune_gemms()
         self.num_q_heads = self.model.model.layers[0].self_attn.num_heads
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        # Speculative decoding: the drafter (and its model) load before the KV pool is sized.
+        self.drafter: Drafter | None = None
+        if cfg.spec is not None:
+            from minisgl.spec.factory import build_drafter
+
+            self.drafter = build_drafter(self, cfg.spec)
+            self.model.model.aux_layers = self.drafter.aux_layers
         num_pages = cfg.num_pages or self._default_num_pages(kv_heads)
         if self.tp.size > 1:
             # Every rank must admit, evict and retract alike (lockstep): the same pool on all,
@@ -83,6 +113,8 @@ class Engine:
             num_pages = min_across_ranks(num_pages, self.cpu_group)
         self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
         self.allocator = PageAllocator(num_pages, cfg.page_size)
+        if self.drafter is not None:  # its own KV pool, indexed by the same slots
+            self.drafter.allocate_kv(num_pages, cfg.page_size)
         self.table = RequestTable(cfg.max_running_requests, self.max_model_len, self.device)
         # The last sampled token of each request-table row. Decode steps read their input ids
         # from here on the device, so step N+1 can be launched before the host has read step
@@ -116,22 +148,7 @@ class Engine:
         return self.cfg.max_model_len
 
     def _build_model(self) -> LlamaForCausalLM:
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with torch.device(self.device):
-                model = LlamaForCausalLM(self.model_config, self.tp, self.comm, self.max_model_len, self.device)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if self.cfg.load_format == "dummy":
-            fill_dummy(model, self.cfg.seed)
-        elif self.source.is_gguf:
-            from minisgl.models.gguf_file import gguf_config, iter_gguf
-
-            model.load_weights(iter_gguf(self.source.path, gguf_config(self.source.path)))
-        else:
-            model.load_weights(iter_safetensors(self.source.path))
-        return model.eval()
+        return load_model(self, self.source, self.model_config, self.cfg.seed)
 
     def _tune_gemms(self) -> None:
         """Measures (or loads from the cache) where the skinny GEMM beats cuBLAS for this
@@ -146,6 +163,7 @@ class Engine:
     def _default_num_pages(self, kv_heads: int) -> int:
         mc, ps = self.model_config, self.cfg.page_size
         per_token = KVPool.bytes_per_token_for(mc.num_layers, kv_heads, mc.head_dim, self.dtype)
+        per_token += self.drafter.kv_bytes_per_token() if self.drafter is not None else 0
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
@@ -293,7 +311,7 @@ class Engine:
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logprobs of the chosen tokens under the raw logits)."""
         if self.cfg.deterministic:
-            return _sample_per_row(logits, st)
+            return sample_per_row(logits, st)
         if st.all_greedy:  # no randomness: skip the sampling kernel
             tokens = logits.argmax(dim=-1)
             # log_softmax at one index, without writing a [B, vocab] tensor every step.
@@ -303,9 +321,11 @@ class Engine:
 
     @torch.inference_mode()
     def run_batch(self, batch: ForwardBatch, st: SamplingTensors, plan: LogitsPlan | None = None) -> StepOutput:
-        """Forward + (penalties, bias, logprob alternatives as `plan` says) + sample; the sampled
-        tokens also go to `token_buffer` (the next decode's inputs). A prefill chunk's row
-        samples too; the scheduler drops that token."""
+        """Forward + (penalties, bias, grammar mask, logprob alternatives as `plan` says) + sample;
+        the sampled tokens also go to `token_buffer` (the next decode's inputs). A prefill
+        chunk's row samples too; the scheduler drops that token. The plan's mask runs on the host
+        once the forward is launched; under CUDA graphs the logits are the graph's output
+        buffer, so it changes them outside the graph."""
         logits = self.forward(batch)
         if plan is None:
             out = StepOutput(*self.sample(logits, st))
@@ -313,6 +333,22 @@ class Engine:
             out = sample_with_plan(logits, st, plan, self.penalties, self.sample)
         self.token_buffer[batch.req_rows.long()] = out.tokens
         return out
+
+    @torch.inference_mode()
+    def verify(
+        self, batch: ForwardBatch, drafts: torch.Tensor, st: SamplingTensors
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Speculative verify: `batch` is an extend of 1 + k_b tokens per request (its last
+        token, then its drafts int64 [B, K >= k_b]). Forward every position, accept on the
+        device (ops.spec_accept). Returns (tokens [B, K + 1], logprobs [B, K + 1],
+        num_accepted [B]): request b's new tokens are tokens[b, :num_accepted[b] + 1]; the
+        last of them goes to `token_buffer` (a plain decode may follow)."""
+        logits = self.forward(batch, all_positions=True)
+        tokens, logprobs, num_acc = ops.spec_accept(
+            logits, batch.cu_seqlens_q, drafts, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps
+        )
+        self.token_buffer[batch.req_rows.long()] = tokens.gather(1, num_acc.long()[:, None]).squeeze(1)
+        return tokens, logprobs, num_acc
 
     # ---- helpers for tests and prompt scoring ----
 
@@ -346,31 +382,3 @@ class Engine:
 
     def check_prompt(self, ids: list[int]) -> None:
         check_prompt(ids, self.max_model_len, self.model_config.vocab_size)
-
-
-def _check_deterministic(mc: ModelConfig, tp: TPInfo) -> None:
-    """Deterministic mode covers what its kernels cover; refuse the rest by name."""
-    if mc.moe is not None:
-        raise ValueError("deterministic mode does not cover MoE models yet (the grouped GEMM's tiles depend on M)")
-    if tp.size > 1:
-        import os
-
-        # NCCL picks its algorithm and protocol by message size and topology: pin them, so an
-        # all-reduce's summation order does not change with the batch's token count.
-        os.environ.setdefault("NCCL_ALGO", "Ring")
-        os.environ.setdefault("NCCL_PROTO", "Simple")
-
-
-def _sample_per_row(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic mode's sampler: each row alone. The GPU kernel (ops.sample) is one program
-    per row already, greedy rows included (exact argmax; log_softmax by the row's own program),
-    unlike torch's argmax/logsumexp, whose reduction split depends on the batch size. On the
-    CPU the torch reference runs on one [1, V] row at a time."""
-    if logits.device.type == "cuda":
-        return ops.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
-    parts = [
-        ops.sample(logits[i : i + 1], st.temperature[i : i + 1], st.top_k[i : i + 1], st.top_p[i : i + 1],
-                   st.min_p[i : i + 1], st.seeds[i : i + 1], st.steps[i : i + 1])
-        for i in range(logits.shape[0])
-    ]
-    return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])

@@ -3,8 +3,8 @@
 `LogitsSpec` is built once per request (at add) from its SamplingParams; `LogitsPlan` once
 per step from the specs of the batch's rows: device tensors for the penalty op (only the rows
 that need it), for the count update after sampling, for the top-k logprobs of the rows that
-ask, and for prompt logprobs. A batch whose rows ask for none of it gets no plan at all and
-pays nothing.
+ask, and for prompt logprobs; plus the step's grammar mask (a host callback, see
+`LogitsMask`). A batch whose rows ask for none of it gets no plan at all and pays nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ from minisgl import ops
 from minisgl.engine.penalty_state import PenaltyState
 from minisgl.engine.sampler import SamplingTensors
 from minisgl.engine.sampling_params import SamplingParams
+
+# Changes the fp32 [B, V] sampled rows' logits in place (a grammar's token mask), after the
+# penalties and before sampling. It runs on the host once the step's forward is launched, so it
+# may wait for the host state it needs (the scheduler's in-flight tokens) while the forward runs.
+LogitsMask = Callable[[torch.Tensor], None]
 
 
 class LogitsSpec:
@@ -101,19 +106,31 @@ class LogitsPlan:
     top_k: int  # the largest k among them (each row keeps its own first k)
     prompt_targets: torch.Tensor | None  # int64 [E]: the prompt token each extra logits row predicts
     prompt_k: int
+    mask: LogitsMask | None = None
+    # int64 [r] batch rows whose logits the penalty op or the mask changes and whose chosen
+    # token's logprob is reported: they keep a raw copy for it.
+    raw_rows: torch.Tensor | None = None
 
     @staticmethod
     def build(
         specs: Sequence[LogitsSpec | None], generated: Sequence[int], samples: Sequence[bool],
         state_rows: Sequence[int], prompt_targets: Sequence[int], prompt_k: int, device: torch.device,
+        mask: LogitsMask | None = None, masked: Sequence[bool] | None = None, reports: Sequence[bool] | None = None,
     ) -> LogitsPlan | None:
         """Row i of the batch: its spec, tokens generated before this step, whether it samples,
-        its request-table row. `prompt_targets`: the extra logits rows' next prompt tokens."""
+        its request-table row, whether `mask` may change it (masked; None: no row) and whether
+        its chosen token's logprob is reported (reports; None: every row's).
+        `prompt_targets`: the extra logits rows' next prompt tokens."""
         pen: list[int] = []
         ptr, ids, vals = [0], [], []
-        counted, tops = [], []
+        counted, tops, raw = [], [], []
         for i, (spec, gen, sampled) in enumerate(zip(specs, generated, samples)):
-            if spec is None or not sampled:  # a prefill chunk's token is dropped: nothing to do
+            if not sampled:  # a prefill chunk's token is dropped: nothing to do
+                continue
+            changed = masked is not None and masked[i]
+            if spec is None:
+                if changed and (reports is None or reports[i]):
+                    raw.append(i)
                 continue
             s_ids, s_vals = spec.sparse(gen)
             if spec.tracks_counts or s_ids:
@@ -121,11 +138,14 @@ class LogitsPlan:
                 ids.extend(s_ids)
                 vals.extend(s_vals)
                 ptr.append(len(ids))
+                changed = True
+            if changed and (reports is None or reports[i]):
+                raw.append(i)
             if spec.tracks_counts:
                 counted.append(i)
             if spec.top_logprobs:
                 tops.append(i)
-        if not pen and not counted and not tops and not prompt_targets:
+        if not pen and not counted and not tops and not prompt_targets and mask is None:
             return None
         s_pen = [state_rows[i] for i in pen]
         rep = [specs[i].rep for i in pen]  # type: ignore[union-attr]
@@ -133,7 +153,7 @@ class LogitsPlan:
         freq = [specs[i].freq for i in pen]  # type: ignore[union-attr]
         i32 = _pack([pen, s_pen, ptr, ids], torch.int32, device)
         f32 = _pack([rep, pres, freq, vals], torch.float32, device)
-        i64 = _pack([pen, counted, [state_rows[i] for i in counted], tops, prompt_targets], torch.int64, device)
+        i64 = _pack([pen, counted, [state_rows[i] for i in counted], tops, prompt_targets, raw], torch.int64, device)
         penalty = PenaltyArgs(i32[0], i64[0], i32[1], *f32[:3], i32[2], i32[3], f32[3]) if pen else None
         return LogitsPlan(
             penalty=penalty,
@@ -141,6 +161,7 @@ class LogitsPlan:
             top_rows=i64[3] if tops else None, top_rows_cpu=tops,
             top_k=max((specs[i].top_logprobs for i in tops), default=0),  # type: ignore[union-attr]
             prompt_targets=i64[4] if prompt_targets else None, prompt_k=prompt_k,
+            mask=mask, raw_rows=i64[5] if raw else None,
         )
 
 
@@ -169,14 +190,15 @@ def sample_with_plan(
     sample: Callable[[torch.Tensor, SamplingTensors], tuple[torch.Tensor, torch.Tensor]],
 ) -> StepOutput:
     """logits fp32 [B + E, V]: the B sampled rows, then E extra rows for prompt logprobs.
-    Logprobs are of the raw logits, so they are taken before the penalty op changes them in
-    place; a penalized row's chosen-token logprob comes from a copy of its raw row.
+    Logprobs are of the raw logits, so they are taken before the penalty op and the mask change
+    them in place; a changed row's chosen-token logprob comes from a copy of its raw row (only
+    for the rows that report it: plan.raw_rows).
 
-    Order (the hook points for another per-row logits processor, e.g. a grammar mask): raw
-    logprobs (prompt, alternatives) -> penalties/bias/min_tokens in place -> [a mask goes
-    here, in place on `logits[:b]`, before `sample`] -> sample -> raw chosen logprobs -> count
-    update. A processor that must run on a row makes the step build a plan (LogitsPlan.build
-    returns None only when no row needs anything): with no plan, Engine.run_batch just samples."""
+    Order: raw logprobs (prompt, alternatives) -> raw copy -> penalties/bias/min_tokens in
+    place -> mask in place on `logits[:b]` -> sample -> raw chosen logprobs -> count update.
+    Another per-row logits processor goes beside the mask; a processor that must run on a row
+    makes the step build a plan (LogitsPlan.build returns None only when no row needs
+    anything): with no plan, Engine.run_batch just samples."""
     b = st.temperature.numel()
     out = StepOutput(tokens=logits.new_empty(0, dtype=torch.int64), logprobs=logits.new_empty(0))
     if plan.prompt_targets is not None:
@@ -186,19 +208,20 @@ def sample_with_plan(
     logits = logits[:b]
     if plan.top_rows is not None:
         _, out.top_ids, out.top_logprobs = ops.top_logprobs(logits.index_select(0, plan.top_rows), plan.top_k)
+    raw = logits.index_select(0, plan.raw_rows) if plan.raw_rows is not None else None
     pen = plan.penalty
-    raw = None
     if pen is not None:
-        raw = logits.index_select(0, pen.rows_long)
         counts, prompt = state.buffers()
         ops.apply_penalties(logits, pen.rows, pen.state_rows, counts, prompt, pen.rep, pen.pres, pen.freq,
                             pen.bias_ptr, pen.bias_ids, pen.bias_vals)
+    if plan.mask is not None:
+        plan.mask(logits)
     out.tokens, out.logprobs = sample(logits, st)
     if raw is not None:
-        assert pen is not None
-        chosen = out.tokens.index_select(0, pen.rows_long)[:, None]
+        assert plan.raw_rows is not None
+        chosen = out.tokens.index_select(0, plan.raw_rows)[:, None]
         raw_lp = raw.gather(1, chosen).squeeze(1) - ops.logsumexp_rows(raw)
-        out.logprobs.index_copy_(0, pen.rows_long, raw_lp)
+        out.logprobs.index_copy_(0, plan.raw_rows, raw_lp)
     if plan.count_rows is not None:
         assert plan.count_state_rows is not None
         state.record(plan.count_state_rows, out.tokens.index_select(0, plan.count_rows))

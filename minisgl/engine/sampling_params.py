@@ -2,7 +2,7 @@
 
 Logits pipeline of one sampled token (all per request, on the device):
   raw logits ──▶ repetition penalty ──▶ presence/frequency penalties ──▶ logit_bias
-            ──▶ min_tokens mask ──▶ temperature ──▶ top-k ──▶ top-p ──▶ min-p ──▶ draw.
+            ──▶ min_tokens mask ──▶ grammar mask ──▶ temperature ──▶ top-k ──▶ top-p ──▶ min-p ──▶ draw.
 Reported log-probabilities (the chosen token's, `top_logprobs`, `prompt_logprobs`) are those of
 the raw logits: log_softmax before any of the steps above (vLLM's default "raw_logprobs").
 """
@@ -45,6 +45,15 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled before this many tokens
     top_logprobs: int = 0  # alternatives returned per generated token
     prompt_logprobs: int | None = None  # None: off; k: every prompt token's logprob + k alternatives
+    # Structured output (xgrammar), at most one of: a JSON schema (dict or JSON text), a regex,
+    # an EBNF grammar, or an xgrammar structural tag (dict or JSON text).
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict | None = None
+    # The grammar constrains only what follows the first occurrence of this token (a reasoning
+    # model's end of thinking, e.g. Qwen3's `</think>`); None: from the first token.
+    grammar_after_token: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +97,7 @@ class SamplingParams:
             raise ValueError(
                 f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
             )
+        self._validate_grammar()
 
     def _validate_logit_bias(self) -> None:
         """Token ids must be ints >= 0 (the vocabulary bound is checked where the vocabulary is
@@ -101,6 +111,20 @@ class SamplingParams:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
             if not _is_real(bias) or not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}")
+
+    def _validate_grammar(self) -> None:
+        from minisgl.grammar.spec import GRAMMAR_FIELDS, normalize_grammar_field
+
+        given = []
+        for name in GRAMMAR_FIELDS:
+            setattr(self, name, normalize_grammar_field(name, getattr(self, name)))
+            if getattr(self, name) is not None:
+                given.append(name)
+        if len(given) > 1:
+            raise ValueError(f"{given[0]}: only one of {', '.join(GRAMMAR_FIELDS)} may be set, got {', '.join(given)}")
+        t = self.grammar_after_token
+        if t is not None and (not _is_int(t) or t < 0):
+            raise ValueError(f"grammar_after_token must be a token id or None, got {t!r}")
 
     @property
     def greedy(self) -> bool:

@@ -71,6 +71,7 @@ class UserReply:
     token_bytes: list[bytes] | None = None
     top_logprobs: list[list[list]] | None = None
     prompt: PromptEcho | None = None  # first reply only, when asked
+    reasoning_open: bool = False  # DetokInit.reasoning_open, on the request's first reply
 
 
 @message
@@ -96,6 +97,10 @@ class StatsMsg:
     dp_rank: int = 0
     load_tokens: int = 0
     received: int = 0
+    # Speculative decoding, cumulative: draft tokens proposed and accepted, request-steps verified.
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_verified: int = 0
 
 
 @message

@@ -33,6 +33,9 @@ class TokenizeMsg:
     add_generation_prompt: bool = True  # messages: end the template with the assistant's turn
     return_prompt: bool = False  # the first reply carries the prompt's tokens (echo, prompt logprobs)
     mode: str = "generate"  # "generate" | "tokenize"
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
+    reasoning: str | None = None  # the reasoning parser: a grammar starts after its block
 
 
 @message
@@ -52,6 +55,9 @@ class AbortMsg:
 
     uid: int
     reason: str = "abort"
+    # `stop`: the output tokens up to the one that completed the stop string. A step can bring
+    # several tokens (speculative decoding); the scheduler drops any after these.
+    keep_tokens: int | None = None
 
 
 @message
@@ -69,6 +75,7 @@ class DetokInit:
     top_logprobs: int = 0  # alternatives per token the request asked for
     prompt_ids: list[int] | None = None  # set when the first reply must render the prompt
     prompt_logprobs: bool = False  # the first TokenOut carries prompt logprobs to render
+    reasoning_open: bool = False  # the prompt ends inside a reasoning block (the output starts in it)
 
 
 @message

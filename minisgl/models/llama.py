@@ -105,12 +105,24 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, comm)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, comm, rope) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # EAGLE-3 drafting reads the residual stream entering these layers (len(layers): the
+        # stream after the last one), concatenated in this order into aux_hidden [T, n * hidden]
+        # by every forward. None (the default): nothing is captured and nothing is copied.
+        self.aux_layers: tuple[int, ...] | None = None
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         residual = None
-        for layer in self.layers:
+        aux: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if self.aux_layers is not None and i in self.aux_layers:
+                aux.append(x if residual is None else x + residual)
             x, residual = layer(batch.positions, x, residual, batch, attn)
+        if self.aux_layers is not None:
+            if len(self.layers) in self.aux_layers:
+                aux.append(x + residual)
+            self.aux_hidden = torch.cat(aux, dim=-1)
         return self.norm.forward_with_residual(x, residual)[0]
 
 

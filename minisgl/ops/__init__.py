@@ -20,10 +20,13 @@ from minisgl.ops.penalties import apply_penalties
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
 from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
+from minisgl.ops.spec_accept import spec_accept
 from minisgl.ops.store import store_kv, store_kv_reference
+from minisgl.ops.token_bitmask import apply_token_bitmask
 
 __all__ = [
     "apply_penalties",
+    "apply_token_bitmask",
     "apply_rope",
     "decode_attention_triton",
     "embedding_lookup",
@@ -49,6 +52,7 @@ __all__ = [
     "silu_and_mul",
     "skinny_gemm",
     "skinny_gemm_reference",
+    "spec_accept",
     "store_kv",
     "store_kv_reference",
     "top_logprobs",

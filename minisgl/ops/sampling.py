@@ -10,6 +10,22 @@ from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_same_device, check_shape, check_tensor
 
 
+def check_sampling_params(
+    b: int, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    seeds: torch.Tensor, steps: torch.Tensor,
+) -> None:
+    """The per-row sampling parameters of `sample` (and of `spec_accept`, per request): dtypes,
+    [b] shapes, packed."""
+    for name, t, dtype in (
+        ("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
+        ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
+        ("seeds", seeds, torch.int64), ("steps", steps, torch.int64),
+    ):
+        check_tensor(name, t, dtype=dtype, ndim=1)
+        check_shape(name, t, (b,))
+        check_contiguous(name, t)
+
+
 def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
@@ -23,15 +39,7 @@ def sample(
     check_tensor("logits", logits, dtype=torch.float32, ndim=2)
     if logits.stride(1) != 1 and logits.shape[1] > 1:
         raise ValueError(f"logits must be packed in its last dimension, got strides {logits.stride()}")
-    b = logits.shape[0]
-    for name, t, dtype in (
-        ("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
-        ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
-        ("seeds", seeds, torch.int64), ("steps", steps, torch.int64),
-    ):
-        check_tensor(name, t, dtype=dtype, ndim=1)
-        check_shape(name, t, (b,))
-        check_contiguous(name, t)
+    check_sampling_params(logits.shape[0], temperature, top_k, top_p, min_p, seeds, steps)
     check_same_device(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p,
                       min_p=min_p, seeds=seeds, steps=steps)
     if logits.shape[1] == 0:

@@ -73,6 +73,14 @@ class RequestKV:
         self._write(req.row, start, new)
         return True
 
+    def shrink(self, req: Request, tokens: int) -> None:
+        """Frees the request's private pages past the first `tokens` positions (the slots of
+        rejected draft tokens). Table entries past them go stale; a later grow rewrites them."""
+        keep = max(self.pages_for(tokens), len(req.match.pages) if req.match is not None else 0)
+        if keep < len(req.pages):
+            self.allocator.free(req.pages[keep:])
+            del req.pages[keep:]
+
     def reserve(self, pages: int) -> bool:
         """Makes `pages` pages free, evicting least-recently-used cached prefixes."""
         short = pages - self.allocator.free_pages

@@ -19,6 +19,8 @@ import zmq
 from minisgl.dp.placement import share_cpu
 from minisgl.engine.engine import Engine
 from minisgl.engine.sampling_params import SamplingParams
+from minisgl.grammar.compiler import GrammarCompiler
+from minisgl.grammar.spec import grammar_spec
 from minisgl.logging_setup import get_logger
 from minisgl.message import (
     AbortMsg,
@@ -40,6 +42,7 @@ from minisgl.server.child import report_ready
 
 log = get_logger("minisgl.scheduler")
 STATS_INTERVAL_S = 0.1
+GRAMMAR_POLL_MS = 2  # how often an idle rank 0 checks for finished grammar compiles
 # With TP, idle rank 0 still broadcasts (an empty input list) this often, so the other ranks'
 # collectives never wait long enough to time out.
 TP_IDLE_POLL_MS = 1000
@@ -57,15 +60,25 @@ def logprob_extras(req: Request, start: int, first: bool) -> tuple[list | None, 
     return top, prompt
 
 
-def scheduler_builder(options: dict[str, Any]) -> Callable[[Engine], Scheduler]:
+def scheduler_builder(options: dict[str, Any], args: Any = None) -> Callable[[Engine], Scheduler]:
     """Checks the scheduler options now (before the model loads) and returns a function that
-    builds the scheduler for an engine."""
+    builds the scheduler for an engine (with a grammar compiler that loads the server's
+    tokenizer the first time a request has a grammar)."""
     fields = set(SchedulerConfig.__dataclass_fields__)
     unknown = sorted(set(options) - fields)
     if unknown:
         raise ValueError(f"unknown scheduler option(s): {', '.join(unknown)}")
     SchedulerConfig(**options)  # validates the values
-    return lambda engine: Scheduler(engine, scheduler_config(options, engine.attn.name, engine.device.type))
+
+    def build(engine: Engine) -> Scheduler:
+        grammars = None
+        if args is not None:
+            from minisgl.tokenizer.worker import load_server_tokenizer
+
+            grammars = GrammarCompiler(lambda: load_server_tokenizer(args), engine.model_config.vocab_size)
+        return Scheduler(engine, scheduler_config(options, engine.attn.name, engine.device.type), grammars)
+
+    return build
 
 
 def scheduler_stats(sched: Scheduler) -> tuple[int, int, int, int]:
@@ -84,6 +97,9 @@ def load_tokens(sched: Scheduler) -> int:
 class SchedulerProcess:
     def __init__(self, engine: Engine, sched: Any, addrs: Any, start: StartMsg, dp_rank: int = 0) -> None:
         self.engine, self.sched, self.dp_rank = engine, sched, dp_rank
+        # Requests whose grammar compiles on the worker thread: added once it is ready, so a
+        # compile never stalls the batch (the other ranks start compiling at the same time).
+        self.compiling: list[tuple[Request, Any]] = []
         ctx = zmq.Context()
         self.inbox = pull_socket(ctx, addrs.scheduler)
         self.to_detok = push_socket(ctx, addrs.detokenizer)
@@ -97,7 +113,6 @@ class SchedulerProcess:
         self.reqs: dict[int, Request] = {}
         self.inits: dict[int, DetokInit] = {}  # until the request's first TokenOut carries it
         self.sent: dict[int, int] = {}  # output tokens already sent, per uid
-        self.want_logprobs: set[int] = set()
         self.sync = InputSync(engine.tp.rank, engine.tp.size, engine.cpu_group)
         self.inputs: list[Input] = []  # this step's inputs, applied on every rank in lockstep
         self.synced: dict[int, Request] = {}  # the uid -> request map apply_inputs keeps
@@ -109,7 +124,8 @@ class SchedulerProcess:
         """Every input waiting now (blocking for the first one when idle; with TP at most
         TP_IDLE_POLL_MS, see there)."""
         if block:
-            self.poller.poll(TP_IDLE_POLL_MS if self.sync.size > 1 else None)
+            timeout = GRAMMAR_POLL_MS if self.compiling else (TP_IDLE_POLL_MS if self.sync.size > 1 else None)
+            self.poller.poll(timeout)
         msgs = []
         while (m := recv_nowait(self.inbox)) is not None:
             msgs.append(m)
@@ -122,7 +138,7 @@ class SchedulerProcess:
         elif isinstance(msg, AbortMsg):
             req = self.reqs.get(msg.uid)
             if req is not None:  # unknown: already finished (requests and aborts are in order)
-                self.inputs.append(("finish", msg.uid, msg.reason))
+                self.inputs.append(("finish", msg.uid, msg.reason, msg.keep_tokens))
                 if msg.reason == "abort" and msg.uid not in self.inits:
                     # The detokenizer holds its decode state (it saw tokens): let it drop it.
                     send(self.to_detok, DetokenizeMsg([TokenOut(msg.uid, [], None, "abort")]))
@@ -138,19 +154,40 @@ class SchedulerProcess:
             params = SamplingParams(**msg.sampling)
             limit = min(len(msg.input_ids) + params.max_tokens, self.engine.max_model_len)
             req = Request(msg.uid, list(msg.input_ids), params, msg.seed, self.eos_ids, limit)
+            req.report_logprobs = bool(msg.detok.logprobs)
             self.sched.add_check(req)
         except ValueError as e:
             first = str(e).split(" ", 1)[0].rstrip(":")
             param = first if first in SamplingParams.__dataclass_fields__ else "max_tokens"
             send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param=param)]))
             return
-        self.inputs.append(("add", req))  # added on every rank at the next exchange
+        spec = grammar_spec(params)
+        if spec is not None and self.sched.grammar.compiler is not None:
+            self.compiling.append((req, self.sched.grammar.compiler.prefetch(spec)))
+            self.inputs.append(("grammar", spec))
+        else:
+            self.inputs.append(("add", req))  # added on every rank at the next exchange
         self.reqs[msg.uid] = req
         self.inits[msg.uid] = msg.detok
         self.sent[msg.uid] = 0
-        if msg.detok.logprobs:
-            self.want_logprobs.add(msg.uid)
         self.prompt_tokens += len(msg.input_ids)
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the lockstep input stream; a grammar that does
+        not compile fails its request with xgrammar's reason."""
+        waiting = []
+        for req, fut in self.compiling:
+            if self.reqs.get(req.uid) is not req:
+                continue  # aborted while compiling
+            if not fut.done():
+                waiting.append((req, fut))
+            elif fut.exception() is not None:
+                err = UserReply(req.uid, error=str(fut.exception()), error_param=grammar_spec(req.params).kind)
+                send(self.to_api, ReplyBatch([err]))
+                self._forget(req.uid)
+            else:
+                self.inputs.append(("add", req))
+        self.compiling = waiting
 
     def emit(self, stepped: list[Request]) -> None:
         items = []
@@ -159,7 +196,7 @@ class SchedulerProcess:
             if self.reqs.get(uid) is not req:
                 continue  # aborted meanwhile
             start = self.sent[uid]
-            logprobs = req.logprobs[start:] if uid in self.want_logprobs else None
+            logprobs = req.logprobs[start:] if req.report_logprobs else None
             init = self.inits.pop(uid, None)
             if init is not None:  # first tokens: the prefill is done, its cache hits known
                 self.cache_hit_tokens += req.cache_hit_tokens
@@ -176,7 +213,6 @@ class SchedulerProcess:
         self.reqs.pop(uid, None)
         self.inits.pop(uid, None)
         self.sent.pop(uid, None)
-        self.want_logprobs.discard(uid)
 
     def send_stats(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -184,9 +220,11 @@ class SchedulerProcess:
             return
         self.last_stats = now
         running, queued, used, total = scheduler_stats(self.sched)
+        st = self.sched.stats()
         msg = StatsMsg(
             running, queued, used, total, self.prompt_tokens, self.cache_hit_tokens,
             self.dp_rank, load_tokens(self.sched), self.received,
+            st.get("spec_proposed", 0), st.get("spec_accepted", 0), st.get("spec_verified", 0),
         )
         send(self.to_stats, msg)
 
@@ -195,6 +233,8 @@ class SchedulerProcess:
         while True:
             for msg in self.receive(block=not self.sched.has_work):
                 self.apply(msg)
+            if self.compiling:
+                self.admit_compiled()
             inputs, self.inputs = self.inputs, []
             apply_inputs(self.sched, self.sync.exchange(inputs), self.synced)
             if self.sched.has_work:
@@ -210,14 +250,14 @@ def run_scheduler_rank(conn: Connection, args: Any, rank: int, dp_rank: int = 0)
     scheduler_builder(args.scheduler_options())  # the same checks as rank 0
     share_cpu(args.device, args.dp * args.tp if args.dp > 1 else 1)
     run_tp_worker(
-        args.engine_config(tp_rank=rank, dp_rank=dp_rank), args.scheduler_options(),
+        args.engine_config(tp_rank=rank, dp_rank=dp_rank), {**args.scheduler_options(), "tokenizer": args.tokenizer},
         on_ready=lambda: report_ready(conn, f"scheduler rank {rank}"),
     )
 
 
 def run_scheduler(conn: Connection, args: Any, addrs: Any, dp_rank: int = 0) -> None:
     """Scheduler rank 0 of replica `dp_rank` (`addrs` is that replica's view of the server)."""
-    build = scheduler_builder(args.scheduler_options())
+    build = scheduler_builder(args.scheduler_options(), args)
     share_cpu(args.device, args.dp * args.tp if args.dp > 1 else 1)
     engine = Engine(args.engine_config(tp_rank=0, dp_rank=dp_rank))
     sched = build(engine)

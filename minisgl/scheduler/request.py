@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from minisgl.engine.logits_plan import LogitsSpec
 from minisgl.engine.sampling_params import SamplingParams
 from minisgl.kvcache.prefix_cache import MatchResult
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler finds requests in its lists by identity, not by value
 class Request:
     uid: int
     prompt: list[int]
@@ -28,6 +29,11 @@ class Request:
     # Tokens sampled on the GPU whose values the host has not read yet (overlap scheduling).
     num_pending: int = 0
     cache_hit_tokens: int = 0  # prompt tokens served by the prefix cache (for metrics)
+    # Whether the chosen tokens' logprobs are reported (the server: when the request asked;
+    # offline LLM results always carry them). Only then must a row whose logits a penalty or
+    # a grammar mask changes keep a raw copy for them (`logprobs` holds whatever sampling saw
+    # otherwise).
+    report_logprobs: bool = True
     # Per generated token, when params.top_logprobs > 0: (token id, logprob), most likely first.
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # When params.prompt_logprobs is set: per prompt position, None at 0, else (logprob of the
@@ -35,6 +41,9 @@ class Request:
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     logits_spec: LogitsSpec | None = None  # penalties/bias/min_tokens/top_logprobs (set at add)
     history_ready: bool = False  # its penalty token history is built on its current table row
+    # Structured output: this request's grammar state (minisgl.grammar.RowGrammar), set by the
+    # scheduler at add on each rank (never broadcast: every rank builds its own).
+    grammar: Any = None
 
     @property
     def finished(self) -> bool:

@@ -23,17 +23,23 @@ import torch
 
 from minisgl.engine.engine import Engine
 from minisgl.engine.logits_plan import LogitsSpec, StepOutput
+from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.kvcache.prefix_cache import make_prefix_cache
+from minisgl.logging_setup import get_logger
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.grammar_rows import GrammarRows
 from minisgl.scheduler.kv import RequestKV
 from minisgl.scheduler.prefill import admit, finish_admitted
 from minisgl.scheduler.request import Request
+from minisgl.scheduler.spec_step import SpecStep
 from minisgl.scheduler.step_sampling import (
     StepSampling,
     add_prompt_logprobs,
     prepare_step_sampling,
     top_logprobs_by_row,
 )
+
+log = get_logger("minisgl.scheduler")
 
 
 @dataclass
@@ -46,9 +52,14 @@ class _InFlight:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, cfg: SchedulerConfig | None = None) -> None:
+    def __init__(
+        self, engine: Engine, cfg: SchedulerConfig | None = None, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.engine = engine
         self.cfg = cfg or SchedulerConfig()
+        self.grammar = GrammarRows(
+            grammars, engine.model_config.vocab_size, engine.cfg.max_running_requests, engine.device
+        )
         self.cache = make_prefix_cache(self.cfg.cache, engine.cfg.page_size)
         self.kv = RequestKV(engine, self.cache)
         self.waiting: deque[Request] = deque()
@@ -64,9 +75,15 @@ class Scheduler:
         self.prompt_logprob_rows = 512
         # (start, end) CUDA events around each step's device work, when a benchmark asks.
         self.gpu_timeline: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] | None = None
+        # Speculative decoding (minisgl/spec/): decode steps become verify steps.
+        self.spec = SpecStep(self) if engine.drafter is not None else None
         if engine.device.type == "cuda":
             # Everything the serving path runs is compiled (and captured) before it serves.
-            if self.cfg.cuda_graph:
+            if self.cfg.cuda_graph and self.spec is not None and self.spec.mirrors:
+                # The draft model's KV mirror (and EAGLE-3's residual-stream capture) of every
+                # target step is not in the graphs yet: those steps run eagerly (DESIGN.md §4).
+                log.warning("CUDA graphs are off with a %s drafter (eager steps)", engine.drafter.name)
+            elif self.cfg.cuda_graph:
                 engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, *self.graph_max_tokens)
             engine.warm_up_sampling()
 
@@ -101,14 +118,20 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.add_check(req)
+        self.grammar.attach(req)
         req.logits_spec = LogitsSpec.of(req.params, req.eos_ids, self.engine.model_config.vocab_size)
         self.waiting.append(req)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Ends a request early (stop string found by the caller, or abort) and frees its KV."""
+    def finish(self, req: Request, reason: str, keep_tokens: int | None = None) -> None:
+        """Ends a request early (stop string found by the caller, or abort) and frees its KV.
+        `keep_tokens`: output tokens to keep (a stop string inside a multi-token step); the KV
+        of the dropped ones is freed, not cached."""
         if req.finished and req.match is None:
             return
         req.finish_reason = reason
+        if keep_tokens is not None and keep_tokens < len(req.output):
+            del req.output[keep_tokens:], req.logprobs[keep_tokens:], req.top_logprobs[keep_tokens:]
+            req.cached_len = min(req.cached_len, req.total_len)
         if req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
@@ -123,6 +146,7 @@ class Scheduler:
             "kv_slots_used": total - free - self.cache.evictable_pages * self.engine.cfg.page_size,
             "kv_slots_cached": self.cache.cached_pages * self.engine.cfg.page_size,
             "retractions": self.num_retractions,
+            **(self.spec.stats() if self.spec is not None else {}),
         }
 
     def check_integrity(self) -> None:
@@ -152,6 +176,14 @@ class Scheduler:
                 self._decode_next = True
                 return True
         self._decode_next = False
+        if self.spec is not None:
+            reqs = self._decodable()
+            # Penalties, logit bias, min_tokens, logprob alternatives and grammar masks are not
+            # in the acceptance kernel yet: a batch holding such a request decodes plainly
+            # (lossless; a grammar must never be skipped).
+            if (reqs and self.spec.draft_tokens(len(reqs)) > 0
+                    and all(r.logits_spec is None and r.grammar is None for r in reqs)):
+                return self._launch_verify()
         return self._launch_decode()
 
     def _decodable(self) -> list[Request]:
@@ -201,6 +233,26 @@ class Scheduler:
             r.num_pending += 1
         self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay)
 
+    def _launch_verify(self) -> bool:
+        """A speculative step (scheduler/spec_step.py), synchronous: drafting needs every
+        token on the host, so the in-flight step is read first."""
+        self._drain()
+        reqs = self._decodable()
+        if not reqs:
+            return False
+        reqs = self._ensure_decode_slots(reqs)
+        timed = self.gpu_timeline is not None and self.engine.device.type == "cuda"
+        if timed:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+        self._pending_done.extend(self.spec.run(reqs))
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.gpu_timeline.append(("verify", len(reqs), start, end))
+        self.new_token_ratio = max(self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay)
+        return True
+
     def _ensure_decode_slots(self, reqs: list[Request]) -> list[Request]:
         """Every decoding request needs a slot for its next token. Out of KV: retract the
         requests with the least progress (their KV goes to the prefix cache, they requeue at
@@ -246,9 +298,12 @@ class Scheduler:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         self.kv.flush()
-        sampling = prepare_step_sampling(eng, reqs, samples, prefix, new)
+        masks = self.grammar.step_mask(reqs, samples, self._drain)
+        sampling = prepare_step_sampling(eng, reqs, samples, prefix, new, masks)
         batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new, extra_logit_rows=sampling.extra_logit_rows)
         out = eng.run_batch(batch, sampling.tensors, sampling.plan)
+        if self.spec is not None:  # a draft model's KV follows every target step
+            self.spec.after_plain_step(batch, reqs, samples, new, out.tokens)
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -275,6 +330,8 @@ class Scheduler:
             if req.finished:  # ended (abort, stop string, EOS) while this step was in flight
                 continue
             req.append(tok, lp, tops[i][: req.params.top_logprobs] if i in tops else None)
+            if req.grammar is not None and not req.finished:
+                self.grammar.advance(req, tok)
             done.append(req)
             if req.finished:
                 self._release(req)
@@ -291,4 +348,5 @@ class Scheduler:
         if req is self.prefilling:
             self.prefilling = None
         self.kv.release(req)
-
+        if self.spec is not None:
+            self.spec.release(req)

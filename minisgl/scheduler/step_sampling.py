@@ -1,6 +1,6 @@
 """A step's sampling inputs, built once per step from its requests (where the batch is built):
-SamplingTensors, the LogitsPlan (penalties, bias, min_tokens, top_logprobs), the extra logits
-rows of prompt logprobs, and the rebuild of penalty token histories on fresh table rows; and
+SamplingTensors, the LogitsPlan (penalties, bias, min_tokens, top_logprobs, the grammar mask),
+the extra logits rows of prompt logprobs, and the rebuild of penalty token histories on fresh table rows; and
 the logprob alternatives of its output, handed back to the requests that asked."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minisgl.engine.engine import Engine
-from minisgl.engine.logits_plan import LogitsPlan, StepOutput
+from minisgl.engine.logits_plan import LogitsMask, LogitsPlan, StepOutput
 from minisgl.engine.sampler import SamplingTensors
 from minisgl.scheduler.request import Request
 
@@ -24,8 +24,9 @@ class StepSampling:
 
 def prepare_step_sampling(
     engine: Engine, reqs: list[Request], samples: list[bool], prefix: list[int],
-    new: list[list[int] | None] | None,
+    new: list[list[int] | None] | None, masks: tuple[LogitsMask, list[bool]] | None = None,
 ) -> StepSampling:
+    """`masks`: the step's grammar mask and which rows it may change (None: no row has one)."""
     generated = [len(r.output) + r.num_pending for r in reqs]  # exact under overlap: values unknown
     tensors = SamplingTensors.build(
         [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
@@ -55,9 +56,11 @@ def prepare_step_sampling(
                     k = max(k, req.params.prompt_logprobs or 0)
             offset += len(toks)
     plan = None
-    if targets or any(r.logits_spec is not None for r in reqs):
+    if targets or masks is not None or any(r.logits_spec is not None for r in reqs):
+        mask, masked = masks if masks is not None else (None, None)
         plan = LogitsPlan.build(
-            [r.logits_spec for r in reqs], generated, samples, [r.row for r in reqs], targets, k, engine.device
+            [r.logits_spec for r in reqs], generated, samples, [r.row for r in reqs], targets, k, engine.device,
+            mask, masked, [r.report_logprobs for r in reqs],
         )
     return StepSampling(tensors, plan, extra, spans)
 

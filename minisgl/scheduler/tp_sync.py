@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from minisgl.scheduler.request import Request
 
-# Inputs: ("add", Request) | ("finish", uid, reason) | ("shutdown",)
+# Inputs: ("add", Request) | ("finish", uid, reason[, output tokens to keep]) | ("grammar", GrammarSpec)
+# | ("shutdown",). "grammar" starts compiling a grammar on every rank as soon as rank 0 sees a
+# request that needs it; rank 0 sends the request's "add" once its own compile is done.
 Input = tuple[Any, ...]
 
 
@@ -45,7 +47,10 @@ def apply_inputs(scheduler, inputs: list[Input], requests: dict[int, Request]) -
         elif item[0] == "finish":
             req = requests.pop(item[1], None)
             if req is not None:
-                scheduler.finish(req, item[2])
+                scheduler.finish(req, item[2], *item[3:])
+        elif item[0] == "grammar":
+            if scheduler.grammar.compiler is not None:
+                scheduler.grammar.compiler.prefetch(item[1])
         elif item[0] == "shutdown":
             return False
     return True

@@ -15,11 +15,18 @@ from minisgl.scheduler.tp_sync import InputSync, apply_inputs
 def run_tp_worker(
     engine_cfg: EngineConfig, options: dict[str, Any], on_ready: Callable[[], None] | None = None
 ) -> None:
+    from minisgl.grammar.compiler import GrammarCompiler
     from minisgl.scheduler.config import scheduler_config
     from minisgl.scheduler.scheduler import Scheduler
+    from minisgl.tokenizer.load import load_tokenizer
 
     engine = Engine(engine_cfg)
-    scheduler = Scheduler(engine, scheduler_config(options, engine.attn.name, engine.device.type))
+    # Every rank keeps its own grammar states: it compiles each grammar itself (the tokenizer
+    # loads the first time one is needed).
+    grammars = GrammarCompiler(
+        lambda: load_tokenizer(engine.source, None, options.get("tokenizer")), engine.model_config.vocab_size
+    )
+    scheduler = Scheduler(engine, scheduler_config(options, engine.attn.name, engine.device.type), grammars)
     if on_ready is not None:
         on_ready()
     sync = InputSync(engine.tp.rank, engine.tp.size, engine.cpu_group)

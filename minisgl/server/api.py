@@ -21,6 +21,7 @@ from minisgl.message import DecodeMsg
 from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
 from minisgl.server import openapi_doc
 from minisgl.server.build import Builder, Job
+from minisgl.server.chat_request import ChatFeatures
 from minisgl.server.errors import ApiError, from_validation
 from minisgl.server.frontend import ClientGone, Frontend
 from minisgl.server.gates import ApiKeyGate, BodyLimitGate, RequestGuard
@@ -49,7 +50,7 @@ class ServerInfo:
     api_key: str | None = None
     started: float = 0.0
     workers_alive: Callable[[], bool] = field(default=lambda: True)
-    engine_fields: set[str] | None = None  # SamplingParams' fields (None: this build's)
+    features: ChatFeatures = field(default_factory=ChatFeatures)  # tool-call and reasoning parsers
 
     def model_card(self) -> dict[str, Any]:
         return {
@@ -64,8 +65,8 @@ class ServerInfo:
 
 def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
     app = FastAPI(title="minisgl", version=package_version(), redoc_url=None)
-    P = Protocol(info.limits, info.engine_fields)
-    builder = Builder(info.model_name, info.limits, info.sampling_defaults)
+    P = Protocol(info.limits, tools=info.features.tool_format is not None)
+    builder = Builder(info.model_name, info.limits, info.sampling_defaults, info.features)
     _install_error_handlers(app)
     openapi_doc.install(app, info.api_key is not None, package_version())
     app.add_middleware(BodyLimitGate, limit=info.max_request_bytes)

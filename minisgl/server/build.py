@@ -13,6 +13,8 @@ from typing import Any
 
 from minisgl.message import TokenizeMsg
 from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
+from minisgl.parsers.tool_formats import ToolFormat
+from minisgl.server.chat_request import ChatFeatures, ChatPlan, plan_chat, template_messages
 from minisgl.server.errors import ApiError
 from minisgl.server.protocol import (
     ChatCompletionRequest,
@@ -25,17 +27,6 @@ from minisgl.server.protocol import (
 from minisgl.server.protocol_types import Limits
 from minisgl.tokenizer.worker import RequestError, checked_sampling
 
-# Engine fields sent only when they differ from these (what SamplingParams() means), so an
-# engine build without a field still serves every request that does not use it.
-NEUTRAL: dict[str, Any] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "logit_bias": None,
-    "min_tokens": 0,
-    "top_logprobs": 0,
-    "prompt_logprobs": None,
-}
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -52,13 +43,20 @@ class Job:
     echo_texts: list[str | None] | None = None  # echo: per prompt, its text (None: decode its ids)
     prompt_logprobs: int | None = None  # vLLM's extension field, when the request set it
     names: dict[str, str] = field(default_factory=dict)  # engine field -> request field
+    # Chat output parsing (render.py's ChatOutput): tool calls in this format, reasoning blocks.
+    tool_format: ToolFormat | None = None
+    max_calls: int | None = None  # 1 with parallel_tool_calls false
+    reasoning: str | None = None
 
 
 class Builder:
-    def __init__(self, model_name: str, limits: Limits, defaults: dict[str, Any]) -> None:
+    def __init__(
+        self, model_name: str, limits: Limits, defaults: dict[str, Any], features: ChatFeatures | None = None
+    ) -> None:
         self.model_name = model_name
         self.limits = limits
         self.defaults = defaults
+        self.features = features or ChatFeatures()
 
     def check_model(self, requested: str | None) -> None:
         if requested is not None and requested != self.model_name:
@@ -87,7 +85,7 @@ class Builder:
             "logit_bias": req.logit_bias or None,
             **extra,
         }
-        d.update({k: v for k, v in optional.items() if v != NEUTRAL[k]})
+        d.update(optional)
         probe = {**d, "max_tokens": self.limits.max_new_tokens if max_tokens is None else max_tokens}
         try:
             d["stop"] = checked_sampling(probe).stop
@@ -110,19 +108,37 @@ class Builder:
         if req.max_completion_tokens is not None:
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
         top = (req.top_logprobs or 0) if req.logprobs else 0
+        plan = self.plan(req)
         sampling = self.sampling(
             req, max_tokens, names, min_tokens=req.min_tokens, top_logprobs=top, prompt_logprobs=req.prompt_logprobs
         )
         msg = TokenizeMsg(
             [0] * req.n,
             messages=chat_messages(req.messages),
-            sampling=sampling,
+            sampling={**sampling, **plan.grammar},
             add_special_tokens=req.add_special_tokens,
             return_prompt=req.prompt_logprobs is not None,
+            tools=plan.template_tools,
+            chat_template_kwargs=req.chat_template_kwargs,
+            reasoning=self.features.reasoning,
             **self._output_options(req, req.logprobs),
         )
         return Job("chat", [msg], req.n, req.stream, _usage(req), top if req.logprobs else None, None,
-                   req.prompt_logprobs, names)
+                   req.prompt_logprobs, names, plan.tool_format, plan.max_calls, self.features.reasoning)
+
+    def plan(self, req: ChatCompletionRequest) -> ChatPlan:
+        """The output constraint and tool handling of a chat request (400 naming the field)."""
+
+        def dump(obj: Any) -> Any:
+            return obj.model_dump(by_alias=True, exclude_none=True) if hasattr(obj, "model_dump") else obj
+
+        tools = None if req.tools is None else [dump(t) for t in req.tools]
+        parallel = req.parallel_tool_calls is not False
+        try:
+            return plan_chat(dump(req.response_format), req.regex, req.ebnf, tools, dump(req.tool_choice), parallel,
+                             self.features.tool_format)
+        except ValueError as e:
+            raise ApiError(str(e), str(e).split(":", 1)[0]) from e
 
     def completion(self, req: CompletionRequest) -> Job:
         self._common(req)
@@ -192,15 +208,20 @@ class Builder:
         }
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """What the chat template sees: text content (parts joined); developer is system."""
-    return [
-        {
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """What the chat template sees: text content (parts joined); developer is system; an
+    assistant's tool calls (arguments as objects) and a tool result's call id and name."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {
             "role": "system" if m.role == "developer" else m.role,
             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []),
         }
-        for m in messages
-    ]
+        if m.tool_calls is not None:
+            d["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+        d.update({k: getattr(m, k) for k in ("tool_call_id", "name") if getattr(m, k) is not None})
+        out.append(d)
+    return template_messages(out)
 
 
 def _usage(req: SamplingFields) -> bool:

@@ -175,6 +175,19 @@ def _watch(children: list[Child], stop: threading.Event, on_death: Callable[[Chi
             return
 
 
+def chat_features(args: ServerArgs, tok_info: dict[str, Any]) -> Any:
+    """--tool-call-parser (auto: what the tokenizer found in the chat template) and
+    --reasoning-parser, as the API's output parsing uses them."""
+    from minisgl.parsers.tool_formats import tool_format
+    from minisgl.server.chat_request import ChatFeatures
+
+    name = tok_info.get("tool_format") if args.tool_call_parser == "auto" else args.tool_call_parser
+    if args.tool_call_parser == "auto":
+        log.info("tool-call parser: %s (from the chat template)", name or "none found")
+    fmt = tool_format(name) if name and name != "none" else None
+    return ChatFeatures(fmt, args.reasoning_parser)
+
+
 def _server_info(args: ServerArgs, start: StartMsg, children: list[Child]) -> Any:
     from minisgl.models.sampling_defaults import describe, model_sampling_defaults
     from minisgl.models.source import resolve_model
@@ -199,6 +212,7 @@ def _server_info(args: ServerArgs, start: StartMsg, children: list[Child]) -> An
         args.api_key,
         time.time(),
         lambda: all(c.process.is_alive() for c in children),
+        features=chat_features(args, next(c.info for c in children if c.name == "detokenizer")),
     )
 
 

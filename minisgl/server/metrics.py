@@ -69,6 +69,16 @@ class Metrics:
         self.cache_hit_rate = Gauge(
             "minisgl_prefix_cache_hit_rate", "Share of admitted prompt tokens served from the prefix cache", registry=r
         )
+        self.spec_proposed = Counter(
+            "minisgl_spec_draft_tokens", "Draft tokens proposed by speculative decoding", registry=r
+        )
+        self.spec_accepted = Counter("minisgl_spec_accepted_tokens", "Draft tokens the target accepted", registry=r)
+        self.spec_accept_length = Gauge(
+            "minisgl_spec_mean_accepted_length",
+            "Tokens a request gains per speculative step (accepted drafts + 1), mean since start",
+            registry=r,
+        )
+        self._spec_seen = (0, 0)  # the replicas' summed cumulative counts already added
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)  # export every series from the start, at 0
         self.replicas = ReplicaStats()  # per data-parallel replica (dp_rank label)
@@ -83,6 +93,12 @@ class Metrics:
         self.kv_used.set(s.kv_used)
         self.kv_total.set(s.kv_total)
         self.cache_hit_rate.set(s.cache_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
+        proposed, accepted = self._spec_seen
+        self.spec_proposed.inc(max(0, s.spec_proposed - proposed))
+        self.spec_accepted.inc(max(0, s.spec_accepted - accepted))
+        self._spec_seen = (max(proposed, s.spec_proposed), max(accepted, s.spec_accepted))
+        if s.spec_verified:
+            self.spec_accept_length.set((s.spec_accepted + s.spec_verified) / s.spec_verified)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,14 +12,23 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
-from minisgl.engine.sampling_params import SamplingParams
+from minisgl.server.protocol_structured import (
+    NEEDS_COMPILE,
+    ONE_CONSTRAINT,
+    NamedToolChoice,
+    ResponseFormat,
+    TemplateKwargs,
+    Tool,
+    ToolCall,
+)
 from minisgl.server.protocol_types import (
-        MAX_LOGPROBS,
+    MAX_LOGPROBS,
     MAX_N,
     SEED_MAX,
     SEED_MIN,
     Int,
     Limits,
+    Strict,
     completion_prompt,
     int_in,
     logit_bias,
@@ -35,10 +44,6 @@ SPACES = (
 )
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -49,12 +54,11 @@ class TextPart(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"] = Field(description="developer is sent as system")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="developer is sent as system")
     content: str | list[TextPart] | None = Field(default=None, description="text, or text parts (joined)")
-
-
-class ResponseFormat(Strict):
-    type: Literal["text"] = Field(description="only plain text output is supported")
+    tool_calls: list[ToolCall] | None = Field(default=None, description="an assistant's calls, for the template")
+    tool_call_id: str | None = Field(default=None, description="a tool result's call")
+    name: str | None = None
 
 
 class SamplingFields(Strict):
@@ -107,8 +111,23 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int | None = Field(default=None, description="max_tokens, by its newer name")
     logprobs: bool = False
     top_logprobs: Logprobs | None = Field(default=None, description="> 0 needs logprobs: true (not expressible)")
-    response_format: ResponseFormat | None = None
-    parallel_tool_calls: bool | None = Field(default=None, description=NO_EFFECT + " (no tools)")
+    response_format: ResponseFormat | None = Field(default=None, description=ONE_CONSTRAINT)
+    regex: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None, description="SGLang/vLLM: the output matches this regex; " + NEEDS_COMPILE
+    )
+    ebnf: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None,
+        description="SGLang/vLLM: the output follows this EBNF grammar (root rule `root`); " + NEEDS_COMPILE,
+    )
+    tools: list[Tool] | None = Field(
+        default=None, min_length=1, description="function tools (names unique: not expressible in the schema)"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description='default "auto" with tools; needs tools unless "none", and a named function must '
+        "be one of them (not expressible in the schema)"
+    )
+    parallel_tool_calls: bool | None = Field(default=None, description="false: at most one tool call (default true)")
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -204,51 +223,19 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-def _neutral_only(needs: str, value: Any, default: Any) -> Any:
-    """The type of a field this engine build cannot honour: only its neutral value (so the
-    schema still tells the truth), with a description that says why."""
-    why = Field(default=default, description=f"this engine build has no {needs}: only {value!r} is accepted")
-    if value is None:
-        return (None, why)
-    if isinstance(value, dict):
-        return (Annotated[dict[str, float], Field(max_length=0)] | None, why)
-    kind = int_in(value, value) if isinstance(value, int) else Annotated[float, Field(ge=value, le=value)]
-    return (kind if default is not None else kind | None, why)
-
-
-# Request field -> (the SamplingParams field it needs, its neutral value): issue 14's device side.
-_ENGINE_FEATURES = {
-    "presence_penalty": ("presence_penalty", 0.0),
-    "frequency_penalty": ("frequency_penalty", 0.0),
-    "repetition_penalty": ("repetition_penalty", 1.0),
-    "logit_bias": ("logit_bias", {}),
-    "min_tokens": ("min_tokens", 0),
-    "min_new_tokens": ("min_tokens", 0),
-    "top_logprobs": ("top_logprobs", 0),
-    "top_logprobs_num": ("top_logprobs", 0),
-    "logprobs": ("top_logprobs", 0),  # completions' (k alternatives), not chat's (a bool)
-    "prompt_logprobs": ("prompt_logprobs", None),
-}
-
-
 class Protocol:
     """The request models of one server, bounded by its model's vocabulary and context, and
-    by what its engine build can do (`engine_fields`: SamplingParams' fields)."""
+    by whether it parses tool calls (`tools`)."""
 
-    def __init__(self, limits: Limits, engine_fields: set[str] | None = None) -> None:
+    def __init__(self, limits: Limits, tools: bool = True) -> None:
         self.limits = limits
-        engine_fields = set(SamplingParams.__dataclass_fields__) if engine_fields is None else engine_fields
         ids_field = Annotated[token_ids(limits), Field()] | None
         new_tokens = int_in(1, limits.max_new_tokens) | None
         min_new = int_in(0, limits.max_new_tokens)
         top_k = int_in(-1, limits.vocab_size) | None
         bias = logit_bias(limits) | None
-        missing = {name: f for name, f in _ENGINE_FEATURES.items() if f[0] not in engine_fields}
 
         def model(name: str, base: type[BaseModel], **fields: Any) -> Any:
-            for k, (needs, neutral) in missing.items():
-                if k in base.model_fields and base.model_fields[k].annotation is not bool:
-                    fields[k] = _neutral_only(needs, neutral, base.model_fields[k].default)
             return create_model(name, __base__=base, **fields)
 
         shared: dict[str, Any] = {
@@ -258,8 +245,12 @@ class Protocol:
             "stop_token_ids": (ids_field, None),
             "logit_bias": (bias, None),
         }
-        self.chat = model("ChatCompletionRequest", ChatCompletionRequest, max_completion_tokens=(new_tokens, None),
-                          **shared)
+        chat_fields: dict[str, Any] = {"max_completion_tokens": (new_tokens, None)}
+        if not tools:  # no tool-call parser for the served model's output
+            why = "this server has no tool-call parser (start it with --tool-call-parser): only null is accepted"
+            chat_fields["tools"] = (None, Field(default=None, description=why))
+            chat_fields["tool_choice"] = (Literal["none"] | None, Field(default=None, description=why))
+        self.chat = model("ChatCompletionRequest", ChatCompletionRequest, **chat_fields, **shared)
         self.completion = model("CompletionRequest", CompletionRequest, prompt=(completion_prompt(limits), ...),
                                 **shared)
         sampling = model(

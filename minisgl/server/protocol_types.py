@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 MAX_LOGPROBS = 20  # alternatives per position, as OpenAI allows for top_logprobs
 MAX_N = 128  # choices per prompt
@@ -31,6 +31,12 @@ def int_in(ge: int | None = None, le: int | None = None) -> Any:
 
 
 Int = int_in()
+
+
+class Strict(BaseModel):
+    """Request models: a JSON `true` is no integer, `"0.5"` no number, an unknown field a 400."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)

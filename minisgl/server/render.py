@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from minisgl.message import PromptEcho, UserReply
 from minisgl.server.build import Job
+from minisgl.server.chat_output import ChatOutput
 
 
 class ChoiceTracker:
@@ -32,6 +33,7 @@ class ChoiceTracker:
         self.prompt_tokens = [0] * k
         self.completion_tokens = [0] * k
         self.prompt: list[PromptEcho | None] = [None] * k
+        self.reasoning_open = [False] * k  # the prompt opened a reasoning block (first reply says)
 
     def add(self, r: UserReply) -> int:
         i = self.index[r.uid]
@@ -45,6 +47,7 @@ class ChoiceTracker:
         self.completion_tokens[i] = r.completion_tokens
         if r.prompt is not None:
             self.prompt[i] = r.prompt
+        self.reasoning_open[i] |= r.reasoning_open
         if r.finish_reason is not None:
             self.finish[i] = r.finish_reason
         return i
@@ -143,6 +146,13 @@ def completion_choice_logprobs(job: Job, t: ChoiceTracker, i: int) -> dict[str, 
     return completion_logprobs(texts, lps, top, k, offset)
 
 
+def chat_output(job: Job, reasoning_open: bool) -> ChatOutput | None:
+    """A choice's output parser, when the request's output is parsed (tools, reasoning)."""
+    if job.kind != "chat" or not (job.tool_format or job.reasoning):
+        return None
+    return ChatOutput(job.reasoning, reasoning_open, job.tool_format, job.max_calls)
+
+
 async def respond(job: Job, replies: AsyncIterator[UserReply], t: ChoiceTracker, model: str) -> JSONResponse:
     """The whole answer of a non-streamed chat or completions request."""
     async for r in replies:
@@ -150,8 +160,14 @@ async def respond(job: Job, replies: AsyncIterator[UserReply], t: ChoiceTracker,
     choices = []
     for i, text in enumerate(t.text):
         c: dict[str, Any] = {"index": i, "finish_reason": t.finish[i]}
-        if job.kind == "chat":
+        out = chat_output(job, t.reasoning_open[i])
+        if out is not None:
+            out.feed(text)
+            _, c["finish_reason"] = out.finish(t.finish[i])
+            c["message"] = out.message()
+        elif job.kind == "chat":
             c["message"] = {"role": "assistant", "content": text}
+        if job.kind == "chat":
             c["logprobs"] = (
                 None
                 if job.logprobs is None

@@ -17,7 +17,6 @@ from typing import Any
 
 from minisgl.message import TokenizeMsg
 from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
-from minisgl.server.build import NEUTRAL
 from minisgl.server.frontend import Frontend
 from minisgl.tokenizer.worker import RequestError, checked_sampling
 
@@ -60,16 +59,11 @@ class Settings:
             return f"{name} cannot be unset"
         trial = {**self.values, name: value}
         try:
-            checked_sampling({**self.sampling(trial), "max_tokens": trial["max_tokens"] or 1})
+            checked_sampling({**trial, "max_tokens": trial["max_tokens"] or 1})
         except RequestError as e:
             return f"error: {e}"
         self.values = trial
         return self.show()
-
-    @staticmethod
-    def sampling(values: dict[str, Any]) -> dict[str, Any]:
-        # Issue-14 fields only when they are not neutral (see build.NEUTRAL).
-        return {k: v for k, v in values.items() if k not in NEUTRAL or v != NEUTRAL[k]}
 
 
 class _LineReader:
@@ -167,7 +161,7 @@ async def run_shell(frontend: Frontend, model_name: str, defaults: dict[str, Any
             print(HELP)
             continue
         history.append({"role": "user", "content": line})
-        answer = await _answer(frontend, history, settings.sampling(settings.values))
+        answer = await _answer(frontend, history, dict(settings.values))
         if answer is None:
             history.pop()
         else:

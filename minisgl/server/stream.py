@@ -14,10 +14,12 @@ from fastapi.responses import StreamingResponse
 from minisgl.logging_setup import get_logger
 from minisgl.message import UserReply
 from minisgl.server.build import Job
+from minisgl.server.chat_output import ChatOutput
 from minisgl.server.errors import ApiError, internal_error
 from minisgl.server.render import (
     ChoiceTracker,
     chat_logprobs,
+    chat_output,
     completion_logprobs,
     echo_logprobs,
     echo_text,
@@ -57,6 +59,7 @@ async def openai_events(
     extra = {"usage": None} if job.include_usage else {}
     started: set[int] = set()
     offsets = [0] * len(t.text)
+    outputs: dict[int, ChatOutput | None] = {}
 
     def event(choice: dict[str, Any], **more: Any) -> str:
         return sse({**top, "choices": [choice], **more, **extra})
@@ -65,6 +68,7 @@ async def openai_events(
         i = t.add(r)
         if i not in started:
             started.add(i)
+            outputs[i] = chat_output(job, t.reasoning_open[i])
             first = _first_event(job, t, i, offsets)
             if first is not None:
                 yield event(first[0], **first[1])
@@ -78,6 +82,11 @@ async def openai_events(
                 else completion_logprobs(texts, list(lps), list(alts), job.logprobs, offsets[i])
             )
         offsets[i] += sum(len(x) for x in r.token_texts or [])
+        out = outputs[i]
+        if out is not None:
+            for choice in parsed_choices(out, i, r, lp):
+                yield event(choice)
+            continue
         if not (r.text or lp or r.finish_reason):
             continue
         c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": r.finish_reason}
@@ -88,6 +97,23 @@ async def openai_events(
         yield event(c)
     if job.include_usage:
         yield sse({**top, "choices": [], "usage": t.usage()})
+
+
+def parsed_choices(out: ChatOutput, i: int, r: UserReply, lp: Any) -> list[dict[str, Any]]:
+    """The stream choices of one reply through the output parser: one per delta (reasoning,
+    content, a tool call's id and name, a piece of its arguments), then its logprobs, the
+    finish last (with "tool_calls" when the model stopped after calling)."""
+    deltas = out.feed(r.text)
+    reason = None
+    if r.finish_reason is not None:
+        tail, reason = out.finish(r.finish_reason)
+        deltas += tail
+    choices = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    if lp is not None:
+        choices.append({"index": i, "delta": {}, "logprobs": lp, "finish_reason": None})
+    if reason is not None:
+        choices.append({"index": i, "delta": {}, "logprobs": None, "finish_reason": reason})
+    return choices
 
 
 def _first_event(job: Job, t: ChoiceTracker, i: int, offsets: list[int]) -> tuple[dict, dict] | None:

@@ -30,15 +30,16 @@ log = get_logger("minisgl.detokenizer")
 
 
 class Detokenizer:
-    """Socket-free core: DetokenizeMsg in, UserReplies out, plus uids whose stop string was
-    found while the scheduler still runs them (the caller aborts those)."""
+    """Socket-free core: DetokenizeMsg in, UserReplies out, plus (uid, output tokens to keep)
+    of requests whose stop string was found while the scheduler still runs them (the caller
+    aborts those; a speculative step may have brought tokens past the stop: they are dropped)."""
 
     def __init__(self, tokenizer: Any, table: TokenTable | None = None) -> None:
         self.tok = tokenizer
         self.table = table or TokenTable(tokenizer)
         self.states: dict[int, DecodeState] = {}
 
-    def process(self, msg: DetokenizeMsg) -> tuple[list[UserReply], list[int]]:
+    def process(self, msg: DetokenizeMsg) -> tuple[list[UserReply], list[tuple[int, int]]]:
         replies, stopped = [], []
         for item in msg.items:
             reply = self._one(item, stopped)
@@ -50,7 +51,7 @@ class Detokenizer:
         """[[id, logprob], ...] -> [[id, text, logprob, bytes], ...]."""
         return [[t, self.table.text_of(t), lp, self.table.bytes_of(t)] for t, lp in pairs]
 
-    def _one(self, item: TokenOut, stopped: list[int]) -> UserReply | None:
+    def _one(self, item: TokenOut, stopped: list[tuple[int, int]]) -> UserReply | None:
         if item.finish_reason == "abort":  # the client left: drop the state, reply to no one
             self.states.pop(item.uid, None)
             return None
@@ -65,9 +66,11 @@ class Detokenizer:
         # The scheduler's "stop" is an EOS or stop_token_ids token, the last one: its text is
         # not output unless asked (vLLM's rule); it still counts as a completion token.
         stop_token = item.finish_reason == "stop" and bool(ids) and not init.include_stop_str
-        st.add(ids[:-1] if stop_token else ids)
+        before = len(st.ids)
+        cut = st.add_until_stop(ids[:-1] if stop_token else ids)
+        if cut is not None:  # a stop string inside a multi-token step: the tokens after it are dropped
+            ids, stop_token = ids[: len(st.ids) - before], False
         reason = None
-        cut = st.find_stop()
         if cut is None and item.finish_reason is not None:
             st.finalize()
             cut = st.find_stop()
@@ -75,8 +78,8 @@ class Detokenizer:
         if cut is not None:
             st.text = st.text[: st.stop_end if init.include_stop_str else cut]
             reason = "stop"
-            if item.finish_reason is None:
-                stopped.append(item.uid)
+            if item.finish_reason is None:  # a finished request is already gone from the scheduler
+                stopped.append((item.uid, len(st.ids)))
         reply = UserReply(
             uid=item.uid,
             text=st.take(final=reason is not None),
@@ -84,13 +87,14 @@ class Detokenizer:
             finish_reason=reason,
             prompt_tokens=init.prompt_tokens,
             completion_tokens=len(st.ids) + stop_token,
+            reasoning_open=first and init.reasoning_open,
         )
         if init.logprobs:
-            reply.logprobs = list(item.logprobs or [])
+            reply.logprobs = list(item.logprobs or [])[: len(ids)]
             reply.token_texts = [self.table.text_of(t) for t in ids]
             reply.token_bytes = [self.table.bytes_of(t) for t in ids]
             if init.top_logprobs:
-                reply.top_logprobs = [self.alternatives(alts) for alts in item.top_logprobs or []]
+                reply.top_logprobs = [self.alternatives(alts) for alts in (item.top_logprobs or [])[: len(ids)]]
         if first and init.prompt_ids is not None:
             reply.prompt = self.echo(init.prompt_ids, item.prompt_logprobs if init.prompt_logprobs else None)
         if reason is not None:
@@ -130,8 +134,8 @@ def run_detokenizer(conn: Connection, args: Any, addrs: Any) -> None:
             if isinstance(m, DetokenizeMsg):
                 out, stopped = detok.process(m)
                 replies.extend(out)
-                for uid in stopped:
-                    send(to_scheduler, AbortMsg(uid, "stop"))
+                for uid, keep in stopped:
+                    send(to_scheduler, AbortMsg(uid, "stop", keep))
             elif isinstance(m, (TokenizeMsg, AbortMsg, DecodeMsg)):
                 tokenizer.handle(m)
             else:

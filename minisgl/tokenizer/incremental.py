@@ -70,6 +70,20 @@ class DecodeState:
             self.text += window[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
+    def add_until_stop(self, ids: list[int]) -> int | None:
+        """Adds `ids` one at a time, stopping after the token that completes a stop string (a
+        speculative step brings several tokens; the ones after a stop are not output). Returns
+        where the stop string starts in `text` (then `ids` holds that token last), or None."""
+        if not self.stops:
+            self.add(ids)
+            return None
+        for i in ids:
+            self.add([i])
+            cut = self.find_stop()
+            if cut is not None:
+                return cut
+        return None
+
     def find_stop(self) -> int | None:
         """Index in `text` where the first stop string starts, if one is complete now."""
         if not self.stops:

@@ -31,14 +31,17 @@ from minisgl.message import (
     UserReply,
 )
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
+from minisgl.parsers.tool_formats import detect_tool_format
 from minisgl.server.child import report_ready
 from minisgl.tokenizer.large_inputs import LARGE_INPUT_BYTES, Job, LargeInputs, release_free_memory
 from minisgl.tokenizer.length_bound import bytes_per_token_bound, min_tokens
+from minisgl.tokenizer.reasoning_gate import reasoning_gate
 from minisgl.tokenizer.token_bytes import TokenTable
 
 log = get_logger("minisgl.tokenizer")
 _SEED_SPACE = 1 << 63
 _UNEXPECTED_KWARG = re.compile(r"unexpected keyword argument '(\w+)'")
+_REASONING_TAIL_TOKENS = 8
 
 
 class RequestError(ValueError):
@@ -73,7 +76,12 @@ def load_server_tokenizer(args: Any) -> Any:
 
 def tokenizer_facts(handler: TokenizeHandler) -> dict[str, Any]:
     """What the launcher learns from a tokenizer process when it reports ready."""
-    return {"eos_token_id": handler.tok.eos_token_id, "bytes_per_token": handler.bytes_per_token}
+    template = getattr(handler.tok, "chat_template", None)
+    return {
+        "eos_token_id": handler.tok.eos_token_id,
+        "bytes_per_token": handler.bytes_per_token,
+        "tool_format": detect_tool_format(template if isinstance(template, str) else None),
+    }
 
 
 class TokenizeHandler:
@@ -131,9 +139,12 @@ class TokenizeHandler:
     def prompt_text(self, msg: TokenizeMsg) -> str:
         if msg.messages is None:
             return msg.text or ""
+        kwargs = dict(msg.chat_template_kwargs or {})  # names the template reserves: refused by the API
+        if msg.tools:
+            kwargs["tools"] = msg.tools
         try:
             return self.tok.apply_chat_template(
-                msg.messages, tokenize=False, add_generation_prompt=msg.add_generation_prompt
+                msg.messages, tokenize=False, add_generation_prompt=msg.add_generation_prompt, **kwargs
             )
         except Exception as e:  # noqa: BLE001 - jinja raises its own types for bad chats
             raise RequestError(f"prompt: the chat template rejected the messages: {e}", "prompt") from e
@@ -214,8 +225,16 @@ class TokenizeHandler:
                 f"and the context is {limit}: at most {room} can be generated",
                 "max_tokens",
             )
+        reasoning_open = False
+        if msg.reasoning and msg.messages is not None:
+            # The gate reads the prompt's end only: a few tokens hold any block marker.
+            tail = self.tok.decode(ids[-_REASONING_TAIL_TOKENS:])
+            try:
+                reasoning_open = reasoning_gate(self.tok, msg.reasoning, tail, sampling)
+            except ValueError as e:
+                raise RequestError(str(e), None) from e
         params = checked_sampling(sampling)
-        echo = msg.return_prompt or params_field(params, "prompt_logprobs") is not None
+        echo = msg.return_prompt or params.prompt_logprobs is not None
         init = DetokInit(
             len(ids),
             params.stop,
@@ -223,9 +242,10 @@ class TokenizeHandler:
             msg.logprobs,
             msg.spaces_between_special_tokens,
             msg.include_stop_str,
-            params_field(params, "top_logprobs") or 0,
+            params.top_logprobs,
             list(ids) if echo else None,
-            params_field(params, "prompt_logprobs") is not None,
+            params.prompt_logprobs is not None,
+            reasoning_open,
         )
         out = []
         for i, uid in enumerate(msg.uids):
@@ -235,11 +255,6 @@ class TokenizeHandler:
                 seed = params.seed if i == 0 else (params.seed + i) % _SEED_SPACE
             out.append(UserMsg(uid, ids, {**sampling, "stop": params.stop}, seed, init))
         return out
-
-
-def params_field(params: SamplingParams, name: str) -> Any:
-    """A SamplingParams field that an older engine build may lack (None then)."""
-    return getattr(params, name, None)
 
 
 def wait_inbox(inbox: zmq.Socket, handler: TokenizeHandler) -> None:

@@ -1,0 +1,137 @@
+"""Chat's structured fields through the real app, in-process (tests/api_fake.py): what reaches
+the tokenizer worker (grammar, tools, template variables, tool-call messages), the 400s naming
+the field, the schema stating them (no tools without a parser), and tool calls / reasoning
+rendered from output, streamed and not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from api_fake import SAY, make_client
+from server_harness import sse_events
+
+from minisgl.parsers.tool_formats import TOOL_FORMATS
+from minisgl.server.chat_request import ChatFeatures
+
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALLS = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def tools_app():  # noqa: ANN201
+    return make_client(features=ChatFeatures(TOOL_FORMATS["hermes"], "qwen3"))
+
+
+@pytest.fixture(scope="module")
+def plain_app():  # noqa: ANN201
+    return make_client()
+
+
+def stream(client, body: dict) -> list[dict]:  # noqa: ANN001
+    with client.stream("POST", CHAT, json={**body, "stream": True}) as r:
+        return sse_events(list(r.iter_lines()))
+
+
+def error_of(r, status: int = 400) -> dict:  # noqa: ANN001
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+def test_constraints_reach_the_worker(tools_app) -> None:  # noqa: ANN001
+    client, backend = tools_app
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    assert client.post(CHAT, json={"messages": HI, "response_format": fmt}).status_code == 200
+    assert json.loads(backend.seen[-1].sampling["json_schema"]) == schema
+    client.post(CHAT, json={"messages": HI, "response_format": {"type": "json_object"}})
+    assert json.loads(backend.seen[-1].sampling["json_schema"]) == {"type": "object"}
+    client.post(CHAT, json={"messages": HI, "regex": "[ab]+"})
+    assert backend.seen[-1].sampling["regex"] == "[ab]+"
+    tag = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+           "triggers": ["<f>"]}
+    assert client.post(CHAT, json={"messages": HI, "response_format": tag}).status_code == 200
+    assert json.loads(backend.seen[-1].sampling["structural_tag"])["structures"][0]["schema"] == schema
+    kwargs = {"enable_thinking": False}
+    body = {"messages": HI, "tools": TOOLS, "tool_choice": "required", "chat_template_kwargs": kwargs}
+    assert client.post(CHAT, json=body).status_code == 200
+    msg = backend.seen[-1]
+    assert msg.tools == TOOLS and msg.chat_template_kwargs == {"enable_thinking": False} and msg.reasoning == "qwen3"
+    assert "get_weather" in msg.sampling["structural_tag"]
+
+
+def test_tool_messages_reach_the_template(tools_app) -> None:  # noqa: ANN001
+    client, backend = tools_app
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [*HI, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert client.post(CHAT, json={"messages": msgs, "tools": TOOLS}).status_code == 200
+    sent = backend.seen[-1].messages
+    assert sent[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert sent[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"regex": "a("}, "regex"),
+        ({"ebnf": "root ::= "}, "ebnf"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "structural_tag", "triggers": ["<f>"]}}, "response_format.structural_tag"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS * 2}, "tools[1].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ],
+)
+def test_bad_structured_fields_are_400s_naming_them(tools_app, body: dict, param: str) -> None:  # noqa: ANN001
+    err = error_of(tools_app[0].post(CHAT, json={"messages": HI, **body}))
+    assert err["param"] == param and err["message"].startswith(param), err
+
+
+def test_schema_states_the_fields(tools_app, plain_app) -> None:  # noqa: ANN001
+    defs = tools_app[0].get("/openapi.json").json()["components"]["schemas"]
+    chat = defs["ChatCompletionRequest"]["properties"]
+    assert chat["tools"]["anyOf"][0]["items"]["$ref"].endswith("/Tool")
+    assert "tokenize" in chat["chat_template_kwargs"]["anyOf"][0]["propertyNames"]["not"]["enum"]
+    assert "xgrammar" in chat["regex"]["description"] and "xgrammar" in chat["ebnf"]["description"]
+    plain = plain_app[0].get("/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert plain["tools"]["type"] == "null" and "--tool-call-parser" in plain["tools"]["description"]
+    err = error_of(plain_app[0].post(CHAT, json={"messages": HI, "tools": TOOLS}))
+    assert err["param"] == "tools"
+
+
+def test_tool_calls_rendered_streamed_and_not(tools_app) -> None:  # noqa: ANN001
+    client, _ = tools_app
+    body = {"messages": [{"role": "user", "content": SAY + CALLS}], "tools": TOOLS}
+    whole = client.post(CHAT, json=body).json()["choices"][0]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"] == "Let me check."
+    calls = whole["message"]["tool_calls"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}, {"city": "Rome"}]
+    events = stream(client, body)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    heads = [d["tool_calls"][0] for d in deltas if "tool_calls" in d and "id" in d["tool_calls"][0]]
+    assert [h["function"]["name"] for h in heads] == ["get_weather"] * 2 and heads[0]["index"] == 0
+    args = ["".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas
+                    if "tool_calls" in d and d["tool_calls"][0]["index"] == k) for k in (0, 1)]
+    assert [json.loads(a) for a in args] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check."
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_reasoning_rendered_streamed_and_not(tools_app) -> None:  # noqa: ANN001
+    client, _ = tools_app
+    body = {"messages": [{"role": "user", "content": SAY + "plan it</think>\n\nThe answer."}]}
+    msg = client.post(CHAT, json=body).json()["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("plan it", "The answer.")
+    events = stream(client, body)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "plan it"
+    assert "".join(d.get("content") or "" for d in deltas) == "The answer."
