@@ -94,3 +94,33 @@ def test_batch_invariant_gemm_rows_do_not_depend_on_m(dtype: torch.dtype) -> Non
         others = torch.randn(m - 5, k, generator=g).to(dtype)
         got = gemm(torch.cat([probe, others]), w, bias)
         assert torch.equal(got[:5], first), f"M={m}: rows differ from the same rows at M=5"
+
+
+def test_gemm_config_table_is_by_shape_and_checked(tmp_path, monkeypatch) -> None:
+    """The GPU GEMM's tiles come from the table by (N, K); an entry lists configs from M = 1 up
+    (several only where the GPU test shows equal bits); a malformed table is refused by name."""
+    import json
+
+    from minisgl.kernels import batch_invariant_gemm as bg
+
+    cuda, a, b = torch.device("cuda"), [64, 64, 64, 4, 4], [128, 128, 64, 8, 3]
+    table = {"16bit": {"default": [[1, b]], "10x20": [[1, a], [256, b]]}}
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(bg, "CONFIG_FILE", path)
+    bg._table.cache_clear()
+    try:
+        assert [bg.config_for(torch.bfloat16, cuda, 10, 20, m) for m in (1, 255, 256, 8192)] == [tuple(a)] * 2 + [
+            tuple(b)] * 2
+        assert bg.config_for(torch.float16, cuda, 30, 20, 1) == tuple(b)  # no entry: the default
+        assert bg.config_for(torch.float32, cuda, 10, 20, 1) == bg.FLOAT32_CONFIG
+        table["16bit"]["10x20"] = [[2, a]]
+        path.write_text(json.dumps(table))
+        bg._table.cache_clear()
+        with pytest.raises(ValueError, match="10x20"):
+            bg.config_for(torch.bfloat16, cuda, 10, 20, 1)
+    finally:
+        monkeypatch.undo()
+        bg._table.cache_clear()
+    shipped = bg.configs_for(151936, 1024)  # the shipped table parses
+    assert shipped[0][0] == 1
