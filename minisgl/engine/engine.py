@@ -30,7 +30,7 @@ log = get_logger("minisgl.engine")
 
 # What Engine.shutdown() drops: every attribute that holds device memory.
 _DEVICE_STATE = ("model", "pool", "allocator", "table", "token_buffer", "penalties", "attn", "steps", "graphs",
-                 "comm")
+                 "comm", "drafter")
 
 
 def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
