@@ -138,10 +138,12 @@ def attention_candidates() -> None:
              ("decode b1 ctx2048 32/8", 1, 2048, 1, 32, 8), ("prefill b4 1024 16/8", 4, 0, 1024, 16, 8)]
     print(f"{'case':>26} {'default':>9} " + " ".join(f"{str(c):>18}" for c in DETERMINISTIC_CONFIGS))
     for name, b, prefix, ext, hq, hkv in cases:
-        print(f"{name:>26} " + _attention_case(b, prefix, ext, hq, hkv, DETERMINISTIC_CONFIGS))
+        line, outs = _attention_case(b, prefix, ext, hq, hkv, DETERMINISTIC_CONFIGS)
+        print(f"{name:>26} {line}  bit classes {bit_classes([[o] for o in outs])}")
 
 
-def _attention_case(b: int, prefix: int, ext: int, hq: int, hkv: int, configs: list) -> str:
+def _attention_case(b: int, prefix: int, ext: int, hq: int, hkv: int, configs: list) -> tuple[str, list]:
+    """(table cells, each config's output)."""
     from minisgl import ops
     from minisgl.kernels.extend_attention import extend_attention, heads_per_tile, tile_map
 
@@ -160,14 +162,16 @@ def _attention_case(b: int, prefix: int, ext: int, hq: int, hkv: int, configs: l
         base = graph_us(lambda: ops.decode_attention_triton(q, kc, vc, table, rows, seqs, seq, d**-0.5))
     else:
         base = graph_us(lambda: extend_attention(q, kc, vc, table, rows, pre, cu, ext, d**-0.5))
-    cells = []
+    cells, outs = [], []
     for cfg in configs:
         heads = heads_per_tile(hq // hkv, cfg[0])
         tiles = torch.tensor(tile_map([prefix] * b, [ext] * b, cfg[0] // heads), **i32).view(-1, 2)
         t = graph_us(lambda cfg=cfg, heads=heads, tiles=tiles: extend_attention(
             q, kc, vc, table, rows, pre, cu, ext, d**-0.5, config=cfg, tiles=tiles, heads_per_tile=heads))
         cells.append(f"{t:9.1f} ({100 * base / t:4.0f}%)")
-    return f"{base:9.1f} " + " ".join(cells)
+        outs.append(extend_attention(q, kc, vc, table, rows, pre, cu, ext, d**-0.5, config=cfg, tiles=tiles,
+                                     heads_per_tile=heads))
+    return f"{base:9.1f} " + " ".join(cells), outs
 
 
 def out_dir() -> Path | None:
