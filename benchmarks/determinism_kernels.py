@@ -130,13 +130,14 @@ def gemm_candidates(out_dir: Path | None) -> None:
 
 
 def attention_candidates() -> None:
-    from minisgl.kernels.extend_attention import DETERMINISTIC_CONFIGS
+    from minisgl.kernels.deterministic_attention import DETERMINISTIC_CONFIGS
 
     print("\n== attention: deterministic configs (GQA-packed, BLOCK_M, BLOCK_N, warps, stages) vs the default "
           "path (us per call in CUDA graphs)")
     cases = [("decode b256 ctx1024 16/8", 256, 1024, 1, 16, 8), ("decode b32 ctx4096 16/8", 32, 4096, 1, 16, 8),
              ("decode b1 ctx2048 32/8", 1, 2048, 1, 32, 8), ("prefill b4 1024 16/8", 4, 0, 1024, 16, 8)]
-    print(f"{'case':>26} {'default':>9} " + " ".join(f"{str(c):>18}" for c in DETERMINISTIC_CONFIGS))
+    print(f"{'case':>26} {'default':>9} " + " ".join(f"{str(c):>18}" for c in DETERMINISTIC_CONFIGS)
+          + f" {'split decode':>18}")
     for name, b, prefix, ext, hq, hkv in cases:
         line, outs = _attention_case(b, prefix, ext, hq, hkv, DETERMINISTIC_CONFIGS)
         print(f"{name:>26} {line}  bit classes {bit_classes([[o] for o in outs])}")
@@ -145,7 +146,8 @@ def attention_candidates() -> None:
 def _attention_case(b: int, prefix: int, ext: int, hq: int, hkv: int, configs: list) -> tuple[str, list]:
     """(table cells, each config's output)."""
     from minisgl import ops
-    from minisgl.kernels.extend_attention import extend_attention, heads_per_tile, tile_map
+    from minisgl.kernels.deterministic_attention import SPLIT, heads_per_tile, split_decode
+    from minisgl.kernels.extend_attention import extend_attention, tile_map
 
     d = 128
     g = torch.Generator(device="cuda").manual_seed(b)
@@ -167,10 +169,23 @@ def _attention_case(b: int, prefix: int, ext: int, hq: int, hkv: int, configs: l
         heads = heads_per_tile(hq // hkv, cfg[0])
         tiles = torch.tensor(tile_map([prefix] * b, [ext] * b, cfg[0] // heads), **i32).view(-1, 2)
         t = graph_us(lambda cfg=cfg, heads=heads, tiles=tiles: extend_attention(
-            q, kc, vc, table, rows, pre, cu, ext, d**-0.5, config=cfg, tiles=tiles, heads_per_tile=heads))
+            q, kc, vc, table, rows, pre, cu, ext, d**-0.5, config=cfg, tiles=tiles, heads_per_tile=heads, split=SPLIT))
         cells.append(f"{t:9.1f} ({100 * base / t:4.0f}%)")
         outs.append(extend_attention(q, kc, vc, table, rows, pre, cu, ext, d**-0.5, config=cfg, tiles=tiles,
-                                     heads_per_tile=heads))
+                                     heads_per_tile=heads, split=SPLIT))
+    if ext == 1:  # the first config's splits in parallel (the engine's path for small decode batches)
+        cfg = configs[0]
+        heads = heads_per_tile(hq // hkv, cfg[0])
+        tiles = torch.tensor(tile_map([prefix] * b, [ext] * b, cfg[0] // heads), **i32).view(-1, 2)
+        bound = max(seq, 4096)
+
+        def run() -> torch.Tensor:
+            return split_decode(q, kc, vc, table, rows, pre, seqs, cu, tiles, bound, d**-0.5, cfg, heads, SPLIT)
+
+        t = graph_us(run)
+        cells.append(f"{t:9.1f} ({100 * base / t:4.0f}%)")
+        same = torch.equal(run(), outs[0])
+        cells.append("= config 0" if same else "DIFFERS from config 0")
     return f"{base:9.1f} " + " ".join(cells), outs
 
 

@@ -12,7 +12,7 @@ import torch
 from test_deterministic import GREEDY, SEEDED, prompts, run
 
 from minisgl import LLM, SamplingParams, ops
-from minisgl.kernels.extend_attention import DETERMINISTIC_CONFIGS
+from minisgl.kernels.deterministic_attention import DETERMINISTIC_CONFIGS
 
 pytestmark = pytest.mark.gpu
 QWEN3_06B = Path(__file__).resolve().parent.parent / "benchmarks" / "configs" / "qwen3-0.6b"
@@ -70,11 +70,13 @@ def test_gemm_table_entries_share_bits() -> None:
 @pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])
 @pytest.mark.parametrize("cfg", range(len(DETERMINISTIC_CONFIGS)))
 def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> None:
-    """Deterministic mode's attention launch (each candidate config, GQA-packed tiles): a
-    token's output from a whole prefill equals its output from chunks, extends and one-token
-    decodes, in the plain launch and in the tile-map launch the engine uses (graph or eager),
-    alone or beside another request's tiles in the same launch."""
-    from minisgl.kernels.extend_attention import extend_attention, heads_per_tile, tile_map
+    """Deterministic mode's attention launch (each candidate config, GQA-packed tiles, keys in
+    splits of SPLIT): a token's output from a whole prefill equals its output from chunks,
+    extends and one-token decodes, in the plain launch and in the tile-map launch the engine
+    uses (graph or eager), alone or beside another request's tiles in the same launch; and a
+    decode's through the parallel splits (split_decode) too."""
+    from minisgl.kernels.deterministic_attention import SPLIT, heads_per_tile, split_decode
+    from minisgl.kernels.extend_attention import extend_attention, tile_map
 
     config = DETERMINISTIC_CONFIGS[cfg]
     heads = heads_per_tile(hq // hkv, config[0])
@@ -101,8 +103,18 @@ def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> N
         if tiled:  # with spare capacity, as a graph bucket has
             tiles = i32(tile_map(pre.tolist(), lens, tokens, len(qs) + 3)).view(-1, 2)
         out = extend_attention(qs, kc, vc, table, rows, pre, cu, max(lens), d**-0.5, config=config, tiles=tiles,
-                               heads_per_tile=heads)
+                               heads_per_tile=heads, split=SPLIT)
         return out[: hi - lo]
+
+    def decode(positions: list[int]) -> torch.Tensor:
+        """One token per request (request 0 at each position, then request 1 at 411), split decode."""
+        reqs = [(0, p) for p in positions] + [(1, 411)]
+        qs = torch.cat([q[p : p + 1] for p in positions] + [q_other[411:412]])
+        rows, pre = i32([r for r, _ in reqs]), i32([p for _, p in reqs])
+        cu = i32(list(range(len(reqs) + 1)))
+        tiles = i32(tile_map(pre.tolist(), [1] * len(reqs), tokens, len(reqs) + 2)).view(-1, 2)
+        out = split_decode(qs, kc, vc, table, rows, pre, pre + 1, cu, tiles, 2 * n, d**-0.5, config, heads, SPLIT)
+        return out[: len(positions)]
 
     full = ext(0, n, False)
     cases = ((0, 64), (64, 577), (577, 700), (300, 301), (699, 700))  # chunks, extends, decodes
@@ -111,6 +123,8 @@ def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> N
             for other in (None, (0, 130), (411, 412)):  # beside a prefill, beside a decode
                 got = ext(lo, hi, tiled, other)
                 assert torch.equal(got, full[lo:hi]), f"tokens {lo}..{hi}, tiled {tiled}, beside {other}"
+    positions = [0, 255, 256, 300, 511, 512, 699]  # split edges
+    assert torch.equal(decode(positions), full[positions]), "split decode"
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1), kc[table[0].long()].float().repeat_interleave(hq // hkv, 1).transpose(0, 1),
         vc[table[0].long()].float().repeat_interleave(hq // hkv, 1).transpose(0, 1), is_causal=True)

@@ -202,27 +202,3 @@ def test_tile_map_order_and_capacity() -> None:
     with pytest.raises(ValueError, match="capacity"):
         K.tile_map([0], [9], 4, capacity=2)
 
-
-@needs_triton
-@pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 2)])  # GQA groups of 4 and 3 (3 leaves a tile's last rows empty)
-@pytest.mark.parametrize("tiled", [False, True])
-def test_gqa_packed_launch_matches_reference(hq: int, hkv: int, tiled: bool) -> None:
-    """Deterministic mode's launch: a tile's rows are tokens x the q heads of one KV group.
-    Decodes, a prompt longer than a tile, a chunk after a prefix; unused rows stay NaN."""
-    prefix, ext = [30, 0, 41, 3], [1, 70, 1, 33]
-    c = make_case(prefix, ext, hq, hkv, 64, torch.float16, 16, seed=11)
-    attention_rule.poison_unused_slots(c, [p + e for p, e in zip(prefix, ext)])
-    real = sum(ext)
-    q = torch.randn(real + 3, hq, 64, generator=torch.Generator().manual_seed(4)).to(DEV, torch.float16)
-    q[:real] = c["q"]
-    tokens = ops.extend_block_m(64, torch.float16, torch.device(DEV), hq // hkv, deterministic=True)
-    heads = K.heads_per_tile(hq // hkv, K.deterministic_config(64, torch.float16, torch.device(DEV), hq // hkv)[0][0])
-    assert heads == hq // hkv and tokens == K.default_config(64, torch.float16, torch.device(DEV))[0] // heads
-    tiles = None
-    if tiled:
-        cap = ops.extend_tile_capacity(real + 3, len(ext), tokens)
-        tiles = torch.tensor(ops.extend_tile_map(prefix, ext, tokens, cap), dtype=torch.int32, device=DEV).view(-1, 2)
-    out = torch.full_like(q, float("nan"))
-    ops.extend_attention(**{**c, "q": q}, out=out, tiles=tiles, deterministic=True)
-    assert torch.isnan(out[real:]).all()
-    assert_fa3_rule(out[:real], c)

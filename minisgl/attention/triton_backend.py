@@ -53,7 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
         return ops.extend_attention(
             q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.prefix_lens,
             batch.seq_lens, batch.cu_seqlens_q, batch.max_extend_len, self.scale, out=out, tiles=batch.tiles,
-            deterministic=self.deterministic,
+            deterministic=self.deterministic, decode_max_seq_len=batch.max_seq_len if batch.is_decode else None,
         )
 
     @property
