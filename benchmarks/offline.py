@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--model", default="benchmarks/configs/qwen3-0.6b", help="HF folder, GGUF or config-only folder")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's, else Qwen3's)")
     ap.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (dummy: FP8 values)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8"])
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=1024)
@@ -106,12 +108,14 @@ def main() -> None:
         max_prefill_tokens=args.max_prefill_tokens, page_size=args.page_size, cache=args.cache,
         disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp,
-        custom_all_reduce=not args.disable_custom_all_reduce, **spec,
+        custom_all_reduce=not args.disable_custom_all_reduce, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype, **spec,
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
     # Warm-up: Triton compiles each kernel once per specialization (batch sizes, sampling
     # options); a few requests of the workload's kind keep those compiles out of the timing.
-    llm.generate(prompts[:8], [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16)] * 8, use_tqdm=False)
+    warm = prompts[:8]  # fewer when --num-requests is smaller
+    llm.generate(warm, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=16)] * len(warm), use_tqdm=False)
     llm.scheduler.gpu_timeline = []
     if torch.cuda.is_available():
         torch.cuda.synchronize()

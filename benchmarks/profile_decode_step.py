@@ -53,8 +53,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--prefill-requests", type=int, default=8)
     ap.add_argument("--cublas-baseline", action="store_true", help="also time the step with cuBLAS for every GEMM")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="FP8 weights (dummy FP8 values)")
     args = ap.parse_args()
-    llm = LLM(args.model, load_format="dummy", tokenizer=args.tokenizer, cuda_graph_max_bs=args.batch)
+    llm = LLM(args.model, load_format="dummy", tokenizer=args.tokenizer, cuda_graph_max_bs=args.batch,
+              quantization=args.quantization)
     eng = llm.engine
     rows = [eng.table.allocate_row() for _ in range(args.batch)]
     cols, slots, rr = [], [], []

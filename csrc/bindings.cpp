@@ -51,35 +51,37 @@ PYBIND11_MODULE(_C, m) {
       py::arg("v_stride"), py::arg("stream"));
   m.def(
       "paged_decode_num_splits",
-      [](int device, int batch, int kv_heads, int group, int head_dim, int dtype, int64_t max_seq_len) {
+      [](int device, int batch, int kv_heads, int group, int head_dim, int dtype, int64_t max_seq_len, bool kv_fp8) {
         int splits = 0;
-        check(minisgl::paged_decode_num_splits(device, batch, kv_heads, group, head_dim, dtype, max_seq_len,
-                                               &splits),
+        check(minisgl::paged_decode_num_splits(device, batch, kv_heads, group, head_dim, dtype, kv_fp8 ? 1 : 0,
+                                               max_seq_len, &splits),
               "paged_decode_num_splits");
         return splits;
       },
       py::arg("device"), py::arg("batch"), py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"),
-      py::arg("max_seq_len"));
+      py::arg("max_seq_len"), py::arg("kv_fp8") = false);
   m.def(
       "paged_decode_attention",
       [](std::uintptr_t q, std::uintptr_t k_cache, std::uintptr_t v_cache, std::uintptr_t req_to_slot,
          std::uintptr_t req_rows, std::uintptr_t seq_lens, std::uintptr_t out, std::uintptr_t part_o,
          std::uintptr_t part_lse, int batch, int kv_heads, int group, int head_dim, int dtype,
          int64_t q_stride_b, int64_t out_stride_b, int64_t cache_stride_s, int64_t table_stride,
-         int max_context, int num_splits, float scale, int device, std::uintptr_t stream) {
+         int max_context, int num_splits, float scale, int device, std::uintptr_t stream, bool kv_fp8,
+         float k_scale, float v_scale) {
         check(minisgl::paged_decode_attention(
                   ptr<const void>(q), ptr<const void>(k_cache), ptr<const void>(v_cache),
                   ptr<const int32_t>(req_to_slot), ptr<const int32_t>(req_rows), ptr<const int32_t>(seq_lens),
                   ptr(out), ptr<float>(part_o), ptr<float>(part_lse), batch, kv_heads, group, head_dim, dtype,
-                  q_stride_b, out_stride_b, cache_stride_s, table_stride, max_context, num_splits, scale,
-                  device, ptr(stream)),
+                  kv_fp8 ? 1 : 0, q_stride_b, out_stride_b, cache_stride_s, table_stride, max_context, num_splits,
+                  scale, k_scale, v_scale, device, ptr(stream)),
               "paged_decode_attention");
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("req_to_slot"), py::arg("req_rows"),
       py::arg("seq_lens"), py::arg("out"), py::arg("part_o"), py::arg("part_lse"), py::arg("batch"),
       py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"), py::arg("q_stride_b"),
       py::arg("out_stride_b"), py::arg("cache_stride_s"), py::arg("table_stride"), py::arg("max_context"),
-      py::arg("num_splits"), py::arg("scale"), py::arg("device"), py::arg("stream"));
+      py::arg("num_splits"), py::arg("scale"), py::arg("device"), py::arg("stream"), py::arg("kv_fp8") = false,
+      py::arg("k_scale") = 1.0f, py::arg("v_scale") = 1.0f);
   m.def(
       "embedding_lookup",
       [](std::uintptr_t out, std::uintptr_t weight, std::uintptr_t ids, bool ids_are_int64, int64_t n,
@@ -156,15 +158,36 @@ PYBIND11_MODULE(_C, m) {
   // ---- end of the one-shot all-reduce ----
 
   // Skinny GEMM (csrc/skinny_gemm.cu): tile configurations by id as (row tiles, chunks, max m), and the launch.
-  m.def("skinny_gemm_configs", []() {
-    py::list out;
-    for (int c = 0; c < minisgl::skinny_gemm_num_configs(); ++c) {
-      int rt = 0, u = 0, max_m = 0;
-      check(minisgl::skinny_gemm_config(c, &rt, &u, &max_m), "skinny_gemm_configs");
-      out.append(py::make_tuple(rt, u, max_m));
-    }
-    return out;
-  });
+  m.def(
+      "skinny_gemm_configs",
+      [](bool fp8) {
+        py::list out;
+        for (int c = 0; c < minisgl::skinny_gemm_num_configs(fp8 ? 1 : 0); ++c) {
+          int rt = 0, u = 0, max_m = 0;
+          check(minisgl::skinny_gemm_config(fp8 ? 1 : 0, c, &rt, &u, &max_m), "skinny_gemm_configs");
+          out.append(py::make_tuple(rt, u, max_m));
+        }
+        return out;
+      },
+      py::arg("fp8") = false);
+  m.def(
+      "skinny_gemm_fp8",
+      [](std::uintptr_t x, std::uintptr_t w, std::uintptr_t scale, int64_t s_stride, bool block_scales,
+         std::uintptr_t bias, std::uintptr_t y, std::uintptr_t workspace, int64_t workspace_bytes,
+         std::uintptr_t counters, int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
+         int64_t y_stride, bool silu, int dtype, int cfg, int warps, int num_splits, bool pdl, std::uintptr_t stream) {
+        check(minisgl::skinny_gemm_fp8(ptr<const void>(x), ptr<const void>(w), ptr<const float>(scale), s_stride,
+                                       block_scales ? 1 : 0, ptr<const void>(bias), ptr(y), ptr<float>(workspace),
+                                       workspace_bytes, ptr<int>(counters), num_counters, m, n, k, x_stride,
+                                       w_stride, y_stride, silu ? 1 : 0, dtype, cfg, warps, num_splits, pdl ? 1 : 0,
+                                       ptr(stream)),
+              "skinny_gemm_fp8");
+      },
+      py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("s_stride"), py::arg("block_scales"), py::arg("bias"),
+      py::arg("y"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("counters"), py::arg("num_counters"),
+      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("w_stride"), py::arg("y_stride"),
+      py::arg("silu"), py::arg("dtype"), py::arg("cfg"), py::arg("warps"), py::arg("num_splits"), py::arg("pdl"),
+      py::arg("stream"));
   m.def(
       "skinny_gemm",
       [](std::uintptr_t x, std::uintptr_t w, std::uintptr_t bias, std::uintptr_t y, std::uintptr_t workspace,

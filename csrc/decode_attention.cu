@@ -28,38 +28,41 @@ struct Instance {
   int tile = 0;
 };
 
-template <typename T, int D, int GP>
+// KV: the cache's element type, T or uint8_t (e4m3).
+template <typename T, typename KV, int D, int GP>
 Instance make_instance() {
   constexpr int U = unroll_for<D>();
-  return Instance{decode::split_kernel<T, D, GP, U>, decode::merge_kernel<T, D>,
+  return Instance{decode::split_kernel<T, KV, D, GP, U>, decode::merge_kernel<T, D>,
                   decode::SplitShape<D, U>::kTile};
 }
 
-template <typename T, int D>
+template <typename T, typename KV, int D>
 Instance pick_group(int group) {
-  if (group <= 1) return make_instance<T, D, 1>();
-  if (group <= 2) return make_instance<T, D, 2>();
-  if (group <= 4) return make_instance<T, D, 4>();
-  return make_instance<T, D, 8>();
+  if (group <= 1) return make_instance<T, KV, D, 1>();
+  if (group <= 2) return make_instance<T, KV, D, 2>();
+  if (group <= 4) return make_instance<T, KV, D, 4>();
+  return make_instance<T, KV, D, 8>();
 }
 
-template <typename T>
+template <typename T, typename KV>
 Instance pick_dim(int head_dim, int group) {
   switch (head_dim) {
-    case 16: return pick_group<T, 16>(group);
-    case 32: return pick_group<T, 32>(group);
-    case 64: return pick_group<T, 64>(group);
-    case 128: return pick_group<T, 128>(group);
-    case 256: return pick_group<T, 256>(group);
+    case 16: return pick_group<T, KV, 16>(group);
+    case 32: return pick_group<T, KV, 32>(group);
+    case 64: return pick_group<T, KV, 64>(group);
+    case 128: return pick_group<T, KV, 128>(group);
+    case 256: return pick_group<T, KV, 256>(group);
     default: return Instance{};
   }
 }
 
-// dtype: 0 = float16, 1 = bfloat16.
-Instance pick(int dtype, int head_dim, int group) {
-  if (group < 1 || group > 8) return Instance{};
-  if (dtype == 0) return pick_dim<__half>(head_dim, group);
-  if (dtype == 1) return pick_dim<__nv_bfloat16>(head_dim, group);
+// dtype: 0 = float16, 1 = bfloat16; kv_fp8: the cache is e4m3 instead of dtype.
+Instance pick(int dtype, int kv_fp8, int head_dim, int group) {
+  if (group < 1 || group > 8 || (kv_fp8 != 0 && kv_fp8 != 1)) return Instance{};
+  if (dtype == 0) return kv_fp8 ? pick_dim<__half, uint8_t>(head_dim, group) : pick_dim<__half, __half>(head_dim, group);
+  if (dtype == 1)
+    return kv_fp8 ? pick_dim<__nv_bfloat16, uint8_t>(head_dim, group)
+                  : pick_dim<__nv_bfloat16, __nv_bfloat16>(head_dim, group);
   return Instance{};
 }
 
@@ -83,9 +86,9 @@ cudaError_t cached_attribute(std::atomic<int>* cache, cudaDeviceAttr attr, int d
 
 }  // namespace
 
-int paged_decode_num_splits(int device, int batch, int kv_heads, int group, int head_dim, int dtype,
+int paged_decode_num_splits(int device, int batch, int kv_heads, int group, int head_dim, int dtype, int kv_fp8,
                             int64_t max_seq_len, int* num_splits) {
-  const Instance inst = pick(dtype, head_dim, group);
+  const Instance inst = pick(dtype, kv_fp8, head_dim, group);
   if (inst.split == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   int sms = 0, per_sm = 0;
   cudaError_t err = cached_attribute(g_sms, cudaDevAttrMultiProcessorCount, device, &sms);
@@ -111,19 +114,21 @@ int paged_decode_num_splits(int device, int batch, int kv_heads, int group, int 
 int paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
                            const int32_t* req_to_slot, const int32_t* req_rows,
                            const int32_t* seq_lens, void* out, float* part_o, float* part_lse,
-                           int batch, int kv_heads, int group, int head_dim, int dtype,
+                           int batch, int kv_heads, int group, int head_dim, int dtype, int kv_fp8,
                            int64_t q_stride_b, int64_t out_stride_b, int64_t cache_stride_s,
                            int64_t table_stride, int max_context, int num_splits, float scale,
-                           int device, void* stream_ptr) {
-  const Instance inst = pick(dtype, head_dim, group);
+                           float k_scale, float v_scale, int device, void* stream_ptr) {
+  const Instance inst = pick(dtype, kv_fp8, head_dim, group);
   if (inst.split == nullptr || num_splits < 1 || num_splits > decode::kMaxSplits || kv_heads < 1 ||
       batch > 65535 || kv_heads > 65535 || (num_splits > 1 && (part_o == nullptr || part_lse == nullptr)))
     return static_cast<int>(cudaErrorInvalidValue);
   if (batch <= 0) return 0;
   auto stream = static_cast<cudaStream_t>(stream_ptr);
+  // An e4m3 cache converts to value * 2^-8 in the kernel (fp8_convert.cuh): the 2^8 goes here.
+  const float unit = kv_fp8 ? 256.0f : 1.0f;
   Params p{q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, out, part_o, part_lse,
            q_stride_b, out_stride_b, cache_stride_s, table_stride, kv_heads, group,
-           max_context, num_splits, inst.tile, scale * 1.4426950408889634f};
+           max_context, num_splits, inst.tile, scale * k_scale * unit * 1.4426950408889634f, v_scale * unit};
   inst.split<<<dim3(num_splits, kv_heads, batch), decode::kThreads, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || num_splits == 1) return static_cast<int>(err);

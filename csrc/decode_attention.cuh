@@ -2,7 +2,9 @@
 // attends to its whole context, K/V read through the request table. Framework-free.
 //
 // Shapes: q [B, Hq, D] (heads packed, batch stride free); k_cache/v_cache [S, Hkv, D] (slot
-// stride free); req_to_slot [R, L] int32; req_rows, seq_lens [B] int32 (read on the device);
+// stride free) in q's type T, or e4m3 (KV = uint8_t: values K / k_scale, V / v_scale; each
+// thread copies 8 bytes per row instead of 16 and converts them exactly in registers, the
+// 2^-8 of that conversion and the scales folded into scale_log2 and v_scale by the host); req_to_slot [R, L] int32; req_rows, seq_lens [B] int32 (read on the device);
 // out [B, Hq, D]. Hq = Hkv * group, group in 1..8.
 //
 // Work split: block (split, kv_head, request) reads one contiguous token range of one KV
@@ -14,7 +16,10 @@
 // Memory traffic: K + V rows once, 4 bytes of slot id per token, q, out, and with splits
 // 2 * B * Hq * splits * (D + 1) * 4 bytes of partials.
 #pragma once
+#include <type_traits>
+
 #include "decode_common.cuh"
+#include "fp8_convert.cuh"
 
 namespace minisgl {
 namespace decode {
@@ -38,7 +43,20 @@ constexpr int kStages = 3;  // cp.async ring depth: tiles i+1 and i+2 in flight 
 // 2 * U * (kStages - 1) 16-byte copies per thread stay in flight while a tile is computed.
 // (Loading into registers instead, ptxas sank the V loads below the score shuffles: two
 // memory round trips per tile, and only one tile in flight.)
-template <typename T, int D, int GP, int U>
+// A thread's 8 elements of one K/V row: 16 bytes of T, or 8 e4m3 bytes.
+template <typename KV>
+using Piece = std::conditional_t<sizeof(KV) == 1, uint2, uint4>;
+
+template <typename T, typename KV>
+__device__ __forceinline__ void unpack_kv(const Piece<KV>& v, float (&f)[8]) {
+  if constexpr (sizeof(KV) == 1) {
+    fp8::e4m3x8_to_float_div256(v, f);
+  } else {
+    unpack8<T>(v, f);
+  }
+}
+
+template <typename T, typename KV, int D, int GP, int U>
 __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
   using Shape = SplitShape<D, U>;
   constexpr int kTpr = Shape::kTpr, kTpw = Shape::kTpw, kWarpTokens = Shape::kWarpTokens;
@@ -51,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
     float m[kRows][GP], l[kRows][GP], w[kRows][GP], fin[2][GP];
   };
   union Smem {
-    uint4 ring[kStages][U][2][kThreads];  // [stage][token][K or V][thread]: conflict-free 16 B
+    Piece<KV> ring[kStages][U][2][kThreads];  // [stage][token][K or V][thread]: conflict-free
     Merge merge;
   };
   __shared__ Smem sm;
@@ -83,8 +101,8 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
   const int end = min(len, start + chunk);
 
   const int32_t* table = p.req_to_slot + static_cast<int64_t>(row) * p.table_stride;
-  const int64_t slot_bytes = p.cache_stride_s * static_cast<int64_t>(sizeof(T));
-  const int64_t col = (static_cast<int64_t>(kvh) * D + sub * 8) * static_cast<int64_t>(sizeof(T));
+  const int64_t slot_bytes = p.cache_stride_s * static_cast<int64_t>(sizeof(KV));
+  const int64_t col = (static_cast<int64_t>(kvh) * D + sub * 8) * static_cast<int64_t>(sizeof(KV));
   const char* kb = static_cast<const char*>(p.k_cache) + col;
   const char* vb = static_cast<const char*>(p.v_cache) + col;
   const int warp_off = warp * kWarpTokens;
@@ -100,8 +118,13 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
     for (int u = 0; u < U; ++u) {
       const int64_t slot = __shfl_sync(0xffffffffu, slots, u * kTpw + grp);
       const bool ok = tile_base + warp_off + u * kTpw + grp < end;
-      cp_async16(&sm.ring[stage][u][0][tid], kb + slot * slot_bytes, ok);
-      cp_async16(&sm.ring[stage][u][1][tid], vb + slot * slot_bytes, ok);
+      if constexpr (sizeof(KV) == 1) {
+        cp_async8(&sm.ring[stage][u][0][tid], kb + slot * slot_bytes, ok);
+        cp_async8(&sm.ring[stage][u][1][tid], vb + slot * slot_bytes, ok);
+      } else {
+        cp_async16(&sm.ring[stage][u][0][tid], kb + slot * slot_bytes, ok);
+        cp_async16(&sm.ring[stage][u][1][tid], vb + slot * slot_bytes, ok);
+      }
     }
     cp_async_commit();
   };
@@ -143,7 +166,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
     for (int u = 0; u < U; ++u) {
       valid[u] = base + warp_off + u * kTpw + grp < end;
       float kf[8];
-      unpack8<T>(sm.ring[stage][u][0][tid], kf);
+      unpack_kv<T, KV>(sm.ring[stage][u][0][tid], kf);
 #pragma unroll
       for (int h = 0; h < GP; ++h) {
         float d = 0.f;
@@ -183,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float vf[8];
-      unpack8<T>(sm.ring[stage][u][1][tid], vf);
+      unpack_kv<T, KV>(sm.ring[stage][u][1][tid], vf);
 #pragma unroll
       for (int h = 0; h < GP; ++h) {
         const float pr = fast_exp2(s[u][h] - m[h]);
@@ -235,7 +258,7 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
       for (int j = 0; j < 8; ++j) o[j] = fmaf(w, mg.acc[i][h][d + j], o[j]);
     }
     const float total = mg.fin[1][h];
-    const float inv = total > 0.f ? 1.f / total : 0.f;  // len == 0 (padding) -> zeros
+    const float inv = total > 0.f ? p.v_scale / total : 0.f;  // len == 0 (padding) -> zeros
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j] *= inv;
     if (p.num_splits == 1) {

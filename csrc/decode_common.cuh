@@ -36,7 +36,8 @@ struct Params {
   int max_context;  // L: lengths are clamped to it so a bad length cannot read past the row
   int num_splits;
   int tile;  // tokens per block iteration of the split kernel; chunks are multiples of it
-  float scale_log2;  // softmax scale * log2(e): scores live in the log2 domain (exp2f)
+  float scale_log2;  // softmax scale * log2(e) (* the K scale with an FP8 cache): log2-domain scores
+  float v_scale;     // output multiplier: 1, or the V scale with an FP8 cache
 };
 
 // Loads the compiler must issue where they are written: plain loads whose values are first
@@ -72,6 +73,13 @@ __device__ __forceinline__ int split_chunk(int len, int num_splits, int tile) {
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
   const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(pred ? 16 : 0)
+               : "memory");
+}
+
+// 8-byte copy (FP8 caches: 8 e4m3 per thread and row); .ca, the only form with 8-byte copies.
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem, bool pred) {
+  const auto dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(gmem), "r"(pred ? 8 : 0)
                : "memory");
 }
 

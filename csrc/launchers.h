@@ -10,20 +10,21 @@ int store_kv(void* k_cache, void* v_cache, const void* k, const void* v, const i
              int64_t num_tokens, int64_t row_bytes, int64_t cache_stride_bytes,
              int64_t k_stride_bytes, int64_t v_stride_bytes, void* stream);
 
-// Paged decode attention (csrc/decode_attention.cuh). dtype: 0 = float16, 1 = bfloat16.
-// Strides in elements. num_splits comes from paged_decode_num_splits for the same shape;
+// Paged decode attention (csrc/decode_attention.cuh). dtype: 0 = float16, 1 = bfloat16 (q,
+// out); kv_fp8 = 1: the caches are e4m3 holding K / k_scale, V / v_scale (else dtype, scales
+// still applied). Strides in elements. num_splits comes from paged_decode_num_splits for the same shape;
 // part_o [batch, kv_heads * group, num_splits, head_dim] and part_lse [.., num_splits] are
 // fp32 scratch, needed only when num_splits > 1. `device`: the CUDA device the tensors are on
 // (its attributes are read once and cached: a launch makes no device queries).
-int paged_decode_num_splits(int device, int batch, int kv_heads, int group, int head_dim, int dtype,
+int paged_decode_num_splits(int device, int batch, int kv_heads, int group, int head_dim, int dtype, int kv_fp8,
                             int64_t max_seq_len, int* num_splits);
 int paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
                            const int32_t* req_to_slot, const int32_t* req_rows,
                            const int32_t* seq_lens, void* out, float* part_o, float* part_lse,
-                           int batch, int kv_heads, int group, int head_dim, int dtype,
+                           int batch, int kv_heads, int group, int head_dim, int dtype, int kv_fp8,
                            int64_t q_stride_b, int64_t out_stride_b, int64_t cache_stride_s,
                            int64_t table_stride, int max_context, int num_splits, float scale,
-                           int device, void* stream);
+                           float k_scale, float v_scale, int device, void* stream);
 
 // Embedding rows for token ids (csrc/embedding.cuh); ids outside [start, end) give zeros.
 int embedding_lookup(void* out, const void* weight, const void* ids, int ids_are_int64, int64_t n,
@@ -56,12 +57,21 @@ int custom_all_reduce(void* const* bases, int world, int rank, const void* in, v
 // tiles, chunks per warp group, and the largest m it takes); warps 1..8 per block; num_splits 1..64 K splits,
 // with num_splits > 1 an fp32 workspace and `tiles` zeroed int counters (left zeroed).
 // pdl: launch as a programmatic dependent of the previous kernel on the stream (sm_90+).
-int skinny_gemm_num_configs();
-int skinny_gemm_config(int cfg, int* row_tiles, int* chunks, int* max_m);
+// fp8 = 1: the FP8-weight kernel's configurations (chunks of 64 K elements instead of 32).
+int skinny_gemm_num_configs(int fp8);
+int skinny_gemm_config(int fp8, int cfg, int* row_tiles, int* chunks, int* max_m);
 int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* workspace,
                 int64_t workspace_bytes, int* counters, int64_t num_counters, int m, int n, int k,
                 int64_t x_stride, int64_t w_stride, int64_t y_stride, int silu, int dtype, int cfg,
                 int warps, int num_splits, int pdl, void* stream);
+// The same with e4m3 weights (csrc/skinny_fp8.cuh): w [n_w, k] bytes (w_stride in bytes, % 16),
+// scale fp32 [n_w, KB] (s_stride elements): block_scales 0: KB = 1 per-channel; 1: one per 128-K
+// block of each row. k % 16 == 0. x, bias, y in `dtype`.
+int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_stride, int block_scales,
+                    const void* bias, void* y, float* workspace, int64_t workspace_bytes, int* counters,
+                    int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
+                    int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl,
+                    void* stream);
 
 const char* cuda_error_string(int code);
 

@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "launchers.h"
-#include "skinny_gemm.cuh"
+#include "skinny_fp8.cuh"
 
 namespace minisgl {
 
@@ -48,6 +48,39 @@ KernelFn pick_m(int m, int cfg) {
   }
 }
 
+// FP8 weights (skinny_fp8.cuh): U counts 64-element chunks (16 e4m3 per 16-byte load) and is
+// even (whole 128-K scale spans); max_mt where a group's registers (W 16 * RT * U + x 16 * MT * U
+// bytes per thread, twice for the pipeline) stay near the bf16 tiles'. Append, never reorder.
+constexpr TileConfig kFp8Configs[] = {{1, 2, 4}, {2, 2, 4}, {1, 4, 2}, {2, 4, 1}};
+constexpr int kNumFp8Configs = sizeof(kFp8Configs) / sizeof(kFp8Configs[0]);
+
+template <typename T, int MT>
+KernelFn pick_fp8_config(int cfg) {
+  switch (cfg) {
+    case 0: return skinny::skinny_fp8_kernel<T, MT, 1, 2>;
+    case 1: return skinny::skinny_fp8_kernel<T, MT, 2, 2>;
+    case 2:
+      if constexpr (MT <= kFp8Configs[2].max_mt) return skinny::skinny_fp8_kernel<T, MT, 1, 4>;
+      return nullptr;
+    case 3:
+      if constexpr (MT <= kFp8Configs[3].max_mt) return skinny::skinny_fp8_kernel<T, MT, 2, 4>;
+      return nullptr;
+    default: return nullptr;
+  }
+}
+static_assert(kNumFp8Configs == 4, "pick_fp8_config must list every configuration");
+
+template <typename T>
+KernelFn pick_fp8_m(int m, int cfg) {
+  switch ((m + 7) / 8) {
+    case 1: return pick_fp8_config<T, 1>(cfg);
+    case 2: return pick_fp8_config<T, 2>(cfg);
+    case 3: return pick_fp8_config<T, 3>(cfg);
+    case 4: return pick_fp8_config<T, 4>(cfg);
+    default: return nullptr;
+  }
+}
+
 // Bounds the workspace and keeps split * k_split within int.
 constexpr int kMaxSplits = 64;
 
@@ -55,46 +88,42 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-int skinny_gemm_num_configs() { return kNumConfigs; }
+int skinny_gemm_num_configs(int fp8) { return fp8 ? kNumFp8Configs : kNumConfigs; }
 
-int skinny_gemm_config(int cfg, int* row_tiles, int* chunks, int* max_m) {
-  if (cfg < 0 || cfg >= kNumConfigs) return static_cast<int>(cudaErrorInvalidValue);
-  *row_tiles = kConfigs[cfg].rt;
-  *chunks = kConfigs[cfg].u;
-  *max_m = kConfigs[cfg].max_mt * 8;
+int skinny_gemm_config(int fp8, int cfg, int* row_tiles, int* chunks, int* max_m) {
+  const TileConfig* table = fp8 ? kFp8Configs : kConfigs;
+  if (cfg < 0 || cfg >= skinny_gemm_num_configs(fp8)) return static_cast<int>(cudaErrorInvalidValue);
+  *row_tiles = table[cfg].rt;
+  *chunks = table[cfg].u;
+  *max_m = table[cfg].max_mt * 8;
   return 0;
 }
 
-int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* workspace,
-                int64_t workspace_bytes, int* counters, int64_t num_counters, int m, int n, int k,
-                int64_t x_stride, int64_t w_stride, int64_t y_stride, int silu, int dtype, int cfg,
-                int warps, int num_splits, int pdl, void* stream) {
-  if (cfg < 0 || cfg >= kNumConfigs || m < 1 || m > kConfigs[cfg].max_mt * 8 || n < 1 || k < 8 || k % 8 != 0 || warps < 1 ||
-      warps > skinny::kMaxWarps || num_splits < 1 || num_splits > kMaxSplits || x_stride % 8 != 0 ||
-      w_stride % 8 != 0 || !aligned16(x) || !aligned16(w) || (silu != 0 && silu != 1))
-    return static_cast<int>(cudaErrorInvalidValue);
-  KernelFn fn = dtype == 0 ? pick_m<__half>(m, cfg) : dtype == 1 ? pick_m<__nv_bfloat16>(m, cfg) : nullptr;
-  if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
-  const TileConfig c = kConfigs[cfg];
-  const int mt = (m + 7) / 8;
-  const int64_t rows_per_block = static_cast<int64_t>(c.rt) * (silu ? 8 : 16);
-  const int64_t tiles = (n + rows_per_block - 1) / rows_per_block;
+namespace {
+
+// Checks shared by both weight types, the split arithmetic (each split covers whole warp groups
+// of `group` K elements, so every group starts at a multiple of it) and the launch.
+int launch_kernel(KernelFn fn, Params p, int rt, int64_t group, int warps, int num_splits, float* workspace,
+                  int64_t workspace_bytes, int* counters, int64_t num_counters, int pdl, void* stream) {
+  const int mt = (p.m + 7) / 8;
+  const int64_t rows_per_block = static_cast<int64_t>(rt) * (p.silu ? 8 : 16);
+  const int64_t tiles = (p.n + rows_per_block - 1) / rows_per_block;
   if (tiles > INT32_MAX) return static_cast<int>(cudaErrorInvalidValue);
-  // Each split covers whole warp groups (U * 32 elements), so every group starts 64-byte aligned.
-  const int64_t group = static_cast<int64_t>(c.u) * skinny::kChunk;
-  const int64_t per_split = ((k + num_splits - 1) / num_splits + group - 1) / group * group;
+  const int64_t per_split = ((p.k + num_splits - 1) / num_splits + group - 1) / group * group;
   if (num_splits > 1) {
-    const int64_t items = static_cast<int64_t>(c.rt) * mt * 2 * 32;  // float2 per (tile, split)
+    const int64_t items = static_cast<int64_t>(rt) * mt * 2 * 32;  // float2 per (tile, split)
     if (workspace == nullptr || counters == nullptr || num_counters < tiles ||
         workspace_bytes < tiles * num_splits * items * 8)
       return static_cast<int>(cudaErrorInvalidValue);
   }
-  Params p{x, w, bias, y, workspace, counters, x_stride, w_stride, y_stride, m, n, k, silu,
-           static_cast<int>(per_split), num_splits};
+  p.workspace = workspace;
+  p.counters = counters;
+  p.k_split = static_cast<int>(per_split);
+  p.num_splits = num_splits;
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(static_cast<unsigned>(tiles), num_splits);
   launch.blockDim = dim3(warps * 32);
-  launch.dynamicSmemBytes = static_cast<size_t>(warps) * c.rt * mt * 128 * sizeof(float);
+  launch.dynamicSmemBytes = static_cast<size_t>(warps) * rt * mt * 128 * sizeof(float);
   launch.stream = static_cast<cudaStream_t>(stream);
   // Programmatic dependent launch (Hopper+): this grid may start while the previous kernel
   // finishes; the kernel loads its first W group, then waits for it (griddepcontrol.wait).
@@ -112,6 +141,46 @@ int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* 
     }
   }
   return static_cast<int>(cudaLaunchKernelEx(&launch, fn, p));
+}
+
+bool common_args_ok(int m, int max_m, int n, int k, int warps, int num_splits, int64_t x_stride, const void* x,
+                    const void* w, int silu) {
+  return m >= 1 && m <= max_m && n >= 1 && k >= 8 && k % 8 == 0 && warps >= 1 && warps <= skinny::kMaxWarps &&
+         num_splits >= 1 && num_splits <= kMaxSplits && x_stride % 8 == 0 && aligned16(x) && aligned16(w) &&
+         (silu == 0 || silu == 1);
+}
+
+}  // namespace
+
+int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* workspace,
+                int64_t workspace_bytes, int* counters, int64_t num_counters, int m, int n, int k,
+                int64_t x_stride, int64_t w_stride, int64_t y_stride, int silu, int dtype, int cfg,
+                int warps, int num_splits, int pdl, void* stream) {
+  if (cfg < 0 || cfg >= kNumConfigs || w_stride % 8 != 0 ||
+      !common_args_ok(m, kConfigs[cfg].max_mt * 8, n, k, warps, num_splits, x_stride, x, w, silu))
+    return static_cast<int>(cudaErrorInvalidValue);
+  KernelFn fn = dtype == 0 ? pick_m<__half>(m, cfg) : dtype == 1 ? pick_m<__nv_bfloat16>(m, cfg) : nullptr;
+  if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0};
+  return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::kChunk, warps,
+                       num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
+}
+
+int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_stride, int block_scales,
+                    const void* bias, void* y, float* workspace, int64_t workspace_bytes, int* counters,
+                    int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
+                    int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl,
+                    void* stream) {
+  if (cfg < 0 || cfg >= kNumFp8Configs || k % 16 != 0 || w_stride % 16 != 0 || scale == nullptr ||
+      (block_scales != 0 && block_scales != 1) || s_stride < 1 ||
+      !common_args_ok(m, kFp8Configs[cfg].max_mt * 8, n, k, warps, num_splits, x_stride, x, w, silu))
+    return static_cast<int>(cudaErrorInvalidValue);
+  KernelFn fn = dtype == 0 ? pick_fp8_m<__half>(m, cfg) : dtype == 1 ? pick_fp8_m<__nv_bfloat16>(m, cfg) : nullptr;
+  if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0,
+           scale, s_stride, block_scales};
+  return launch_kernel(fn, p, kFp8Configs[cfg].rt, static_cast<int64_t>(kFp8Configs[cfg].u) * skinny::kFp8Chunk,
+                       warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
 
 }  // namespace minisgl

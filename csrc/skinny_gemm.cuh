@@ -35,10 +35,9 @@
 // Memory traffic: W once (N_w * K * 2 bytes), x once per block from L2/L1, y written once;
 // with splits, 2 * tiles * splits * RT * MT * 512 bytes of fp32 partials through L2.
 //
-// Extension point (weight-only FP8, not built): a weight type whose 16-byte load carries 16
-// e4m3 values would convert them to two chunks' fragments in load_group/mma_group, fold a
-// per-output-channel scale into the epilogue, and with 128 x 128 block scales take U * 32 ==
-// 128 so that each warp group is one scale block (scale the group's MMA sum, then add).
+// Weight-only FP8 (csrc/skinny_fp8.cuh) reuses this file's loads, MMAs, warp reduction,
+// split-K and epilogue: its Params carry the fp32 weight scales (`scale`), applied here in the
+// epilogue for per-channel scales, or by that kernel per 128-K span for block scales.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -68,6 +67,11 @@ struct Params {
   int silu;   // 1: SiLU-and-mul epilogue over (gate | up) rows, W has 2 * n rows
   int k_split;     // K elements per split (a multiple of 8)
   int num_splits;
+  // FP8 weights only (null / 0 for 16-bit ones): fp32 scales [N_w, KB], row stride s_stride;
+  // block_scales 0: one scale per row (KB = 1), applied in the epilogue; 1: per 128-K block.
+  const float* scale;
+  int64_t s_stride;
+  int block_scales;
 };
 
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
@@ -212,7 +216,9 @@ struct Tile {
   static constexpr int kItems = kPairs * 32;  // per warp (and per block after the reduction)
 };
 
-template <typename T>
+// kFp8: the FP8 kernel's epilogue (per-channel scales when p.block_scales == 0); the 16-bit
+// kernel's is built without that code (it kept the bf16 kernel's registers as they were).
+template <typename T, bool kFp8>
 __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r, int t, int q, int lane, float lo,
                                            float hi) {
   const int g = lane >> 2, quad = lane & 3;
@@ -220,9 +226,14 @@ __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r
   if (m >= p.m) return;
   T* y = static_cast<T*>(p.y) + static_cast<int64_t>(m) * p.y_stride;
   const T* bias = static_cast<const T*>(p.bias);
+  const bool chan = kFp8 && !p.block_scales;  // per-channel FP8 scales
   if (p.silu) {
     const int j = tile_row0 + 8 * r + g;  // output column; gate row j, up row n + j
     if (j >= p.n) return;
+    if (chan) {
+      lo *= p.scale[j * p.s_stride];
+      hi *= p.scale[(p.n + j) * p.s_stride];
+    }
     if (bias != nullptr) {
       lo += to_float(bias[j]);
       hi += to_float(bias[p.n + j]);
@@ -231,13 +242,81 @@ __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r
     return;
   }
   const int row = tile_row0 + 16 * r + g;
+  if (chan) {
+    if (row < p.n) lo *= p.scale[row * p.s_stride];
+    if (row + 8 < p.n) hi *= p.scale[(row + 8) * p.s_stride];
+  }
   if (row < p.n) y[row] = from_float<T>(lo + (bias != nullptr ? to_float(bias[row]) : 0.0f));
   if (row + 8 < p.n) y[row + 8] = from_float<T>(hi + (bias != nullptr ? to_float(bias[row + 8]) : 0.0f));
 }
 
+// The end of a block: its warps' accumulators summed in shared memory `red` (fixed order), then
+// either the epilogue, or (split-K) this split's partials to the workspace and, in the last
+// block of the tile to arrive, the sum over splits and the epilogue.
+template <typename T, bool kFp8, int MT, int RT>
+__device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)[RT][MT][4], float* red, int tile,
+                                             int split, int tile_row0) {
+  using Tl = Tile<MT, RT>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  // Warp reduction in shared memory, laid out [warp][accumulator][lane] (conflict-free).
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[((warp * RT + r) * MT + t) * 128 + i * 32 + lane] = acc[r][t][i];
+  __syncthreads();
+
+  // Block thread `it` owns accumulator pairs it, it + blockDim.x, ... of the tile (lane = it % 32).
+  float2* part = nullptr;
+  if (p.num_splits > 1) {
+    part = reinterpret_cast<float2*>(p.workspace) +
+           (static_cast<int64_t>(tile) * p.num_splits + split) * Tl::kItems;
+  }
+  for (int it = threadIdx.x; it < Tl::kItems; it += blockDim.x) {
+    const int ln = it & 31, pair = it >> 5;  // pair = (r * MT + t) * 2 + q
+    const int rtm = pair >> 1, q = pair & 1;  // rtm = r * MT + t
+    float lo = 0.0f, hi = 0.0f;
+    for (int wi = 0; wi < warps; ++wi) {  // fixed order: deterministic
+      lo += red[(wi * RT * MT + rtm) * 128 + q * 32 + ln];
+      hi += red[(wi * RT * MT + rtm) * 128 + (q + 2) * 32 + ln];
+    }
+    if (part != nullptr) {
+      part[it] = make_float2(lo, hi);
+    } else {
+      store_pair<T, kFp8>(p, tile_row0, rtm / MT, rtm % MT, q, ln, lo, hi);
+    }
+  }
+  if (part == nullptr) return;
+
+  // Split-K: the last block of this tile to arrive sums every split's partials.
+  __shared__ int is_last;
+  __threadfence();  // this block's partials are visible device-wide before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int arrived = atomicAdd(p.counters + tile, 1);
+    is_last = arrived == p.num_splits - 1;
+    if (is_last) p.counters[tile] = 0;  // every split has arrived: reset for the next launch
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const float2* all = reinterpret_cast<const float2*>(p.workspace) +
+                      static_cast<int64_t>(tile) * p.num_splits * Tl::kItems;
+  for (int it = threadIdx.x; it < Tl::kItems; it += blockDim.x) {
+    float lo = 0.0f, hi = 0.0f;
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float2 v = load_f2_l2(all + static_cast<int64_t>(s) * Tl::kItems + it);  // L2: other SMs wrote it
+      lo += v.x;
+      hi += v.y;
+    }
+    const int pair = it >> 5, rtm = pair >> 1;
+    store_pair<T, kFp8>(p, tile_row0, rtm / MT, rtm % MT, pair & 1, it & 31, lo, hi);
+  }
+}
+
 template <typename T, int MT, int RT, int U>
 __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gemm_kernel(const Params p) {
-  using Tl = Tile<MT, RT>;
   extern __shared__ float red[];  // [warps][kPairs * 2][32]: the warps' accumulators
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, quad = lane & 3;
@@ -310,61 +389,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gemm_kernel(const Param
     mma_group<T, MT, RT, U>(acc, cur);
   }
 
-  // Warp reduction in shared memory, laid out [warp][accumulator][lane] (conflict-free).
-#pragma unroll
-  for (int r = 0; r < RT; ++r)
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) red[((warp * RT + r) * MT + t) * 128 + i * 32 + lane] = acc[r][t][i];
-  __syncthreads();
-
-  // Block thread `it` owns accumulator pairs it, it + blockDim.x, ... of the tile (lane = it % 32).
-  float2* part = nullptr;
-  if (p.num_splits > 1) {
-    part = reinterpret_cast<float2*>(p.workspace) +
-           (static_cast<int64_t>(tile) * p.num_splits + split) * Tl::kItems;
-  }
-  for (int it = threadIdx.x; it < Tl::kItems; it += blockDim.x) {
-    const int ln = it & 31, pair = it >> 5;  // pair = (r * MT + t) * 2 + q
-    const int rtm = pair >> 1, q = pair & 1;  // rtm = r * MT + t
-    float lo = 0.0f, hi = 0.0f;
-    for (int wi = 0; wi < warps; ++wi) {  // fixed order: deterministic
-      lo += red[(wi * RT * MT + rtm) * 128 + q * 32 + ln];
-      hi += red[(wi * RT * MT + rtm) * 128 + (q + 2) * 32 + ln];
-    }
-    if (part != nullptr) {
-      part[it] = make_float2(lo, hi);
-    } else {
-      store_pair<T>(p, tile_row0, rtm / MT, rtm % MT, q, ln, lo, hi);
-    }
-  }
-  if (part == nullptr) return;
-
-  // Split-K: the last block of this tile to arrive sums every split's partials.
-  __shared__ int is_last;
-  __threadfence();  // this block's partials are visible device-wide before it is counted
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int arrived = atomicAdd(p.counters + tile, 1);
-    is_last = arrived == p.num_splits - 1;
-    if (is_last) p.counters[tile] = 0;  // every split has arrived: reset for the next launch
-  }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
-  const float2* all = reinterpret_cast<const float2*>(p.workspace) +
-                      static_cast<int64_t>(tile) * p.num_splits * Tl::kItems;
-  for (int it = threadIdx.x; it < Tl::kItems; it += blockDim.x) {
-    float lo = 0.0f, hi = 0.0f;
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float2 v = load_f2_l2(all + static_cast<int64_t>(s) * Tl::kItems + it);  // L2: other SMs wrote it
-      lo += v.x;
-      hi += v.y;
-    }
-    const int pair = it >> 5, rtm = pair >> 1;
-    store_pair<T>(p, tile_row0, rtm / MT, rtm % MT, pair & 1, it & 31, lo, hi);
-  }
+  reduce_store<T, false, MT, RT>(p, acc, red, tile, split, tile_row0);
 }
 
 }  // namespace skinny

@@ -59,7 +59,7 @@ def _decode_split_kernel(
         mask_n = offs_n < end
         slots = tl.load(slot_base + offs_n, mask=mask_n, other=0).to(tl.int64)
         k = tl.load(k_base + slots[None, :] * stride_kt + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, BLOCK_N]
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # [D, BLOCK_N]; FP8: exact
         qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -67,7 +67,7 @@ def _decode_split_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slots[:, None] * stride_vt + offs_d[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, D]
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     # An empty slice (short request) leaves l_i = 0: it gets lse = -inf and weight 0 in stage 2.
@@ -116,9 +116,10 @@ def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.de
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-    out: torch.Tensor | None = None, num_splits: int | None = None,
+    out: torch.Tensor | None = None, num_splits: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Shapes as in the module docstring; returns out [B, Hq, D] in q's dtype."""
+    """Shapes as in the module docstring; returns out [B, Hq, D] in q's dtype. An FP8 cache
+    holds K / k_scale and V / v_scale (per-tensor scales: K's folds into the score scale)."""
     b, hq, d = q.shape
     kv_heads = k_cache.shape[1]
     group = hq // kv_heads
@@ -133,7 +134,7 @@ def decode_attention(
     block_h = max(16, triton.next_power_of_2(group))
     block_n = 64 if d <= 128 else 32
     _decode_split_kernel[(b, kv_heads, splits)](
-        q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, mid, lse, scale * math.log2(math.e),
+        q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, mid, lse, scale * k_scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), req_to_slot.stride(0), mid.stride(0), mid.stride(1), mid.stride(2),
         lse.stride(0), lse.stride(1),
@@ -145,6 +146,8 @@ def decode_attention(
         out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=splits,
         BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
     )
+    if v_scale != 1.0:
+        out.mul_(v_scale)
     return out
 
 

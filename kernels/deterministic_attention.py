@@ -54,7 +54,7 @@ def deterministic_config(head_dim: int, dtype: torch.dtype, device: torch.device
 
 
 @triton.jit
-def _combine_kernel(PartAcc, PartML, Out, SeqLens, stride_ot, stride_oh, num_splits,
+def _combine_kernel(PartAcc, PartML, Out, SeqLens, v_scale, stride_ot, stride_oh, num_splits,
                     SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     # Program (b, h): request b's token, q head h; its splits 0 .. ceil(seq / SPLIT) - 1.
     b = tl.program_id(0)
@@ -73,7 +73,7 @@ def _combine_kernel(PartAcc, PartML, Out, SeqLens, stride_ot, stride_oh, num_spl
         m_p = tl.load(PartML + 2 * (base + s) + one)
         l_p = tl.load(PartML + 2 * (base + s) + 1 + one)
         acc, m_i, l_i = fold_split(acc, m_i, l_i, acc_p, m_p, l_p)
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]  # as the extend kernel's last line
     o_ptrs = Out + b.to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d[None, :] < HEAD_DIM)
 
@@ -81,7 +81,8 @@ def _combine_kernel(PartAcc, PartML, Out, SeqLens, stride_ot, stride_oh, num_spl
 def split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
                  req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, tiles: torch.Tensor, max_seq_len: int, scale: float,
-                 config: tuple[int, ...], heads: int, split: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                 config: tuple[int, ...], heads: int, split: int, out: torch.Tensor | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """A decode step (q [B, Hq, D], one token per request; `tiles` one per request, from
     `tile_map`) with the splits in parallel; the same bits as `extend_attention(...,
     split=split)` for these tokens. max_seq_len bounds every seq_lens[b] (the workspace size)."""
@@ -96,7 +97,7 @@ def split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     part_ml = torch.empty((b, hq, num_splits, 2), dtype=torch.float32, device=q.device)
     per_split = min(num_splits, max(1, SPLIT_DECODE_PROGRAMS // (hq // heads * tiles.shape[0])))
     launch((hq // heads, tiles.shape[0], per_split), q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens,
-           cu_seqlens_q, tiles, scale, config, heads, split, (part_acc, part_ml))
-    _combine_kernel[(b, hq)](part_acc, part_ml, out, seq_lens, out.stride(0), out.stride(1), num_splits,
+           cu_seqlens_q, tiles, scale, config, heads, split, (part_acc, part_ml), k_scale, v_scale)
+    _combine_kernel[(b, hq)](part_acc, part_ml, out, seq_lens, v_scale, out.stride(0), out.stride(1), num_splits,
                              SPLIT=split, HEAD_DIM=d, BLOCK_D=block_d, num_warps=4)
     return out

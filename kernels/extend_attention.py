@@ -54,6 +54,10 @@ def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v
     else:
         k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+    # An FP8 cache: e4m3 values are exact in q's 16/32-bit dtype; their per-tensor scales are
+    # folded into qk_scale (K) and v_scale (V, applied to the output in fp32).
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     qk = tl.dot(q, k, input_precision=DOT_PREC)
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
@@ -104,7 +108,7 @@ def fold_split(acc, m_i, l_i, acc_p, m_p, l_p):
 
 @triton.jit
 def _extend_attn_kernel(
-    Q, KCache, VCache, Out, ReqToSlot, ReqRows, PrefixLens, CuSeqlensQ, Tiles, qk_scale,
+    Q, KCache, VCache, Out, ReqToSlot, ReqRows, PrefixLens, CuSeqlensQ, Tiles, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_rt, PartAcc, PartML, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -187,7 +191,7 @@ def _extend_attn_kernel(
                                              stride_vt, qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D,
                                              BLOCK_N, DOT_PREC)
             acc, m_i, l_i = fold_split(acc, m_i, l_i, acc_p, m_p, l_p)
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1.0 for 16-bit caches)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
@@ -234,7 +238,7 @@ def extend_attention(
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
     max_extend_len: int, scale: float, out: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None, tiles: torch.Tensor | None = None, heads_per_tile: int = 1,
-    split: int = 0,
+    split: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype. With `tiles`
     (int32 [capacity, 2] from `tile_map` with this config's BLOCK_M), the grid is
@@ -243,7 +247,8 @@ def extend_attention(
     GQA packing (module docstring); it must divide Hq / Hkv, and `tiles` then come from
     `tile_map` with BLOCK_M // heads_per_tile tokens per tile. `split` > 0 (a multiple of
     BLOCK_N; deterministic mode): keys in splits of `split` at fixed positions, each from a
-    fresh state, folded in order (kernels/deterministic_attention.py runs them in parallel)."""
+    fresh state, folded in order (kernels/deterministic_attention.py runs them in parallel).
+    An FP8 cache holds K / k_scale and V / v_scale (per-tensor scales)."""
     t, hq, d = q.shape
     if out is None:
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -261,14 +266,15 @@ def extend_attention(
     else:
         grid = (hq // heads_per_tile, tiles.shape[0], 1)
     launch(grid, q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens, cu_seqlens_q, tiles, scale,
-           (block_m, block_n, num_warps, num_stages), heads_per_tile, split, None)
+           (block_m, block_n, num_warps, num_stages), heads_per_tile, split, None, k_scale, v_scale)
     return out
 
 
 def launch(grid: tuple[int, int, int], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            out: torch.Tensor, req_to_slot: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
            cu_seqlens_q: torch.Tensor, tiles: torch.Tensor | None, scale: float, config: tuple[int, ...],
-           heads: int, split: int, partial: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+           heads: int, split: int, partial: tuple[torch.Tensor, torch.Tensor] | None, k_scale: float = 1.0,
+           v_scale: float = 1.0) -> None:
     """The kernel launch; `partial` (acc [T, Hq, S, BLOCK_D], (m, l) [T, Hq, S, 2], fp32): the
     programs of grid axis 2 share the splits and write each split's partial there."""
     block_m, block_n, num_warps, num_stages = config
@@ -276,7 +282,7 @@ def launch(grid: tuple[int, int, int], q: torch.Tensor, k_cache: torch.Tensor, v
     part_acc, part_ml = partial if partial is not None else (out, out)
     _extend_attn_kernel[grid](
         q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens, cu_seqlens_q,
-        cu_seqlens_q if tiles is None else tiles, scale * math.log2(math.e),
+        cu_seqlens_q if tiles is None else tiles, scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), req_to_slot.stride(0), part_acc, part_ml,
         part_acc.shape[2] if partial is not None else 0,

@@ -105,7 +105,7 @@ def test_decode_matches_torch_backend_on_cpu() -> None:
 @pytest.mark.parametrize(
     ("dtype", "dim", "q_heads", "match"),
     [
-        (torch.float32, 64, 4, "float16 or bfloat16"),
+        (torch.float32, 64, 4, "float16, bfloat16 or fp8_e4m3"),
         (torch.bfloat16, 96, 4, "head_dim"),
         (torch.bfloat16, 64, 18, "query heads per KV head"),
         (torch.bfloat16, 64, 3, "query heads per KV head"),

@@ -21,10 +21,11 @@ class AttentionBackend(ABC):
     # however it is batched, chunked or split into prefix and extend (see each backend).
     deterministic: bool = False
 
-    def __init__(self, pool: KVPool, num_q_heads: int, scale: float) -> None:
+    def __init__(self, pool: KVPool, num_q_heads: int, scale: float, q_dtype: torch.dtype | None = None) -> None:
         self.pool = pool
         self.num_q_heads = num_q_heads
         self.scale = scale
+        self.q_dtype = q_dtype or pool.dtype  # the model's dtype (an FP8 pool's differs from it)
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Build `batch.attn_metadata` once per step (default: nothing needed)."""

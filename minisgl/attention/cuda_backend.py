@@ -1,6 +1,7 @@
 """The `cuda` attention backend: decode steps run minisgl._C's paged flash-decoding kernel;
 extend steps (prefill, chunked prefill, prefix hits) run the Triton extend kernel
 (ops.extend_attention, which falls back to its torch reference where Triton cannot run).
+Both read a 16-bit or an FP8 e4m3 cache (per-layer K/V scales, dequantized in registers).
 
 Decode is CUDA-graph safe: the store and the kernel read slots, rows and lengths from the
 batch's device tensors, and the kernel's launch shape depends only on the batch size, the
@@ -24,14 +25,16 @@ class CudaAttentionBackend(TritonAttentionBackend):
 
     name = "cuda"
 
-    def __init__(self, pool: KVPool, num_q_heads: int, scale: float) -> None:
-        super().__init__(pool, num_q_heads, scale)
+    def __init__(self, pool: KVPool, num_q_heads: int, scale: float, q_dtype: torch.dtype | None = None) -> None:
+        super().__init__(pool, num_q_heads, scale, q_dtype)
         # Refuse at startup what the kernel cannot run, rather than at the first decode step.
-        if pool.dtype not in (torch.float16, torch.bfloat16):
+        if pool.dtype not in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
             raise ValueError(
-                f"attention backend 'cuda' needs a float16 or bfloat16 KV cache, got {pool.dtype}; "
+                f"attention backend 'cuda' needs a float16, bfloat16 or fp8_e4m3 KV cache, got {pool.dtype}; "
                 "use --dtype bfloat16 or another attention backend"
             )
+        if self.q_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention backend 'cuda' needs a float16 or bfloat16 model, got {self.q_dtype}")
         if pool.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"attention backend 'cuda' supports head_dim {SUPPORTED_HEAD_DIMS}, got {pool.head_dim}")
         group = num_q_heads // pool.kv_heads
@@ -43,6 +46,7 @@ class CudaAttentionBackend(TritonAttentionBackend):
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
         rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, out: torch.Tensor | None = None,
+        k_scale: float = 1.0, v_scale: float = 1.0,  # an FP8 pool's per-layer scales (1.0 for 16-bit)
     ) -> torch.Tensor:
         return ops.paged_decode_attention(q, k_cache, v_cache, req_to_slot, rows, seq_lens, self.scale, max_seq_len,
-                                          out=out)
+                                          out=out, k_scale=k_scale, v_scale=v_scale)

@@ -37,7 +37,8 @@ class TorchAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
-        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots)
+        ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]
+        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots, ks, vs)
         out = torch.empty_like(q)
         starts = [0]  # offsets of each request's new tokens, from host lengths (no device sync)
         for s, p in zip(batch.seq_lens_cpu, batch.prefix_lens_cpu):
@@ -46,12 +47,13 @@ class TorchAttentionBackend(AttentionBackend):
             lo, hi = starts[i], starts[i + 1]
             slots = batch.req_to_slot[batch.req_rows[i], :seq_len].long()
             positions = torch.arange(prefix, seq_len, device=q.device)
-            k, v = k_cache[slots], v_cache[slots]
+            # FP8 cache: dequantized here (fp32 math with the scales; exact for 16/32-bit).
+            kk, vv = k_cache[slots].float() * ks, v_cache[slots].float() * vs
             if not self.deterministic:
-                out[lo:hi] = attend_reference(q[lo:hi], k, v, positions, self.scale)
+                out[lo:hi] = attend_reference(q[lo:hi], kk, vv, positions, self.scale)
                 continue
             for j in range(hi - lo):
                 p = prefix + j
-                out[lo + j : lo + j + 1] = attend_reference(q[lo + j : lo + j + 1], k[: p + 1], v[: p + 1],
+                out[lo + j : lo + j + 1] = attend_reference(q[lo + j : lo + j + 1], kk[: p + 1], vv[: p + 1],
                                                             positions[j : j + 1], self.scale)
         return out

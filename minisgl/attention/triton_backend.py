@@ -38,10 +38,11 @@ class TritonAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
-        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots)
+        ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]  # FP8 cache: K / ks, V / vs
+        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots, ks, vs)
         if batch.is_decode and not self.deterministic:
             return self._decode(q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens,
-                                batch.max_seq_len)
+                                batch.max_seq_len, k_scale=ks, v_scale=vs)
         out = None
         if batch.decode_rows is not None:  # first: the extend tiles then overwrite the other rows
             if self.deterministic:
@@ -49,22 +50,24 @@ class TritonAttentionBackend(AttentionBackend):
             d = batch.decode_rows.shape[0]
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             self._decode(q[:d], k_cache, v_cache, batch.req_to_slot, batch.decode_rows, batch.decode_seq_lens,
-                         batch.max_seq_len, out[:d])
+                         batch.max_seq_len, out[:d], k_scale=ks, v_scale=vs)
         return ops.extend_attention(
             q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.prefix_lens,
             batch.seq_lens, batch.cu_seqlens_q, batch.max_extend_len, self.scale, out=out, tiles=batch.tiles,
             deterministic=self.deterministic, decode_max_seq_len=batch.max_seq_len if batch.is_decode else None,
+            k_scale=ks, v_scale=vs,
         )
 
     @property
     def tile_block_m(self) -> int:
         """Query tokens per extend-kernel tile: the unit of the batch's tile map."""
-        return ops.extend_block_m(self.pool.head_dim, self.pool.dtype, self.pool.device,
+        return ops.extend_block_m(self.pool.head_dim, self.q_dtype, self.pool.device,
                                   self.num_q_heads // self.pool.kv_heads, self.deterministic)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
         rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, out: torch.Tensor | None = None,
+        k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> torch.Tensor:
         return ops.decode_attention_triton(q, k_cache, v_cache, req_to_slot, rows, seq_lens, max_seq_len, self.scale,
-                                           out=out)
+                                           out=out, k_scale=k_scale, v_scale=v_scale)

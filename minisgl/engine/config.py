@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.models.quant_config import QUANTIZATION_CHOICES
 from minisgl.spec.config import SpecConfig, make_spec_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -13,6 +14,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "half": torch.float16, "float": torch.float32}
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")  # auto: the model's dtype; fp8 = fp8_e4m3
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class EngineConfig:
     max_running_requests: int = 256
     attention_backend: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None  # "fp8": quantize a 16-bit checkpoint's linear weights on load
+    kv_cache_dtype: str = "auto"  # "fp8_e4m3": an FP8 KV pool (twice the tokens), per-tensor scales
     seed: int = 0
     tp_rank: int = 0
     tp_size: int = 1
@@ -56,6 +60,10 @@ class EngineConfig:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose from {ATTENTION_BACKENDS}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; choose from {LOAD_FORMATS}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose from {QUANTIZATION_CHOICES}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from {KV_CACHE_DTYPES}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.max_running_requests < 1:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from minisgl import ops
@@ -21,9 +23,11 @@ from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.quant_config import resolve as resolve_quantization
 from minisgl.models.source import ModelSource, resolve_model
 from minisgl.models.weights import fill_dummy, iter_safetensors
 from minisgl.ops import _checks
+from minisgl.ops.fp8 import check_fp8_device
 from minisgl.spec.drafter import Drafter
 
 log = get_logger("minisgl.engine")
@@ -82,8 +86,15 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.source = resolve_model(cfg.model)
         self.model_config = load_model_config(self.source)
+        quant = resolve_quantization(self.model_config.quantization, cfg.quantization)
+        self.model_config = dataclasses.replace(self.model_config, quantization=quant)
         mc = self.model_config
+        if quant is not None:
+            check_fp8_device(self.device)
         self.dtype = resolve_dtype(cfg.dtype, mc, self.device)
+        self.kv_dtype = self.dtype if cfg.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+        if self.kv_dtype == torch.float8_e4m3fn:
+            check_fp8_device(self.device)
         self.max_model_len = self._context_length(mc)
         mc.check_tp(cfg.tp_size)
         self.tp = TPInfo(cfg.tp_rank, cfg.tp_size)
@@ -111,7 +122,9 @@ class Engine:
             # Every rank must admit, evict and retract alike (lockstep): the same pool on all,
             # sized by the rank with the least free memory.
             num_pages = min_across_ranks(num_pages, self.cpu_group)
-        self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.dtype, self.device)
+        self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.kv_dtype, self.device)
+        if self.kv_dtype == torch.float8_e4m3fn:
+            self._set_kv_scales()
         self.allocator = PageAllocator(num_pages, cfg.page_size)
         if self.drafter is not None:  # its own KV pool, indexed by the same slots
             self.drafter.allocate_kv(num_pages, cfg.page_size)
@@ -123,14 +136,16 @@ class Engine:
         # Per-row token history for penalties (allocated when a request first needs it).
         self.penalties = PenaltyState(cfg.max_running_requests + 1, mc.vocab_size, self.device)
         self.graphs = None  # CudaGraphRunner once enable_cuda_graphs() ran
-        self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device)
+        self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device,
+                                 self.dtype)
         self.attn.deterministic = cfg.deterministic
         block_m = getattr(self.attn, "tile_block_m", None)  # backends that take the extend tile map
         self.steps = StepBuilder(self.table, self.token_buffer, self.device, self.max_model_len, mc.vocab_size,
                                  block_m, deterministic=cfg.deterministic)
         log.info(
-            "engine ready: %s (%s) on %s, %s, context %d, KV pool %d tokens in pages of %d, attention %s",
+            "engine ready: %s (%s) on %s, %s%s, context %d, KV pool %d tokens in pages of %d, attention %s",
             self.source.name, mc.architecture, self.device, str(self.dtype).removeprefix("torch."),
+            "" if quant is None else f", FP8 weights ({quant.method}, {quant.weights} scales)",
             self.max_model_len, self.pool.num_slots - cfg.page_size, cfg.page_size, self.attn.name,
         )
 
@@ -150,19 +165,35 @@ class Engine:
     def _build_model(self) -> LlamaForCausalLM:
         return load_model(self, self.source, self.model_config, self.cfg.seed)
 
+    def _set_kv_scales(self) -> None:
+        """An FP8 pool's per-tensor scales: the checkpoint's k_scale / v_scale, else 1.0 (as vLLM)."""
+        scales = self.model.kv_scales
+        self.pool.k_scales = [scales.get((i, "k_scale"), 1.0) for i in range(self.pool.num_layers)]
+        self.pool.v_scales = [scales.get((i, "v_scale"), 1.0) for i in range(self.pool.num_layers)]
+        ratio = torch.empty((), dtype=self.dtype).element_size()
+        log.info(
+            "KV cache in fp8_e4m3 (scales %s): %d bytes per token, so the pool holds %dx the tokens of %s",
+            "from the checkpoint" if scales else "1.0", self.pool.bytes_per_token, ratio,
+            str(self.dtype).removeprefix("torch."),
+        )
+
     def _tune_gemms(self) -> None:
         """Measures (or loads from the cache) where the skinny GEMM beats cuBLAS for this
-        rank's linear layers at each decode batch size up to 32 (ops.gemm_tuning)."""
+        rank's linear layers at each decode batch size up to 32 (ops.gemm_tuning), and for FP8
+        layers where the FP8 skinny kernel beats the FP8 GEMM (ops.fp8_tuning)."""
         from minisgl.engine.cuda_graph import batch_size_ladder
-        from minisgl.layers.linear import gemm_calls
+        from minisgl.layers.linear import fp8_gemm_calls, gemm_calls
+        from minisgl.ops.fp8_tuning import tune_fp8_gemms
         from minisgl.ops.gemm_tuning import tune_gemms
 
-        tune_gemms(gemm_calls(self.model), self.device, batch_size_ladder(min(32, self.cfg.max_running_requests)))
+        ms = batch_size_ladder(min(32, self.cfg.max_running_requests))
+        tune_gemms(gemm_calls(self.model), self.device, ms)
+        tune_fp8_gemms(fp8_gemm_calls(self.model), self.device, ms, self.dtype)  # FP8 layers: skinny vs FP8 GEMM
         torch.cuda.empty_cache()  # the timing buffers must not shrink the KV pool sized next
 
     def _default_num_pages(self, kv_heads: int) -> int:
         mc, ps = self.model_config, self.cfg.page_size
-        per_token = KVPool.bytes_per_token_for(mc.num_layers, kv_heads, mc.head_dim, self.dtype)
+        per_token = KVPool.bytes_per_token_for(mc.num_layers, kv_heads, mc.head_dim, self.kv_dtype)
         per_token += self.drafter.kv_bytes_per_token() if self.drafter is not None else 0
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)

@@ -40,6 +40,9 @@ class KVPool:
         shape = (num_layers, self.num_slots, kv_heads, head_dim)
         self._k = torch.empty(shape, dtype=dtype, device=device)
         self._v = torch.empty(shape, dtype=dtype, device=device)
+        # Per-tensor scales of an FP8 cache (it holds K / k_scale, V / v_scale); 1.0 otherwise.
+        self.k_scales = [1.0] * num_layers
+        self.v_scales = [1.0] * num_layers
 
     def k_cache(self, layer: int) -> torch.Tensor:
         return self._k[layer]

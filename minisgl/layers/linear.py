@@ -5,6 +5,11 @@ Column-parallel: the output features are split across ranks (q/k/v, gate/up).
 Row-parallel: the input features are split; partial outputs are summed by all-reduce (o, down).
 The GEMMs go through ops.linear (our skinny kernel or cuBLAS, per measured shape and M);
 `gemm_calls` lists them for the engine, which measures that choice at start.
+
+With `quant` (a QuantConfig) a layer is FP8: weight e4m3 [N, K] and fp32 weight_scale
+[N, ceil(K / block_k)] (ops/fp8.py has the layout), loaded from an FP8 checkpoint's weight and
+scale tensors (any order), or quantized per output channel on load from a 16-bit weight
+(`--quantization fp8`); its GEMM is ops.fp8_linear.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from torch import nn
 
 from minisgl import ops
 from minisgl.distributed.info import Communicator, TPInfo
+from minisgl.layers.fp8_load import check_weight_dtype, scale_rows
+from minisgl.models.quant_config import BLOCK, QuantConfig
+from minisgl.ops.fp8 import FP8, fp8_linear, quantize_rows
 
 
 def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
@@ -21,7 +29,50 @@ def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
         raise ValueError(f"tensor {name} has shape {tuple(got)}, expected {tuple(want)}")
 
 
-class MergedColumnParallelLinear(nn.Module):
+class _Fp8Mixin(nn.Module):
+    """The FP8 state shared by both layer kinds: `quant`, `block_k`, `weight_scale` (or None)."""
+
+    def _make_weight(self, out: int, k: int, quant: QuantConfig | None) -> None:
+        self.quant = quant
+        self.block_k = 0
+        self.weight = nn.Parameter(torch.empty(out, k, dtype=FP8 if quant else None), requires_grad=False)
+        if quant is None:
+            self.register_parameter("weight_scale", None)
+            return
+        self.block_k = quant.block_k or k
+        kb = -(-k // self.block_k)
+        self.weight_scale = nn.Parameter(torch.empty(out, kb, dtype=torch.float32), requires_grad=False)
+
+    def _store_rows(self, name: str, full_rows: torch.Tensor, rows: slice, cols: slice) -> None:
+        """Weight rows `rows` of this layer from `full_rows` (already the right rows), its
+        columns `cols` (this rank's K range)."""
+        check_weight_dtype(name, full_rows, self.quant)
+        part = full_rows[:, cols]
+        if self.quant is not None and self.quant.online:
+            # Quantized where the layer lives (a GPU: seconds for 8B), one part at a time.
+            q, s = quantize_rows(part.to(self.weight.device))
+            self.weight.data[rows].copy_(q)
+            self.weight_scale.data[rows].copy_(s)
+            return
+        self.weight.data[rows].copy_(part)
+
+    def _store_scale(self, name: str, full: torch.Tensor, n_full: int, k_full: int, src: slice, rows: slice,
+                     k_start: int) -> None:
+        if self.quant is None or self.quant.online:
+            raise ValueError(f"unexpected tensor {name}: this layer has no FP8 scales")
+        expanded = scale_rows(name, full, self.quant, n_full, k_full)[src]
+        kb = self.weight_scale.size(1)
+        if expanded.size(1) > 1:  # K blocks of this rank (k_start is a multiple of 128)
+            expanded = expanded[:, k_start // BLOCK : k_start // BLOCK + kb]
+        self.weight_scale.data[rows].copy_(expanded)
+
+    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.block_k, bias, silu)
+        return ops.linear(x, self.weight, bias, silu=silu)
+
+
+class MergedColumnParallelLinear(_Fp8Mixin):
     """Several column-parallel projections fused into one matmul, e.g. gate/up.
 
     `out_sizes` are the full (unsharded) output sizes of the parts; each part is split
@@ -33,7 +84,8 @@ class MergedColumnParallelLinear(nn.Module):
     silu_and_mul = False
 
     def __init__(
-        self, in_features: int, out_sizes: list[int], bias: bool, tp: TPInfo, silu_and_mul: bool = False
+        self, in_features: int, out_sizes: list[int], bias: bool, tp: TPInfo, silu_and_mul: bool = False,
+        quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         if silu_and_mul and (len(out_sizes) != 2 or out_sizes[0] != out_sizes[1]):
@@ -44,7 +96,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.full_sizes = list(out_sizes)
         self.tp = tp
         out = sum(self.local_sizes)
-        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self._make_weight(out, in_features, quant)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
 
     def part_range(self, part: int) -> tuple[int, int, int]:
@@ -55,15 +107,22 @@ class MergedColumnParallelLinear(nn.Module):
 
     def load_part(self, name: str, param: str, full: torch.Tensor, part: int) -> None:
         offset, size, start = self.part_range(part)
+        if param == "weight_scale":
+            self._store_scale(name, full, self.full_sizes[part], self.in_features, slice(start, start + size),
+                              slice(offset, offset + size), 0)
+            return
         target = self.weight if param == "weight" else self.bias
         if target is None:
             raise ValueError(f"unexpected tensor {name}: this layer has no bias")
         want = (self.full_sizes[part], *target.shape[1:])
         _check_shape(name, full.shape, want)
-        target.data[offset : offset + size].copy_(full[start : start + size])
+        if param == "weight":
+            self._store_rows(name, full[start : start + size], slice(offset, offset + size), slice(None))
+        else:
+            target.data[offset : offset + size].copy_(full[start : start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias, silu=self.silu_and_mul)
+        return self._gemm(x, self.bias, self.silu_and_mul)
 
     def gemm_calls(self) -> list[tuple[torch.Tensor, bool]]:
         return [(self.weight, self.silu_and_mul)]
@@ -74,7 +133,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     there are fewer KV heads than ranks, in which case each rank keeps one replicated head."""
 
     def __init__(
-        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPInfo
+        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPInfo,
+        quant: QuantConfig | None = None,
     ) -> None:
         q_start, q_heads = tp.shard(num_heads, "num_attention_heads")
         if num_kv_heads >= tp.size:
@@ -93,19 +153,20 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         self.local_sizes = [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         self._starts = [q_start * head_dim, kv_start * head_dim, kv_start * head_dim]
         out = sum(self.local_sizes)
-        self.weight = nn.Parameter(torch.empty(out, hidden), requires_grad=False)
+        self._make_weight(out, hidden, quant)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
 
     def part_range(self, part: int) -> tuple[int, int, int]:
         return sum(self.local_sizes[:part]), self.local_sizes[part], self._starts[part]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Fp8Mixin):
     """`reduce=False` returns this rank's partial sum (the caller reduces once for several, as the
     MoE block does for the routed and the shared experts); it then takes no bias."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TPInfo, comm: Communicator, reduce: bool = True
+        self, in_features: int, out_features: int, bias: bool, tp: TPInfo, comm: Communicator, reduce: bool = True,
+        quant: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         if bias and not reduce:
@@ -114,7 +175,12 @@ class RowParallelLinear(nn.Module):
         self.in_start, self.local_in = tp.shard(in_features, "an input size")
         self.in_features, self.out_features = in_features, out_features
         self.comm = comm
-        self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
+        if quant is not None and quant.block_k and self.in_start % BLOCK:
+            raise ValueError(
+                f"tensor-parallel size {tp.size} splits an input size of {in_features} at {self.in_start}, "
+                "inside a 128 x 128 FP8 scale block: use a smaller tensor-parallel size"
+            )
+        self._make_weight(out_features, self.local_in, quant)
         # The bias is added once, after the reduction (rank 0's copy would be summed N times).
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
@@ -125,11 +191,15 @@ class RowParallelLinear(nn.Module):
             _check_shape(name, full.shape, (self.out_features,))
             self.bias.data.copy_(full)
             return
+        rows = slice(0, self.out_features)
+        if param == "weight_scale":
+            self._store_scale(name, full, self.out_features, self.in_features, rows, rows, self.in_start)
+            return
         _check_shape(name, full.shape, (self.out_features, self.in_features))
-        self.weight.data.copy_(full[:, self.in_start : self.in_start + self.local_in])
+        self._store_rows(name, full, rows, slice(self.in_start, self.in_start + self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.linear(x, self.weight)
+        y = self._gemm(x, None, False)
         if not self.reduce:
             return y
         y = self.comm.all_reduce(y)
@@ -140,5 +210,15 @@ class RowParallelLinear(nn.Module):
 
 
 def gemm_calls(model: nn.Module) -> list[tuple[torch.Tensor, bool]]:
-    """(weight, silu) of every GEMM the model runs through ops.linear, one per layer call."""
+    """(weight, silu) of every GEMM the model runs through ops.linear, one per layer call (FP8
+    layers' e4m3 weights among them are skipped by the 16-bit tuning: see fp8_gemm_calls)."""
     return [call for mod in model.modules() if hasattr(mod, "gemm_calls") for call in mod.gemm_calls()]
+
+
+def fp8_gemm_calls(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, int, bool]]:
+    """(weight e4m3, weight_scale, block_k, silu) of every FP8 layer (ops.fp8_tuning times them)."""
+    return [
+        (mod.weight, mod.weight_scale, mod.block_k, bool(getattr(mod, "silu_and_mul", False)))
+        for mod in model.modules()
+        if isinstance(mod, _Fp8Mixin) and mod.weight_scale is not None
+    ]

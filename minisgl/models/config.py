@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minisgl.models.quant_config import QuantConfig, from_hf
+
 # architectures entry -> the flags of our one Llama-family implementation (moe: sparse MLP
 # blocks, see MoEConfig)
 ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -66,6 +68,7 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     moe: MoEConfig | None = None
+    quantization: QuantConfig | None = None  # FP8 linear layers (models/quant_config.py); None: 16-bit
 
     def is_sparse_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
@@ -146,6 +149,7 @@ class ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             eos_token_ids=tuple(dict.fromkeys([*eos_ids, *extra_eos])),
             moe=_moe(arch, cfg, int(need("num_hidden_layers")), need) if ARCHITECTURES[arch]["moe"] else None,
+            quantization=from_hf(cfg.get("quantization_config")),
         )
 
     @staticmethod

@@ -21,11 +21,14 @@ from minisgl.attention.base import AttentionBackend
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.fp8_load import layer_quant
 from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.logging_setup import log_once
 from minisgl.models.config import ModelConfig
+from minisgl.ops.fp8 import FP8
 
 
 class LlamaAttention(nn.Module):
@@ -33,12 +36,16 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = cfg.head_dim
+        p, q = f"model.layers.{layer_id}.self_attn", cfg.quantization
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp,
+            quant=layer_quant(q, [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"]),
         )
         self.num_heads = self.qkv_proj.local_q_heads
         self.num_kv_heads = self.qkv_proj.local_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, comm)
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, comm, quant=layer_quant(q, [f"{p}.o_proj"])
+        )
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -62,12 +69,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator, prefix: str = "mlp"):
         super().__init__()
-        inter = cfg.intermediate_size
+        inter, q = cfg.intermediate_size, cfg.quantization
         # gate_up_proj gives silu(gate) * up: the activation is its GEMM's epilogue.
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, tp, silu_and_mul=True)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, tp, comm)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [inter, inter], False, tp, silu_and_mul=True,
+            quant=layer_quant(q, [f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
+        )
+        self.down_proj = RowParallelLinear(
+            inter, cfg.hidden_size, False, tp, comm, quant=layer_quant(q, [f"{prefix}.down_proj"])
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
@@ -77,7 +89,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, tp, comm, rope)
-        self.mlp = SparseMoeBlock(cfg, tp, comm) if cfg.is_sparse_layer(layer_id) else LlamaMLP(cfg, tp, comm)
+        if cfg.is_sparse_layer(layer_id):  # 16-bit only (FP8 experts are not built)
+            self.mlp = SparseMoeBlock(cfg, tp, comm)
+        else:
+            self.mlp = LlamaMLP(cfg, tp, comm, f"model.layers.{layer_id}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -135,6 +150,8 @@ _FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Per-tensor KV-cache scales of FP8 checkpoints (self_attn.k_scale / v_scale; older: kv_scale).
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.)?(k_scale|v_scale|kv_scale)$")
 # Routed experts: one tensor per expert and projection, or (transformers 5's in-memory form)
 # all experts stacked per projection. Names as canonical_name() gives them.
 _EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$")
@@ -161,6 +178,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, tp, comm, rope)
         self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
         self._rope = rope
+        # FP8 checkpoints' KV-cache scales by (layer, "k_scale" | "v_scale"); 1.0 where absent.
+        self.kv_scales: dict[tuple[int, str], float] = {}
 
     def forward(
         self, batch: ForwardBatch, attn: AttentionBackend, all_positions: bool = False,
@@ -184,6 +203,8 @@ class LlamaForCausalLM(nn.Module):
         for pname, _ in self.named_parameters():
             if pname.startswith("lm_head.embedding."):
                 continue
+            if pname.endswith(".weight_scale") and getattr(self.cfg.quantization, "online", False):  # computed on load
+                continue
             mod, _, kind = pname.rpartition(".")
             head, _, last = mod.rpartition(".")
             if last == "experts":  # the stacked w13 / w2 of a MoE block
@@ -203,10 +224,17 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         expected = self.expected_tensors()
         seen: set[str] = set()
+        quant = self.cfg.quantization
         for hf_name, tensor in tensors:
             if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
+            if quant is not None and self._fp8_extra(hf_name, tensor):
+                continue
             name = canonical_name(hf_name)
+            if quant is not None and name.endswith(f".{quant.scale_name}"):  # our parameter's name
+                name = name.removesuffix(f".{quant.scale_name}") + ".weight_scale"
+            if tensor.dtype == FP8 and (_EXPERT.match(name) or ".experts." in name):
+                raise ValueError(f"tensor {hf_name}: FP8 MoE experts are not supported (only dense linear layers)")
             expert = _EXPERT.match(name)
             covers = [name]
             if expert and expert[4]:  # stacked: stands for every expert's tensors of its projections
@@ -214,6 +242,9 @@ class LlamaForCausalLM(nn.Module):
                 covers = _expert_names(expert[1], getattr(modules.get(expert[1]), "num_experts", 0), projs)
             if not covers or any(c not in expected for c in covers):
                 raise ValueError(f"unexpected tensor {hf_name} in the checkpoint")
+            owner = name.rpartition(".")[0].rpartition(".")[2]
+            if tensor.dtype == FP8 and owner not in (*_FUSED, "o_proj", "down_proj"):
+                raise ValueError(f"tensor {hf_name} is FP8, but minisgl loads this module in 16 bits only")
             if any(c in seen for c in covers):
                 raise ValueError(f"tensor {hf_name} appears twice in the checkpoint")
             seen.update(covers)
@@ -238,6 +269,25 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
                 param.data.copy_(tensor)
         missing = sorted(expected - seen)
+        if missing and quant is not None:  # name scales as the checkpoint does
+            missing = [m.removesuffix(".weight_scale") + f".{quant.scale_name}" if m.endswith(".weight_scale") else m
+                       for m in missing]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ValueError(f"tensor {missing[0]} is missing from the checkpoint{more}")
+
+    def _fp8_extra(self, name: str, tensor: torch.Tensor) -> bool:
+        """Consumes an FP8 checkpoint's tensors that are not weights: KV-cache scales (kept in
+        kv_scales) and static activation scales (we quantize activations per token instead)."""
+        m = _KV_SCALE.match(name)
+        if m:
+            value = float(tensor.float().reshape(-1).max())
+            kinds = ("k_scale", "v_scale") if m[2] == "kv_scale" else (m[2],)
+            for kind in kinds:
+                self.kv_scales[(int(m[1]), kind)] = value
+            return True
+        if name.endswith(".input_scale"):
+            log_once("fp8:input_scale", "FP8 checkpoint: static input_scale tensors are not used; activations are "
+                     "quantized per token on the GPU (weight-only dequantization on the CPU)")
+            return True
+        return False

@@ -37,11 +37,21 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def fill_dummy(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights of the real shapes (benchmarks without checkpoints). Norm weights are
-    ones and other weights small, so activations stay in a realistic range."""
+    ones and other weights small, so activations stay in a realistic range. FP8 layers get
+    e4m3 values uniform in [-448, 448] and scales 0.02 / 448 (the same range dequantized)."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.fill_(1.0)
+            continue
+        if name.endswith(".weight_scale"):
+            p.data.fill_(0.02 / 448.0)
+            continue
+        if p.dtype == torch.float8_e4m3fn:  # drawn in fp16, one row block at a time (bounded temporary)
+            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            for rows in p.data.split(4096):
+                tmp = torch.empty(rows.shape, dtype=torch.float16, device=p.device).uniform_(-448, 448, generator=gen)
+                rows.copy_(tmp)
             continue
         # Drawn where the weight lives (an 8B model in seconds on a GPU), in its dtype.
         gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))

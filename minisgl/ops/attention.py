@@ -21,11 +21,13 @@ from minisgl.ops._checks import (
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8 = torch.float8_e4m3fn
 
 
 def _check_cache(q: torch.Tensor, k_cache: object, v_cache: object, req_to_slot: object) -> None:
-    check_tensor("k_cache", k_cache, dtype=q.dtype, ndim=3)
-    check_tensor("v_cache", v_cache, dtype=q.dtype, ndim=3)
+    """The cache is q's dtype, or FP8 e4m3 (K / k_scale, V / v_scale) for 16/32-bit q."""
+    check_tensor("k_cache", k_cache, dtype=(q.dtype, _FP8), ndim=3)
+    check_tensor("v_cache", v_cache, dtype=k_cache.dtype, ndim=3)
     check_shape("k_cache", k_cache, (None, None, q.shape[2]))
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
     if k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
@@ -54,6 +56,7 @@ def extend_attention(
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, max_extend_len: int, scale: float, out: torch.Tensor | None = None,
     tiles: torch.Tensor | None = None, deterministic: bool = False, decode_max_seq_len: int | None = None,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, Hq, D] (head dim packed, row/head strides free); k_cache, v_cache [S, Hkv, D]
     holding every position's K/V, the new tokens' included; req_rows, prefix_lens, seq_lens
@@ -70,10 +73,10 @@ def extend_attention(
     and fixed key splits (kernels/deterministic_attention.py); its tiles then come from
     `extend_block_m(..., group, deterministic=True)`. With `decode_max_seq_len` (a decode step:
     one token per request, seq_lens <= that bound) a small batch runs the splits in parallel;
-    the bits are the same either way."""
+    the bits are the same either way. An FP8 e4m3 cache holds K / k_scale and V / v_scale."""
     if not _checks.enabled():
         return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, seq_lens, cu_seqlens_q,
-                       max_extend_len, scale, out, tiles, deterministic, decode_max_seq_len)
+                       max_extend_len, scale, out, tiles, deterministic, decode_max_seq_len, k_scale, v_scale)
     check_tensor("q", q, dtype=_DTYPES, ndim=3)
     _check_cache(q, k_cache, v_cache, req_to_slot)
     b = req_rows.shape[0] if isinstance(req_rows, torch.Tensor) else -1
@@ -99,31 +102,33 @@ def extend_attention(
                       req_rows=req_rows, prefix_lens=prefix_lens, seq_lens=seq_lens,
                       cu_seqlens_q=cu_seqlens_q)
     return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, seq_lens, cu_seqlens_q, max_extend_len,
-                   scale, out, tiles, deterministic, decode_max_seq_len)
+                   scale, out, tiles, deterministic, decode_max_seq_len, k_scale, v_scale)
 
 
 def _extend(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
     max_extend_len: int, scale: float, out: torch.Tensor | None, tiles: torch.Tensor | None,
-    deterministic: bool = False, decode_max_seq_len: int | None = None,
+    deterministic: bool = False, decode_max_seq_len: int | None = None, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     if use_triton("extend_attention", q):
         if not deterministic:
             return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
-                                         cu_seqlens_q, max_extend_len, scale, out, tiles=tiles)
+                                         cu_seqlens_q, max_extend_len, scale, out, tiles=tiles,
+                                         k_scale=k_scale, v_scale=v_scale)
         config, heads, split = _det.deterministic_config(q.shape[2], q.dtype, q.device,
                                                          q.shape[1] // k_cache.shape[1])
         if decode_max_seq_len is not None and tiles is not None and req_rows.shape[0] <= _det.SPLIT_DECODE_MAX_BATCH:
             return _det.split_decode(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, seq_lens, cu_seqlens_q,
-                                     tiles, decode_max_seq_len, scale, config, heads, split, out)
+                                     tiles, decode_max_seq_len, scale, config, heads, split, out, k_scale, v_scale)
         return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
                                      cu_seqlens_q, max_extend_len, scale, out, config=config, tiles=tiles,
-                                     heads_per_tile=heads, split=split)
+                                     heads_per_tile=heads, split=split, k_scale=k_scale, v_scale=v_scale)
     log_cpu_reference_once("extend_attention")
     if tiles is None:
         ref = _ext.extend_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
-                                              cu_seqlens_q, scale)
+                                              cu_seqlens_q, scale * k_scale) * v_scale
         return ref.to(q.dtype) if out is None else out.copy_(ref)
     # As the kernel: only the requests the tiles cover, only their rows (a mixed step's decode
     # rows and the bucket's padding rows are left as they are).
@@ -134,7 +139,7 @@ def _extend(
         lo, hi = cu[b], cu[b + 1]
         one = torch.tensor([0, hi - lo], dtype=cu_seqlens_q.dtype, device=q.device)
         out[lo:hi] = _ext.extend_attention_reference(q[lo:hi], k_cache, v_cache, req_to_slot, req_rows[b : b + 1],
-                                                     prefix_lens[b : b + 1], one, scale)
+                                                     prefix_lens[b : b + 1], one, scale * k_scale) * v_scale
     return out
 
 
@@ -155,7 +160,7 @@ extend_tile_capacity = _ext.tile_capacity
 def decode_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [B, Hq, D]: one new token per request (its K/V already stored), attending to
     positions 0..seq_lens[b]-1; seq_lens[b] <= max_seq_len (a fixed bound keeps a captured CUDA
@@ -172,10 +177,10 @@ def decode_attention_triton(
                           req_rows=req_rows, seq_lens=seq_lens)
     if use_triton("decode_attention_triton", q):
         return _dec.decode_attention(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens,
-                                     max_seq_len, scale, out)
+                                     max_seq_len, scale, out, k_scale=k_scale, v_scale=v_scale)
     log_cpu_reference_once("decode_attention_triton")
     ref = _dec.decode_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens,
-                                          scale)
+                                          scale * k_scale) * v_scale
     if out is None:
         return ref.to(q.dtype)
     out.copy_(ref)

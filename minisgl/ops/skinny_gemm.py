@@ -66,21 +66,24 @@ def tile_shapes() -> tuple[tuple[int, int, int], ...]:
     return tuple(tuple(t) for t in ext.skinny_gemm_configs())
 
 
-def num_tiles(n_out: int, silu: bool, tile: int) -> int:
-    """Blocks per K split: a block covers 16 W rows per row tile, 8 (gate, up) row pairs in SiLU mode."""
-    rows = tile_shapes()[tile][0] * (8 if silu else 16)
+def num_tiles(n_out: int, silu: bool, tile: int, shapes: tuple[tuple[int, int, int], ...] | None = None) -> int:
+    """Blocks per K split: a block covers 16 W rows per row tile, 8 (gate, up) row pairs in SiLU mode.
+    `shapes`: the tile table (default tile_shapes(); the FP8 kernel passes its own)."""
+    rows = (shapes or tile_shapes())[tile][0] * (8 if silu else 16)
     return -(-n_out // rows)
 
 
-def default_config(m: int, n_out: int, k: int, silu: bool, num_sms: int) -> SkinnyConfig:
+def default_config(
+    m: int, n_out: int, k: int, silu: bool, num_sms: int, shapes: tuple[tuple[int, int, int], ...] | None = None
+) -> SkinnyConfig:
     """A config for shapes no measured table covers (direct calls to the op): tile 1 (RT 1,
     U 4) or, past its M, tile 0; 4 warps; enough K splits for ~2 blocks per SM, keeping
     every warp at least 2 groups of K. The dispatch never uses this: it measures."""
-    shapes = tile_shapes()
+    shapes = shapes or tile_shapes()
     tile = 1 if m <= shapes[1][2] else 0
     warps = 4
     group = shapes[tile][1] * 32
-    blocks = num_tiles(n_out, silu, tile)
+    blocks = num_tiles(n_out, silu, tile, shapes)
     splits = 1
     while splits * 2 <= MAX_SPLITS and blocks * splits < 2 * num_sms and k // (splits * 2) >= warps * group * 2:
         splits *= 2

@@ -45,6 +45,8 @@ class ServerArgs:
     max_running_requests: int = 256
     attention_backend: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     gpu_memory_fraction: float = 0.85
     cpu_kv_cache_gb: float = 1.0

@@ -106,6 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.load_format,
         help="auto (read the weights) or dummy (random weights of the real shapes)",
     )
+    g.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=["fp8"],
+        help="fp8: quantize a 16-bit checkpoint's linear weights to FP8 e4m3 on load (per-channel scales); "
+        "FP8 checkpoints load as FP8 without it",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        choices=["auto", "fp8_e4m3", "fp8"],
+        help="auto: the model's dtype; fp8_e4m3 (or fp8): an FP8 KV cache holding twice the tokens "
+        "(per-tensor scales from the checkpoint's k_scale/v_scale, else 1.0)",
+    )
     g.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights and for drawing per-request seeds")
     g.add_argument(
         "--gpu-memory-fraction",
