@@ -225,7 +225,7 @@ def sample_with_plan(
     if raw is not None:
         assert plan.raw_rows is not None
         chosen = out.tokens.index_select(0, plan.raw_rows)[:, None]
-        raw_lp = raw.gather(1, chosen).squeeze(1) - raw.logsumexp(dim=-1)
+        raw_lp = raw.gather(1, chosen).squeeze(1) - ops.logsumexp_rows(raw)
         out.logprobs.index_copy_(0, plan.raw_rows, raw_lp)
     if plan.count_rows is not None:
         assert plan.count_state_rows is not None

@@ -45,11 +45,15 @@ def host_to_device(values: Sequence[Sequence[float | int]], dtype: torch.dtype, 
 
 class StepBuilder:
     def __init__(self, table: RequestTable, token_buffer: torch.Tensor, device: torch.device, max_model_len: int,
-                 vocab_size: int, block_m: int | None) -> None:
+                 vocab_size: int, block_m: int | None, deterministic: bool = False) -> None:
         self.table, self.token_buffer, self.device = table, token_buffer, device
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.block_m = block_m  # extend tile height; None: the backend takes no tile map
-        self.decode_kernel = MIXED_DECODES_VIA_DECODE_KERNEL and block_m is not None
+        # Deterministic mode (README "Determinism"): no step reaches the decode kernels, whose
+        # split count depends on the batch. Decode steps carry a tile map (one one-row tile per
+        # request) and run the extend kernel; a mixed step's decodes are one-row tiles too.
+        self.decode_tiles = deterministic and block_m is not None
+        self.decode_kernel = MIXED_DECODES_VIA_DECODE_KERNEL and block_m is not None and not deterministic
         self.graphs = None  # a CudaGraphRunner: steps that fit one of its layouts replay it
         self.eager_reason: str | None = None  # why the last step built runs eagerly (None: a graph)
 
@@ -96,7 +100,7 @@ class StepBuilder:
             self.upload(spec, layout, self.graphs.buffer)
             return self.graphs.batch(layout, spec)
         spec.all_rows = False  # eager: the caller asks the forward for all positions
-        layout = exact_layout(spec, self.block_m, self.decode_kernel)
+        layout = exact_layout(spec, self.block_m, self.decode_kernel, self.decode_tiles)
         buf = self.upload(spec, layout, None)
         batch = layout.views(buf, self.table.req_to_slot, self.token_buffer, max(spec.seq_lens))
         batch.mode, batch.max_extend_len = spec.mode, max(spec.ext)
@@ -127,7 +131,9 @@ class StepBuilder:
         return None, why
 
     def count_tiles(self, spec: StepSpec, decode_kernel: bool) -> int:
-        return 0 if self.block_m is None or spec.mode == "decode" else count_tiles(spec, self.block_m, decode_kernel)
+        if self.block_m is None or (spec.mode == "decode" and not self.decode_tiles):
+            return 0
+        return count_tiles(spec, self.block_m, decode_kernel)
 
     def upload(self, spec: StepSpec, layout: StepLayout, dest: torch.Tensor | None) -> torch.Tensor:
         """Fills `layout` for `spec` and copies it into `dest` (or a new device tensor)."""
