@@ -87,16 +87,17 @@ def test_batch_invariant_gemm_rows_do_not_depend_on_m(dtype: torch.dtype) -> Non
     so here the probe rows keep their places; the GPU test moves them anywhere in the batch."""
     from minisgl.kernels.batch_invariant_gemm import gemm, gemm_reference
 
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled on a GPU machine
     g = torch.Generator().manual_seed(0)
     k, n = 40, 24  # not multiples of the tiles: masked K and N edges
-    w = torch.randn(n, k, generator=g).to(dtype)
-    bias = torch.randn(n, generator=g).to(dtype)
-    probe = torch.randn(5, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dev, dtype)
+    bias = torch.randn(n, generator=g).to(dev, dtype)
+    probe = torch.randn(5, k, generator=g).to(dev, dtype)
     first = gemm(probe, w, bias)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(first.float(), gemm_reference(probe, w, bias), atol=tol, rtol=tol)
     for m in (17, 37):  # more row tiles, other neighbours in the probe's tile
-        others = torch.randn(m - 5, k, generator=g).to(dtype)
+        others = torch.randn(m - 5, k, generator=g).to(dev, dtype)
         got = gemm(torch.cat([probe, others]), w, bias)
         assert torch.equal(got[:5], first), f"M={m}: rows differ from the same rows at M=5"
 
