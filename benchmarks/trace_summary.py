@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minisgl.message.trace import HOPS, parse_request_line  # noqa: E402
 
 STEP = re.compile(r"step (\d+) (\w+) reqs=(\d+) tokens=(\d+) (graph=\d+|eager=\"[^\"]*\") host=([\d.]+) "
-                  r"ready=([\d.]+)(?: gpu=([\d.]+))?(?: decodes=(\d+) at=([\d.]+))?")
+                  r"ready=([\d.]+)(?: gpu=([\d.]+))?(?: decodes=(\d+) at=([\d.]+))?(?: built=([\d.]+))?")
 
 
 def median(xs: list[float]) -> str:
@@ -46,7 +46,8 @@ def read_log(path: str) -> tuple[list[dict[str, str]], dict[int, dict[str, str]]
             requests.append(fields)
         elif m := STEP.search(line):
             steps[int(m[1])] = {"mode": m[2], "reqs": m[3], "tokens": m[4], "how": m[5], "host": m[6],
-                                "ready": m[7], "gpu": m[8] or "", "decodes": m[9] or "0", "at": m[10] or ""}
+                                "ready": m[7], "gpu": m[8] or "", "decodes": m[9] or "0", "at": m[10] or "",
+                                "built": m[11] or ""}
     return requests, steps
 
 
@@ -93,11 +94,13 @@ def step_table(steps: dict[int, dict[str, str]]) -> None:
     kinds: dict[tuple[str, str], list[dict[str, str]]] = defaultdict(list)
     for s in steps.values():
         kinds[(s["mode"], "graph" if s["how"].startswith("graph") else "eager")].append(s)
-    print("\n| step kind | how | count | tokens p50 | host launch p50 ms | ready p50 ms | gpu p50 ms | gpu max ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| step kind | how | count | tokens p50 | batch built p50 ms | host launch p50 ms | ready p50 ms | "
+          "gpu p50 ms | gpu max ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (mode, how), ss in sorted(kinds.items()):
         gpu = [float(s["gpu"]) for s in ss if s["gpu"]]
         print(f"| {mode} | {how} | {len(ss)} | {median([float(s['tokens']) for s in ss])} | "
+              f"{median([float(s['built']) for s in ss if s['built']])} | "
               f"{median([float(s['host']) for s in ss])} | {median([float(s['ready']) for s in ss])} | "
               f"{median(gpu)} | {max(gpu) if gpu else ''} |")
     buckets: dict[tuple[str, str], list[dict[str, str]]] = defaultdict(list)

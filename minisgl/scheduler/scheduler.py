@@ -314,6 +314,8 @@ class Scheduler:
         mask = self.grammar.step_mask(reqs, samples, self._drain)
         sampling = prepare_step_sampling(eng, reqs, samples, prefix, new, mask)
         batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new, extra_logit_rows=sampling.extra_logit_rows)
+        if traced is not None:
+            traced.built = trace.now()
         out = eng.run_batch(batch, sampling.tensors, sampling.plan)
         if self.spec is not None:  # a draft model's KV follows every target step
             self.spec.after_plain_step(batch, reqs, samples, new, out.tokens)
