@@ -8,7 +8,8 @@ the GPU kernels (test_deterministic_gpu.py); here the attention runs as its torc
 from __future__ import annotations
 
 import pytest
-from test_graph_replay_cpu import OPTS, PARAMS, PROMPTS, ReplayRunner
+from graph_replay import ReplayRunner
+from test_graph_replay_cpu import OPTS, PARAMS, PROMPTS
 
 from minisgl import LLM
 from minisgl.attention.triton_backend import TritonAttentionBackend
