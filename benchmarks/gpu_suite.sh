@@ -8,6 +8,10 @@
 #            256 out) at each concurrency in $CONCURRENCY (default 4)
 #   latency  benchmarks/latency.py against the same server: sequential TTFT / TPOT at 16-4096
 #            tokens, Poisson 4 and 12 req/s (512 in / 256 out); $LATENCY_ARGS adds flags
+#            With TRACE=1 the server traces every request (MINISGL_TRACE_REQUESTS=1), ttft_probe.py
+#            times raw-socket requests (fresh and kept-alive connections), and trace_summary.py
+#            prints where the TTFT goes (per hop, per prompt kind and length), the step times and
+#            the ITL as the server emits it (PROBE=0 skips the raw-socket part).
 #   decode   batch-1 decode of Llama-3.1-8B shapes: offline.py --decode-latency (end to end
 #            ms/token, per-step host and GPU time) and profile_decode_step.py --batch 1 (the
 #            decode graph's replay time, per-kernel profile); about 1.5 minutes; not default
@@ -170,6 +174,7 @@ if want offline; then
   done
 fi
 if want online || want latency; then
+  [ -n "${TRACE:-}" ] && export MINISGL_TRACE_REQUESTS=1 && rm -f "$OUT/client_trace.jsonl"
   python3 -m minisgl.serve --model benchmarks/configs/qwen3-8b --load-format dummy --tokenizer "$Q" \
     --port 8123 ${SERVER_ARGS:-} > "$OUT/server.log" 2>&1 &
   server=$!
@@ -185,10 +190,19 @@ if want online || want latency; then
   if want latency; then
     echo "== latency ${SERVER_ARGS:-}"
     timeout 240 python3 benchmarks/latency.py --base-url http://127.0.0.1:8123 --tokenizer "$Q" ${LATENCY_ARGS:-} \
-      2>&1 | tee -a "$OUT/latency.txt"
+      ${TRACE:+--client-trace "$OUT/client_trace.jsonl"} 2>&1 | tee -a "$OUT/latency.txt"
+    if [ -n "${TRACE:-}" ] && [ "${PROBE:-1}" != 0 ]; then
+      echo "== ttft_probe (raw socket: a fresh connection per request, then one kept-alive connection)"
+      timeout 60 python3 benchmarks/ttft_probe.py --base-url http://127.0.0.1:8123 --tokenizer "$Q" \
+        --seed 7 --cases 16:ids 16:ids:keep 1024:ids:keep 2>&1 | grep -v -i warn | tee -a "$OUT/latency.txt"
+    fi
   fi
   kill "$server"; wait "$server"
   tail -3 "$OUT/server.log"
+  if [ -n "${TRACE:-}" ] && want latency; then
+    echo "== where the time goes (trace_summary.py; hops in ms since the previous hop)"
+    python3 benchmarks/trace_summary.py "$OUT/server.log" --client "$OUT/client_trace.jsonl" | tee -a "$OUT/latency.txt"
+  fi
 fi
 if want decode; then
   L=benchmarks/configs/llama-3.1-8b

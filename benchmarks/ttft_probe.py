@@ -8,7 +8,9 @@ tokens, which random dummy weights may well emit). Alongside, it reads the serve
 metric (`minisgl_time_to_first_token_seconds` in /metrics: submit to first token) for the same
 requests. The first token minus the engine's step time (`offline.py`, `graph_designs.py`) is
 the HTTP, tokenizer, ZMQ and detokenizer hops. Prompt kinds: `ids` (random token ids), `text`
-(the same decoded to text), and `text+usage` (text, with `stream_options.include_usage`).
+(the same decoded to text), and `text+usage` (text, with `stream_options.include_usage`). A
+case `N:KIND:keep` sends its requests on one kept-alive connection (as an HTTP client
+library's pool does) instead of a fresh one each.
 
     python benchmarks/ttft_probe.py --base-url http://127.0.0.1:8123 --tokenizer <folder> \
         --cases 1024:ids 1024:text 16:text
@@ -17,6 +19,7 @@ the HTTP, tokenizer, ZMQ and detokenizer hops. Prompt kinds: `ids` (random token
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import socket
@@ -36,13 +39,16 @@ def server_ttft(base: str) -> tuple[float, float]:
     return total, count
 
 
-def first_chunk_ms(host: str, port: int, body: bytes) -> tuple[float, float]:
-    """(ms to the first SSE chunk, ms to the first chunk whose text is not empty; NaN: none)."""
+def first_chunk_ms(host: str, port: int, body: bytes, conn: socket.socket | None = None) -> tuple[float, float]:
+    """(ms to the first SSE chunk, ms to the first chunk whose text is not empty; NaN: none).
+    `conn`: send on this kept-alive connection (read to the end of the response) instead of
+    a fresh one per request."""
     head = (
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        f"Content-Length: {len(body)}\r\n{'' if conn else 'Connection: close' + chr(13) + chr(10)}\r\n"
     ).encode()
-    with socket.create_connection((host, port)) as s:
+    s = conn or socket.create_connection((host, port))
+    with contextlib.nullcontext(s) if conn else s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         start = time.perf_counter()
         s.sendall(head + body)
@@ -53,6 +59,7 @@ def first_chunk_ms(host: str, port: int, body: bytes) -> tuple[float, float]:
                 break
             now = (time.perf_counter() - start) * 1e3
             buf += data
+            done = conn is not None and buf.endswith(b"\r\n0\r\n\r\n")  # the chunked body's end
             if first is None and b"data: {" in buf:
                 first = now
             # Events completed by this read (each is one HTTP chunk: `data: {json}` + blank line).
@@ -63,6 +70,8 @@ def first_chunk_ms(host: str, port: int, body: bytes) -> tuple[float, float]:
                 seen = end + 2
                 if any(c.get("text") for c in json.loads(buf[start_ev + 6 : end]).get("choices", [])):
                     text = now
+            if done:
+                break
     if first is None:
         raise RuntimeError(f"no SSE chunk in the response: {buf[:300]!r}")
     return first, text
@@ -76,13 +85,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=100000, help="token ids are drawn from [1000, vocab)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="of the random prompts (another run's prompts would be prefix-cache hits)")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     url = urllib.parse.urlparse(args.base_url)
     model = json.loads(urllib.request.urlopen(args.base_url + "/v1/models").read())["data"][0]["id"]
-    rng = random.Random(0)
+    rng = random.Random(args.seed)
 
     def body(n: int, kind: str) -> bytes:
         ids = [rng.randrange(1000, args.vocab) for _ in range(n)]
@@ -94,11 +105,15 @@ def main() -> None:
 
     print(f"{'prompt':>7} {'kind':<11} {'first token (ms)':<40} {'first text (ms)':<40} server metric mean")
     for case in args.cases:
-        n, kind = case.split(":")
-        first_chunk_ms(url.hostname, url.port, body(int(n), kind))  # warm up this shape
+        n, kind, *how = case.split(":")
+        conn = socket.create_connection((url.hostname, url.port)) if how == ["keep"] else None
+        first_chunk_ms(url.hostname, url.port, body(int(n), kind), conn)  # warm up this shape
         before = server_ttft(args.base_url)
-        times = [first_chunk_ms(url.hostname, url.port, body(int(n), kind)) for _ in range(args.requests)]
+        times = [first_chunk_ms(url.hostname, url.port, body(int(n), kind), conn) for _ in range(args.requests)]
         after = server_ttft(args.base_url)
+        if conn is not None:
+            conn.close()
+            kind += ":keep"
         mean = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
         token = ", ".join(f"{t:.1f}" for t, _ in times)
         text = ", ".join(f"{t:.1f}" for _, t in times)

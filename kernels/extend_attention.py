@@ -10,6 +10,12 @@ Grid: (q_heads, q blocks, B) with heads fastest, so the heads of one KV group ru
 rows start first. Each program: one BLOCK_M tile of queries of one head; an unmasked loop
 over keys every query of the tile sees, then a short masked loop over the diagonal.
 
+GQA packing (HEADS > 1; deterministic mode): a tile's BLOCK_M rows are TOKENS = BLOCK_M // HEADS
+tokens times HEADS query heads of one KV group (row r: token r // HEADS, head r % HEADS), so the
+group's keys are read once per tile and a decode (one token) fills HEADS rows, not one. Grid
+axis 0 then runs over head groups (Hq / HEADS) and tiles count TOKENS tokens. Each row's
+arithmetic is the same compiled code whatever the row holds.
+
 Tile-map mode (CUDA graphs): the grid is (q_heads, capacity), a bound that depends only on
 the token bucket (`tile_capacity`), and program (h, t) reads its (request, first query) from
 `tiles[t]` (int32 [capacity, 2], built on the host by `tile_map`, longest work first); rows
@@ -66,20 +72,57 @@ def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v
 
 
 @triton.jit
+def _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, s0, s_end, full_end, kv_end,
+                   stride_kt, stride_vt, qk_scale, offs_d, mask_d, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(acc, m, l) of keys s0 .. s_end-1 from a fresh state: one split of deterministic mode.
+    A split no key of which a row sees leaves that row at m = -inf (and NaN acc, l)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    s_full = tl.minimum(tl.maximum(full_end, s0), s_end)
+    for start in range(s0, s_full, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
+            stride_kt, stride_vt, qk_scale, offs_d, mask_d, False, EVEN_D, BLOCK_N, DOT_PREC)
+    for start in range(s_full, s_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
+            stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def fold_split(acc, m_i, l_i, acc_p, m_p, l_p):
+    """The running state folded with the next split's partial (splits in order). Explicit FMAs:
+    the same bits here and in the decode split-combine kernel (no contraction choices left to
+    the compiler). A partial at m = -inf (an unseen split) leaves the state as it is."""
+    m_new = tl.maximum(m_i, m_p)
+    a = tl.exp2(m_i - m_new)
+    b = tl.exp2(m_p - m_new)
+    seen = m_p > float("-inf")
+    l_new = tl.where(seen, tl.fma(l_i, a, l_p * b), l_i)
+    acc_new = tl.where(seen[:, None], tl.fma(acc, a[:, None], acc_p * b[:, None]), acc)
+    return acc_new, m_new, l_new
+
+
+@triton.jit
 def _extend_attn_kernel(
     Q, KCache, VCache, Out, ReqToSlot, ReqRows, PrefixLens, CuSeqlensQ, Tiles, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_rt,
+    stride_rt, PartAcc, PartML, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, TILED: tl.constexpr,
+    HEADS: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
 ):
-    head = tl.program_id(0)
+    TOKENS: tl.constexpr = BLOCK_M // HEADS
+    head0 = tl.program_id(0) * HEADS
     if TILED:
         b = tl.load(Tiles + 2 * tl.program_id(1))
         m_start = tl.load(Tiles + 2 * tl.program_id(1) + 1)
     else:
         b = tl.program_id(2)
-        m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+        m_start = (tl.num_programs(1) - 1 - tl.program_id(1)) * TOKENS
     if b < 0:  # an unused tile
         return
     q_start = tl.load(CuSeqlensQ + b)
@@ -89,13 +132,24 @@ def _extend_attn_kernel(
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     row = tl.load(ReqRows + b).to(tl.int64)
     prefix = tl.load(PrefixLens + b)
-    kvh = head // GROUP
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    kvh = head0 // GROUP
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < ext
     mask_d = offs_d < HEAD_DIM
-    tok = (q_start + offs_m).to(tl.int64)
-    q_ptrs = Q + tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    if HEADS == 1:  # (a compile-time branch: the unpacked kernel is unchanged)
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < ext
+        tok = (q_start + offs_m).to(tl.int64)
+        q_ptrs = Q + tok[:, None] * stride_qt + head0 * stride_qh + offs_d[None, :]
+        o_ptrs = Out + tok[:, None] * stride_ot + head0 * stride_oh + offs_d[None, :]
+        heads = tl.full([BLOCK_M], 0, tl.int64) + head0  # (used by PARTIAL only)
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        offs_m = m_start + rows // HEADS
+        mask_m = (offs_m < ext) & (rows < TOKENS * HEADS)
+        heads = (head0 + rows % HEADS).to(tl.int64)
+        tok = (q_start + offs_m).to(tl.int64)
+        q_ptrs = Q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+        o_ptrs = Out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     q_pos = prefix + offs_m
 
@@ -107,17 +161,37 @@ def _extend_attn_kernel(
     kv_off_v = kvh.to(tl.int64) * stride_vh
     # Keys below prefix + m_start are visible to every query of the tile: no masks there.
     full_end = ((prefix + m_start) // BLOCK_N) * BLOCK_N
-    kv_end = prefix + tl.minimum(m_start + BLOCK_M, ext)
-    for start in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
-            stride_kt, stride_vt, qk_scale, offs_d, mask_d, False, EVEN_D, BLOCK_N, DOT_PREC)
-    for start in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
-            stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
+    kv_end = prefix + tl.minimum(m_start + TOKENS, ext)
+    if SPLIT == 0:
+        for start in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
+                stride_kt, stride_vt, qk_scale, offs_d, mask_d, False, EVEN_D, BLOCK_N, DOT_PREC)
+        for start in range(full_end, kv_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
+                stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
+    elif PARTIAL:  # splits pid2, pid2 + P, ... (P programs on grid axis 2): partials to [T, Hq, S, ...]
+        for s0 in range(tl.program_id(2) * SPLIT, kv_end, tl.num_programs(2) * SPLIT):
+            acc, m_i, l_i = _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, s0,
+                                           tl.minimum(s0 + SPLIT, kv_end), full_end, kv_end, stride_kt, stride_vt,
+                                           qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC)
+            row_ids = (tok * (tl.num_programs(0) * HEADS) + heads) * num_splits + s0 // SPLIT
+            tl.store(PartAcc + row_ids[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_m[:, None])
+            tl.store(PartML + 2 * row_ids, m_i, mask=mask_m)
+            tl.store(PartML + 2 * row_ids + 1, l_i, mask=mask_m)
+        return
+    else:  # deterministic mode: splits of SPLIT keys at fixed positions, folded in order
+        acc, m_i, l_i = _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, 0,
+                                       tl.minimum(SPLIT, kv_end), full_end, kv_end, stride_kt, stride_vt,
+                                       qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC)
+        for s0 in range(SPLIT, kv_end, SPLIT):
+            acc_p, m_p, l_p = _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, s0,
+                                             tl.minimum(s0 + SPLIT, kv_end), full_end, kv_end, stride_kt,
+                                             stride_vt, qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D,
+                                             BLOCK_N, DOT_PREC)
+            acc, m_i, l_i = fold_split(acc, m_i, l_i, acc_p, m_p, l_p)
     out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1.0 for 16-bit caches)
-    o_ptrs = Out + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
@@ -163,14 +237,18 @@ def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
     max_extend_len: int, scale: float, out: torch.Tensor | None = None,
-    config: tuple[int, ...] | None = None, tiles: torch.Tensor | None = None, k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    config: tuple[int, ...] | None = None, tiles: torch.Tensor | None = None, heads_per_tile: int = 1,
+    split: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype. With `tiles`
     (int32 [capacity, 2] from `tile_map` with this config's BLOCK_M), the grid is
     (Hq, capacity) and `max_extend_len` is not used: the launch is fixed for a CUDA graph.
-    Query rows that no tile covers (padding tokens) are left unwritten. An FP8 cache holds
-    K / k_scale and V / v_scale (per-tensor scales)."""
+    Query rows that no tile covers (padding tokens) are left unwritten. `heads_per_tile` > 1:
+    GQA packing (module docstring); it must divide Hq / Hkv, and `tiles` then come from
+    `tile_map` with BLOCK_M // heads_per_tile tokens per tile. `split` > 0 (a multiple of
+    BLOCK_N; deterministic mode): keys in splits of `split` at fixed positions, each from a
+    fresh state, folded in order (kernels/deterministic_attention.py runs them in parallel).
+    An FP8 cache holds K / k_scale and V / v_scale (per-tensor scales)."""
     t, hq, d = q.shape
     if out is None:
         out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
@@ -178,20 +256,41 @@ def extend_attention(
     if t == 0 or b == 0 or (tiles is None and max_extend_len <= 0) or (tiles is not None and tiles.shape[0] == 0):
         return out
     block_m, block_n, num_warps, num_stages = config or default_config(d, q.dtype, q.device)
+    group = hq // k_cache.shape[1]
+    if group % heads_per_tile or heads_per_tile > block_m:
+        raise ValueError(f"heads_per_tile {heads_per_tile} must divide the GQA group ({group}) and fit BLOCK_M")
+    if split % block_n:
+        raise ValueError(f"split {split} must be a multiple of BLOCK_N ({block_n})")
     if tiles is None:
-        grid = (hq, triton.cdiv(max_extend_len, block_m), b)
+        grid = (hq // heads_per_tile, triton.cdiv(max_extend_len, block_m // heads_per_tile), b)
     else:
-        grid = (hq, tiles.shape[0], 1)
+        grid = (hq // heads_per_tile, tiles.shape[0], 1)
+    launch(grid, q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens, cu_seqlens_q, tiles, scale,
+           (block_m, block_n, num_warps, num_stages), heads_per_tile, split, None, k_scale, v_scale)
+    return out
+
+
+def launch(grid: tuple[int, int, int], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           out: torch.Tensor, req_to_slot: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
+           cu_seqlens_q: torch.Tensor, tiles: torch.Tensor | None, scale: float, config: tuple[int, ...],
+           heads: int, split: int, partial: tuple[torch.Tensor, torch.Tensor] | None, k_scale: float = 1.0,
+           v_scale: float = 1.0) -> None:
+    """The kernel launch; `partial` (acc [T, Hq, S, BLOCK_D], (m, l) [T, Hq, S, 2], fp32): the
+    programs of grid axis 2 share the splits and write each split's partial there."""
+    block_m, block_n, num_warps, num_stages = config
+    d = q.shape[2]
+    part_acc, part_ml = partial if partial is not None else (out, out)
     _extend_attn_kernel[grid](
         q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens, cu_seqlens_q,
         cu_seqlens_q if tiles is None else tiles, scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), out.stride(0), out.stride(1), req_to_slot.stride(0),
-        GROUP=hq // k_cache.shape[1], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+        v_cache.stride(1), out.stride(0), out.stride(1), req_to_slot.stride(0), part_acc, part_ml,
+        part_acc.shape[2] if partial is not None else 0,
+        GROUP=q.shape[1] // k_cache.shape[1], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype), TILED=tiles is not None,
+        HEADS=heads, SPLIT=split, PARTIAL=partial is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
-    return out
 
 
 def extend_attention_reference(

@@ -86,6 +86,14 @@ class LLM:
         if cfg.tp_size > 1:
             cfg = self._start_tp_workers(cfg, options)
         self.engine = Engine(cfg)
+        try:
+            self._init_scheduler(options)
+        except BaseException:
+            if cfg.tp_size == 1:  # (with TP the teardown is collective: the ranks' exit does it)
+                self.engine.shutdown()  # a failed start must not pin the GPU memory it took
+            raise
+
+    def _init_scheduler(self, options: dict[str, Any]) -> None:
         self.tokenizer = load_tokenizer(self.engine.source, options.get("chat_template"), options.get("tokenizer"))
         mc = self.engine.model_config
         tok_eos = self.tokenizer.eos_token_id
@@ -109,7 +117,7 @@ class LLM:
         )
 
     def _start_tp_workers(self, cfg: EngineConfig, options: dict[str, Any]) -> EngineConfig:
-        from minisgl.engine.engine import load_model_config
+        from minisgl.engine.loading import load_model_config
         from minisgl.models.source import resolve_model
         from minisgl.scheduler.tp_worker import run_tp_worker
 
@@ -129,15 +137,32 @@ class LLM:
         return cfg
 
     def shutdown(self) -> None:
-        """Stops the other replicas (dp_size) and the tensor-parallel ranks, and frees their
-        communicators (a no-op with neither). Also done when the LLM is garbage-collected, or at
-        exit."""
+        """Frees this LLM's engine at once (weights, KV pool, CUDA graphs, scratch: the GPU
+        memory is back when it returns, no `gc.collect()` needed), stops the other replicas
+        (dp_size) and the tensor-parallel ranks. Idempotent; `generate` afterwards raises.
+        Also done on leaving a `with LLM(...) as llm:` block; when the LLM is garbage-collected
+        or at exit, for the replicas and TP ranks."""
+        if self._closed:
+            return
+        self._closed = True
         if self._replicas is not None:
             self._replica_finalizer()  # runs once
-            self._closed = True
         if self._finalizer is not None:
-            self._finalizer()  # runs once
-            self._closed = True
+            self._finalizer()  # runs once; shuts this rank's engine down with the others
+        else:
+            self.engine.shutdown()
+        # The engine is freed already; dropping the references also lets the scheduler's
+        # pending step results go (and anything still holding this LLM no longer pins them).
+        for name in ("engine", "scheduler", "_sync", "_finalizer"):
+            self.__dict__.pop(name, None)
+        self._requests.clear()
+        self._inputs.clear()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def _step(self) -> list[Request]:
         """One lockstep step: broadcast this step's inputs to every rank, apply, step."""

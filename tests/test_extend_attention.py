@@ -201,3 +201,4 @@ def test_tile_map_order_and_capacity() -> None:
             assert len(K.tile_map([0] * b, lens, 128)) // 2 <= K.tile_capacity(t, b, 128)
     with pytest.raises(ValueError, match="capacity"):
         K.tile_map([0], [9], 4, capacity=2)
+

@@ -51,7 +51,9 @@ def test_mask_on_graph_logits_equals_eager(tiny_model_path: Callable[[str], Path
         assert (batch.graph is not None) == (label == "graph")
         masks = GrammarMasks(eng.model_config.vocab_size, 4, eng.device)
         logits = eng.forward(batch)
-        masks.apply(logits, [0, 1, 2], grammars)
+        raw_lse = logits.double().logsumexp(dim=-1)
+        _, lse = masks.apply(logits, [0, 1, 2], grammars, with_lse=True)
+        torch.testing.assert_close(lse.double(), raw_lse, rtol=1e-5, atol=1e-4)  # before the mask
         out[label] = logits.clone()
     g, e = out["graph"], out["eager"]
     assert torch.equal(torch.isinf(g), torch.isinf(e)) and torch.isinf(g).any()

@@ -2,7 +2,8 @@
 bias and penalties apply first, the mask last, so a +100 bias on a token the grammar forbids
 cannot leak and a bias on an allowed token still wins; the reported logprobs (chosen token and
 alternatives) stay those of the model's raw distribution; a raw copy is kept only for the
-changed rows whose request reports logprobs."""
+penalized rows whose request reports logprobs (a masked row's comes from the mask's raw
+log-normalizer)."""
 
 from __future__ import annotations
 
@@ -71,19 +72,24 @@ def test_grammar_with_bias_penalties_and_raw_logprobs(tiny_model_path: Callable[
         _assert_raw_logprobs(llm, prompt, out, p.top_logprobs)
 
 
-def test_raw_copy_only_for_changed_rows_that_report() -> None:
-    """sample_with_plan on hand-made logits: the mask runs after the bias, the chosen token's
-    logprob is raw for a masked or biased row that reports it, and for a row that does not
-    report it no raw copy is made (its value is what sampling saw)."""
+def test_raw_copy_only_for_penalized_rows_that_report() -> None:
+    """sample_with_plan on hand-made logits: the mask runs after the bias; a masked row's chosen
+    logprob is raw without a raw copy (its chosen logit minus the log-normalizer the mask
+    returns), a biased row that reports keeps a raw copy, and a biased row that does not report
+    gets no copy (its value is what sampling saw)."""
     torch.manual_seed(0)
     B, V = 4, 50
     logits = torch.randn(B, V)
     raw = torch.log_softmax(logits, dim=-1)
     spec = LogitsSpec.of(SamplingParams(logit_bias={3: 100.0}), frozenset(), V)
+    calls = []
 
-    def mask(x: torch.Tensor) -> None:  # rows 0 and 1: only tokens 10..19 (the biased 3 is not one)
+    def mask(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # rows 0, 1: only tokens 10..19
+        calls.append(x[2, 3].item())  # the bias ran before the mask
+        lse = x[:2].logsumexp(dim=-1)
         x[:2, :10] = float("-inf")
         x[:2, 20:] = float("-inf")
+        return torch.tensor([0, 1]), lse
 
     def greedy(x: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         t = x.argmax(dim=-1)
@@ -91,17 +97,19 @@ def test_raw_copy_only_for_changed_rows_that_report() -> None:
 
     # Row 0 masked + reports, row 1 masked only, row 2 biased + reports, row 3 biased only.
     plan = LogitsPlan.build([None, None, spec, spec], [0] * B, [True] * B, list(range(B)), [], 0,
-                            torch.device("cpu"), mask, [True, True, False, False], [True, False, True, False])
-    assert plan is not None and plan.raw_rows is not None and plan.raw_rows.tolist() == [0, 2]
+                            torch.device("cpu"), mask, [True, False, True, False])
+    assert plan is not None and plan.raw_rows is not None and plan.raw_rows.tolist() == [2]
     st = SamplingTensors.build([0.0] * B, [-1] * B, [1.0] * B, [0.0] * B, [0] * B, [0] * B, torch.device("cpu"))
     out = sample_with_plan(logits.clone(), st, plan, PenaltyState(B + 1, V, torch.device("cpu")), greedy)
+    assert calls == [pytest.approx(float(logits[2, 3]) + 100.0)]
     want = [10 + int(logits[0, 10:20].argmax()), 10 + int(logits[1, 10:20].argmax()), 3, 3]
     assert out.tokens.tolist() == want
     lp = out.logprobs.tolist()
-    assert lp[0] == pytest.approx(float(raw[0, want[0]]), abs=1e-5)
-    assert lp[2] == pytest.approx(float(raw[2, 3]), abs=1e-5)
-    assert lp[1] == pytest.approx(float(torch.log_softmax(logits[1, 10:20], -1).max()), abs=1e-5)
+    for row in (0, 1, 2):
+        assert lp[row] == pytest.approx(float(raw[row, want[row]]), abs=1e-5)
     assert lp[3] > -1e-3  # +100 on token 3: what sampling saw, not the raw value
     assert float(raw[3, 3]) < -1.0
-    # No mask and nothing else: no plan (the plain path).
+    # A mask alone keeps no raw copy; no mask and nothing else: no plan (the plain path).
+    alone = LogitsPlan.build([None] * B, [0] * B, [True] * B, list(range(B)), [], 0, torch.device("cpu"), mask)
+    assert alone is not None and alone.raw_rows is None
     assert LogitsPlan.build([None] * B, [0] * B, [True] * B, list(range(B)), [], 0, torch.device("cpu")) is None

@@ -98,3 +98,13 @@ def test_mixed_step_logits_equal_separate_steps(tiny_model_path, decode_kernel: 
     got = eng.forward(batch)
     for i, seq in enumerate(seqs):
         torch.testing.assert_close(got[i], eng.score([seq])[0][-1], rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_chunk_fills_the_largest_bucket_within_the_budget(tiny_model_path) -> None:
+    """A mixed step's prompt chunk is trimmed so decodes + chunk fill a captured bucket (the
+    mixed ladder here is [16, 26]: 6 requests + a 20-token budget), never padded past it."""
+    llm = graph_llm(str(tiny_model_path("qwen3")), True, **OPTS)
+    chunk = llm.scheduler._mixed_chunk
+    assert [chunk(d) for d in (1, 3, 5, 6)] == [15, 13, 11, 20]
+    llm.engine.graphs = None  # eager: the budget as it is
+    assert chunk(3) == 20

@@ -1,6 +1,7 @@
 """Grammar mask application: the Triton kernel against its torch reference and an independent
 per-token statement of the bit layout, on fresh random logits; rows not listed stay untouched
-bit for bit; `gpu`: real Qwen3 sizes, and graph replay equals eager."""
+bit for bit; the optional raw log-normalizer of each masked row against fp64 logsumexp; `gpu`:
+real Qwen3 sizes, and graph replay equals eager."""
 
 from __future__ import annotations
 
@@ -60,6 +61,28 @@ def test_kernel_matches_reference_and_bit_layout(b: int, v: int, rows: list[int]
 
 
 @needs_triton
+@pytest.mark.parametrize(("b", "v", "rows"), [(1, 7, [0]), (6, 1000, [5, 0, 2]), (3, 4097, [1, 2]), (2, 33, [])])
+def test_lse_is_the_raw_row_logsumexp(b: int, v: int, rows: list[int]) -> None:
+    """with_lse: the masked rows' logsumexp before the mask (fp64 reference), the same masking;
+    a row whose block is all -inf (the penalty op's bans) adds nothing, not NaN."""
+    logits, bitmask, rows_t = case(b, v, rows, seed=v + len(rows))
+    if rows:
+        logits[rows[0], : min(v, 40)] = float("-inf")
+    want = logits[rows_t.long()].double().logsumexp(dim=-1)
+    ref = logits.clone()
+    K.apply_token_bitmask_reference(ref, bitmask, rows_t)
+    got = logits.clone()
+    lse = ops.apply_token_bitmask(got, bitmask, rows_t, with_lse=True)
+    assert torch.equal(got, ref)
+    assert lse is not None and lse.dtype == torch.float32 and lse.shape == (len(rows),)
+    torch.testing.assert_close(lse.double(), want, rtol=1e-6, atol=1e-5)
+    got2 = logits.clone()
+    lse2 = K.apply_token_bitmask(got2, bitmask, rows_t, block=32, with_lse=True)  # many blocks per row
+    assert torch.equal(got2, ref)
+    torch.testing.assert_close(lse2.double(), want, rtol=1e-6, atol=1e-5)
+
+
+@needs_triton
 def test_op_strided_logits_and_nan_rows_untouched() -> None:
     """A row-strided logits view; an unlisted row full of NaN stays NaN (never read or written)."""
     full = torch.randn(4, 300, generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -83,8 +106,9 @@ def test_kernel_qwen3_vocab_and_graph_replay(b: int, k: int) -> None:
     ref = logits.clone()
     K.apply_token_bitmask_reference(ref, bitmask, rows_t)
     eager = logits.clone()
-    ops.apply_token_bitmask(eager, bitmask, rows_t)
+    lse = ops.apply_token_bitmask(eager, bitmask, rows_t, with_lse=True)
     assert torch.equal(eager, ref)
+    torch.testing.assert_close(lse.double(), logits[rows_t.long()].double().logsumexp(dim=-1), rtol=1e-6, atol=1e-4)
     static = logits.clone()
     ops.apply_token_bitmask(static.clone(), bitmask, rows_t)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -17,6 +17,9 @@ from minisgl.kvcache.pool import KVPool
 
 class AttentionBackend(ABC):
     name: str = "base"
+    # Deterministic mode (set by the engine): each query token's output is bit-identical
+    # however it is batched, chunked or split into prefix and extend (see each backend).
+    deterministic: bool = False
 
     def __init__(self, pool: KVPool, num_q_heads: int, scale: float, q_dtype: torch.dtype | None = None) -> None:
         self.pool = pool

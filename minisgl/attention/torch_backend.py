@@ -1,6 +1,10 @@
 """The torch reference backend: plain fp32 math over K/V gathered through the request table.
 Runs on CPU and GPU; it is the path the CPU engine and the tests use, and the reference the
-kernel backends are compared with."""
+kernel backends are compared with.
+
+Deterministic mode: one query token at a time over exactly its keys 0..p, so the matmul
+shapes a token sees depend on its position alone (not on how many tokens share its step, nor
+on the prefix/extend split); the BLAS then gives the same bits for the same token."""
 
 from __future__ import annotations
 
@@ -45,5 +49,11 @@ class TorchAttentionBackend(AttentionBackend):
             positions = torch.arange(prefix, seq_len, device=q.device)
             # FP8 cache: dequantized here (fp32 math with the scales; exact for 16/32-bit).
             kk, vv = k_cache[slots].float() * ks, v_cache[slots].float() * vs
-            out[lo:hi] = attend_reference(q[lo:hi], kk, vv, positions, self.scale)
+            if not self.deterministic:
+                out[lo:hi] = attend_reference(q[lo:hi], kk, vv, positions, self.scale)
+                continue
+            for j in range(hi - lo):
+                p = prefix + j
+                out[lo + j : lo + j + 1] = attend_reference(q[lo + j : lo + j + 1], kk[: p + 1], vv[: p + 1],
+                                                            positions[j : j + 1], self.scale)
         return out

@@ -7,6 +7,19 @@ CUDA-graph safe: decode's grid depends only on the batch size and the max_seq_le
 extend runs in tile-map mode when the batch carries tiles (engine-built batches do), its
 grid then sized by the tile capacity; a mixed step's decode rows (batch.decode_rows) go
 through the decode kernel first, and the tiles then write every other row.
+
+Deterministic mode: no step reaches a decode kernel (their split count depends on the
+batch). Decode steps run the extend kernel as extends of one token (the step builder gives
+them a tile map: one one-token tile per request), and a mixed step's decodes are one-token
+tiles (no batch.decode_rows). The extend kernel runs one fixed configuration in this mode,
+with GQA packing (a tile's rows are tokens x the q heads of one KV group: a decode fills a
+group's rows and reads its keys once), and walks each query's keys in BLOCK_N chunks at fixed
+absolute positions (0, BLOCK_N, 2 BLOCK_N, ...) with one fixed tile configuration, and a
+chunk wholly past a query's position leaves its running max, sum and accumulator
+bit-identical (weight exp2(-inf) = 0, rescale exp2(0) = 1); which tile row a query sits in,
+and what the tile's other rows hold, changes nothing of its row. So a token's output is the
+same from a prefill, a chunked prefill, an extend after a radix-cache hit, a mixed step or a
+decode, graph or eager, whatever else shares the launch.
 """
 
 from __future__ import annotations
@@ -27,11 +40,13 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
         ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]  # FP8 cache: K / ks, V / vs
         ops.store_kv(k_cache, v_cache, k, v, batch.out_slots, ks, vs)
-        if batch.is_decode:
+        if batch.is_decode and not self.deterministic:
             return self._decode(q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens,
                                 batch.max_seq_len, k_scale=ks, v_scale=vs)
         out = None
         if batch.decode_rows is not None:  # first: the extend tiles then overwrite the other rows
+            if self.deterministic:
+                raise ValueError("deterministic mode takes a mixed step's decodes as extend tiles, not decode rows")
             d = batch.decode_rows.shape[0]
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             self._decode(q[:d], k_cache, v_cache, batch.req_to_slot, batch.decode_rows, batch.decode_seq_lens,
@@ -39,13 +54,15 @@ class TritonAttentionBackend(AttentionBackend):
         return ops.extend_attention(
             q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.prefix_lens,
             batch.seq_lens, batch.cu_seqlens_q, batch.max_extend_len, self.scale, out=out, tiles=batch.tiles,
+            deterministic=self.deterministic, decode_max_seq_len=batch.max_seq_len if batch.is_decode else None,
             k_scale=ks, v_scale=vs,
         )
 
     @property
     def tile_block_m(self) -> int:
-        """The extend kernel's query-tile height: the unit of the batch's tile map."""
-        return ops.extend_block_m(self.pool.head_dim, self.q_dtype, self.pool.device)
+        """Query tokens per extend-kernel tile: the unit of the batch's tile map."""
+        return ops.extend_block_m(self.pool.head_dim, self.q_dtype, self.pool.device,
+                                  self.num_q_heads // self.pool.kv_heads, self.deterministic)
 
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,

@@ -42,6 +42,9 @@ class EngineConfig:
     custom_all_reduce: bool = True  # small all-reduces over peer memory (with custom_nccl only)
     gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV)
     cpu_kv_cache_gb: float = 1.0  # KV pool size on the CPU when num_pages is not given
+    # Batch-invariant kernels: a request's tokens and logprobs do not depend on what is
+    # batched with it, on chunking or on prefix-cache hits (README "Determinism").
+    deterministic: bool = False
     # Speculative decoding (minisgl/spec/); None: off, and nothing of it is built or paid.
     speculative_algorithm: str | None = None  # "ngram" | "draft" | "eagle3"
     speculative_num_draft_tokens: int = 4

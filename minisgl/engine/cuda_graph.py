@@ -74,16 +74,18 @@ def verify_layouts(batch_sizes: list[int], k_for: Callable[[int], int], block_m:
 
 
 def graph_layouts(
-    max_bs: int, max_tokens: int, max_mixed_tokens: int, max_requests: int, block_m: int, decode_kernel: bool
+    max_bs: int, max_tokens: int, max_mixed_tokens: int, max_requests: int, block_m: int, decode_kernel: bool,
+    decode_tiles: bool = False,
 ) -> tuple[list[StepLayout], list[StepLayout]]:
     """(decode layouts, extend + mixed layouts) to capture. Without the decode kernel for a
-    mixed step's decodes there is no mixed ladder: those steps take the extend graphs."""
+    mixed step's decodes there is no mixed ladder: those steps take the extend graphs.
+    `decode_tiles` (deterministic mode): the decode layouts carry one tile per request."""
 
     def ladder(mode: str, top: int, decodes: bool) -> list[StepLayout]:
         caps = [(t, min(t, max_requests)) for t in (token_bucket_ladder(top) if top > 0 else [])]
         return [StepLayout(mode, t, b, ops.extend_tile_capacity(t, b, block_m), b if decodes else 0) for t, b in caps]
 
-    decode = [StepLayout("decode", b, b) for b in batch_size_ladder(max_bs)]
+    decode = [StepLayout("decode", b, b, b if decode_tiles else 0) for b in batch_size_ladder(max_bs)]
     if decode_kernel:
         return decode, ladder("extend", max_tokens, False) + ladder("mixed", max_mixed_tokens, True)
     return decode, ladder("extend", max(max_tokens, max_mixed_tokens), False)

@@ -11,7 +11,9 @@ from minisgl.attention.select import make_backend
 from minisgl.distributed.communicator import make_communicator, min_across_ranks
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.batch import ForwardBatch
-from minisgl.engine.config import DTYPES, EngineConfig
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.deterministic import check_deterministic, sample_per_row
+from minisgl.engine.loading import load_model, load_model_config, resolve_dtype
 from minisgl.engine.logits_plan import LogitsPlan, StepOutput, sample_with_plan
 from minisgl.engine.penalty_state import PenaltyState
 from minisgl.engine.prompt import check_prompt
@@ -24,55 +26,21 @@ from minisgl.logging_setup import get_logger
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.quant_config import resolve as resolve_quantization
-from minisgl.models.source import ModelSource, resolve_model
-from minisgl.models.weights import fill_dummy, iter_safetensors
+from minisgl.models.source import resolve_model
 from minisgl.ops import _checks
 from minisgl.ops.fp8 import check_fp8_device
 from minisgl.spec.drafter import Drafter
 
 log = get_logger("minisgl.engine")
 
-
-def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # CPU matmuls in fp16 are slow or missing; fp32 is the exact path
-    declared = DTYPES.get(str(model_cfg.torch_dtype or "").removeprefix("torch."))
-    return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
-
-
-def load_model_config(source: ModelSource) -> ModelConfig:
-    if source.is_gguf:
-        from minisgl.models.gguf_file import gguf_config
-
-        return ModelConfig.from_dict(gguf_config(source.path))
-    return ModelConfig.from_folder(source.path)
-
-
-def load_model(engine: Engine, source: ModelSource, model_cfg: ModelConfig, seed: int) -> LlamaForCausalLM:
-    """A Llama-family model on the engine's device, dtype and TP ranks, with its weights (the
-    target, or a draft model for speculative decoding)."""
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(engine.dtype)
-    try:
-        with torch.device(engine.device):
-            model = LlamaForCausalLM(model_cfg, engine.tp, engine.comm, engine.max_model_len, engine.device)
-    finally:
-        torch.set_default_dtype(default_dtype)
-    if engine.cfg.load_format == "dummy":
-        fill_dummy(model, seed)
-    elif source.is_gguf:
-        from minisgl.models.gguf_file import gguf_config, iter_gguf
-
-        model.load_weights(iter_gguf(source.path, gguf_config(source.path)))
-    else:
-        model.load_weights(iter_safetensors(source.path))
-    return model.eval()
+# What Engine.shutdown() drops: every attribute that holds device memory.
+_DEVICE_STATE = ("model", "pool", "allocator", "table", "token_buffer", "penalties", "attn", "steps", "graphs",
+                 "comm", "drafter")
 
 
 class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
+        self.closed = False
         self.cfg = cfg
         self.device = cfg.torch_device
         if self.device.type == "cuda":
@@ -93,12 +61,15 @@ class Engine:
         self.max_model_len = self._context_length(mc)
         mc.check_tp(cfg.tp_size)
         self.tp = TPInfo(cfg.tp_rank, cfg.tp_size)
+        if cfg.deterministic:
+            check_deterministic(cfg, mc, self.tp)
         self.comm, self.cpu_group = make_communicator(
             self.tp, self.device, cfg.dist_init_addr, cfg.custom_nccl, cfg.custom_all_reduce
         )
         torch.manual_seed(cfg.seed)
         self.model = self._build_model()
-        if self.device.type == "cuda":
+        ops.set_deterministic(self.device, cfg.deterministic)
+        if self.device.type == "cuda" and not cfg.deterministic:  # deterministic: one GEMM, nothing to choose
             self._tune_gemms()
         self.num_q_heads = self.model.model.layers[0].self_attn.num_heads
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
@@ -130,9 +101,10 @@ class Engine:
         self.graphs = None  # CudaGraphRunner once enable_cuda_graphs() ran
         self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device,
                                  self.dtype)
+        self.attn.deterministic = cfg.deterministic
         block_m = getattr(self.attn, "tile_block_m", None)  # backends that take the extend tile map
         self.steps = StepBuilder(self.table, self.token_buffer, self.device, self.max_model_len, mc.vocab_size,
-                                 block_m)
+                                 block_m, deterministic=cfg.deterministic)
         log.info(
             "engine ready: %s (%s) on %s, %s%s, context %d, KV pool %d tokens in pages of %d, attention %s",
             self.source.name, mc.architecture, self.device, str(self.dtype).removeprefix("torch."),
@@ -204,9 +176,19 @@ class Engine:
         return pages
 
     def shutdown(self) -> None:
-        """Frees the CUDA graphs, then the communicators. With TP every rank must call it
-        together: NCCL teardown is collective, and it waits until no captured graph still
-        references the communicator (so the graphs go first)."""
+        """Returns everything this engine holds on its device, at once: the CUDA graphs first
+        (they reference the communicator and the static buffers; the runner also references
+        the engine, a cycle that only `gc.collect()` would break), then the communicators,
+        the weights, the KV pool, the request table, the attention backend, the step builder,
+        the penalty state and the token buffer; then the allocator's cached blocks go back to
+        the device, so that the next engine in this process, which sizes its KV pool from free
+        memory, finds them free.
+        Idempotent; anything that still uses the engine afterwards gets a clear error. With TP
+        every rank must call it together: NCCL teardown is collective, and it waits until no
+        captured graph still references the communicator (so the graphs go first)."""
+        if self.closed:
+            return
+        # The step builder holds the runner too (its captured closures hold this engine).
         self.graphs = self.steps.graphs = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -216,6 +198,22 @@ class Engine:
 
             if dist.is_initialized():
                 dist.destroy_process_group()
+        self.closed = True
+        if self.cfg.deterministic:
+            ops.set_deterministic(self.device, False)
+        for name in _DEVICE_STATE:
+            self.__dict__.pop(name, None)
+        if self.device.type == "cuda":
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:  # cuBLAS keeps a workspace per (handle, stream), graph streams too
+                clear()
+            torch.cuda.empty_cache()
+
+    def __getattr__(self, name: str):
+        # Only reached when normal lookup fails, so it costs the hot path nothing.
+        if name in _DEVICE_STATE and self.__dict__.get("closed"):
+            raise RuntimeError(f"this engine was shut down (its {name} is freed); make a new one")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ---- one step ----
 
@@ -255,7 +253,8 @@ class Engine:
             total = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
             max_bs = 256 if total >= 40 * (1 << 30) else 128
         decode, extend = graph_layouts(min(max_bs, self.cfg.max_running_requests), max_tokens, max_mixed_tokens,
-                                       self.cfg.max_running_requests, self.steps.block_m, self.steps.decode_kernel)
+                                       self.cfg.max_running_requests, self.steps.block_m, self.steps.decode_kernel,
+                                       self.steps.decode_tiles)
         if verify is None and self.cfg.spec is not None and not VERIFY_VIA_EXTEND_BUCKETS:
             verify = verify_layouts([x.tokens for x in decode], self.cfg.spec.draft_tokens_for, self.steps.block_m)
         table, buffer, bound = self.table.req_to_slot, self.token_buffer, self.max_model_len
@@ -321,6 +320,8 @@ class Engine:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, logprobs of the chosen tokens under the raw logits)."""
+        if self.cfg.deterministic:
+            return sample_per_row(logits, st)
         if st.all_greedy:  # no randomness: skip the sampling kernel
             tokens = logits.argmax(dim=-1)
             # log_softmax at one index, without writing a [B, vocab] tensor every step.

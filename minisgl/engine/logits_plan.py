@@ -22,7 +22,11 @@ from minisgl.engine.sampling_params import SamplingParams
 # Changes the fp32 [B, V] sampled rows' logits in place (a grammar's token mask), after the
 # penalties and before sampling. It runs on the host once the step's forward is launched, so it
 # may wait for the host state it needs (the scheduler's in-flight tokens) while the forward runs.
-LogitsMask = Callable[[torch.Tensor], None]
+# It returns the batch rows it masked (int64 [k], on the device) and their log-normalizers as
+# they were before the mask (f32 [k]), or None when it masked nothing: a mask only sets
+# forbidden logits to -inf, so a masked row's chosen (allowed) token keeps its logit, and its raw
+# logprob is that logit minus the raw log-normalizer, without a raw copy of the row.
+LogitsMask = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
 
 
 class LogitsSpec:
@@ -77,7 +81,8 @@ def _pack(segments: Sequence[Sequence[float | int]], dtype: torch.dtype, device:
         starts.append(len(host))
         host.extend(seg)
         host.extend([0] * (-len(seg) % per))
-    flat = torch.tensor(host, dtype=dtype).to(device, non_blocking=True)
+    # Pinned: a copy from pageable memory may wait for the stream (for the step in flight).
+    flat = torch.tensor(host, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
     return [flat[s : s + len(seg)] for s, seg in zip(starts, segments)]
 
 
@@ -107,30 +112,26 @@ class LogitsPlan:
     prompt_targets: torch.Tensor | None  # int64 [E]: the prompt token each extra logits row predicts
     prompt_k: int
     mask: LogitsMask | None = None
-    # int64 [r] batch rows whose logits the penalty op or the mask changes and whose chosen
-    # token's logprob is reported: they keep a raw copy for it.
+    # int64 [r] batch rows whose logits the penalty op changes and whose chosen token's logprob
+    # is reported: they keep a raw copy for it (a mask alone needs none: see LogitsMask).
     raw_rows: torch.Tensor | None = None
 
     @staticmethod
     def build(
         specs: Sequence[LogitsSpec | None], generated: Sequence[int], samples: Sequence[bool],
         state_rows: Sequence[int], prompt_targets: Sequence[int], prompt_k: int, device: torch.device,
-        mask: LogitsMask | None = None, masked: Sequence[bool] | None = None, reports: Sequence[bool] | None = None,
+        mask: LogitsMask | None = None, reports: Sequence[bool] | None = None,
     ) -> LogitsPlan | None:
         """Row i of the batch: its spec, tokens generated before this step, whether it samples,
-        its request-table row, whether `mask` may change it (masked; None: no row) and whether
-        its chosen token's logprob is reported (reports; None: every row's).
-        `prompt_targets`: the extra logits rows' next prompt tokens."""
+        its request-table row and whether its chosen token's logprob is reported (reports;
+        None: every row's). `prompt_targets`: the extra logits rows' next prompt tokens."""
         pen: list[int] = []
         ptr, ids, vals = [0], [], []
         counted, tops, raw = [], [], []
         for i, (spec, gen, sampled) in enumerate(zip(specs, generated, samples)):
             if not sampled:  # a prefill chunk's token is dropped: nothing to do
                 continue
-            changed = masked is not None and masked[i]
             if spec is None:
-                if changed and (reports is None or reports[i]):
-                    raw.append(i)
                 continue
             s_ids, s_vals = spec.sparse(gen)
             if spec.tracks_counts or s_ids:
@@ -138,9 +139,8 @@ class LogitsPlan:
                 ids.extend(s_ids)
                 vals.extend(s_vals)
                 ptr.append(len(ids))
-                changed = True
-            if changed and (reports is None or reports[i]):
-                raw.append(i)
+                if reports is None or reports[i]:
+                    raw.append(i)
             if spec.tracks_counts:
                 counted.append(i)
             if spec.top_logprobs:
@@ -191,11 +191,14 @@ def sample_with_plan(
 ) -> StepOutput:
     """logits fp32 [B + E, V]: the B sampled rows, then E extra rows for prompt logprobs.
     Logprobs are of the raw logits, so they are taken before the penalty op and the mask change
-    them in place; a changed row's chosen-token logprob comes from a copy of its raw row (only
-    for the rows that report it: plan.raw_rows).
+    them in place; a penalized row's chosen-token logprob comes from a copy of its raw row (only
+    for the rows that report it: plan.raw_rows), a row the mask alone changed gets it from its
+    chosen logit and the raw log-normalizer the mask returns (see LogitsMask; where the grammar
+    allowed no token at all, a dead end that ends the request, that logprob is -inf).
 
     Order: raw logprobs (prompt, alternatives) -> raw copy -> penalties/bias/min_tokens in
-    place -> mask in place on `logits[:b]` -> sample -> raw chosen logprobs -> count update.
+    place -> mask in place on `logits[:b]` -> sample -> raw chosen logprobs (masked rows, then
+    the raw copies, which win for rows both changed) -> count update.
     Another per-row logits processor goes beside the mask; a processor that must run on a row
     makes the step build a plan (LogitsPlan.build returns None only when no row needs
     anything): with no plan, Engine.run_batch just samples."""
@@ -214,13 +217,15 @@ def sample_with_plan(
         counts, prompt = state.buffers()
         ops.apply_penalties(logits, pen.rows, pen.state_rows, counts, prompt, pen.rep, pen.pres, pen.freq,
                             pen.bias_ptr, pen.bias_ids, pen.bias_vals)
-    if plan.mask is not None:
-        plan.mask(logits)
+    masked = plan.mask(logits) if plan.mask is not None else None
     out.tokens, out.logprobs = sample(logits, st)
+    if masked is not None:
+        rows, raw_lse = masked
+        out.logprobs.index_copy_(0, rows, logits[rows, out.tokens.index_select(0, rows)] - raw_lse)
     if raw is not None:
         assert plan.raw_rows is not None
         chosen = out.tokens.index_select(0, plan.raw_rows)[:, None]
-        raw_lp = raw.gather(1, chosen).squeeze(1) - raw.logsumexp(dim=-1)
+        raw_lp = raw.gather(1, chosen).squeeze(1) - ops.logsumexp_rows(raw)
         out.logprobs.index_copy_(0, plan.raw_rows, raw_lp)
     if plan.count_rows is not None:
         assert plan.count_state_rows is not None

@@ -11,6 +11,7 @@ it have run, so the next step can fill a new one while the GPU still works.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.step_layout import StepLayout, StepSpec, count_tiles, exact_layout
 from minisgl.kvcache.pool import RequestTable
+from minisgl.logging_setup import log_once
 
 # A mixed step's decodes take the paged decode kernel (over min(bucket, max requests) rows in
 # the captured graph) rather than one-row extend tiles. From benchmarks/graph_designs.py on an
@@ -43,12 +45,17 @@ def host_to_device(values: Sequence[Sequence[float | int]], dtype: torch.dtype, 
 
 class StepBuilder:
     def __init__(self, table: RequestTable, token_buffer: torch.Tensor, device: torch.device, max_model_len: int,
-                 vocab_size: int, block_m: int | None) -> None:
+                 vocab_size: int, block_m: int | None, deterministic: bool = False) -> None:
         self.table, self.token_buffer, self.device = table, token_buffer, device
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.block_m = block_m  # extend tile height; None: the backend takes no tile map
-        self.decode_kernel = MIXED_DECODES_VIA_DECODE_KERNEL and block_m is not None
+        # Deterministic mode (README "Determinism"): no step reaches the decode kernels, whose
+        # split count depends on the batch. Decode steps carry a tile map (one one-row tile per
+        # request) and run the extend kernel; a mixed step's decodes are one-row tiles too.
+        self.decode_tiles = deterministic and block_m is not None
+        self.decode_kernel = MIXED_DECODES_VIA_DECODE_KERNEL and block_m is not None and not deterministic
         self.graphs = None  # a CudaGraphRunner: steps that fit one of its layouts replay it
+        self.eager_reason: str | None = None  # why the last step built runs eagerly (None: a graph)
 
     def spec(self, mode: str, rows: list[int], prefix_lens: list[int],
              new_tokens: Sequence[list[int] | None] | None, all_rows: bool = False) -> StepSpec:
@@ -86,16 +93,14 @@ class StepBuilder:
         """`all_rows`: the step needs every position's logits (a verify step); a graph that fits
         computes them all (`batch.all_rows`), an eager batch via forward(all_positions=True)."""
         spec = self.spec(mode, rows, prefix_lens, new_tokens, all_rows)
-        if extra_logit_rows:  # a graph computes the sampled rows' logits only: run it eagerly
-            if min(extra_logit_rows) < 0 or max(extra_logit_rows) >= spec.num_tokens:
-                raise ValueError(f"extra_logit_rows must index the step's {spec.num_tokens} new tokens")
-            use_graphs = False
-        layout = self.graphs.layout_for(spec) if (self.graphs is not None and use_graphs) else None
+        if extra_logit_rows and (min(extra_logit_rows) < 0 or max(extra_logit_rows) >= spec.num_tokens):
+            raise ValueError(f"extra_logit_rows must index the step's {spec.num_tokens} new tokens")
+        layout, self.eager_reason = self._pick_graph(spec, use_graphs, bool(extra_logit_rows))
         if layout is not None:
             self.upload(spec, layout, self.graphs.buffer)
             return self.graphs.batch(layout, spec)
         spec.all_rows = False  # eager: the caller asks the forward for all positions
-        layout = exact_layout(spec, self.block_m, self.decode_kernel)
+        layout = exact_layout(spec, self.block_m, self.decode_kernel, self.decode_tiles)
         buf = self.upload(spec, layout, None)
         batch = layout.views(buf, self.table.req_to_slot, self.token_buffer, max(spec.seq_lens))
         batch.mode, batch.max_extend_len = spec.mode, max(spec.ext)
@@ -105,8 +110,30 @@ class StepBuilder:
             batch.logit_rows = host_to_device([last + list(extra_logit_rows)], torch.int64, self.device)[0]
         return batch
 
+    def _pick_graph(self, spec: StepSpec, use_graphs: bool, extra_rows: bool) -> tuple[StepLayout | None, str | None]:
+        """(the captured layout the step replays, None) or (None, why it runs eagerly). With
+        graphs captured, an eager step is logged once per reason: on the serving path it costs
+        the whole forward's host time (DESIGN.md §4)."""
+        if self.graphs is None:
+            return None, "CUDA graphs off"
+        if not use_graphs:
+            why, key = "the caller asked for an eager forward (prompt scoring)", "caller"
+        elif extra_rows:  # a graph computes the sampled rows' logits only
+            why, key = "prompt logprobs need logits at more rows than the sampled ones", "extra_rows"
+        else:
+            layout = self.graphs.layout_for(spec)
+            if layout is not None:
+                return layout, None
+            why = f"no captured {spec.mode} graph fits {spec.num_tokens} tokens of {len(spec.rows)} requests"
+            key = f"fit-{spec.mode}"
+        log_once(f"eager-step-{key}", f"a {spec.mode} step runs eagerly (logged once per reason): {why}",
+                 logging.INFO)
+        return None, why
+
     def count_tiles(self, spec: StepSpec, decode_kernel: bool) -> int:
-        return 0 if self.block_m is None or spec.mode == "decode" else count_tiles(spec, self.block_m, decode_kernel)
+        if self.block_m is None or (spec.mode == "decode" and not self.decode_tiles):
+            return 0
+        return count_tiles(spec, self.block_m, decode_kernel)
 
     def upload(self, spec: StepSpec, layout: StepLayout, dest: torch.Tensor | None) -> torch.Tensor:
         """Fills `layout` for `spec` and copies it into `dest` (or a new device tensor)."""

@@ -11,6 +11,9 @@ buffer stays valid for every step that fits. Fields, in order (each padded to a 
   int32 (stored as int64, one    req_rows, prefix_lens, seq_lens [B], cu_seqlens_q [B+1],
   narrowing copy on the device)  tiles [C, 2], decode_rows, decode_seq_lens [D]
 
+A decode step has no tile map, except in deterministic mode: there it has one tile per
+request (C = B), and its attention runs the extend kernel like any extend.
+
 Padding: tokens past the step's own (position 0 in the padding row: their K/V go to the dummy
 slot, no tile covers them, no request samples them); requests past the step's (no tokens,
 prefix 0, length 1, sample row 0); tiles (-1, 0), which exit at once; decode rows (the
@@ -168,11 +171,15 @@ def count_tiles(spec: StepSpec, block_m: int, decode_kernel: bool) -> int:
     return sum(-(-e // block_m) for e in spec.ext[d:])
 
 
-def exact_layout(spec: StepSpec, block_m: int | None, decode_kernel: bool) -> StepLayout:
+def exact_layout(spec: StepSpec, block_m: int | None, decode_kernel: bool, decode_tiles: bool = False) -> StepLayout:
     """The layout of exactly this step (an eager forward). block_m None: no tile map (the
-    torch backend). decode_kernel: a mixed step's decodes take the decode kernel."""
+    torch backend). decode_kernel: a mixed step's decodes take the decode kernel.
+    decode_tiles: a decode step carries a tile map too (one tile per request: deterministic
+    mode runs decodes through the extend kernel)."""
     b = len(spec.rows)
-    if spec.mode == "decode" or block_m is None:
+    if block_m is None:
         return StepLayout(spec.mode, spec.num_tokens, b)
+    if spec.mode == "decode":
+        return StepLayout(spec.mode, spec.num_tokens, b, b if decode_tiles else 0)
     dk = decode_kernel and spec.mode == "mixed"
     return StepLayout(spec.mode, spec.num_tokens, b, count_tiles(spec, block_m, dk), spec.num_decodes * dk)

@@ -75,16 +75,18 @@ class VerifyPlan:
                     src.append(srow)
                 else:
                     row_state.append(0)  # its counts are never read (no penalty on this row)
-        plan = LogitsPlan.build(row_specs, row_gen, [True] * len(row_specs), row_state, [], 0, device,
-                                mask, row_masked if mask is not None else None, row_reports)
+        plan = LogitsPlan.build(row_specs, row_gen, [True] * len(row_specs), row_state, [], 0, device, mask,
+                                row_reports)
         if plan is None:
             return None
         plan.count_rows = plan.count_state_rows = None  # counted after acceptance instead
-        raw_flat = None
-        if plan.raw_rows is not None:  # the rows LogitsPlan.build keeps raw copies of, in order
-            raw = [t for t, (spec, gen, rep, m) in enumerate(zip(row_specs, row_gen, row_reports, row_masked))
-                   if rep and (m or (spec is not None and (spec.tracks_counts or spec.sparse(gen)[0])))]
-            raw_flat = _dev([row_bj[t][0] * width + row_bj[t][1] for t in raw], device)
+        # Raw copies of the reporting rows that the penalties or the mask change. A decode step's
+        # mask hands back its rows' raw log-normalizers instead (LogitsMask); the verify mask
+        # returns nothing, so masked rows keep a copy here as penalized ones do.
+        raw = [t for t, (spec, gen, rep, m) in enumerate(zip(row_specs, row_gen, row_reports, row_masked))
+               if rep and (m or (spec is not None and (spec.tracks_counts or spec.sparse(gen)[0])))]
+        plan.raw_rows = _dev(raw, device) if raw else None
+        raw_flat = _dev([row_bj[t][0] * width + row_bj[t][1] for t in raw], device) if raw else None
         return VerifyPlan(
             plan, width, row_bj, _dev(src, device) if src else None, _dev(d_rows, device) if d_rows else None,
             _dev(d_ids, device) if d_ids else None, raw_flat, _dev(count_b, device) if count_b else None,

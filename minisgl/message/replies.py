@@ -25,6 +25,7 @@ class TokenOut:
     # When asked (params.prompt_logprobs), on the first TokenOut only: per prompt position,
     # None at 0, else [logprob of the prompt token, [[token_id, logprob], ...] top-k].
     prompt_logprobs: list | None = None
+    trace: dict[str, float] | None = None  # on the first TokenOut of a traced request (message/trace.py)
 
 
 @message
@@ -72,6 +73,7 @@ class UserReply:
     top_logprobs: list[list[list]] | None = None
     prompt: PromptEcho | None = None  # first reply only, when asked
     reasoning_open: bool = False  # DetokInit.reasoning_open, on the request's first reply
+    trace: dict[str, float] | None = None  # on the first reply of a traced request (message/trace.py)
 
 
 @message

@@ -36,6 +36,7 @@ class TokenizeMsg:
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
     reasoning: str | None = None  # the reasoning parser: a grammar starts after its block
+    trace: dict[str, float] | None = None  # hop timestamps when traced (message/trace.py)
 
 
 @message
@@ -90,3 +91,4 @@ class UserMsg:
     sampling: dict[str, Any]
     seed: int
     detok: DetokInit
+    trace: dict[str, float] | None = None  # hop timestamps when traced (message/trace.py)

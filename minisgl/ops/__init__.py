@@ -10,6 +10,7 @@ from minisgl.ops.attention import (
     extend_tile_map,
 )
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
+from minisgl.ops.deterministic import is_deterministic, logsumexp_rows, set_deterministic
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
 from minisgl.ops.linear import linear
 from minisgl.ops.logprobs import top_logprobs
@@ -37,7 +38,9 @@ __all__ = [
     "fused_add_rmsnorm",
     "fused_experts",
     "fused_moe",
+    "is_deterministic",
     "linear",
+    "logsumexp_rows",
     "moe_align",
     "moe_route",
     "paged_decode_attention",
@@ -45,6 +48,7 @@ __all__ = [
     "qk_norm_rope",
     "rmsnorm",
     "sample",
+    "set_deterministic",
     "silu_and_mul",
     "skinny_gemm",
     "skinny_gemm_reference",

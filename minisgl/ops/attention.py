@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.kernels import decode_attention as _dec
+from minisgl.kernels import deterministic_attention as _det
 from minisgl.kernels import extend_attention as _ext
 from minisgl.ops import _checks
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
@@ -54,7 +55,8 @@ def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, max_extend_len: int, scale: float, out: torch.Tensor | None = None,
-    tiles: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    tiles: torch.Tensor | None = None, deterministic: bool = False, decode_max_seq_len: int | None = None,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, Hq, D] (head dim packed, row/head strides free); k_cache, v_cache [S, Hkv, D]
     holding every position's K/V, the new tokens' included; req_rows, prefix_lens, seq_lens
@@ -66,10 +68,15 @@ def extend_attention(
     to the launch a CUDA graph can hold: grid (Hq, capacity), each program reading its
     (request, first query) on the device; `max_extend_len` is then unused, and rows of q past
     cu_seqlens_q[B] (bucket padding) are left unwritten. Batch-level checks are the caller's.
-    An FP8 e4m3 cache holds K / k_scale and V / v_scale."""
+
+    `deterministic`: the one fixed launch configuration of deterministic mode, with GQA packing
+    and fixed key splits (kernels/deterministic_attention.py); its tiles then come from
+    `extend_block_m(..., group, deterministic=True)`. With `decode_max_seq_len` (a decode step:
+    one token per request, seq_lens <= that bound) a small batch runs the splits in parallel;
+    the bits are the same either way. An FP8 e4m3 cache holds K / k_scale and V / v_scale."""
     if not _checks.enabled():
-        return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, cu_seqlens_q, max_extend_len,
-                       scale, out, tiles, k_scale, v_scale)
+        return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, seq_lens, cu_seqlens_q,
+                       max_extend_len, scale, out, tiles, deterministic, decode_max_seq_len, k_scale, v_scale)
     check_tensor("q", q, dtype=_DTYPES, ndim=3)
     _check_cache(q, k_cache, v_cache, req_to_slot)
     b = req_rows.shape[0] if isinstance(req_rows, torch.Tensor) else -1
@@ -94,19 +101,30 @@ def extend_attention(
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, req_to_slot=req_to_slot,
                       req_rows=req_rows, prefix_lens=prefix_lens, seq_lens=seq_lens,
                       cu_seqlens_q=cu_seqlens_q)
-    return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, cu_seqlens_q, max_extend_len,
-                   scale, out, tiles, k_scale, v_scale)
+    return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, seq_lens, cu_seqlens_q, max_extend_len,
+                   scale, out, tiles, deterministic, decode_max_seq_len, k_scale, v_scale)
 
 
 def _extend(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
-    req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_extend_len: int,
-    scale: float, out: torch.Tensor | None, tiles: torch.Tensor | None, k_scale: float, v_scale: float,
+    req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    max_extend_len: int, scale: float, out: torch.Tensor | None, tiles: torch.Tensor | None,
+    deterministic: bool = False, decode_max_seq_len: int | None = None, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     if use_triton("extend_attention", q):
+        if not deterministic:
+            return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
+                                         cu_seqlens_q, max_extend_len, scale, out, tiles=tiles,
+                                         k_scale=k_scale, v_scale=v_scale)
+        config, heads, split = _det.deterministic_config(q.shape[2], q.dtype, q.device,
+                                                         q.shape[1] // k_cache.shape[1])
+        if decode_max_seq_len is not None and tiles is not None and req_rows.shape[0] <= _det.SPLIT_DECODE_MAX_BATCH:
+            return _det.split_decode(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, seq_lens, cu_seqlens_q,
+                                     tiles, decode_max_seq_len, scale, config, heads, split, out, k_scale, v_scale)
         return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
-                                     cu_seqlens_q, max_extend_len, scale, out, tiles=tiles,
-                                     k_scale=k_scale, v_scale=v_scale)
+                                     cu_seqlens_q, max_extend_len, scale, out, config=config, tiles=tiles,
+                                     heads_per_tile=heads, split=split, k_scale=k_scale, v_scale=v_scale)
     log_cpu_reference_once("extend_attention")
     if tiles is None:
         ref = _ext.extend_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
@@ -125,9 +143,14 @@ def _extend(
     return out
 
 
-def extend_block_m(head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
-    """The query-tile height `extend_attention` uses for these inputs (the `tiles` unit)."""
-    return _ext.default_config(head_dim, dtype, device)[0]
+def extend_block_m(head_dim: int, dtype: torch.dtype, device: torch.device, group: int = 1,
+                   deterministic: bool = False) -> int:
+    """Query tokens per tile of `extend_attention` for these inputs (the `tiles` unit); `group`:
+    q heads per KV head (deterministic mode packs a group's heads into a tile's rows)."""
+    if not deterministic:
+        return _ext.default_config(head_dim, dtype, device)[0]
+    config, heads, _ = _det.deterministic_config(head_dim, dtype, device, group)
+    return config[0] // heads
 
 
 extend_tile_map = _ext.tile_map

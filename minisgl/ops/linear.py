@@ -5,7 +5,8 @@ else through torch (cuBLAS on CUDA, the CPU's matmul elsewhere).
 The table is per device, filled at engine start by minisgl.ops.gemm_tuning (M of the CUDA
 graph ladder up to 32); a shape or M it does not hold goes to cuBLAS. The choice happens
 per call from the shapes alone, so a CUDA graph captured at batch size b keeps the kernel
-chosen for M = b. MINISGL_DISABLE_SKINNY_GEMM=1 turns our kernel off.
+chosen for M = b. MINISGL_DISABLE_SKINNY_GEMM=1 turns our kernel off. In deterministic mode
+(minisgl.ops.deterministic) neither runs: one batch-invariant GEMM takes every M.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from minisgl import env
 from minisgl.logging_setup import log_once
+from minisgl.ops.deterministic import batch_invariant_linear, is_deterministic
 from minisgl.ops.gemm_table import GemmShape, GemmTable
 from minisgl.ops.skinny_gemm import MAX_M, counters, cublas_linear, launch, vector_aligned
 
@@ -51,6 +53,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     [2I, K] and the result silu(gate) * up [T, I]. The layers' arguments are valid by
     construction (shapes from the config, dtypes from the engine), so the only checks here are
     the kernel's layout needs; anything else the torch path reports as it always did."""
+    if is_deterministic(x.device):
+        return batch_invariant_linear(x, weight, bias, silu)
     m = x.shape[0]
     if x.dim() != 2 or not 0 < m <= MAX_M or x.device.type != "cuda":
         return cublas_linear(x, weight, bias, silu, None)

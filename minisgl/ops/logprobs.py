@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.ops._checks import check_inner_contiguous, check_same_device, check_shape, check_tensor
+from minisgl.ops.deterministic import logsumexp_rows
 
 
 def top_logprobs(
@@ -26,7 +27,7 @@ def top_logprobs(
         check_tensor("targets", targets, dtype=torch.int64, ndim=1)
         check_shape("targets", targets, (n,))
         check_same_device(logits=logits, targets=targets)
-    lse = logits.logsumexp(dim=-1, keepdim=True)
+    lse = logsumexp_rows(logits)[:, None]
     vals, ids = logits.topk(k, dim=-1) if k else (logits.new_empty(n, 0), logits.new_empty(n, 0, dtype=torch.int64))
     chosen = None if targets is None else (logits.gather(1, targets[:, None]) - lse).squeeze(1)
     return chosen, ids, vals - lse

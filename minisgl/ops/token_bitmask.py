@@ -8,8 +8,11 @@ from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_same_device, check_shape, check_tensor
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """In place: logits[rows[j], t] = -inf wherever bit t of bitmask[j] is 0.
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, with_lse: bool = False
+) -> torch.Tensor | None:
+    """In place: logits[rows[j], t] = -inf wherever bit t of bitmask[j] is 0. With `with_lse`,
+    returns f32 [k]: logsumexp(logits[rows[j]]) as it was before the mask (in one pass).
 
     logits f32/f16/bf16 [B, V] (last dim packed, row stride free); bitmask int32 [k, W] with
     W >= ceil(V / 32) (xgrammar's packed layout, row stride free); rows int32 [k], distinct
@@ -34,9 +37,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     if use_triton("apply_token_bitmask", logits):
         from minisgl.kernels.token_bitmask import apply_token_bitmask as kernel
 
-        kernel(logits, bitmask, rows)
-        return
+        return kernel(logits, bitmask, rows, with_lse=with_lse)
     log_cpu_reference_once("apply_token_bitmask")
     from minisgl.kernels.token_bitmask import apply_token_bitmask_reference
 
-    apply_token_bitmask_reference(logits, bitmask, rows)
+    return apply_token_bitmask_reference(logits, bitmask, rows, with_lse)

@@ -32,6 +32,7 @@ from minisgl.message import (
     TokenOut,
     UserMsg,
     UserReply,
+    trace,
 )
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.scheduler.config import SchedulerConfig, scheduler_config
@@ -129,6 +130,10 @@ class SchedulerProcess:
         msgs = []
         while (m := recv_nowait(self.inbox)) is not None:
             msgs.append(m)
+        if trace.ENABLED and msgs:
+            at = trace.now()
+            for m in msgs:
+                trace.stamp(getattr(m, "trace", None), "sched_in", at)
         return msgs
 
     def apply(self, msg: Any) -> None:
@@ -155,6 +160,7 @@ class SchedulerProcess:
             limit = min(len(msg.input_ids) + params.max_tokens, self.engine.max_model_len)
             req = Request(msg.uid, list(msg.input_ids), params, msg.seed, self.eos_ids, limit)
             req.report_logprobs = bool(msg.detok.logprobs)
+            req.trace = msg.trace
             self.sched.add_check(req)
         except ValueError as e:
             first = str(e).split(" ", 1)[0].rstrip(":")
@@ -200,8 +206,12 @@ class SchedulerProcess:
             init = self.inits.pop(uid, None)
             if init is not None:  # first tokens: the prefill is done, its cache hits known
                 self.cache_hit_tokens += req.cache_hit_tokens
+            hops = None
+            if init is not None and req.trace is not None:  # its trace rides on the first TokenOut only
+                hops, req.trace = req.trace, None
+                trace.stamp(hops, "emit")
             items.append(TokenOut(uid, req.output[start:], logprobs, req.finish_reason, init,
-                                  *logprob_extras(req, start, first=init is not None)))
+                                  *logprob_extras(req, start, first=init is not None), hops))
             self.sent[uid] = len(req.output)
             if req.finished:
                 self._forget(uid)

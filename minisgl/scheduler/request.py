@@ -44,6 +44,8 @@ class Request:
     # Structured output: this request's grammar state (minisgl.grammar.RowGrammar), set by the
     # scheduler at add on each rank (never broadcast: every rank builds its own).
     grammar: Any = None
+    # Hop timestamps of a traced request (message/trace.py), until its first token is sent.
+    trace: dict[str, float] | None = None
 
     @property
     def finished(self) -> bool:

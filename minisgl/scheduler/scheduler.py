@@ -26,6 +26,8 @@ from minisgl.engine.logits_plan import LogitsSpec, StepOutput
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.kvcache.prefix_cache import make_prefix_cache
 from minisgl.logging_setup import get_logger
+from minisgl.message import trace
+from minisgl.scheduler import step_trace
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar_rows import GrammarRows
 from minisgl.scheduler.kv import RequestKV
@@ -49,6 +51,7 @@ class _InFlight:
     out: StepOutput  # host copies (filled asynchronously on CUDA)
     sampling: StepSampling  # which rows asked for top/prompt logprobs
     event: torch.cuda.Event | None
+    trace: step_trace.StepTrace | None = None  # timing, when tracing (MINISGL_TRACE_REQUESTS)
 
 
 class Scheduler:
@@ -70,6 +73,7 @@ class Scheduler:
         self._decode_next = False
         self._pending_done: list[Request] = []  # processed early (by a drain) during step()
         self.num_retractions = 0
+        self.num_steps = 0  # steps launched (the step number of trace lines)
         # Prompt positions whose logits one step may compute for prompt logprobs: they are
         # [rows, vocab] fp32 (~300 MB at 512 x 152k), so long prompts that ask take more steps.
         self.prompt_logprob_rows = 512
@@ -196,7 +200,7 @@ class Scheduler:
         """Every decode plus a prefill chunk in one step (the decodes first: their KV slots
         are secured before the chunk's admission takes pages)."""
         decodes = self._ensure_decode_slots(self._decodable())
-        plan = admit(self, min(self.cfg.mixed_chunk_tokens, self.cfg.max_prefill_tokens))
+        plan = admit(self, self._mixed_chunk(len(decodes)))
         if not plan.reqs:
             return self._launch_decode(decodes)
         if not decodes:
@@ -208,6 +212,19 @@ class Scheduler:
             self._end_decodes(decodes)
         finish_admitted(self, plan)
         return True
+
+    def _mixed_chunk(self, num_decodes: int) -> int:
+        """Prompt tokens for a mixed step beside `num_decodes` decodes: at most the budget
+        (`mixed_chunk_tokens`), trimmed so that the whole step fills the largest captured mixed
+        bucket within it rather than padding up to the next one (7 decodes + 512 tokens would
+        replay the 640-token graph; 7 + 505 fill the 512 one). The prompt's rest rides in a
+        later step, whose decodes had to run anyway."""
+        budget = min(self.cfg.mixed_chunk_tokens, self.cfg.max_prefill_tokens)
+        graphs = self.engine.graphs
+        if graphs is None or not graphs.mixed:
+            return budget
+        fit = max((x.tokens for x in graphs.mixed if x.tokens <= num_decodes + budget), default=0) - num_decodes
+        return fit if fit > 0 else budget
 
     def _launch_decode(self, reqs: list[Request] | None = None) -> bool:
         reqs = self._ensure_decode_slots(self._decodable()) if reqs is None else reqs
@@ -287,14 +304,18 @@ class Scheduler:
         samples: list[bool],
     ) -> None:
         eng = self.engine
+        self.num_steps += 1
+        traced = step_trace.begin(self.num_steps, eng.device.type == "cuda") if trace.ENABLED else None
         timed = self.gpu_timeline is not None and eng.device.type == "cuda"
         if timed:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         self.kv.flush()
-        masks = self.grammar.step_mask(reqs, samples, self._drain)
-        sampling = prepare_step_sampling(eng, reqs, samples, prefix, new, masks)
+        mask = self.grammar.step_mask(reqs, samples, self._drain)
+        sampling = prepare_step_sampling(eng, reqs, samples, prefix, new, mask)
         batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new, extra_logit_rows=sampling.extra_logit_rows)
+        if traced is not None:
+            traced.built = trace.now()
         out = eng.run_batch(batch, sampling.tensors, sampling.plan)
         if self.spec is not None:  # a draft model's KV follows every target step
             self.spec.after_plain_step(batch, reqs, samples, new, out.tokens)
@@ -307,15 +328,22 @@ class Scheduler:
             out = out.to_host()
             event = torch.cuda.Event()
             event.record()
-        self.inflight.append(_InFlight(reqs, samples, out, sampling, event))
+        if traced is not None:
+            decodes = len(reqs) if new is None else sum(t is None for t in new)
+            step_trace.launched(traced, batch, eng.steps.eager_reason, reqs, samples, decodes)
+        self.inflight.append(_InFlight(reqs, samples, out, sampling, event, traced))
 
     def _process(self, item: _InFlight) -> list[Request]:
         if item.event is not None:
             item.event.synchronize()
+        if item.trace is not None:
+            step_trace.ready(item.trace, item.reqs, item.samples)
         out = item.out
         add_prompt_logprobs(item.reqs, item.sampling, out)
         tops = top_logprobs_by_row(item.sampling, out)
         done = []
+        constrained: list[Request] = []  # still running with a grammar: it takes the token
+        tokens: list[int] = []
         for i, (req, sampled, tok, lp) in enumerate(zip(item.reqs, item.samples, out.tokens.tolist(),
                                                         out.logprobs.tolist())):
             if not sampled:
@@ -324,10 +352,14 @@ class Scheduler:
             if req.finished:  # ended (abort, stop string, EOS) while this step was in flight
                 continue
             req.append(tok, lp, tops[i][: req.params.top_logprobs] if i in tops else None)
-            if req.grammar is not None and not req.finished:
-                self.grammar.advance(req, tok)
             done.append(req)
             if req.finished:
+                self._release(req)
+            elif req.grammar is not None:
+                constrained.append(req)
+                tokens.append(tok)
+        if constrained:  # all rows at once: one batched matcher call
+            for req in self.grammar.advance(constrained, tokens):
                 self._release(req)
         return done
 

@@ -142,7 +142,7 @@ class SpecStep:
                 top = alternatives.get((b, j))
                 r.append(tok, lp, top[: r.params.top_logprobs] if top is not None else None)
                 if r.grammar is not None and not r.finished:
-                    sched.grammar.advance(r, tok)
+                    sched.grammar.advance([r], [tok])  # an ended grammar sets finish_reason
                 if r.finished:  # EOS, a stop token or the length limit: the rest is dropped
                     break
             # K/V now holds positions < start + n (the last input and the accepted drafts).

@@ -24,9 +24,9 @@ class StepSampling:
 
 def prepare_step_sampling(
     engine: Engine, reqs: list[Request], samples: list[bool], prefix: list[int],
-    new: list[list[int] | None] | None, masks: tuple[LogitsMask, list[bool]] | None = None,
+    new: list[list[int] | None] | None, mask: LogitsMask | None = None,
 ) -> StepSampling:
-    """`masks`: the step's grammar mask and which rows it may change (None: no row has one)."""
+    """`mask`: the step's grammar mask (None: no row has one)."""
     generated = [len(r.output) + r.num_pending for r in reqs]  # exact under overlap: values unknown
     tensors = SamplingTensors.build(
         [r.params.temperature for r in reqs], [r.params.top_k for r in reqs],
@@ -56,11 +56,10 @@ def prepare_step_sampling(
                     k = max(k, req.params.prompt_logprobs or 0)
             offset += len(toks)
     plan = None
-    if targets or masks is not None or any(r.logits_spec is not None for r in reqs):
-        mask, masked = masks if masks is not None else (None, None)
+    if targets or mask is not None or any(r.logits_spec is not None for r in reqs):
         plan = LogitsPlan.build(
             [r.logits_spec for r in reqs], generated, samples, [r.row for r in reqs], targets, k, engine.device,
-            mask, masked, [r.report_logprobs for r in reqs],
+            mask, [r.report_logprobs for r in reqs],
         )
     return StepSampling(tensors, plan, extra, spans)
 

@@ -76,12 +76,16 @@ def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
     gen_errors = {**openapi_doc.errors(400, 404, 503)}
 
     async def run(job: Job, request: Request) -> Response:
-        handle = frontend.submit(job.msgs, job.names)  # type: ignore[arg-type]
+        state = request.scope["state"]
+        handle = frontend.submit(job.msgs, job.names, received=state.get("received"))  # type: ignore[arg-type]
         first = await frontend.first_reply(handle, request)
+        rid = state["request_id"]
+        if first.trace is not None:  # RequestGuard logs it once the first chunk is written
+            state["trace"] = (first.trace, {"rid": rid, "uid": first.uid, "route": request.url.path,
+                                            "prompt": first.prompt_tokens, "stream": job.stream})
         tracker = ChoiceTracker(handle.uids, job.n)
         # Streams learn of a gone client from Starlette cancelling them; others poll for it.
         replies = frontend.replies(handle, first, None if job.stream else request)
-        rid = request.scope["state"]["request_id"]
         if job.kind == "generate":
             if job.stream:
                 return event_stream(generate_events(job, replies, tracker), rid)

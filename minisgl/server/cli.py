@@ -133,13 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.cpu_kv_cache_gb,
         help="KV-cache size on the CPU when --num-pages is not given",
     )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant kernels: a request's tokens and logprobs do not depend on its batch (README)",
+    )
     s = p.add_argument_group("scheduler (unset: the scheduler's default)")
     s.add_argument(
         "--max-prefill-tokens", type=int, default=None, help="token budget of one prefill step (default 8192)"
     )
     s.add_argument(
         "--mixed-chunk-tokens", type=int, default=None,
-        help="prompt tokens a step may add to the running decodes (a mixed step; default 512); "
+        help="prompt tokens a step may add to the running decodes (a mixed step; default 384); "
         "0: prefill steps and decode steps alternate instead",
     )
     s.add_argument(

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from minisgl.logging_setup import get_logger
-from minisgl.message import AbortMsg, DecodeMsg, ReplyBatch, StatsMsg, TokenizeMsg, UserReply, decode, encode
+from minisgl.message import AbortMsg, DecodeMsg, ReplyBatch, StatsMsg, TokenizeMsg, UserReply, decode, encode, trace
 from minisgl.server.args import Addresses
 from minisgl.server.errors import ApiError
 from minisgl.server.metrics import Metrics
@@ -86,14 +86,17 @@ class Frontend:
         self._pull.close(0)
 
     def submit(
-        self, msgs: list[TokenizeMsg | DecodeMsg], names: dict[str, str] | None = None, metered: bool = True
+        self, msgs: list[TokenizeMsg | DecodeMsg], names: dict[str, str] | None = None, metered: bool = True,
+        received: float | None = None,
     ) -> RequestHandle:
         """Numbers the messages' generations (TokenizeMsg: one uid per choice) and sends each
         to a tokenizer worker, round robin (workers tokenize large inputs off their loop, so
-        any worker serves small requests at once)."""
+        any worker serves small requests at once). `received`: when the HTTP request came in
+        (the start of its hop trace, when tracing is on)."""
         for m in msgs:
             if isinstance(m, TokenizeMsg):
                 m.uids = [next(self._next_uid) for _ in m.uids]
+                m.trace = trace.start(received)
             else:
                 m.uid = next(self._next_uid)
         handle = RequestHandle([u for uids in _uids_of(msgs) for u in uids], names, metered)
@@ -185,7 +188,9 @@ class Frontend:
         while True:
             msg = decode(await self._pull.recv())
             if isinstance(msg, ReplyBatch):
+                at = trace.now()
                 for reply in msg.replies:
+                    trace.stamp(reply.trace, "api_in", at)
                     self._dispatch(reply)
             elif isinstance(msg, StatsMsg):
                 self.stats = msg

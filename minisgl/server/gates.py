@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from minisgl.logging_setup import get_logger
+from minisgl.message import trace
 from minisgl.server.errors import ApiError, internal_error
 
 log = get_logger("minisgl.server")
@@ -25,7 +26,9 @@ def default_max_request_bytes(max_model_len: int) -> int:
 class RequestGuard:
     """Gives each request an id (the `x-request-id` response header) and turns an exception
     no handler caught into an `internal_error` 500, logged once with the id. The server keeps
-    serving: the exception ends this request only."""
+    serving: the exception ends this request only. It also notes when the request came in,
+    the start of its hop trace (message/trace.py), whose line it logs once the first chunk
+    of the answer is written."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -35,7 +38,8 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         rid = uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
+        state = scope.setdefault("state", {})
+        state["request_id"], state["received"] = rid, trace.now()
         started = False
 
         async def send_with_id(message: dict[str, Any]) -> None:
@@ -44,6 +48,10 @@ class RequestGuard:
                 started = True
                 message["headers"] = [*message.get("headers", []), (REQUEST_ID_HEADER.encode(), rid.encode())]
             await send(message)
+            if message["type"] == "http.response.body" and "trace" in state:  # a traced request's first chunk
+                hops, info = state.pop("trace")
+                trace.stamp(hops, "sent")
+                log.info("%s", trace.request_line(hops, info))
 
         try:
             await self.app(scope, receive, send_with_id)

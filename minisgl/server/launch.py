@@ -153,9 +153,17 @@ def _stop_children(children: list[Child]) -> None:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """Bound now (a taken port fails before any model loads), listening only once ready."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    """Bound now (a taken port fails before any model loads), listening only once ready.
+
+    Its connections must have TCP_NODELAY. asyncio sets it on each accepted connection only
+    when the socket's protocol is IPPROTO_TCP, not 0 (what a bare socket.socket() gets);
+    without it, Nagle holds a stream's first chunk after the headers until the client's
+    delayed ACK (~40 ms on Linux) on every kept-alive connection (issue 12's TTFT). Set on
+    the listener too, which accepted sockets inherit (any event loop)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:

@@ -33,7 +33,7 @@ class DraftModelDrafter(Drafter):
     mirrors_in_forward = True
 
     def __init__(self, engine: Engine, path: str) -> None:
-        from minisgl.engine.engine import load_model, load_model_config
+        from minisgl.engine.loading import load_model, load_model_config
         from minisgl.models.source import resolve_model
 
         self.engine = engine

@@ -19,6 +19,7 @@ from minisgl.message import (
     TokenizeMsg,
     TokenOut,
     UserReply,
+    trace,
 )
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.server.child import report_ready
@@ -38,9 +39,11 @@ class Detokenizer:
         self.tok = tokenizer
         self.table = table or TokenTable(tokenizer)
         self.states: dict[int, DecodeState] = {}
+        self.received: float | None = None  # when the message being processed came in (tracing)
 
     def process(self, msg: DetokenizeMsg) -> tuple[list[UserReply], list[tuple[int, int]]]:
         replies, stopped = [], []
+        self.received = trace.now() if trace.ENABLED else None
         for item in msg.items:
             reply = self._one(item, stopped)
             if reply is not None:
@@ -95,6 +98,9 @@ class Detokenizer:
             reply.token_bytes = [self.table.bytes_of(t) for t in ids]
             if init.top_logprobs:
                 reply.top_logprobs = [self.alternatives(alts) for alts in (item.top_logprobs or [])[: len(ids)]]
+        if item.trace is not None:
+            reply.trace = item.trace
+            trace.stamp(reply.trace, "detok_in", self.received)
         if first and init.prompt_ids is not None:
             reply.prompt = self.echo(init.prompt_ids, item.prompt_logprobs if init.prompt_logprobs else None)
         if reason is not None:
@@ -141,4 +147,7 @@ def run_detokenizer(conn: Connection, args: Any, addrs: Any) -> None:
             else:
                 log.warning("detokenizer: ignoring unexpected %s", type(m).__name__)
         if replies:
+            at = trace.now()
+            for r in replies:
+                trace.stamp(r.trace, "detok_out", at)
             send(to_api, ReplyBatch(replies))

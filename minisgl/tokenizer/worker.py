@@ -29,6 +29,7 @@ from minisgl.message import (
     TokenizeMsg,
     UserMsg,
     UserReply,
+    trace,
 )
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.parsers.tool_formats import detect_tool_format
@@ -117,6 +118,7 @@ class TokenizeHandler:
                 for uid in pending.uids:
                     self.pending.pop(uid, None)
         elif isinstance(msg, TokenizeMsg):
+            trace.stamp(msg.trace, "tok_in")
             chars = len(msg.text or "") + sum(len(str(m.get("content") or "")) for m in msg.messages or [])
             large = chars > LARGE_INPUT_BYTES
             try:
@@ -248,12 +250,14 @@ class TokenizeHandler:
             reasoning_open,
         )
         out = []
+        trace.stamp(msg.trace, "tok_out")
         for i, uid in enumerate(msg.uids):
             if params.seed is None:
                 seed = self.rng.getrandbits(63)
             else:  # choices of one request must differ: offset the seed per choice
                 seed = params.seed if i == 0 else (params.seed + i) % _SEED_SPACE
-            out.append(UserMsg(uid, ids, {**sampling, "stop": params.stop}, seed, init))
+            hops = None if msg.trace is None else dict(msg.trace)
+            out.append(UserMsg(uid, ids, {**sampling, "stop": params.stop}, seed, init, hops))
         return out
 
 

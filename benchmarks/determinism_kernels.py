@@ -1,0 +1,198 @@
+"""Deterministic mode's kernel candidates on the GPU (issue 24), for benchmarks/determinism.py.
+
+GEMM: kernels/batch_invariant_gemm.CANDIDATES against cuBLAS on Qwen3-0.6B's and
+Llama-3.1-8B's linear shapes at M = 1 ... 4096, timed as 10 back-to-back calls in a CUDA graph
+(no launch overhead; the engine runs graphs): median us per call, and % = cuBLAS's time / ours.
+Also the candidates' bit classes per shape (which configs give identical bits on the same
+rows, at M = 1 and M = 300) and the proposed batch_invariant_gemm_configs.json: per shape the
+best single config (sum over M of time / cuBLAS's), or per-M configs from one bit class where
+that is >= 3% better.
+
+Attention: kernels/extend_attention.DETERMINISTIC_CONFIGS (GQA-packed, one config for every
+step) against the default path (split-K decode kernel; the default extend tiles), us per call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # (N, K) of each linear: qkv, o, gate_up, down, lm head
+    "qwen3-0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)],
+    "llama-3.1-8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+}
+MS = (1, 16, 64, 256, 1024, 4096)
+
+
+def graph_us(fn, calls: int = 10, reps: int = 5) -> float:
+    """Median us per call of `fn`, `calls` back to back in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def bit_classes(outs: list[list[torch.Tensor]]) -> list[list[int]]:
+    """Candidates grouped by bit-identical outputs (every probe equal)."""
+    classes: list[list[int]] = []
+    for i, o in enumerate(outs):
+        for c in classes:
+            if all(torch.equal(a, b) for a, b in zip(outs[c[0]], o)):
+                c.append(i)
+                break
+        else:
+            classes.append([i])
+    return classes
+
+
+def propose(times: dict[int, list[float]], base: dict[int, float], classes: list[list[int]], cands: list) -> tuple:
+    """(entries [[min_m, config]], score, single score): score = sum over M of time / cuBLAS."""
+    def score(pick: dict[int, int]) -> float:
+        return sum(times[m][pick[m]] / base[m] for m in MS)
+
+    single = min(range(len(cands)), key=lambda c: score({m: c for m in MS}))
+    best, best_score = [[1, list(cands[single])]], score({m: single for m in MS})
+    single_score = best_score
+    for cls in classes:
+        pick = {m: min(cls, key=lambda c: times[m][c]) for m in MS}
+        if score(pick) < 0.97 * best_score:
+            entries: list[list] = []
+            for m in MS:
+                if not entries or entries[-1][1] != list(cands[pick[m]]):
+                    entries.append([1 if not entries else m, list(cands[pick[m]])])
+            best, best_score = entries, score(pick)
+    return best, best_score, single_score
+
+
+def _time_gemms(gemm, x: torch.Tensor, w: torch.Tensor, cands: list) -> tuple[float, list[float], float]:
+    """(cuBLAS us, each candidate's us, the in-use config's us) for x @ w^T."""
+    base = graph_us(lambda: torch.nn.functional.linear(x, w))
+    return base, [graph_us(lambda c=c: gemm(x, w, None, c)) for c in cands], graph_us(lambda: gemm(x, w))
+
+
+def gemm_candidates(out_dir: Path | None) -> None:
+    from minisgl.kernels.batch_invariant_gemm import CANDIDATES, configs_for, gemm
+
+    print("\n== batch-invariant GEMM candidates vs cuBLAS (bf16, us per call in CUDA graphs; full table in "
+          f"{out_dir / 'gemm.txt' if out_dir else 'the lines below'})")
+    lines = [f"{'shape':>12} {'M':>5} {'cuBLAS':>8} " + " ".join(f"{str(c[:4]):>18}" for c in CANDIDATES)]
+    proposed: dict[str, list] = {}
+    print(f"{'shape':>12} {'cuBLAS us':>9} {'in use':>8} {'single':>8} {'per-M':>8}  bit classes (candidate indices)")
+    tot = {"cublas": 0.0, "use": 0.0, "single": 0.0, "best": 0.0}
+    for shapes in SHAPES.values():
+        for n, k in shapes:
+            g = torch.Generator(device="cuda").manual_seed(n + k)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
+            probes = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g) for m in (1, 300)]
+            classes = bit_classes([[gemm(x, w, None, c) for x in probes] for c in CANDIDATES])
+            times: dict[int, list[float]] = {}
+            base: dict[int, float] = {}
+            in_use = 0.0
+            for m in MS:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+                base[m], times[m], used = _time_gemms(gemm, x, w, CANDIDATES)
+                in_use += used / base[m]
+                lines.append(f"{n:>6}x{k:<5} {m:5} {base[m]:8.1f} " + " ".join(
+                    f"{t:9.1f} ({100 * base[m] / t:4.0f}%)" for t in times[m]))
+            entries, best, single = propose(times, base, classes, CANDIDATES)
+            proposed[f"{n}x{k}"] = entries
+            tot["cublas"] += len(MS)
+            tot["use"] += in_use
+            tot["single"] += single
+            tot["best"] += best
+            pct = [f"{100 * len(MS) / v:7.0f}%" for v in (in_use, single, best)]
+            print(f"{n:>6}x{k:<5} {sum(base.values()):9.1f} {' '.join(pct)}  {classes}  (in use: {configs_for(n, k)})")
+    print(f"mean over shapes and M of cuBLAS time / ours: in use {100 * tot['cublas'] / tot['use']:.0f}%, "
+          f"best single config per shape {100 * tot['cublas'] / tot['single']:.0f}%, "
+          f"per-M within a bit class {100 * tot['cublas'] / tot['best']:.0f}%")
+    print("proposed batch_invariant_gemm_configs.json '16bit' entries:")
+    print(json.dumps(proposed))
+    if out_dir:
+        (out_dir / "gemm.txt").write_text("\n".join(lines) + "\n")
+        (out_dir / "gemm_proposed.json").write_text(json.dumps(proposed, indent=1))
+    else:
+        print("\n".join(lines))
+
+
+def attention_candidates() -> None:
+    from minisgl.kernels.deterministic_attention import DETERMINISTIC_CONFIGS
+
+    print("\n== attention: deterministic configs (GQA-packed, BLOCK_M, BLOCK_N, warps, stages) vs the default "
+          "path (us per call in CUDA graphs)")
+    cases = [("decode b256 ctx1024 16/8", 256, 1024, 1, 16, 8), ("decode b32 ctx4096 16/8", 32, 4096, 1, 16, 8),
+             ("decode b1 ctx2048 32/8", 1, 2048, 1, 32, 8), ("prefill b4 1024 16/8", 4, 0, 1024, 16, 8)]
+    print(f"{'case':>26} {'default':>9} " + " ".join(f"{str(c):>18}" for c in DETERMINISTIC_CONFIGS)
+          + f" {'split decode':>18}")
+    for name, b, prefix, ext, hq, hkv in cases:
+        line, outs = _attention_case(b, prefix, ext, hq, hkv, DETERMINISTIC_CONFIGS)
+        print(f"{name:>26} {line}  bit classes {bit_classes([[o] for o in outs])}")
+
+
+def _attention_case(b: int, prefix: int, ext: int, hq: int, hkv: int, configs: list) -> tuple[str, list]:
+    """(table cells, each config's output)."""
+    from minisgl import ops
+    from minisgl.kernels.deterministic_attention import SPLIT, heads_per_tile, split_decode
+    from minisgl.kernels.extend_attention import extend_attention, tile_map
+
+    d = 128
+    g = torch.Generator(device="cuda").manual_seed(b)
+    seq = prefix + ext
+    kc = torch.randn(b * seq + 1, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(b * seq + 1, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(b * ext, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = (torch.arange(b * seq, device="cuda", dtype=torch.int32) + 1).view(b, seq)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    rows, pre = torch.arange(b, **i32), torch.full((b,), prefix, **i32)
+    cu = torch.arange(b + 1, **i32) * ext
+    seqs = torch.full((b,), seq, **i32)
+    if ext == 1:
+        base = graph_us(lambda: ops.decode_attention_triton(q, kc, vc, table, rows, seqs, seq, d**-0.5))
+    else:
+        base = graph_us(lambda: extend_attention(q, kc, vc, table, rows, pre, cu, ext, d**-0.5))
+    cells, outs = [], []
+    for cfg in configs:
+        heads = heads_per_tile(hq // hkv, cfg[0])
+        tiles = torch.tensor(tile_map([prefix] * b, [ext] * b, cfg[0] // heads), **i32).view(-1, 2)
+        t = graph_us(lambda cfg=cfg, heads=heads, tiles=tiles: extend_attention(
+            q, kc, vc, table, rows, pre, cu, ext, d**-0.5, config=cfg, tiles=tiles, heads_per_tile=heads, split=SPLIT))
+        cells.append(f"{t:9.1f} ({100 * base / t:4.0f}%)")
+        outs.append(extend_attention(q, kc, vc, table, rows, pre, cu, ext, d**-0.5, config=cfg, tiles=tiles,
+                                     heads_per_tile=heads, split=SPLIT))
+    if ext == 1:  # the first config's splits in parallel (the engine's path for small decode batches)
+        cfg = configs[0]
+        heads = heads_per_tile(hq // hkv, cfg[0])
+        tiles = torch.tensor(tile_map([prefix] * b, [ext] * b, cfg[0] // heads), **i32).view(-1, 2)
+        bound = max(seq, 4096)
+
+        def run() -> torch.Tensor:
+            return split_decode(q, kc, vc, table, rows, pre, seqs, cu, tiles, bound, d**-0.5, cfg, heads, SPLIT)
+
+        t = graph_us(run)
+        cells.append(f"{t:9.1f} ({100 * base / t:4.0f}%)")
+        same = torch.equal(run(), outs[0])
+        cells.append("= config 0" if same else "DIFFERS from config 0")
+    return f"{base:9.1f} " + " ".join(cells), outs
+
+
+def out_dir() -> Path | None:
+    """$OUT/det when the GPU runner gives an $OUT folder (bulky tables go there)."""
+    if not os.environ.get("OUT"):
+        return None
+    path = Path(os.environ["OUT"]) / "det"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

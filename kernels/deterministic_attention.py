@@ -1,0 +1,103 @@
+"""Deterministic mode's attention: one launch configuration of the extend kernel for prefill,
+extend and decode alike (GQA-packed tiles, keys in fixed splits), and the split decode.
+
+Every step runs kernels/extend_attention.py with the same (BLOCK_M, BLOCK_N, warps, stages),
+GQA packing and SPLIT: a query's keys are walked in BLOCK_N chunks at fixed absolute positions,
+grouped in splits of SPLIT keys (also at fixed positions), each split from a fresh (m, l, acc)
+state, and the splits folded in order by `fold_split`. What a query's row computes therefore
+depends only on its own q and keys, never on the batch, the tile it sits in, or the launch.
+
+A decode step at small batch (one program per head group and request would walk all of a
+long context alone) runs the same splits in parallel instead: the extend kernel in PARTIAL
+mode writes each split's (acc, m, l) to a workspace, and `_combine_kernel` folds them in the
+same order with the same `fold_split` (explicit FMAs, so no compiler contraction choice can
+differ): the same bits as the sequential fold (tests/test_deterministic_gpu.py). The number
+of splits depends on the context length alone; the grid on the batch size and the
+max_seq_len bound (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.extend_attention import default_config, fold_split, launch
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for every step of the mode. Any fixed choice is
+# batch-invariant (one compiled kernel for every step); the choice is speed only:
+# benchmarks/determinism.py --only attention times these; the first is the one in use.
+DETERMINISTIC_CONFIGS: list[tuple[int, int, int, int]] = [
+    (64, 64, 4, 2), (32, 64, 4, 2), (16, 64, 4, 2), (64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 3),
+]
+SPLIT = 256  # keys per split on the GPU (a multiple of every candidate's BLOCK_N)
+INTERPRETER_SPLIT = 64  # small, so CPU tests fold several splits
+SPLIT_DECODE_MAX_BATCH = 16  # decode steps of at most this many requests run the splits in parallel
+SPLIT_DECODE_PROGRAMS = 1024  # about this many programs share a split decode's splits
+
+
+def heads_per_tile(group: int, block_m: int) -> int:
+    """Query heads of one KV group a packed tile holds: the largest divisor of the group that
+    fits the tile (so a tile never spans two KV groups)."""
+    return max(h for h in range(1, min(group, block_m) + 1) if group % h == 0)
+
+
+def deterministic_config(head_dim: int, dtype: torch.dtype, device: torch.device,
+                         group: int) -> tuple[tuple[int, ...], int, int]:
+    """(config, heads per tile, split) of deterministic mode. fp32 and the interpreter keep
+    their default tiles (the mode's invariance does not depend on which fixed config it is)."""
+    cfg = default_config(head_dim, dtype, device)
+    if device.type == "cuda" and dtype != torch.float32 and head_dim <= 128:
+        cfg = DETERMINISTIC_CONFIGS[0]
+    split = SPLIT if device.type == "cuda" else INTERPRETER_SPLIT
+    return cfg, heads_per_tile(group, cfg[0]), split
+
+
+@triton.jit
+def _combine_kernel(PartAcc, PartML, Out, SeqLens, v_scale, stride_ot, stride_oh, num_splits,
+                    SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (b, h): request b's token, q head h; its splits 0 .. ceil(seq / SPLIT) - 1.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n = tl.cdiv(tl.load(SeqLens + b), SPLIT)
+    if n == 0:  # a padding request of a graph bucket
+        return
+    base = ((b * tl.num_programs(1) + h) * num_splits).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    one = tl.arange(0, 1)
+    acc = tl.load(PartAcc + base * BLOCK_D + offs_d[None, :])
+    m_i = tl.load(PartML + 2 * base + one)
+    l_i = tl.load(PartML + 2 * base + 1 + one)
+    for s in range(1, n):
+        acc_p = tl.load(PartAcc + (base + s) * BLOCK_D + offs_d[None, :])
+        m_p = tl.load(PartML + 2 * (base + s) + one)
+        l_p = tl.load(PartML + 2 * (base + s) + 1 + one)
+        acc, m_i, l_i = fold_split(acc, m_i, l_i, acc_p, m_p, l_p)
+    out = acc * (v_scale / l_i)[:, None]  # as the extend kernel's last line
+    o_ptrs = Out + b.to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d[None, :] < HEAD_DIM)
+
+
+def split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
+                 req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
+                 cu_seqlens_q: torch.Tensor, tiles: torch.Tensor, max_seq_len: int, scale: float,
+                 config: tuple[int, ...], heads: int, split: int, out: torch.Tensor | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """A decode step (q [B, Hq, D], one token per request; `tiles` one per request, from
+    `tile_map`) with the splits in parallel; the same bits as `extend_attention(...,
+    split=split)` for these tokens. max_seq_len bounds every seq_lens[b] (the workspace size)."""
+    b, hq, d = q.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if b == 0:
+        return out
+    num_splits = triton.cdiv(max_seq_len, split)
+    block_d = triton.next_power_of_2(d)
+    part_acc = torch.empty((b, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((b, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    per_split = min(num_splits, max(1, SPLIT_DECODE_PROGRAMS // (hq // heads * tiles.shape[0])))
+    launch((hq // heads, tiles.shape[0], per_split), q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens,
+           cu_seqlens_q, tiles, scale, config, heads, split, (part_acc, part_ml), k_scale, v_scale)
+    _combine_kernel[(b, hq)](part_acc, part_ml, out, seq_lens, v_scale, out.stride(0), out.stride(1), num_splits,
+                             SPLIT=split, HEAD_DIM=d, BLOCK_D=block_d, num_warps=4)
+    return out

@@ -1,0 +1,132 @@
+"""Deterministic mode: a request's token ids and logprobs are bit-identical whatever it is
+batched with, however its prefill is chunked, whether its prefix comes from the radix cache.
+
+CPU: the torch path (tiny Qwen3, fp32). Interpreter: the batch-invariant GEMM's rows do not
+depend on M. GPU (`gpu`): the same request-level comparison through the Triton kernels, with
+CUDA graphs and eager, and the kernels' invariance at M up to 8192.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+SEEDED = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=7)
+
+
+def prompts(n: int, vocab: int, seed: int = 0, shared: int = 40) -> list[list[int]]:
+    """n prompts; every other one starts with the same `shared`-token prefix."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab) for _ in range(shared)]
+    out = []
+    for i in range(n):
+        tail = [rng.randrange(vocab) for _ in range(rng.randrange(3, 30))]
+        out.append(prefix + tail if i % 2 == 0 else tail)
+    return out
+
+
+def run(llm: LLM, ps: list[list[int]], params: list[SamplingParams]) -> list[tuple[list[int], list[float]]]:
+    return [(o["token_ids"], o["logprobs"]) for o in llm.generate(ps, params, use_tqdm=False)]
+
+
+def test_cpu_request_is_batch_invariant(tiny_model_path) -> None:
+    path = str(tiny_model_path("qwen3"))
+    mine = prompts(4, 1000)
+    params = [GREEDY, SEEDED] * 2
+    opts = dict(device="cpu", dtype="float32", num_pages=4096, deterministic=True)
+    with LLM(path, cache="naive", **opts) as llm:
+        alone = [run(llm, [p], [sp])[0] for p, sp in zip(mine, params)]
+    others = prompts(6, 1000, seed=1, shared=0)
+    for chunk in (16,):  # (the CPU LM head runs one 152k-wide row at a time: kept small for CI)
+        with LLM(path, max_prefill_tokens=chunk, **opts) as llm:
+            for warm in (False, True):  # the second pass hits the radix cache
+                batch = others[:3] + mine + others[3:]
+                sp = [SEEDED] * 3 + params + [GREEDY] * 3
+                got = run(llm, batch, sp)[3:7]
+                assert got == alone, f"chunk {chunk}, radix cache {'warm' if warm else 'cold'}"
+
+
+def test_cpu_default_mode_is_not_batch_invariant_here(tiny_model_path) -> None:
+    """Why the mode exists (and a check that the test above could fail): without it, the CPU
+    BLAS gives a row inside a batch other last bits than the same row alone."""
+    path = str(tiny_model_path("qwen3"))
+    mine = prompts(4, 1000)
+    with LLM(path, device="cpu", dtype="float32", num_pages=4096, cache="naive") as llm:
+        alone = [run(llm, [p], [GREEDY])[0] for p in mine]
+        together = run(llm, mine + prompts(8, 1000, seed=1), [GREEDY] * 12)[:4]
+    assert [t for t, _ in together] == [t for t, _ in alone]  # tokens agree at this size...
+    assert [lp for _, lp in together] != [lp for _, lp in alone]  # ...the logprobs' last bits do not
+
+
+def test_deterministic_refuses_moe(tiny_model_path) -> None:
+    with pytest.raises(ValueError, match="MoE"):
+        LLM(str(tiny_model_path("qwen3_moe")), device="cpu", dtype="float32", deterministic=True)
+
+
+def test_deterministic_refuses_fp8_weights(tiny_model_path) -> None:
+    with pytest.raises(ValueError, match="deterministic mode does not cover FP8 weights"):
+        LLM(str(tiny_model_path("qwen3")), device="cpu", dtype="float32", deterministic=True, quantization="fp8")
+
+
+def test_deterministic_refuses_speculative_decoding(tiny_model_path) -> None:
+    with pytest.raises(ValueError, match="speculative"):
+        LLM(str(tiny_model_path("qwen3")), device="cpu", dtype="float32", deterministic=True,
+            speculative_algorithm="ngram")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_batch_invariant_gemm_rows_do_not_depend_on_m(dtype: torch.dtype) -> None:
+    """The first rows' results whatever M is and whatever the other rows hold. The interpreter
+    runs a tile's tl.dot as a numpy matmul, whose BLAS rounds a row by its place in the tile:
+    so here the probe rows keep their places; the GPU test moves them anywhere in the batch."""
+    from minisgl.kernels.batch_invariant_gemm import gemm, gemm_reference
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled on a GPU machine
+    g = torch.Generator().manual_seed(0)
+    k, n = 40, 24  # not multiples of the tiles: masked K and N edges
+    w = torch.randn(n, k, generator=g).to(dev, dtype)
+    bias = torch.randn(n, generator=g).to(dev, dtype)
+    probe = torch.randn(5, k, generator=g).to(dev, dtype)
+    first = gemm(probe, w, bias)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(first.float(), gemm_reference(probe, w, bias), atol=tol, rtol=tol)
+    for m in (17, 37):  # more row tiles, other neighbours in the probe's tile
+        others = torch.randn(m - 5, k, generator=g).to(dev, dtype)
+        got = gemm(torch.cat([probe, others]), w, bias)
+        assert torch.equal(got[:5], first), f"M={m}: rows differ from the same rows at M=5"
+
+
+def test_gemm_config_table_is_by_shape_and_checked(tmp_path, monkeypatch) -> None:
+    """The GPU GEMM's tiles come from the table by (N, K); an entry lists configs from M = 1 up
+    (several only where the GPU test shows equal bits); a malformed table is refused by name."""
+    import json
+
+    from minisgl.kernels import batch_invariant_gemm as bg
+
+    cuda, a, b = torch.device("cuda"), [64, 64, 64, 4, 4], [128, 128, 64, 8, 3]
+    table = {"16bit": {"default": [[1, b]], "10x20": [[1, a], [256, b]]}}
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps(table))
+    monkeypatch.setattr(bg, "CONFIG_FILE", path)
+    bg._table.cache_clear()
+    try:
+        assert [bg.config_for(torch.bfloat16, cuda, 10, 20, m) for m in (1, 255, 256, 8192)] == [tuple(a)] * 2 + [
+            tuple(b)] * 2
+        assert bg.config_for(torch.float16, cuda, 30, 20, 1) == tuple(b)  # no entry: the default
+        assert bg.config_for(torch.float32, cuda, 10, 20, 1) == bg.FLOAT32_CONFIG
+        table["16bit"]["10x20"] = [[2, a]]
+        path.write_text(json.dumps(table))
+        bg._table.cache_clear()
+        with pytest.raises(ValueError, match="10x20"):
+            bg.config_for(torch.bfloat16, cuda, 10, 20, 1)
+    finally:
+        monkeypatch.undo()
+        bg._table.cache_clear()
+    shipped = bg.configs_for(151936, 1024)  # the shipped table parses
+    assert shipped[0][0] == 1

@@ -1,0 +1,66 @@
+"""Deterministic mode's attention launches on the Triton kernels (interpreter on the CPU):
+GQA-packed tiles with fixed key splits, and the split decode, against the fp64 reference
+under FA3's rule. Their bit-exactness across launches is a GPU property: tests/test_deterministic_gpu.py."""
+
+from __future__ import annotations
+
+import attention_rule
+import pytest
+import torch
+from test_extend_attention import DEV, assert_fa3_rule, make_case, needs_triton
+
+from minisgl import ops
+from minisgl.kernels import deterministic_attention as D
+
+pytestmark = pytest.mark.triton
+
+
+def _case(hq: int, hkv: int, prefix: list[int], ext: list[int], pad: int, seed: int):
+    c = make_case(prefix, ext, hq, hkv, 64, torch.float16, 16, seed=seed)
+    attention_rule.poison_unused_slots(c, [p + e for p, e in zip(prefix, ext)])
+    real = sum(ext)
+    q = torch.randn(real + pad, hq, 64, generator=torch.Generator().manual_seed(seed)).to(DEV, torch.float16)
+    q[:real] = c["q"]
+    return c, q, real
+
+
+@needs_triton
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 2)])  # GQA groups of 4 and 3 (3 leaves a tile's last rows empty)
+@pytest.mark.parametrize("tiled", [False, True])
+def test_packed_split_launch_matches_reference(hq: int, hkv: int, tiled: bool) -> None:
+    """A tile's rows are tokens x the q heads of one KV group; keys in splits of 64 here
+    (decodes past 2 splits, a prompt longer than a tile, a chunk after a prefix); unused rows
+    stay NaN."""
+    prefix, ext = [150, 0, 41, 3], [1, 70, 1, 33]
+    c, q, real = _case(hq, hkv, prefix, ext, 3, seed=11)
+    dev = torch.device(DEV)
+    tokens = ops.extend_block_m(64, torch.float16, dev, hq // hkv, deterministic=True)
+    config, heads, split = D.deterministic_config(64, torch.float16, dev, hq // hkv)
+    assert heads == hq // hkv and tokens == config[0] // heads and split < 150
+    tiles = None
+    if tiled:
+        cap = ops.extend_tile_capacity(real + 3, len(ext), tokens)
+        tiles = torch.tensor(ops.extend_tile_map(prefix, ext, tokens, cap), dtype=torch.int32, device=DEV).view(-1, 2)
+    out = torch.full_like(q, float("nan"))
+    ops.extend_attention(**{**c, "q": q}, out=out, tiles=tiles, deterministic=True)
+    assert torch.isnan(out[real:]).all()
+    assert_fa3_rule(out[:real], c)
+
+
+@needs_triton
+def test_split_decode_matches_reference_and_sequential_splits() -> None:
+    """A decode step through the parallel splits (and the combine kernel): the reference's
+    answer, and (to the interpreter's rounding) the sequential splits' answer; a padding
+    request of the bucket (no tile) is left alone."""
+    prefix, ext = [300, 5, 129, 0], [1, 1, 1, 0]
+    c, q, real = _case(8, 2, prefix, ext, 1, seed=12)
+    dev = torch.device(DEV)
+    tokens = ops.extend_block_m(64, torch.float16, dev, 4, deterministic=True)
+    tiles = torch.tensor(ops.extend_tile_map(prefix, ext, tokens, 4), dtype=torch.int32, device=DEV).view(-1, 2)
+    c["cu_seqlens_q"] = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    ops.extend_attention(**{**c, "q": q}, out=out, tiles=tiles, deterministic=True, decode_max_seq_len=400)
+    assert_fa3_rule(out[:real], c)
+    seq = torch.full_like(q, float("nan"))
+    ops.extend_attention(**{**c, "q": q}, out=seq, tiles=tiles, deterministic=True)
+    torch.testing.assert_close(out[:real], seq[:real], atol=2e-3, rtol=2e-3)

