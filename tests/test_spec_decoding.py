@@ -246,17 +246,29 @@ def test_draft_model_vocabulary_must_match(target, tmp_path) -> None:
 
 
 def test_tp2_equals_tp1(target, drafts, workload, reference) -> None:
-    """Two ranks (gloo, CPU) draft, verify and accept alike: greedy and seeded sampling equal TP=1."""
+    """Two ranks (gloo, CPU) draft, verify and accept alike: greedy and seeded sampling equal TP=1.
+
+    Both run the served gate (the other rank runs in a spawned process, where conftest's open
+    gate does not reach) and the same calls in the same order, since the gate's state carries
+    from one call to the next: a seeded request's tokens depend on which of its steps verified
+    (rejection sampling draws differently from a plain decode), only their distribution does not."""
     out, _, _ = reference
     few = [0, 1, 3]
     prompts = [workload[i][0] for i in few]
+    greedy = [params(workload)[i] for i in few]
     sampled = [SamplingParams(max_tokens=workload[i][1], temperature=0.9, top_k=20, seed=i) for i in few]
     one = spec_llm(target, drafts, "draft-small")
+    one.scheduler.spec.gate.min_accepted = 0.5  # gate.MIN_ACCEPTED as served
+    spec_models.assert_same_outputs(one.generate(prompts, greedy, use_tqdm=False), [out[i] for i in few])
     want = one.generate(prompts, sampled, use_tqdm=False)
     two = spec_llm(target, drafts, "draft-small", tp_size=2)
+    two.scheduler.spec.gate.min_accepted = 0.5
     try:
-        got = two.generate(prompts, [params(workload)[i] for i in few], use_tqdm=False)
-        spec_models.assert_same_outputs(got, [out[i] for i in few])
+        spec_models.assert_same_outputs(two.generate(prompts, greedy, use_tqdm=False), [out[i] for i in few])
         spec_models.assert_same_outputs(two.generate(prompts, sampled, use_tqdm=False), want)
+        schedule = ("spec_verified", "spec_paused_steps", "spec_proposed", "spec_accepted")
+        st1, st2 = one.scheduler.stats(), two.scheduler.stats()
+        assert st2["spec_paused_steps"] > 0, "the gate must have paused: the draft model is random"
+        assert {k: st2[k] for k in schedule} == {k: st1[k] for k in schedule}
     finally:
         two.shutdown()

@@ -9,7 +9,10 @@ an exponential average of the accepted draft tokens per drafting request and ste
 MIN_ACCEPTED it closes for a pause of plain steps (1, 2, 4, ... up to MAX_PAUSE), after which
 one verify step probes again. A good probe reopens it and resets the pause. Decisions depend
 only on accepted counts, identical on every TP rank, so the ranks stay in lockstep.
-Speculation never changes the output, only its speed: pausing is lossless.
+Pausing is lossless as speculation is: greedy output is unchanged and sampled output keeps its
+distribution, but a seeded request's tokens depend on which of its steps verified (rejection
+sampling draws otherwise than a plain decode) and so on the gate's state, which carries over from one
+batch to the next.
 """
 
 from __future__ import annotations
