@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,14 +58,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-@pytest.fixture(autouse=True)
-def _speculate_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True, scope="session")
+def _speculate_every_step() -> Iterator[None]:
     """Speculation's gate (minisgl/spec/gate.py) pauses it while drafts are not accepted, which
     the tiny random models' drafts rarely are: in-process tests keep it open, so that they
-    exercise verify steps (tests/test_spec_gate.py tests the gate itself)."""
+    exercise verify steps (tests/test_spec_gate.py tests the gate itself). Session-scoped: a
+    module-scoped LLM fixture is built before any function-scoped fixture runs, and its gate
+    reads the threshold then."""
     from minisgl.spec import gate
 
-    monkeypatch.setattr(gate, "MIN_ACCEPTED", 0.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gate, "MIN_ACCEPTED", 0.0)
+        yield
 
 
 @pytest.fixture(scope="session")
