@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "kernels"))
+from _bench import time_calls  # noqa: E402
 
 SHAPES = {  # (N, K) of each linear: qkv, o, gate_up, down, lm head
     "qwen3-0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)],
@@ -27,24 +31,9 @@ SHAPES = {  # (N, K) of each linear: qkv, o, gate_up, down, lm head
 MS = (1, 16, 64, 256, 1024, 4096)
 
 
-def graph_us(fn, calls: int = 10, reps: int = 5) -> float:
-    """Median us per call of `fn`, `calls` back to back in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+def graph_us(fn, calls: int = 10) -> float:
+    """Median us per call of `fn`, `calls` back to back in one CUDA graph (_bench.time_calls)."""
+    return time_calls([fn] * calls, reps=5)
 
 
 def bit_classes(outs: list[list[torch.Tensor]]) -> list[list[int]]:
