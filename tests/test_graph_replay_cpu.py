@@ -9,14 +9,12 @@ included, have their own interpreter tests)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from graph_replay import graph_llm
+from kv_poison import assert_no_stray_writes, poison_and_track
 
 from minisgl import LLM, SamplingParams
-from minisgl.kvcache.pool import DUMMY_SLOT
 
 PROMPTS = [list(range(300, 317)), [42], list(range(1000, 1070)), [5, 6, 7, 8] * 5, list(range(300, 330))]
 PARAMS = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (9, 14, 6, 11, 8)]
@@ -38,24 +36,12 @@ def test_replayed_graphs_equal_eager(tiny_model_path, eager_tokens, decode_kerne
     runner = eng.graphs
     assert [x.tokens for x in runner.extend] == [16, 32, 48]  # up to max_prefill_tokens
     assert [x.tokens for x in runner.mixed] == ([16, 26] if decode_kernel else [])  # 6 decodes + 20
-    eng.pool._k.fill_(math.nan)  # every slot unused so far; padding may write only the dummy
-    eng.pool._v.fill_(math.nan)
-    handed_out: set[int] = set()
-    allocate = eng.allocator.allocate
-
-    def allocate_and_record(n: int) -> list[int]:
-        pages = allocate(n)
-        handed_out.update(eng.allocator.slot_ids(pages))
-        return pages
-
-    eng.allocator.allocate = allocate_and_record
+    handed_out = poison_and_track(llm)  # every slot unused so far; padding may write only the dummy
     got = [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     assert got == eager_tokens
     assert runner.replays["extend"] >= 1 and runner.replays["decode"] > 3
     assert runner.replays["mixed" if decode_kernel else "extend"] > 3
-    written = (~torch.isnan(eng.pool._k)).any(-1).any(-1).any(0)  # [slots]: written in some layer
-    stray = set(written.nonzero().flatten().tolist()) - handed_out - {DUMMY_SLOT}
-    assert not stray, f"padding wrote KV slots {sorted(stray)[:8]} that no request owns"
+    assert_no_stray_writes(llm, handed_out)
     llm.scheduler.check_integrity()
 
 

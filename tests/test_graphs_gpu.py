@@ -5,14 +5,12 @@ dummy one (the pool starts as NaN: a stray write or read of an unused slot shows
 
 from __future__ import annotations
 
-import math
-
 import bf16_tie
 import pytest
 import torch
+from kv_poison import assert_no_stray_writes, poison_and_track
 
 from minisgl import LLM, SamplingParams
-from minisgl.kvcache.pool import DUMMY_SLOT
 
 pytestmark = pytest.mark.gpu
 
@@ -79,23 +77,10 @@ def test_padding_writes_only_the_dummy_slot(tiny_model_path, page_size: int) -> 
     ref = LLM(path, disable_cuda_graph=True, **opts)
     want = [o["token_ids"] for o in ref.generate(prompts, params, use_tqdm=False)]
     llm = LLM(path, **opts)
-    eng = llm.engine
-    eng.pool._k.fill_(math.nan)
-    eng.pool._v.fill_(math.nan)
-    handed_out: set[int] = set()
-    allocate = eng.allocator.allocate
-
-    def allocate_and_record(n: int) -> list[int]:
-        pages = allocate(n)
-        handed_out.update(eng.allocator.slot_ids(pages))
-        return pages
-
-    eng.allocator.allocate = allocate_and_record
+    handed_out = poison_and_track(llm)
     got = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
     bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(ref), want, got, prompts)
-    written = (~torch.isnan(eng.pool._k)).any(-1).any(-1).any(0).nonzero().flatten().tolist()
-    stray = set(written) - handed_out - {DUMMY_SLOT}
-    assert not stray, f"padding wrote KV slots {sorted(stray)[:8]} that no request owns"
+    assert_no_stray_writes(llm, handed_out)
     llm.scheduler.check_integrity()
 
 

@@ -7,7 +7,6 @@ token); greedy output equals speculation off, padding writes no KV slot but the 
 from __future__ import annotations
 
 import json
-import math
 import random
 from pathlib import Path
 
@@ -15,11 +14,11 @@ import pytest
 import spec_models
 import torch
 from graph_replay import graph_llm
+from kv_poison import assert_no_stray_writes, poison_and_track
 
 from minisgl import LLM, SamplingParams
 from minisgl.engine.cuda_graph import verify_layouts
 from minisgl.engine.step_layout import StepLayout, StepSpec
-from minisgl.kvcache.pool import DUMMY_SLOT
 
 K = 3
 OPTS = dict(max_prefill_tokens=48, mixed_chunk_tokens=20, max_running_requests=6, page_size=2)
@@ -54,34 +53,6 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
 @pytest.fixture(scope="module")
 def plain(target, workload) -> list[dict]:
     return LLM(target, device="cpu", dtype="float32", **OPTS).generate(*workload, use_tqdm=False)
-
-
-def poison_and_track(llm: LLM) -> set[int]:
-    """NaN in every KV slot (target's and drafter's); returns the set of slots handed out."""
-    eng = llm.engine
-    pools = [eng.pool] + ([eng.drafter.pool] if eng.drafter is not None and eng.drafter.has_model else [])
-    for pool in pools:
-        pool._k.fill_(math.nan)
-        pool._v.fill_(math.nan)
-    handed_out: set[int] = set()
-    allocate = eng.allocator.allocate
-
-    def allocate_and_record(n: int) -> list[int]:
-        pages = allocate(n)
-        handed_out.update(eng.allocator.slot_ids(pages))
-        return pages
-
-    eng.allocator.allocate = allocate_and_record
-    return handed_out
-
-
-def assert_no_stray_writes(llm: LLM, handed_out: set[int]) -> None:
-    eng = llm.engine
-    pools = [eng.pool] + ([eng.drafter.pool] if eng.drafter is not None and eng.drafter.has_model else [])
-    for pool in pools:
-        written = (~torch.isnan(pool._k)).any(-1).any(-1).any(0)  # [slots]: written in some layer
-        stray = set(written.nonzero().flatten().tolist()) - handed_out - {DUMMY_SLOT}
-        assert not stray, f"padding wrote KV slots {sorted(stray)[:8]} that no request owns"
 
 
 @pytest.fixture(scope="module")
