@@ -46,10 +46,14 @@ def offline_pair(tok: str | None) -> None:
             profiles[det] = profile(llm, prompts[:64])
         print(f"deterministic={det!s:5}  {rates[det]:9.0f} tok/s")
     print(f"cost: {100 * (1 - rates[True] / rates[False]):.1f}%  (target <= 5%)")
+    print_profiles(profiles, "64 requests x 32 tokens", 12)
+
+
+def print_profiles(profiles: dict[bool, list[tuple[str, float, int]]], what: str, top: int) -> None:
     for det in (False, True):
         total_ms = sum(t for _, t, _ in profiles[det])
-        print(f"\n-- profile, deterministic={det}: 64 requests x 32 tokens, GPU time {total_ms:.1f} ms; top kernels")
-        for name, ms, calls in profiles[det][:12]:
+        print(f"\n-- profile, deterministic={det}: {what}, GPU time {total_ms:.1f} ms; top kernels")
+        for name, ms, calls in profiles[det][:top]:
             print(f"{100 * ms / total_ms:5.1f}% {ms:8.2f} ms {calls:6} calls  {name[:90]}")
 
 
@@ -72,7 +76,7 @@ def profile(llm: LLM, prompts: list[list[int]]) -> list[tuple[str, float, int]]:
 
 def decode_pair(tok: str | None) -> None:
     print("\n== Llama-3.1-8B shapes, batch-1 decode (ms/token, 256 tokens after a 512-token prompt)")
-    ms = {}
+    ms, profiles = {}, {}
     for det in (False, True):
         with LLM(str(CONFIGS / "llama-3.1-8b"), device="cuda", load_format="dummy", tokenizer=tok,
                  deterministic=det, max_model_len=4096) as llm:
@@ -83,8 +87,10 @@ def decode_pair(tok: str | None) -> None:
             t1 = time.perf_counter()
             llm.generate(prompt, SamplingParams(max_tokens=257, ignore_eos=True), use_tqdm=False)
             ms[det] = ((time.perf_counter() - t1) - (t1 - t0)) / 256 * 1e3  # minus the prefill
+            profiles[det] = profile(llm, prompt)
         print(f"deterministic={det!s:5}  {ms[det]:7.3f} ms/token")
     print(f"cost: {100 * (ms[True] / ms[False] - 1):.1f}%  (target <= 5%)")
+    print_profiles(profiles, "1 request of 512 + 32 tokens", 10)
 
 
 def main() -> None:

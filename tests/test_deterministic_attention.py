@@ -28,15 +28,15 @@ def _case(hq: int, hkv: int, prefix: list[int], ext: list[int], pad: int, seed: 
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 2)])  # GQA groups of 4 and 3 (3 leaves a tile's last rows empty)
 @pytest.mark.parametrize("tiled", [False, True])
 def test_packed_split_launch_matches_reference(hq: int, hkv: int, tiled: bool) -> None:
-    """A tile's rows are tokens x the q heads of one KV group; keys in splits of 64 here
-    (decodes past 2 splits, a prompt longer than a tile, a chunk after a prefix); unused rows
-    stay NaN."""
-    prefix, ext = [150, 0, 41, 3], [1, 70, 1, 33]
-    c, q, real = _case(hq, hkv, prefix, ext, 3, seed=11)
+    """A tile's rows are tokens x the q heads of one KV group; keys in splits (64 keys in the
+    interpreter, 256 on the GPU; the prefixes scale with it): a decode past 2 splits, a prompt
+    longer than a tile, a chunk after a prefix; unused rows stay NaN."""
     dev = torch.device(DEV)
     tokens = ops.extend_block_m(64, torch.float16, dev, hq // hkv, deterministic=True)
     config, heads, split = D.deterministic_config(64, torch.float16, dev, hq // hkv)
-    assert heads == hq // hkv and tokens == config[0] // heads and split < 150
+    assert heads == hq // hkv and tokens == config[0] // heads
+    prefix, ext = [2 * split + 22, 0, split // 2 + 9, 3], [1, 70, 1, 33]
+    c, q, real = _case(hq, hkv, prefix, ext, 3, seed=11)
     tiles = None
     if tiled:
         cap = ops.extend_tile_capacity(real + 3, len(ext), tokens)

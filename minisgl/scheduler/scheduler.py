@@ -86,6 +86,8 @@ class Scheduler:
             if self.cfg.cuda_graph:
                 engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, *self.graph_max_tokens)
             engine.warm_up_sampling()
+            if self.spec is not None:
+                self.spec.warm_up()
 
     @property
     def graph_max_tokens(self) -> tuple[int, int]:

@@ -50,6 +50,25 @@ class SpecStep:
         self.gate = SpecGate()  # pauses speculation while drafts are not accepted (spec/gate.py)
         self._logged = (time.monotonic(), 0, 0, 0, 0)
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compiles the acceptance kernel now, not at the first verify step (which would then
+        take seconds): once per specialization it can meet. Triton specializes the drafts' row
+        stride (the step's longest draft) on == 1 and on multiples of 16."""
+        from minisgl import ops
+
+        dev, vocab = self.engine.device, self.engine.model_config.vocab_size
+        top = max(self.draft_tokens(b) for b in range(1, self.engine.cfg.max_running_requests + 1))
+        if top == 0:
+            return
+        gen = torch.Generator(device=dev).manual_seed(0)
+        for k in sorted({1, min(2, top), *(16 * i for i in range(1, top // 16 + 1))}):
+            st = SamplingTensors.build([0.0, 0.8], [-1, 20], [1.0, 0.9], [0.0, 0.05], [1, 2], [0, 0], dev)
+            logits = torch.randn(2 * (k + 1), vocab, generator=gen, device=dev)
+            cu = torch.tensor([0, k + 1, 2 * (k + 1)], dtype=torch.int32, device=dev)
+            drafts = torch.randint(0, vocab, (2, k), generator=gen, device=dev)
+            ops.spec_accept(logits, cu, drafts, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
+
     def draft_tokens(self, batch_size: int) -> int:
         return self.cfg.draft_tokens_for(batch_size)
 
