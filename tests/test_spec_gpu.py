@@ -47,16 +47,17 @@ def greedy(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.parametrize("algo", ["ngram", "draft-small", "draft-self", "eagle3"])
 def test_default_path_matches_plain_up_to_bf16_ties(models, algo: str) -> None:
-    plain = LLM(models["target"], device="cuda")
-    spec = LLM(models["target"], device="cuda", speculative_num_draft_tokens=4, **spec_options(models, algo))
-    assert spec.engine.dtype == torch.bfloat16
-    assert spec.engine.graphs is not None and spec.engine.graphs.verify, "verify graphs are captured"
-    if algo != "ngram":
-        assert spec.engine.drafter.steps.graphs is not None, "the draft chain's graphs are captured"
-    bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(plain), greedy(plain), greedy(spec), PROMPTS)
-    st = spec.scheduler.stats()
-    assert st["spec_verified"] > 0
-    spec.scheduler.check_integrity()
+    with LLM(models["target"], device="cuda") as plain, LLM(
+        models["target"], device="cuda", speculative_num_draft_tokens=4, **spec_options(models, algo)
+    ) as spec:
+        assert spec.engine.dtype == torch.bfloat16
+        assert spec.engine.graphs is not None and spec.engine.graphs.verify, "verify graphs are captured"
+        if algo != "ngram":
+            assert spec.engine.drafter.steps.graphs is not None, "the draft chain's graphs are captured"
+        bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(plain), greedy(plain), greedy(spec), PROMPTS)
+        st = spec.scheduler.stats()
+        assert st["spec_verified"] > 0
+        spec.scheduler.check_integrity()
 
 
 @pytest.mark.parametrize("algo", ["draft-small", "draft-self", "eagle3"])

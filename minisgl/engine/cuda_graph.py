@@ -33,6 +33,7 @@ from minisgl import ops
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.step_layout import StepLayout, StepSpec
 from minisgl.logging_setup import get_logger
+from minisgl.ops.graph_capture import no_gc
 
 log = get_logger("minisgl.engine")
 
@@ -134,7 +135,7 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), no_gc():  # ops/graph_capture.py says why
             # Largest first: the smaller graphs reuse its pool memory.
             for layout in sorted(self.layouts, key=lambda x: -x.size):
                 fill_empty(layout, self.buffer)  # a step of padding only: valid indices

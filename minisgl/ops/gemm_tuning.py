@@ -28,6 +28,7 @@ from minisgl.ops.gemm_table import (
     load_cache,
     save_cache,
 )
+from minisgl.ops.graph_capture import no_gc
 from minisgl.ops.linear import install_table, skinny_enabled
 from minisgl.ops.skinny_gemm import SkinnyConfig, cublas_linear, launch, tile_shapes, vector_aligned
 
@@ -89,7 +90,7 @@ def time_graph(fns: list[Callable[[], object]], replays: int = 5, rounds: int = 
             f()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with no_gc(collect=False), torch.cuda.graph(graph):  # ops/graph_capture.py says why
         for f in fns:
             f()
     graph.replay()
