@@ -23,7 +23,8 @@ SOLO="test_engine_lifecycle test_moe_gpu test_moe_models test_dp_gpu"
 ENGINE="test_engine_gpu test_deterministic_gpu test_spec_gpu test_graphs_gpu test_fp8_models test_fp8_kv
   test_deterministic test_logits_processing_gpu test_grammar_gpu test_cuda_backend test_nccl_gpu"
 ALL=$(grep -l -E "pytest.mark.(gpu|triton)|pytestmark.*(gpu|triton)" tests/*.py | xargs -n1 basename | sed 's/\.py$//')
-KERNEL=$(for f in $ALL; do case " $SOLO $ENGINE " in *" $f "*) ;; *) echo "$f" ;; esac; done)
+NAMED=" $(echo $SOLO $ENGINE) "  # one line: $ENGINE spans two
+KERNEL=$(for f in $ALL; do case "$NAMED" in *" $f "*) ;; *) echo "$f" ;; esac; done)
 
 run_file() {  # NAME: runs tests/NAME.py unless it has run; false once the budget is spent
   local name=$1 left t0 rc
