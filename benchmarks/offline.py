@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cuda"])
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
+    ap.add_argument("--mixed-chunk-tokens", type=int, default=None,
+                    help="prompt tokens beside the decodes of a mixed step (default: LLM's; 0: no mixed steps)")
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--cache", default="radix", choices=["radix", "naive"])
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one process per GPU)")
@@ -110,6 +112,7 @@ def main() -> None:
         cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp,
         custom_all_reduce=not args.disable_custom_all_reduce, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, **spec,
+        **({} if args.mixed_chunk_tokens is None else {"mixed_chunk_tokens": args.mixed_chunk_tokens}),
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
     # Warm-up: Triton compiles each kernel once per specialization (batch sizes, sampling

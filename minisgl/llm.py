@@ -21,7 +21,7 @@ from minisgl.engine.sampling_params import SamplingParams
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.grammar.spec import check_grammar, grammar_spec
 from minisgl.message import DetokInit
-from minisgl.scheduler.config import SchedulerConfig, scheduler_config
+from minisgl.scheduler.config import SchedulerConfig, offline_mixed_chunk, scheduler_config
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp_sync import Input, InputSync, apply_inputs
@@ -41,6 +41,7 @@ class LLM:
     attention_backend, load_format, seed, ...), the SchedulerConfig fields (cache,
     max_prefill_tokens, overlap, cuda_graph, cuda_graph_max_bs, ...), disable_overlap,
     disable_cuda_graph, chat_template (a file) and tokenizer (a folder, default: the model's).
+    mixed_chunk_tokens defaults to max_prefill_tokens here (the server's 384 is a latency budget).
 
     dp_size=N runs N replicas (this process and N - 1 more, each with tp_size GPUs: replica r's
     TP rank t on GPU base_gpu_id + r * tp_size + t); `generate` splits the prompts across them
@@ -53,6 +54,8 @@ class LLM:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dp_size = options.pop("dp_size", 1)
+        # Throughput, not inter-token latency: TP ranks and DP replicas get the same options.
+        options.setdefault("mixed_chunk_tokens", offline_mixed_chunk(options))
         engine_opts = {k: v for k, v in options.items() if k in _ENGINE_OPTIONS}
         cfg = EngineConfig(model=model, device=device, dtype=dtype, **engine_opts)
         self._workers: list[mp.process.BaseProcess] = []
