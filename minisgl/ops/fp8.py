@@ -17,7 +17,8 @@ the measured table says so, the weight-only FP8 skinny kernel instead (ops/skinn
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from minisgl.ops.skinny_gemm import skinny_gemm_reference
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -91,13 +92,7 @@ def fp8_linear_reference(
 ) -> torch.Tensor:
     """x [T, K] @ dequantize(weight, scale)^T (+ bias) in fp32, rounded once to x's dtype;
     silu: the weight is (gate | up) and the result silu(gate) * up."""
-    y = x.float() @ dequantize(weight, scale, block_k).t()
-    if bias is not None:
-        y = y + bias.float()
-    if silu:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    return y.to(x.dtype)
+    return skinny_gemm_reference(x, dequantize(weight, scale, block_k), bias, silu)
 
 
 def fp8_linear(

@@ -24,9 +24,8 @@ from minisgl.ops.gemm_table import (
     GemmTable,
     candidate_configs,
     load_cache,
-    save_cache,
 )
-from minisgl.ops.gemm_tuning import BUDGET_S, build_table, rotation, time_graph
+from minisgl.ops.gemm_tuning import BUDGET_S, build_table, rotation, save_measured, table_summary, time_graph
 from minisgl.ops.linear import skinny_enabled
 from minisgl.ops.skinny_fp8 import fp8_tile_shapes, install_fp8_table, is_block, kernel_fits, launch_fp8, table_dtype
 from minisgl.ops.skinny_gemm import SkinnyConfig
@@ -111,17 +110,9 @@ def tune_fp8_gemms(
         start = time.perf_counter()
         table, fresh, skipped = build_table(sets, ms, cached, candidates, Fp8GraphTimer(sets, dtype, device), budget_s)
         took = time.perf_counter() - start
-    if fresh.choices:
-        try:
-            save_cache(path, key, fresh)
-        except OSError as e:
-            log.warning("FP8 skinny GEMM: could not write the table cache %s (%s)", path, e)
+    save_measured(path, key, fresh, "FP8 skinny GEMM")
     install_fp8_table(device, table)
-    summary = "; ".join(
-        f"{s.dtype} {s.n}x{s.k}{'+silu' if s.silu else ''}: ours at M "
-        + (",".join(str(m) for m in sorted(table.choices.get(s, {})) if table.lookup(s, m)) or "none")
-        for s in sorted(sets)
-    )
+    summary = table_summary(table, sets, with_dtype=True)
     log.info(
         "FP8 skinny GEMM table: %d shapes x M %s, %d entries measured in %.2f s%s. %s",
         len(sets), sorted(set(ms)), sum(len(v) for v in fresh.choices.values()), took,

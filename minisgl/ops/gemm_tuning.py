@@ -174,17 +174,9 @@ def tune_gemms(
         start = time.perf_counter()
         table, fresh, skipped = build_table(weights, ms, cached, candidates, GraphTimer(weights, device), budget_s)
         took = time.perf_counter() - start
-    if fresh.choices:
-        try:
-            save_cache(path, key, fresh)
-        except OSError as e:
-            log.warning("skinny GEMM: could not write the table cache %s (%s)", path, e)
+    save_measured(path, key, fresh, "skinny GEMM")
     install_table(device, table)
-    summary = "; ".join(
-        f"{s.n}x{s.k}{'+silu' if s.silu else ''}: ours at M "
-        + (",".join(str(m) for m in sorted(table.choices.get(s, {})) if table.lookup(s, m)) or "none")
-        for s in sorted(weights)
-    )
+    summary = table_summary(table, weights, with_dtype=False)
     reused = sum(cached.has(s, m) for s in weights for m in set(ms))
     log.info(
         "skinny GEMM table: %d shapes x M %s, %d entries measured in %.2f s, %d from %s%s. %s",
@@ -193,3 +185,22 @@ def tune_gemms(
         summary,
     )
     return table
+
+
+def save_measured(path: Path, key: str, fresh: GemmTable, label: str) -> None:
+    """Adds the entries measured in this run to the cache file; an unwritable cache is logged."""
+    if not fresh.choices:
+        return
+    try:
+        save_cache(path, key, fresh)
+    except OSError as e:
+        log.warning("%s: could not write the table cache %s (%s)", label, path, e)
+
+
+def table_summary(table: GemmTable, shapes: Iterable[GemmShape], with_dtype: bool) -> str:
+    """The log's line: per shape, the M at which the skinny kernel serves it."""
+    return "; ".join(
+        f"{f'{s.dtype} ' if with_dtype else ''}{s.n}x{s.k}{'+silu' if s.silu else ''}: ours at M "
+        + (",".join(str(m) for m in sorted(table.choices.get(s, {})) if table.lookup(s, m)) or "none")
+        for s in sorted(shapes)
+    )

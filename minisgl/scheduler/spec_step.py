@@ -58,7 +58,7 @@ class SpecStep:
         from minisgl import ops
 
         dev, vocab = self.engine.device, self.engine.model_config.vocab_size
-        top = max(self.draft_tokens(b) for b in range(1, self.engine.cfg.max_running_requests + 1))
+        top = max((k for _, k in self.cfg.table), default=self.cfg.num_draft_tokens)  # the longest K
         if top == 0:
             return
         gen = torch.Generator(device=dev).manual_seed(0)
