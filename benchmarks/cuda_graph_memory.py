@@ -14,7 +14,7 @@ import time
 import torch
 
 from minisgl import LLM
-from minisgl.engine.cuda_graph import batch_size_ladder, token_bucket_ladder
+from minisgl.step.cuda_graph import batch_size_ladder, token_bucket_ladder
 
 
 def main() -> None:

@@ -39,8 +39,8 @@ from _bench import ceilings, print_table, time_calls  # noqa: E402
 from offline import qwen_tokenizer_dir, workload  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
+from minisgl.core.grammar_fields import GrammarSpec  # noqa: E402
 from minisgl.grammar.masks import GrammarMasks  # noqa: E402
-from minisgl.grammar.spec import GrammarSpec  # noqa: E402
 from minisgl.grammar.threads import THREADS, MatcherThreads  # noqa: E402
 
 ITEM = {

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl import ops
-from minisgl.engine.batch import ForwardBatch
+from minisgl.core.batch import ForwardBatch
 from minisgl.engine.engine import Engine
 from minisgl.ops import _checks
 

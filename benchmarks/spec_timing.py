@@ -3,7 +3,7 @@ engine with dummy weights, B requests at context L with KV slots for the drafts,
 median time of a plain decode step (CUDA-graph replay, as served), a verify step of 1 + K
 tokens per request (forward over every position + the acceptance kernel), three ways:
   graph   its verify graph (b x (1 + K) tokens, one logits row per token: what the engine
-          captures per decode batch size, minisgl/engine/cuda_graph.py);
+          captures per decode batch size, minisgl/step/cuda_graph.py);
   bucket  the smallest extend bucket with a logits row per token (the alternative design,
           step_builder.VERIFY_VIA_EXTEND_BUCKETS);
   eager   no graph (layer by layer from Python);
@@ -18,11 +18,11 @@ import torch
 from profile_decode_step import time_ms  # benchmarks/ is on sys.path when run as a script
 
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.cuda_graph import VERIFY_GRAPH_MAX_TOKENS
 from minisgl.engine.engine import Engine
-from minisgl.engine.sampler import SamplingTensors
-from minisgl.engine.step_layout import StepLayout
-from minisgl.spec.drafter import DraftRequest, TargetStep
+from minisgl.sampling.sampler import SamplingTensors
+from minisgl.speculative.drafter import DraftRequest, TargetStep
+from minisgl.step.cuda_graph import VERIFY_GRAPH_MAX_TOKENS
+from minisgl.step.layout import StepLayout
 
 
 class StepBench:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from spec_timing import StepBench
 
-from minisgl.spec.ngram import NgramDrafter
+from minisgl.speculative.ngram import NgramDrafter
 
 
 def rate_from_length(length: float, k: int) -> float:
@@ -49,7 +49,7 @@ def expected_tokens(a: float, k: int) -> float:
 
 def ngram_host_ms(b: int, k: int, context: int) -> float:
     """The n-gram drafter's host time for b requests (random contexts of `context` tokens)."""
-    from minisgl.spec.drafter import DraftRequest
+    from minisgl.speculative.drafter import DraftRequest
 
     rng = random.Random(0)
     reqs = [DraftRequest(i, i, [rng.randrange(5000) for _ in range(context)], [], k) for i in range(b)]

@@ -190,7 +190,7 @@ def filtered_probs_reference(
     min_p: torch.Tensor,
 ) -> torch.Tensor:
     """fp32 [B, V] probabilities after temperature -> top-k -> top-p -> min-p (sort-based; the
-    same semantics as minisgl.engine.sampler). Greedy rows come out one-hot on the argmax."""
+    same semantics as minisgl.sampling.sampler). Greedy rows come out one-hot on the argmax."""
     logits = logits.float()
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)

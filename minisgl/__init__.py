@@ -25,8 +25,24 @@ def _use_installed_parts_from_a_checkout() -> None:
 
 _use_installed_parts_from_a_checkout()
 
-from minisgl.engine.sampling_params import SamplingParams  # noqa: E402
-from minisgl.llm import LLM  # noqa: E402
-
 __all__ = ["LLM", "SamplingParams"]
 __version__ = "0.1.0"
+
+# The public names load on first use: every process imports this package, and most of them
+# (the API server, tokenizer workers, detokenizer, DP controller) need neither the engine
+# nor torch (DESIGN.md §2).
+_LAZY = {"LLM": "minisgl.offline.llm", "SamplingParams": "minisgl.core.sampling_params"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'minisgl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -6,14 +6,14 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minisgl.server.cli import parse_args
+    from minisgl.launch.cli import parse_args
 
     try:
         args = parse_args(argv)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from minisgl.server.launch import launch
+    from minisgl.launch.launcher import launch
 
     return launch(args)
 

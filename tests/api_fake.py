@@ -9,8 +9,8 @@ from typing import Any
 from fastapi.testclient import TestClient
 
 from minisgl.message import DecodeMsg, PromptEcho, TokenizeMsg, UserReply, decode
+from minisgl.message.addresses import Addresses
 from minisgl.server.api import ServerInfo, build_app
-from minisgl.server.args import Addresses
 from minisgl.server.chat_request import ChatFeatures
 from minisgl.server.frontend import Frontend
 from minisgl.server.metrics import Metrics

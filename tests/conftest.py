@@ -60,12 +60,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True, scope="session")
 def _speculate_every_step() -> Iterator[None]:
-    """Speculation's gate (minisgl/spec/gate.py) pauses it while drafts are not accepted, which
+    """Speculation's gate (minisgl/speculative/gate.py) pauses it while drafts are not accepted, which
     the tiny random models' drafts rarely are: in-process tests keep it open, so that they
     exercise verify steps (tests/test_spec_gate.py tests the gate itself). Session-scoped: a
     module-scoped LLM fixture is built before any function-scoped fixture runs, and its gate
     reads the threshold then."""
-    from minisgl.spec import gate
+    from minisgl.speculative import gate
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gate, "MIN_ACCEPTED", 0.0)

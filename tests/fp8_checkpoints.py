@@ -1,7 +1,7 @@
 """Writers of FP8 checkpoints in the real on-disk formats, from a 16-bit/fp32 HF folder, and of
 the same weights dequantized to fp32 as a plain HF folder (the transformers reference).
 
-Formats (as the published checkpoints have them; see minisgl/models/quant_config.py):
+Formats (as the published checkpoints have them; see minisgl/core/quant_config.py):
 - "block": quant_method fp8, weight_block_size [128, 128], `weight_scale_inv` per block;
 - "tensor": quant_method fp8 (static activations), scalar `weight_scale` and `input_scale`,
   plus per-layer `self_attn.k_scale` / `v_scale`;

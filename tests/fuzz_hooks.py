@@ -24,7 +24,7 @@ from typing import Any
 import schemathesis
 from transformers import AutoTokenizer
 
-from minisgl.engine.sampling_params import SamplingParams
+from minisgl.core.sampling_params import SamplingParams
 from minisgl.server.build import chat_messages
 from minisgl.server.chat_request import plan_chat
 from minisgl.server.protocol import ChatMessage

@@ -10,7 +10,7 @@ import torch
 
 from minisgl import LLM
 from minisgl.attention.triton_backend import TritonAttentionBackend
-from minisgl.engine.cuda_graph import CudaGraphRunner
+from minisgl.step.cuda_graph import CudaGraphRunner
 
 FIELDS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens", "prefix_lens", "cu_seqlens_q",
           "sample_rows", "tiles", "decode_rows", "decode_seq_lens")

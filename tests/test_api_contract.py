@@ -29,7 +29,7 @@ def client(app):  # noqa: ANN001, ANN201
 def any_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """The contract does not depend on the engine build: the fake server takes issue 14's
     sampling fields even where this build's SamplingParams lacks them (the device side)."""
-    from minisgl.engine.sampling_params import SamplingParams
+    from minisgl.core.sampling_params import SamplingParams
     from minisgl.server import build
 
     known = set(SamplingParams.__dataclass_fields__)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minisgl import LLM
-from minisgl.engine.sampler import SamplingTensors
+from minisgl.sampling.sampler import SamplingTensors
 
 FIELDS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens", "prefix_lens", "cu_seqlens_q", "sample_rows")
 

@@ -13,7 +13,7 @@ import torch
 
 from minisgl.attention.cuda_backend import CudaAttentionBackend
 from minisgl.attention.torch_backend import TorchAttentionBackend
-from minisgl.engine.batch import ForwardBatch
+from minisgl.core.batch import ForwardBatch
 from minisgl.kvcache.pool import KVPool
 
 _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -269,8 +269,8 @@ def test_nccl_communicator_sends_small_messages_one_shot(monkeypatch: pytest.Mon
 
 
 def test_the_flag_reaches_the_engine_config() -> None:
-    from minisgl.server.args import ServerArgs
-    from minisgl.server.cli import build_parser
+    from minisgl.launch.args import ServerArgs
+    from minisgl.launch.cli import build_parser
 
     assert build_parser().parse_args(["--disable-custom-all-reduce"]).disable_custom_all_reduce
     args = ServerArgs(tp=2, dist_init_addr="127.0.0.1:1")

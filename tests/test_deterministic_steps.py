@@ -13,8 +13,8 @@ from test_graph_replay_cpu import OPTS, PARAMS, PROMPTS
 
 from minisgl import LLM
 from minisgl.attention.triton_backend import TritonAttentionBackend
-from minisgl.engine.step_builder import StepBuilder
-from minisgl.engine.step_layout import StepLayout, StepSpec, exact_layout
+from minisgl.step.builder import StepBuilder
+from minisgl.step.layout import StepLayout, StepSpec, exact_layout
 
 
 def deterministic_triton_llm(path: str, graphs: bool, **options) -> tuple[LLM, list]:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.dp.offline import replica_options, split_by_cost
+from minisgl.offline.replicas import replica_options, split_by_cost
 
 
 def _calls(llm: LLM, prompts: list, params: list[SamplingParams]) -> list[list[dict]]:

@@ -13,9 +13,10 @@ from fastapi.testclient import TestClient
 
 from minisgl.dp.controller import Controller
 from minisgl.dp.dispatch import Dispatcher, PrefixTable, block_hashes
+from minisgl.launch.args import ServerArgs
+from minisgl.launch.cli import parse_args
 from minisgl.message import AbortMsg, DetokInit, StatsMsg, UserMsg, decode, encode
-from minisgl.server.args import Addresses, ServerArgs
-from minisgl.server.cli import parse_args
+from minisgl.message.addresses import Addresses
 from minisgl.server.replica_metrics import ReplicaStats
 from minisgl.server.router_compat import RouterFieldsShim, strip_neutral_fields
 

@@ -18,7 +18,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.attention.triton_backend import TritonAttentionBackend
-from minisgl.engine.cuda_graph import CudaGraphRunner
+from minisgl.step.cuda_graph import CudaGraphRunner
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)

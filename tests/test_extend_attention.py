@@ -127,7 +127,7 @@ def test_triton_backend_matches_torch_backend(page_size: int) -> None:
     """A prefill step (with a cached prefix) then a decode step through both backends."""
     from minisgl.attention.torch_backend import TorchAttentionBackend
     from minisgl.attention.triton_backend import TritonAttentionBackend
-    from minisgl.engine.batch import ForwardBatch
+    from minisgl.core.batch import ForwardBatch
     from minisgl.kvcache.pool import KVPool
 
     gen = torch.Generator().manual_seed(page_size)

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minisgl import LLM
+from minisgl.core.quant_config import from_hf, resolve
 from minisgl.distributed.info import TPInfo
 from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minisgl.models.quant_config import from_hf, resolve
 from minisgl.ops.fp8 import FP8, check_fp8_device, dequantize, quantize_blocks, quantize_rows
 
 

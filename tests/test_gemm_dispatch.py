@@ -139,9 +139,9 @@ def test_build_table_budget_measures_small_m_and_big_weights_first() -> None:
 
 
 def test_layers_list_their_gemms_with_the_silu_epilogue() -> None:
+    from minisgl.core.model_config import ModelConfig
     from minisgl.distributed.communicator import make_communicator
     from minisgl.layers.linear import gemm_calls
-    from minisgl.models.config import ModelConfig
     from minisgl.models.llama import LlamaForCausalLM
 
     cfg = ModelConfig.from_dict(

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.core.grammar_fields import GrammarSpec
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.grammar.masks import GrammarMasks
-from minisgl.grammar.spec import GrammarSpec, check_grammar
+from minisgl.grammar.spec import check_grammar
 from minisgl.kernels.token_bitmask import unpack_bitmask_reference
 
 # Nested objects, an array, enums, required fields, bounded numbers; strings by pattern: xgrammar

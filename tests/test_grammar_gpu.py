@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.core.grammar_fields import GrammarSpec
 from minisgl.grammar.masks import GrammarMasks
-from minisgl.grammar.spec import GrammarSpec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

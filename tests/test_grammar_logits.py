@@ -18,9 +18,9 @@ import torch
 from test_grammar import REGEX, SCHEMA
 
 from minisgl import LLM, SamplingParams
-from minisgl.engine.logits_plan import LogitsPlan, LogitsSpec, sample_with_plan
-from minisgl.engine.penalty_state import PenaltyState
-from minisgl.engine.sampler import SamplingTensors
+from minisgl.sampling.logits_plan import LogitsPlan, LogitsSpec, sample_with_plan
+from minisgl.sampling.penalty_state import PenaltyState
+from minisgl.sampling.sampler import SamplingTensors
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [42, 43, 44], [100, 7, 200, 9]]
 

@@ -16,9 +16,9 @@ import torch
 from test_grammar import PROMPTS, SCHEMA, sampled
 
 from minisgl import LLM
+from minisgl.core.grammar_fields import GrammarSpec
 from minisgl.grammar import threads as T
 from minisgl.grammar.compiler import GrammarCompiler
-from minisgl.grammar.spec import GrammarSpec
 from minisgl.kernels.token_bitmask import unpack_bitmask_reference
 
 

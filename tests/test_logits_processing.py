@@ -199,7 +199,7 @@ def test_penalty_state_survives_retraction(path, llm, monkeypatch) -> None:
 
 
 def test_no_penalty_buffers_or_ops_without_asking(path, monkeypatch) -> None:
-    from minisgl.engine import logits_plan
+    from minisgl.sampling import logits_plan
 
     calls = collections.Counter()
 
@@ -243,7 +243,7 @@ def test_bad_fields_are_refused_by_name(llm) -> None:
 
 
 def test_penalty_state_reset_and_record() -> None:
-    from minisgl.engine.penalty_state import PenaltyState
+    from minisgl.sampling.penalty_state import PenaltyState
 
     st = PenaltyState(4, 10, torch.device("cpu"))
     st.reset([1, 2], [[3, 3, 4], []], [[5, 6, 5], None])

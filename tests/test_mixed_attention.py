@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from minisgl import env, ops
-from minisgl.engine.step_layout import StepLayout, StepSpec
 from minisgl.kernels import extend_attention as K
 from minisgl.kvcache.pool import DUMMY_SLOT, KVPool
+from minisgl.step.layout import StepLayout, StepSpec
 
 pytestmark = pytest.mark.triton
 

@@ -93,8 +93,8 @@ def test_token_budgets_hold(model_path, unchunked, mixed: int) -> None:
 def test_offline_llm_mixes_whole_prefill_chunks_by_default(model_path) -> None:
     """The offline LLM's mixed chunk is max_prefill_tokens unless given (throughput: nothing
     streams); the server keeps the 384-token latency budget (ServerArgs passes it only if set)."""
+    from minisgl.launch.args import ServerArgs
     from minisgl.scheduler.config import SchedulerConfig
-    from minisgl.server.args import ServerArgs
 
     with LLM(model_path, device="cpu", dtype="float32", max_prefill_tokens=96) as llm:
         assert llm.scheduler.cfg.mixed_chunk_tokens == 96

@@ -15,7 +15,7 @@ import tiny_models
 import torch
 
 from minisgl import LLM, SamplingParams, env
-from minisgl.models.config import ModelConfig
+from minisgl.core.model_config import ModelConfig
 
 MOE_MODELS = ["qwen3_moe", "qwen2_moe", "mixtral"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -219,8 +219,8 @@ def test_a_padded_graph_batch_takes_the_same_tiles(tmp_path: Path) -> None:
     tile config (and so every bit of the result) must be the same for both."""
     import bisect
 
-    from minisgl.engine.cuda_graph import batch_size_ladder
     from minisgl.kernels import fused_moe_config as C
+    from minisgl.step.cuda_graph import batch_size_ladder
 
     tiles = [C.MoeTileConfig(bm, C.GemmTile(n, 64), C.GemmTile(64, 128)) for bm in (16, 32, 64) for n in (32, 64)]
     sizes = [1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from minisgl import LLM
-from minisgl.engine.sampler import SamplingTensors
+from minisgl.sampling.sampler import SamplingTensors
 
 
 def test_extend_after_cached_prefix_equals_scratch(tiny_model_path) -> None:

@@ -16,8 +16,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.pool import PageAllocator
-from minisgl.kvcache.prefix_cache import MatchResult, make_prefix_cache
+from minisgl.kvcache.prefix_cache import MatchResult
 from minisgl.kvcache.radix_cache import RadixCache
+from minisgl.kvcache.select import make_prefix_cache
 
 NUM_PAGES = 20  # small enough that admission has to evict (and sometimes gives up)
 PATTERNS = {

@@ -12,9 +12,9 @@ import pytest
 from test_graph_replay_cpu import graph_llm
 
 from minisgl import SamplingParams
+from minisgl.launch.launcher import _bind
 from minisgl.message import DetokInit, TokenizeMsg, TokenOut, UserMsg, UserReply, decode, encode, trace
 from minisgl.message.trace import HOPS, parse_request_line, request_line
-from minisgl.server.launch import _bind
 
 
 @pytest.fixture

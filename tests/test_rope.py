@@ -81,8 +81,8 @@ def test_llama3_scaled_table_matches_transformers() -> None:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+    from minisgl.core.model_config import RopeScaling
     from minisgl.layers import rotary
-    from minisgl.models.config import RopeScaling
 
     d, theta, max_pos = 64, 500000.0, 32768
     scaling = RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)

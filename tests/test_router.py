@@ -34,7 +34,7 @@ def servers(tiny_model_path: Callable[[str], Path], tmp_path_factory: pytest.Tem
     args = ["--model", str(tiny_model_path("llama3")), "--served-model-name", NAME, "--num-tokenizers", "0"]
     with pytest.MonkeyPatch.context() as mp:
         # Two hosts' worth of servers on this one machine: each gets one core's thread, as
-        # `--dp 2` gives its replicas (minisgl/dp/placement.py), not a thread per core each.
+        # `--dp 2` gives its replicas (minisgl/distributed/placement.py), not a thread per core each.
         mp.setenv("OMP_NUM_THREADS", "1")
         started = [Server(*args, cwd=tmp_path_factory.mktemp(f"worker{i}"), wait_ready=False) for i in range(2)]
     for s in started:

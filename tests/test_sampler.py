@@ -9,7 +9,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from minisgl.engine.sampler import SamplingTensors, sample_reference
+from minisgl.ops.sampling import sample_reference as _reference
+from minisgl.sampling.sampler import SamplingTensors
+
+
+def sample_reference(logits, st):
+    return _reference(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
 
 V = 12
 N = 4000

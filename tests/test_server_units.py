@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from minisgl.launch.cli import build_parser, parse_args
 from minisgl.message import DetokenizeMsg, DetokInit, TokenOut
 from minisgl.scheduler.process import scheduler_builder
 from minisgl.server.build import Builder
-from minisgl.server.cli import build_parser, parse_args
 from minisgl.server.errors import ApiError
 from minisgl.server.protocol import Protocol
 from minisgl.server.protocol_types import Limits
@@ -252,10 +252,11 @@ def test_build_sampling() -> None:
 
 
 def test_tokenizer_worker_checks_and_templates(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
+    from minisgl.core.sampling_params import RequestError
     from minisgl.message import StartMsg, TokenizeMsg
     from minisgl.models.source import resolve_model
     from minisgl.tokenizer.load import load_tokenizer
-    from minisgl.tokenizer.worker import RequestError, TokenizeHandler
+    from minisgl.tokenizer.worker import TokenizeHandler
 
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}<<{{ m.role }}:{{ m.content }}>>{% endfor %}")
@@ -291,7 +292,7 @@ def test_server_engine_defaults_match_engine_config() -> None:
     import dataclasses
 
     from minisgl.engine.config import EngineConfig
-    from minisgl.server.args import ServerArgs
+    from minisgl.launch.args import ServerArgs
 
     server, engine = ServerArgs(), EngineConfig()
     shared = [f.name for f in dataclasses.fields(EngineConfig) if hasattr(server, f.name)]

@@ -137,8 +137,8 @@ def test_cuda_graph_replay_with_new_inputs() -> None:
 def test_dispatch_follows_the_measured_table() -> None:
     """tune_fp8_gemms measures and installs a table; fp8_linear then gives our kernel's result
     where the table chose ours and the FP8 GEMM's otherwise, both within the rule."""
-    from minisgl.ops.fp8 import fp8_linear
     from minisgl.ops.fp8_tuning import tune_fp8_gemms
+    from minisgl.ops.linear import fp8_linear
     from minisgl.ops.skinny_fp8 import _tables
 
     c = make(1, 1024, 1024, torch.bfloat16, "cuda", False, seed=5)

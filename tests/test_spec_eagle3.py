@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from minisgl import LLM, SamplingParams
 from minisgl.models.eagle3 import Eagle3Config
-from minisgl.spec.drafter import DraftRequest
+from minisgl.speculative.drafter import DraftRequest
 
 BASE = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 1000,

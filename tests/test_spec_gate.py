@@ -10,7 +10,7 @@ import random
 import spec_models
 
 from minisgl import LLM, SamplingParams
-from minisgl.spec.gate import SpecGate
+from minisgl.speculative.gate import SpecGate
 
 
 def plain_steps(gate: SpecGate, n: int) -> int:

@@ -17,8 +17,8 @@ from graph_replay import graph_llm
 from kv_poison import assert_no_stray_writes, poison_and_track
 
 from minisgl import LLM, SamplingParams
-from minisgl.engine.cuda_graph import verify_layouts
-from minisgl.engine.step_layout import StepLayout, StepSpec
+from minisgl.step.cuda_graph import verify_layouts
+from minisgl.step.layout import StepLayout, StepSpec
 
 K = 3
 OPTS = dict(max_prefill_tokens=48, mixed_chunk_tokens=20, max_running_requests=6, page_size=2)

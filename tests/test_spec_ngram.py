@@ -6,8 +6,8 @@ import random
 
 import numpy as np
 
-from minisgl.spec.drafter import DraftRequest
-from minisgl.spec.ngram import NgramDrafter, ngram_drafts
+from minisgl.speculative.drafter import DraftRequest
+from minisgl.speculative.ngram import NgramDrafter, ngram_drafts
 
 
 def loop_reference(ctx: list[int], k: int, min_n: int, max_n: int) -> list[int]:

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from minisgl.engine.cuda_graph import batch_size_ladder, token_bucket_ladder
-from minisgl.engine.step_layout import StepLayout, StepSpec, count_tiles, exact_layout
 from minisgl.kernels.extend_attention import tile_capacity
+from minisgl.step.cuda_graph import batch_size_ladder, token_bucket_ladder
+from minisgl.step.layout import StepLayout, StepSpec, count_tiles, exact_layout
 
 PAD = 9  # the request table's padding row in these tests
 

@@ -22,11 +22,11 @@ import torch
 from _bench import ceilings, num_sets, print_ceilings, print_table, time_calls
 
 from minisgl import ops
-from minisgl.engine.logits_plan import LogitsPlan, LogitsSpec, sample_with_plan
-from minisgl.engine.penalty_state import PenaltyState
-from minisgl.engine.sampler import SamplingTensors
-from minisgl.engine.sampling_params import SamplingParams
+from minisgl.core.sampling_params import SamplingParams
 from minisgl.kernels import penalties as K
+from minisgl.sampling.logits_plan import LogitsPlan, LogitsSpec, sample_with_plan
+from minisgl.sampling.penalty_state import PenaltyState
+from minisgl.sampling.sampler import SamplingTensors
 
 DEV = "cuda"
 B, V = 256, 151_936

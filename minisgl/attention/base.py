@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from minisgl.engine.batch import ForwardBatch
+from minisgl.core.batch import ForwardBatch
 from minisgl.kvcache.pool import KVPool
 
 

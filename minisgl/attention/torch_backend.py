@@ -12,7 +12,7 @@ import torch
 
 from minisgl import ops
 from minisgl.attention.base import AttentionBackend
-from minisgl.engine.batch import ForwardBatch
+from minisgl.core.batch import ForwardBatch
 
 
 def attend_reference(

@@ -28,7 +28,7 @@ import torch
 
 from minisgl import ops
 from minisgl.attention.base import AttentionBackend
-from minisgl.engine.batch import ForwardBatch
+from minisgl.core.batch import ForwardBatch
 
 
 class TritonAttentionBackend(AttentionBackend):

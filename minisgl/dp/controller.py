@@ -16,16 +16,14 @@ socket as the request it ends, after it, so it can never overtake it.
 
 from __future__ import annotations
 
-from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
 
 from minisgl.dp.dispatch import Dispatcher
 from minisgl.logging_setup import get_logger
-from minisgl.message import AbortMsg, StatsMsg, UserMsg, decode
+from minisgl.message import AbortMsg, Ready, StatsMsg, UserMsg, decode
 from minisgl.message.zmq_io import pull_socket, push_socket
-from minisgl.server.child import report_ready
 
 log = get_logger("minisgl.dp")
 
@@ -52,7 +50,7 @@ class Controller:
             log.warning("dp controller: ignoring unexpected %s", type(msg).__name__)
 
 
-def run_dp_controller(conn: Connection, args: Any, addrs: Any) -> None:
+def run_dp_controller(ready: Ready, args: Any, addrs: Any) -> None:
     ctx = zmq.Context()
     inbox = pull_socket(ctx, addrs.scheduler)
     replicas = []
@@ -65,6 +63,6 @@ def run_dp_controller(conn: Connection, args: Any, addrs: Any) -> None:
     controller = Controller(
         Dispatcher(len(replicas), args.load_balance_method, args.page_size), replicas, push_socket(ctx, addrs.api)
     )
-    report_ready(conn, "dp controller", {"replicas": len(replicas), "method": args.load_balance_method})
+    ready({"replicas": len(replicas), "method": args.load_balance_method})
     while True:
         controller.handle(inbox.recv(copy=True))

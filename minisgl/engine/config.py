@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.models.quant_config import QUANTIZATION_CHOICES
-from minisgl.spec.config import SpecConfig, make_spec_config
+from minisgl.core.model_config import ModelConfig
+from minisgl.core.quant_config import QUANTIZATION_CHOICES
+from minisgl.speculative.config import SpecConfig, make_spec_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -15,6 +16,16 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")  # auto: the model's dtype; fp8 = fp8_e4m3
+
+
+def resolve_dtype(name: str, model_cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """The engine's dtype: the one asked for; else fp32 on the CPU, the checkpoint's 16-bit type on a GPU."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in fp16 are slow or missing; fp32 is the exact path
+    declared = DTYPES.get(str(model_cfg.torch_dtype or "").removeprefix("torch."))
+    return declared if declared in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -45,7 +56,7 @@ class EngineConfig:
     # Batch-invariant kernels: a request's tokens and logprobs do not depend on what is
     # batched with it, on chunking or on prefix-cache hits (README "Determinism").
     deterministic: bool = False
-    # Speculative decoding (minisgl/spec/); None: off, and nothing of it is built or paid.
+    # Speculative decoding (minisgl/speculative/); None: off, and nothing of it is built or paid.
     speculative_algorithm: str | None = None  # "ngram" | "draft" | "eagle3"
     speculative_num_draft_tokens: int = 4
     speculative_draft_model: str | None = None

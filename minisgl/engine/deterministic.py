@@ -1,15 +1,12 @@
-"""Deterministic mode's engine-side pieces (README "Determinism"): what it refuses, and its
-sampler. The kernels' side is minisgl.ops.deterministic and the attention backends."""
+"""What deterministic mode refuses (README "Determinism"). Its sampler is
+minisgl.sampling.sampler.sample_per_row; the kernels' side is minisgl.ops.deterministic and the
+attention backends."""
 
 from __future__ import annotations
 
-import torch
-
-from minisgl import ops
+from minisgl.core.model_config import ModelConfig
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.sampler import SamplingTensors
-from minisgl.models.config import ModelConfig
 
 
 def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
@@ -33,18 +30,3 @@ def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
         # all-reduce's summation order does not change with the batch's token count.
         os.environ.setdefault("NCCL_ALGO", "Ring")
         os.environ.setdefault("NCCL_PROTO", "Simple")
-
-
-def sample_per_row(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic mode's sampler: each row alone. The GPU kernel (ops.sample) is one program
-    per row already, greedy rows included (exact argmax; log_softmax by the row's own program),
-    unlike torch's argmax/logsumexp, whose reduction split depends on the batch size. On the
-    CPU the torch reference runs on one [1, V] row at a time."""
-    if logits.device.type == "cuda":
-        return ops.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
-    parts = [
-        ops.sample(logits[i : i + 1], st.temperature[i : i + 1], st.top_k[i : i + 1], st.top_p[i : i + 1],
-                   st.min_p[i : i + 1], st.seeds[i : i + 1], st.steps[i : i + 1])
-        for i in range(logits.shape[0])
-    ]
-    return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])

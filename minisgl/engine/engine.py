@@ -8,28 +8,29 @@ import torch
 
 from minisgl import ops
 from minisgl.attention.select import make_backend
+from minisgl.core.batch import ForwardBatch
+from minisgl.core.model_config import ModelConfig
+from minisgl.core.prompt import check_prompt
+from minisgl.core.quant_config import resolve as resolve_quantization
 from minisgl.distributed.communicator import make_communicator, min_across_ranks
 from minisgl.distributed.info import TPInfo
-from minisgl.engine.batch import ForwardBatch
-from minisgl.engine.config import EngineConfig
-from minisgl.engine.deterministic import check_deterministic, sample_per_row
-from minisgl.engine.loading import load_model, load_model_config, resolve_dtype
-from minisgl.engine.logits_plan import LogitsPlan, StepOutput, sample_with_plan
-from minisgl.engine.penalty_state import PenaltyState
-from minisgl.engine.prompt import check_prompt
-from minisgl.engine.sampler import SamplingTensors
-from minisgl.engine.step_builder import StepBuilder, host_to_device
-from minisgl.engine.step_layout import StepSpec
-from minisgl.engine.verify_plan import VerifyPlan
+from minisgl.engine.config import EngineConfig, resolve_dtype
+from minisgl.engine.deterministic import check_deterministic
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
-from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaForCausalLM
-from minisgl.models.quant_config import resolve as resolve_quantization
+from minisgl.models.loading import load_model, load_model_config
 from minisgl.models.source import resolve_model
 from minisgl.ops import _checks
 from minisgl.ops.fp8 import check_fp8_device
-from minisgl.spec.drafter import Drafter
+from minisgl.ops.transfer import host_to_device
+from minisgl.sampling.logits_plan import LogitsPlan, StepOutput, sample_with_plan
+from minisgl.sampling.penalty_state import PenaltyState
+from minisgl.sampling.sampler import SamplingTensors, sample_per_row
+from minisgl.sampling.verify_plan import VerifyPlan
+from minisgl.speculative.drafter import Drafter, DraftTarget
+from minisgl.step.builder import StepBuilder
+from minisgl.step.layout import StepSpec
 
 log = get_logger("minisgl.engine")
 
@@ -76,9 +77,9 @@ class Engine:
         # Speculative decoding: the drafter (and its model) load before the KV pool is sized.
         self.drafter: Drafter | None = None
         if cfg.spec is not None:
-            from minisgl.spec.factory import build_drafter
+            from minisgl.speculative.factory import build_drafter
 
-            self.drafter = build_drafter(self, cfg.spec)
+            self.drafter = build_drafter(self._draft_target(), cfg.spec)
             self.model.model.aux_layers = self.drafter.aux_layers
         num_pages = cfg.num_pages or self._default_num_pages(kv_heads)
         if self.tp.size > 1:
@@ -89,9 +90,9 @@ class Engine:
         if self.kv_dtype == torch.float8_e4m3fn:
             self._set_kv_scales()
         self.allocator = PageAllocator(num_pages, cfg.page_size)
-        if self.drafter is not None:  # its own KV pool, indexed by the same slots
-            self.drafter.allocate_kv(num_pages, cfg.page_size)
         self.table = RequestTable(cfg.max_running_requests, self.max_model_len, self.device)
+        if self.drafter is not None:  # its own KV pool, indexed by the same slots and table
+            self.drafter.allocate_kv(num_pages, cfg.page_size, self.table)
         # The last sampled token of each request-table row. Decode steps read their input ids
         # from here on the device, so step N+1 can be launched before the host has read step
         # N's tokens (overlap scheduling).
@@ -126,7 +127,15 @@ class Engine:
         return self.cfg.max_model_len
 
     def _build_model(self) -> LlamaForCausalLM:
-        return load_model(self, self.source, self.model_config, self.cfg.seed)
+        return load_model(self.source, self.model_config, self.cfg.seed, dtype=self.dtype, device=self.device,
+                          tp=self.tp, comm=self.comm, max_model_len=self.max_model_len,
+                          dummy=self.cfg.load_format == "dummy")
+
+    def _draft_target(self) -> DraftTarget:
+        cfg = self.cfg
+        return DraftTarget(self.model_config, self.model.model.embed_tokens, self.device, self.dtype, self.tp,
+                           self.comm, self.max_model_len, cfg.max_running_requests, cfg.seed,
+                           cfg.load_format == "dummy", cfg.attention_backend)
 
     def _set_kv_scales(self) -> None:
         """An FP8 pool's per-tensor scales: the checkpoint's k_scale / v_scale, else 1.0 (as vLLM)."""
@@ -144,10 +153,10 @@ class Engine:
         """Measures (or loads from the cache) where the skinny GEMM beats cuBLAS for this
         rank's linear layers at each decode batch size up to 32 (ops.gemm_tuning), and for FP8
         layers where the FP8 skinny kernel beats the FP8 GEMM (ops.fp8_tuning)."""
-        from minisgl.engine.cuda_graph import batch_size_ladder
         from minisgl.layers.linear import fp8_gemm_calls, gemm_calls
         from minisgl.ops.fp8_tuning import tune_fp8_gemms
         from minisgl.ops.gemm_tuning import tune_gemms
+        from minisgl.step.cuda_graph import batch_size_ladder
 
         ms = batch_size_ladder(min(32, self.cfg.max_running_requests))
         tune_gemms(gemm_calls(self.model), self.device, ms)
@@ -242,8 +251,8 @@ class Engine:
         decodes as one-row tiles). `runner_cls`: a CudaGraphRunner subclass (tests replay
         "graphs" on the CPU with one). `verify`: the verify layouts to capture (default: one per
         decode batch size with the draft table's K when speculating; benchmarks pass their own)."""
-        from minisgl.engine.cuda_graph import CudaGraphRunner, graph_layouts, verify_layouts
-        from minisgl.engine.step_builder import VERIFY_VIA_EXTEND_BUCKETS
+        from minisgl.step.builder import VERIFY_VIA_EXTEND_BUCKETS
+        from minisgl.step.cuda_graph import CudaGraphRunner, graph_layouts, verify_layouts
 
         runner_cls = runner_cls or CudaGraphRunner
         cuda = self.device.type == "cuda"

@@ -2,6 +2,3 @@
 off the scheduler's critical path and cached by key (compiler.py), one matcher per request row
 (matcher.py), and the per-step token masks applied to the logits on the device (masks.py)."""
 
-from minisgl.grammar.spec import GRAMMAR_FIELDS, GrammarSpec, check_grammar, grammar_spec
-
-__all__ = ["GRAMMAR_FIELDS", "GrammarSpec", "check_grammar", "grammar_spec"]

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from minisgl.core.grammar_fields import GrammarSpec
 from minisgl.grammar.matcher import RowGrammar
-from minisgl.grammar.spec import GrammarSpec, build_grammar, xgrammar_message
+from minisgl.grammar.spec import build_grammar, xgrammar_message
 from minisgl.logging_setup import get_logger
 
 log = get_logger("minisgl.grammar")

@@ -138,15 +138,3 @@ class PrefixCache(ABC):
         # Radix: k == full >= n, pages[m:n] are duplicates and pages[n:full] now the cache's.
         # Naive: k == 0, nothing is freed and the request keeps owning all its pages.
         return new_match, new_match.pages + pages[k:], pages[m : min(n, k)]
-
-
-def make_prefix_cache(kind: str, page_size: int) -> PrefixCache:
-    """`--cache {radix,naive}`."""
-    from minisgl.kvcache.naive_cache import NaiveCache
-    from minisgl.kvcache.radix_cache import RadixCache
-
-    if kind == "radix":
-        return RadixCache(page_size)
-    if kind == "naive":
-        return NaiveCache(page_size)
-    raise ValueError(f"unknown cache kind {kind!r} (expected 'radix' or 'naive')")

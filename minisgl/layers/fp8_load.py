@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.models.quant_config import BLOCK, QuantConfig
+from minisgl.core.quant_config import BLOCK, QuantConfig
 from minisgl.ops.fp8 import FP8, expand_block_scale
 
 

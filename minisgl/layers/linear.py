@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from minisgl import ops
+from minisgl.core.quant_config import BLOCK, QuantConfig
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.layers.fp8_load import check_weight_dtype, scale_rows
-from minisgl.models.quant_config import BLOCK, QuantConfig
-from minisgl.ops.fp8 import FP8, fp8_linear, quantize_rows
+from minisgl.ops.fp8 import FP8, quantize_rows
+from minisgl.ops.linear import fp8_linear
 
 
 def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:

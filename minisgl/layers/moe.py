@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl import ops
+from minisgl.core.model_config import ModelConfig
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _check_shape
-from minisgl.models.config import ModelConfig
 
 
 class ReplicatedLinear(nn.Module):

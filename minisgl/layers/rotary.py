@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from minisgl import ops
-from minisgl.models.config import RopeScaling
+from minisgl.core.model_config import RopeScaling
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:

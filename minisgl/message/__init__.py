@@ -4,6 +4,7 @@ from minisgl.message.codec import decode, encode, message
 from minisgl.message.replies import (
     DetokenizeMsg,
     PromptEcho,
+    Ready,
     ReadyMsg,
     ReplyBatch,
     StartMsg,
@@ -19,6 +20,7 @@ __all__ = [
     "DetokInit",
     "DetokenizeMsg",
     "PromptEcho",
+    "Ready",
     "ReadyMsg",
     "ReplyBatch",
     "StartMsg",

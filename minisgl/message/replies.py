@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,3 +125,9 @@ class StartMsg:
     max_model_len: int
     vocab_size: int
     extra_eos_ids: list[int] = field(default_factory=list)  # the tokenizer's EOS, if not the model's
+
+
+# What a worker process calls once it is loaded: it reports `info` to the launcher (ReadyMsg)
+# and returns the StartMsg every child waits for. The launcher hands it to each worker, so no
+# worker imports the launcher.
+Ready = Callable[[dict[str, Any] | None], StartMsg]

@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.attention.base import AttentionBackend
+from minisgl.core.batch import ForwardBatch
+from minisgl.core.model_config import ModelConfig
 from minisgl.distributed.info import Communicator, TPInfo
-from minisgl.engine.batch import ForwardBatch
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import QKVParallelLinear, _check_shape
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
-from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaAttention, LlamaMLP
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"

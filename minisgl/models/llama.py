@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from minisgl.attention.base import AttentionBackend
+from minisgl.core.batch import ForwardBatch
+from minisgl.core.model_config import ModelConfig
 from minisgl.distributed.info import Communicator, TPInfo
-from minisgl.engine.batch import ForwardBatch
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.fp8_load import layer_quant
 from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -27,7 +28,6 @@ from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.logging_setup import log_once
-from minisgl.models.config import ModelConfig
 from minisgl.ops.fp8 import FP8
 
 

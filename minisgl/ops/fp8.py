@@ -1,4 +1,5 @@
-"""FP8 (e4m3) weights: quantize, dequantize, and the linear op over them.
+"""FP8 (e4m3) weights: quantize, dequantize, and the reference linear over them (the op that
+dispatches an FP8 layer's GEMM is minisgl.ops.linear.fp8_linear).
 
 Layout of a quantized linear layer (layers/linear.py): weight e4m3 [N, K] and fp32
 weight_scale [N, KB] with one scale per row and K block of `block_k` elements
@@ -93,21 +94,3 @@ def fp8_linear_reference(
     """x [T, K] @ dequantize(weight, scale)^T (+ bias) in fp32, rounded once to x's dtype;
     silu: the weight is (gate | up) and the result silu(gate) * up."""
     return skinny_gemm_reference(x, dequantize(weight, scale, block_k), bias, silu)
-
-
-def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
-    bias: torch.Tensor | None = None, silu: bool = False,
-) -> torch.Tensor:
-    """The linear op of an FP8 layer; arguments valid by construction (the layer's own)."""
-    if x.device.type != "cuda" or x.shape[0] == 0:
-        return fp8_linear_reference(x, weight, scale, block_k, bias, silu)
-    from minisgl.ops.activation import silu_and_mul
-    from minisgl.ops.fp8_gemm import fp8_gemm
-    from minisgl.ops.skinny_fp8 import fp8_skinny_linear
-
-    y = fp8_skinny_linear(x, weight, scale, block_k, bias, silu)  # M <= 32 where the table chose it
-    if y is not None:
-        return y
-    y = fp8_gemm(x, weight, scale, block_k, bias)
-    return silu_and_mul(y) if silu else y

@@ -40,7 +40,7 @@ Fp8Call = tuple[torch.Tensor, torch.Tensor, int, bool]  # (weight e4m3, scale, b
 
 
 def baseline(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, block_k: int, silu: bool) -> torch.Tensor:
-    """The FP8 large-batch path of ops.fp8.fp8_linear, without the skinny dispatch."""
+    """The FP8 large-batch path of ops.linear.fp8_linear, without the skinny dispatch."""
     from minisgl.ops.activation import silu_and_mul
     from minisgl.ops.fp8_gemm import fp8_gemm
 

@@ -15,8 +15,12 @@ import torch
 
 from minisgl import env
 from minisgl.logging_setup import log_once
+from minisgl.ops.activation import silu_and_mul
 from minisgl.ops.deterministic import batch_invariant_linear, is_deterministic
+from minisgl.ops.fp8 import fp8_linear_reference
+from minisgl.ops.fp8_gemm import fp8_gemm
 from minisgl.ops.gemm_table import GemmShape, GemmTable
+from minisgl.ops.skinny_fp8 import fp8_skinny_linear
 from minisgl.ops.skinny_gemm import MAX_M, counters, cublas_linear, launch, vector_aligned
 
 _tables: dict[int, GemmTable] = {}
@@ -76,3 +80,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty((m, weight.size(0) // 2 if silu else weight.size(0)), dtype=x.dtype, device=x.device)
     launch(x, weight, bias, out, silu, cfg)
     return out
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
+    bias: torch.Tensor | None = None, silu: bool = False,
+) -> torch.Tensor:
+    """The linear op of an FP8 layer; arguments valid by construction (the layer's own)."""
+    if x.device.type != "cuda" or x.shape[0] == 0:
+        return fp8_linear_reference(x, weight, scale, block_k, bias, silu)
+    y = fp8_skinny_linear(x, weight, scale, block_k, bias, silu)  # M <= 32 where the table chose it
+    if y is not None:
+        return y
+    y = fp8_gemm(x, weight, scale, block_k, bias)
+    return silu_and_mul(y) if silu else y

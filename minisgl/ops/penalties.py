@@ -25,7 +25,7 @@ def apply_penalties(
     (f32 [n]); sparse additions `bias_ids`/`bias_vals` (int32 / f32 [>= nnz]) at
     [bias_ptr[i], bias_ptr[i + 1]) (int32 [n + 1], bias_ptr[0] = 0), -inf to ban a token.
     Ids must be < V and unique within a row (not checked here: that would sync the host);
-    the host-side builder (minisgl/engine/logits_plan.py) guarantees both."""
+    the host-side builder (minisgl/sampling/logits_plan.py) guarantees both."""
     check_tensor("logits", logits, dtype=_LOGIT_DTYPES, ndim=2)
     check_inner_contiguous("logits", logits)
     v = logits.shape[1]

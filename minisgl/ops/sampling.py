@@ -47,8 +47,42 @@ def sample(
     if use_triton("sample", logits):
         return _k.sample(logits, temperature, top_k, top_p, min_p, seeds, steps)
     log_cpu_reference_once("sample")
-    from minisgl.engine.sampler import SamplingTensors, sample_reference
+    return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, steps)
 
-    st = SamplingTensors(temperature, top_k, top_p, min_p, seeds, steps,
-                         all_greedy=bool((temperature <= 0).all()))
-    return sample_reference(logits, st)
+
+# The torch reference (fp32, sort-based). Order: temperature -> top-k -> top-p (on the
+# renormalized top-k distribution) -> min-p (relative to the most likely token). A row's random
+# draw is a function of (seed, step) alone, so a seeded request gets the same tokens whatever
+# else shares its batch. The chosen token's log-probability is of the raw logits.
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (seed, step) over the seed space
+
+
+def row_uniforms(seeds: list[int], steps: list[int]) -> torch.Tensor:
+    """One U[0,1) per row, a function of (seed, step) only."""
+    out = torch.empty(len(seeds), dtype=torch.float64)
+    for i, (seed, step) in enumerate(zip(seeds, steps)):
+        g = torch.Generator().manual_seed((seed * _SEED_MIX + step) % (1 << 63))
+        out[i] = torch.rand((), generator=g, dtype=torch.float64)
+    return out
+
+
+def sample_reference(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample`'s arguments; (tokens int64 [B], logprobs f32 [B]). The filtered probabilities
+    come from the sort-based reference beside the kernel (minisgl.kernels.sampling), which
+    tests/test_sampler.py checks against an independent numpy statement of the same filters;
+    the draw is an inverse CDF at one (seed, step) uniform per row."""
+    logprobs_all = torch.log_softmax(logits.float(), dim=-1)
+    greedy = temperature <= 0
+    if bool(greedy.all()):
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = _k.filtered_probs_reference(logits, temperature, top_k, top_p, min_p)
+        cdf = probs.double().cumsum(dim=-1)
+        u = row_uniforms(seeds.tolist(), steps.tolist()).to(logits.device)
+        target = (u * cdf[:, -1])[:, None]
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=logits.shape[-1] - 1)
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)

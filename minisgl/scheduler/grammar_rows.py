@@ -26,12 +26,12 @@ from collections.abc import Callable
 
 import torch
 
-from minisgl.engine.logits_plan import LogitsMask
+from minisgl.core.grammar_fields import grammar_spec
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.grammar.masks import GrammarMasks
-from minisgl.grammar.spec import grammar_spec
 from minisgl.grammar.threads import MatcherThreads
 from minisgl.logging_setup import get_logger
+from minisgl.sampling.logits_plan import LogitsMask
 from minisgl.scheduler.request import Request
 
 log = get_logger("minisgl.scheduler")

@@ -39,6 +39,11 @@ class RequestKV:
         """Free pages plus what eviction could free now."""
         return self.allocator.free_pages + self.cache.evictable_pages
 
+    @property
+    def free_rows(self) -> int:
+        """Request-table rows free for new requests."""
+        return self.engine.table.free_rows
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

@@ -1,21 +1,19 @@
 """Prefill admission: which waiting (or mid-prefill) requests run how many prompt tokens in
 the next step, under a token budget and the KV pool's admission estimate.
 
-`admit` changes the scheduler's state the way launching the step will need it (requests leave
-`waiting`, get their table rows, prefix matches and KV slots; a chunked request becomes
-`prefilling`; a request whose prompt completes joins `running`); `finish_admitted` does the
-bookkeeping after the launch.
+`admit` moves requests between the scheduler's queues the way launching the step will need it
+(requests leave `waiting`, get their table rows, prefix matches and KV slots; a chunked request
+becomes `prefilling`; a request whose prompt completes joins `running`); `finish_admitted` does
+the bookkeeping after the launch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from minisgl.scheduler.kv import RequestKV
+from minisgl.scheduler.queues import RequestQueues
 from minisgl.scheduler.request import Request
-
-if TYPE_CHECKING:
-    from minisgl.scheduler.scheduler import Scheduler
 
 
 @dataclass
@@ -30,35 +28,36 @@ class PrefillPlan:
         return sum(len(t) for t in self.new)
 
 
-def reserved_pages(sched: Scheduler) -> int:
+def reserved_pages(queues: RequestQueues, kv: RequestKV, new_token_ratio: float) -> int:
     """Pages the running requests are expected to still need (the admission estimate)."""
-    reqs = [*sched.running, *([sched.prefilling] if sched.prefilling else [])]
-    kv = sched.kv
     return sum(
-        max(0, kv.pages_for(r.seq_len + int(r.remaining_tokens * sched.new_token_ratio)) - len(r.pages))
-        for r in reqs
+        max(0, kv.pages_for(r.seq_len + int(r.remaining_tokens * new_token_ratio)) - len(r.pages))
+        for r in queues.active
     )
 
 
-def admit(sched: Scheduler, budget: int) -> PrefillPlan:
+def admit(queues: RequestQueues, kv: RequestKV, budget: int, new_token_ratio: float,
+          prompt_logprob_rows: int) -> PrefillPlan:
     """Prompt tokens for the next step, at most `budget` in all: the request mid-prefill
-    first, then waiting requests in order while the pool's estimate admits them."""
+    first, then waiting requests in order while the pool's estimate admits them (a request's
+    remaining tokens count at `new_token_ratio`). `prompt_logprob_rows`: prompt positions whose
+    logits the step may compute for prompt logprobs."""
     plan = PrefillPlan()
-    reserved = reserved_pages(sched)
-    table, kv = sched.engine.table, sched.kv
-    logit_rows = sched.prompt_logprob_rows  # prompt positions whose logits this step may compute
+    reserved = reserved_pages(queues, kv, new_token_ratio)
+    logit_rows = prompt_logprob_rows
     while budget > 0:
-        if sched.prefilling is not None:
-            req = sched.prefilling
-        elif sched.waiting and table.free_rows > 0 and (logit_rows or not sched.waiting[0].needs_prompt_logprobs):
-            req = sched.waiting[0]
+        waiting = queues.next_waiting()
+        if queues.prefilling is not None:
+            req = queues.prefilling
+        elif waiting is not None and kv.free_rows > 0 and (logit_rows or not waiting.needs_prompt_logprobs):
+            req = waiting
             match = kv.match(req)
-            tokens_needed = req.seq_len + int(req.remaining_tokens * sched.new_token_ratio)
+            tokens_needed = req.seq_len + int(req.remaining_tokens * new_token_ratio)
             need = kv.pages_for(tokens_needed) - len(match.pages)
-            alone = not sched.running and not plan.reqs
+            alone = not queues.running and not plan.reqs
             if not alone and need + reserved > kv.available_pages:
                 break
-            sched.waiting.popleft()
+            queues.take_waiting()
             kv.attach(req, match)
             req.history_ready = False  # a new table row: its penalty history is rebuilt
             reserved += need
@@ -70,10 +69,10 @@ def admit(sched: Scheduler, budget: int) -> PrefillPlan:
             chunk = min(chunk, logit_rows)
             logit_rows -= chunk
         if not kv.grow(req, req.cached_len + chunk):
-            if req is not sched.prefilling:  # undo the admission; try again later
+            if req is not queues.prefilling:  # undo the admission; try again later
                 kv.release(req)
                 req.cached_len = 0
-                sched.waiting.appendleft(req)
+                queues.requeue(req)
             break
         plan.reqs.append(req)
         plan.prefix.append(req.cached_len)
@@ -83,19 +82,18 @@ def admit(sched: Scheduler, budget: int) -> PrefillPlan:
         complete = req.cached_len == len(tokens)
         plan.samples.append(complete)
         if complete:
-            sched.running.append(req)
-            sched.prefilling = None
+            queues.prefilled(req)
         else:
-            sched.prefilling = req
+            queues.chunked(req)
             break  # a chunked request takes the rest of the budget by construction
     return plan
 
 
-def finish_admitted(sched: Scheduler, plan: PrefillPlan) -> None:
+def finish_admitted(kv: RequestKV, plan: PrefillPlan) -> None:
     """After the launch: a completed prompt awaits its first token; a chunk's KV goes to the
     prefix cache (other requests sharing the prompt can reuse it)."""
     for req, sampled in zip(plan.reqs, plan.samples):
         if sampled:
             req.num_pending += 1
         else:
-            sched.kv.cache_progress(req)
+            kv.cache_progress(req)

@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
 
-from minisgl.dp.placement import share_cpu
+from minisgl.core.grammar_fields import grammar_spec
+from minisgl.core.sampling_params import SamplingParams
+from minisgl.distributed.placement import share_cpu
 from minisgl.engine.engine import Engine
-from minisgl.engine.sampling_params import SamplingParams
 from minisgl.grammar.compiler import GrammarCompiler
-from minisgl.grammar.spec import grammar_spec
 from minisgl.logging_setup import get_logger
 from minisgl.message import (
     AbortMsg,
     DetokenizeMsg,
     DetokInit,
+    Ready,
     ReplyBatch,
     StartMsg,
     StatsMsg,
@@ -39,7 +39,6 @@ from minisgl.scheduler.config import SchedulerConfig, scheduler_config
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp_sync import Input, InputSync, apply_inputs
-from minisgl.server.child import report_ready
 
 log = get_logger("minisgl.scheduler")
 STATS_INTERVAL_S = 0.1
@@ -74,7 +73,7 @@ def scheduler_builder(options: dict[str, Any], args: Any = None) -> Callable[[En
     def build(engine: Engine) -> Scheduler:
         grammars = None
         if args is not None:
-            from minisgl.tokenizer.worker import load_server_tokenizer
+            from minisgl.tokenizer.load import load_server_tokenizer
 
             grammars = GrammarCompiler(lambda: load_server_tokenizer(args), engine.model_config.vocab_size)
         return Scheduler(engine, scheduler_config(options, engine.attn.name, engine.device.type), grammars)
@@ -253,7 +252,7 @@ class SchedulerProcess:
             self.send_stats(force=not self.sched.has_work)
 
 
-def run_scheduler_rank(conn: Connection, args: Any, rank: int, dp_rank: int = 0) -> None:
+def run_scheduler_rank(ready: Ready, args: Any, rank: int, dp_rank: int = 0) -> None:
     """A tensor-parallel rank > 0: no sockets; it steps on what rank 0 broadcasts."""
     from minisgl.scheduler.tp_worker import run_tp_worker
 
@@ -261,11 +260,11 @@ def run_scheduler_rank(conn: Connection, args: Any, rank: int, dp_rank: int = 0)
     share_cpu(args.device, args.dp * args.tp if args.dp > 1 else 1)
     run_tp_worker(
         args.engine_config(tp_rank=rank, dp_rank=dp_rank), {**args.scheduler_options(), "tokenizer": args.tokenizer},
-        on_ready=lambda: report_ready(conn, f"scheduler rank {rank}"),
+        on_ready=lambda: ready(None),
     )
 
 
-def run_scheduler(conn: Connection, args: Any, addrs: Any, dp_rank: int = 0) -> None:
+def run_scheduler(ready: Ready, args: Any, addrs: Any, dp_rank: int = 0) -> None:
     """Scheduler rank 0 of replica `dp_rank` (`addrs` is that replica's view of the server)."""
     build = scheduler_builder(args.scheduler_options(), args)
     share_cpu(args.device, args.dp * args.tp if args.dp > 1 else 1)
@@ -273,9 +272,7 @@ def run_scheduler(conn: Connection, args: Any, addrs: Any, dp_rank: int = 0) -> 
     sched = build(engine)
     kv_total = scheduler_stats(sched)[3]
     mc = engine.model_config
-    start = report_ready(
-        conn,
-        "scheduler",
+    start = ready(
         {
             "max_model_len": engine.max_model_len,
             "vocab_size": mc.vocab_size,

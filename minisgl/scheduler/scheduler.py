@@ -22,16 +22,17 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.engine.engine import Engine
-from minisgl.engine.logits_plan import LogitsSpec, StepOutput
 from minisgl.grammar.compiler import GrammarCompiler
-from minisgl.kvcache.prefix_cache import make_prefix_cache
+from minisgl.kvcache.select import make_prefix_cache
 from minisgl.logging_setup import get_logger
 from minisgl.message import trace
+from minisgl.sampling.logits_plan import LogitsSpec, StepOutput
 from minisgl.scheduler import step_trace
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar_rows import GrammarRows
 from minisgl.scheduler.kv import RequestKV
-from minisgl.scheduler.prefill import admit, finish_admitted
+from minisgl.scheduler.prefill import PrefillPlan, admit, finish_admitted
+from minisgl.scheduler.queues import RequestQueues
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.spec_step import SpecStep
 from minisgl.scheduler.step_sampling import (
@@ -65,9 +66,7 @@ class Scheduler:
         )
         self.cache = make_prefix_cache(self.cfg.cache, engine.cfg.page_size)
         self.kv = RequestKV(engine, self.cache)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # prefilled, decoding
-        self.prefilling: Request | None = None  # mid chunked prefill
+        self.queues = RequestQueues()
         self.inflight: deque[_InFlight] = deque()
         self.new_token_ratio = self.cfg.init_new_token_ratio
         self._decode_next = False
@@ -79,8 +78,8 @@ class Scheduler:
         self.prompt_logprob_rows = 512
         # (start, end) CUDA events around each step's device work, when a benchmark asks.
         self.gpu_timeline: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] | None = None
-        # Speculative decoding (minisgl/spec/): decode steps become verify steps.
-        self.spec = SpecStep(self) if engine.drafter is not None else None
+        # Speculative decoding (minisgl/speculative/): decode steps become verify steps.
+        self.spec = SpecStep(engine, self.kv, self.grammar, self._release) if engine.drafter is not None else None
         if engine.device.type == "cuda":
             # Everything the serving path runs is compiled (and captured) before it serves.
             if self.cfg.cuda_graph:
@@ -103,7 +102,20 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling or self.inflight)
+        return bool(self.queues or self.inflight)
+
+    # Read-only views of the queues (tests and stats read them; only RequestQueues moves requests).
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.queues.running
+
+    @property
+    def prefilling(self) -> Request | None:
+        return self.queues.prefilling
 
     def add_check(self, req: Request) -> None:
         """Raises ValueError if `req` could never run (it must fit the KV pool alone, and its
@@ -122,7 +134,7 @@ class Scheduler:
         self.add_check(req)
         self.grammar.attach(req)
         req.logits_spec = LogitsSpec.of(req.params, req.eos_ids, self.engine.model_config.vocab_size)
-        self.waiting.append(req)
+        self.queues.add(req)
 
     def finish(self, req: Request, reason: str, keep_tokens: int | None = None) -> None:
         """Ends a request early (stop string found by the caller, or abort) and frees its KV.
@@ -134,16 +146,14 @@ class Scheduler:
         if keep_tokens is not None and keep_tokens < len(req.output):
             del req.output[keep_tokens:], req.logprobs[keep_tokens:], req.top_logprobs[keep_tokens:]
             req.cached_len = min(req.cached_len, req.total_len)
-        if req in self.waiting:
-            self.waiting.remove(req)
         self._release(req)
 
     def stats(self) -> dict[str, int]:
         total = self.engine.allocator.total_pages * self.engine.cfg.page_size
         free = self.engine.allocator.free_pages * self.engine.cfg.page_size
         return {
-            "running": len(self.running) + (self.prefilling is not None),
-            "queued": len(self.waiting),
+            "running": self.queues.num_active,
+            "queued": len(self.queues.waiting),
             "kv_slots_total": total,
             "kv_slots_used": total - free - self.cache.evictable_pages * self.engine.cfg.page_size,
             "kv_slots_cached": self.cache.cached_pages * self.engine.cfg.page_size,
@@ -152,8 +162,7 @@ class Scheduler:
         }
 
     def check_integrity(self) -> None:
-        active = [*self.running, *([self.prefilling] if self.prefilling else [])]
-        self.kv.check_integrity(active)
+        self.kv.check_integrity(self.queues.active)
 
     # ---- one step ----
 
@@ -170,7 +179,7 @@ class Scheduler:
         return done
 
     def _launch_next(self) -> bool:
-        want_prefill = bool(self.waiting or self.prefilling)
+        want_prefill = bool(self.queues.waiting or self.queues.prefilling)
         if want_prefill and self.cfg.mixed_chunk_tokens > 0 and self._decodable():
             return self._launch_mixed()
         if want_prefill and not (self._decode_next and self._decodable()):
@@ -188,21 +197,24 @@ class Scheduler:
 
     def _decodable(self) -> list[Request]:
         # A request at its length limit waits for its last token; it is never extended.
-        return [r for r in self.running if r.seq_len < r.max_total_len]
+        return [r for r in self.queues.running if r.seq_len < r.max_total_len]
+
+    def _admit(self, budget: int) -> PrefillPlan:
+        return admit(self.queues, self.kv, budget, self.new_token_ratio, self.prompt_logprob_rows)
 
     def _launch_prefill(self) -> bool:
-        plan = admit(self, self.cfg.max_prefill_tokens)
+        plan = self._admit(self.cfg.max_prefill_tokens)
         if not plan.reqs:
             return False
         self._launch("extend", plan.reqs, plan.prefix, plan.new, plan.samples)
-        finish_admitted(self, plan)
+        finish_admitted(self.kv, plan)
         return True
 
     def _launch_mixed(self) -> bool:
         """Every decode plus a prefill chunk in one step (the decodes first: their KV slots
         are secured before the chunk's admission takes pages)."""
         decodes = self._ensure_decode_slots(self._decodable())
-        plan = admit(self, self._mixed_chunk(len(decodes)))
+        plan = self._admit(self._mixed_chunk(len(decodes)))
         if not plan.reqs:
             return self._launch_decode(decodes)
         if not decodes:
@@ -212,7 +224,7 @@ class Scheduler:
             self._launch("mixed", decodes + plan.reqs, [r.seq_len - 1 for r in decodes] + plan.prefix,
                          [None] * len(decodes) + plan.new, [True] * len(decodes) + plan.samples)
             self._end_decodes(decodes)
-        finish_admitted(self, plan)
+        finish_admitted(self.kv, plan)
         return True
 
     def _mixed_chunk(self, num_decodes: int) -> int:
@@ -283,8 +295,8 @@ class Scheduler:
                 return reqs
             victim = victims.pop(0) if len(victims) > 1 else None
             if victim is None:  # one request left: it fits alone (checked at add)
-                if self.prefilling is not None:
-                    self._retract(self.prefilling)
+                if self.queues.prefilling is not None:
+                    self._retract(self.queues.prefilling)
                     continue
                 raise RuntimeError("KV pool exhausted by a single request that was admitted as fitting")
             self._retract(victim)
@@ -293,13 +305,10 @@ class Scheduler:
     def _retract(self, req: Request) -> None:
         self.num_retractions += 1
         self.new_token_ratio = self.cfg.init_new_token_ratio
-        if req is self.prefilling:
-            self.prefilling = None
-        else:
-            self.running.remove(req)
+        self.queues.remove(req)
         self.kv.release(req)
         req.cached_len = 0
-        self.waiting.appendleft(req)
+        self.queues.requeue(req)
 
     def _launch(
         self, mode: str, reqs: list[Request], prefix: list[int], new: list[list[int] | None] | None,
@@ -371,10 +380,7 @@ class Scheduler:
                 self._pending_done.append(req)
 
     def _release(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        if req is self.prefilling:
-            self.prefilling = None
+        self.queues.remove(req)
         self.kv.release(req)
         if self.spec is not None:
             self.spec.release(req)

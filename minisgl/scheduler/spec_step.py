@@ -14,31 +14,34 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from minisgl.engine.batch import ForwardBatch
-from minisgl.engine.logits_plan import LogitsMask
-from minisgl.engine.sampler import SamplingTensors
-from minisgl.engine.verify_plan import VerifyPlan
+from minisgl.core.batch import ForwardBatch
+from minisgl.engine.engine import Engine
 from minisgl.logging_setup import get_logger
+from minisgl.sampling.logits_plan import LogitsMask
+from minisgl.sampling.sampler import SamplingTensors
+from minisgl.sampling.verify_plan import VerifyPlan
+from minisgl.scheduler.grammar_rows import GrammarRows
+from minisgl.scheduler.kv import RequestKV
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.step_sampling import rebuild_histories
-from minisgl.spec.drafter import DraftRequest, TargetStep
-from minisgl.spec.gate import SpecGate
-
-if TYPE_CHECKING:
-    from minisgl.scheduler.scheduler import Scheduler
+from minisgl.speculative.drafter import DraftRequest, TargetStep
+from minisgl.speculative.gate import SpecGate
 
 log = get_logger("minisgl.scheduler")
 LOG_INTERVAL_S = 10.0
 
 
 class SpecStep:
-    def __init__(self, sched: Scheduler) -> None:
-        self.sched = sched
-        self.engine = sched.engine
+    """`release(req)`: the scheduler's way to end a request that finished in a verify step
+    (its KV and queue place go)."""
+
+    def __init__(self, engine: Engine, kv: RequestKV, grammar: GrammarRows,
+                 release: Callable[[Request], None]) -> None:
+        self.engine, self.kv, self.grammar, self.release_request = engine, kv, grammar, release
         self.cfg = self.engine.cfg.spec
         self.drafter = self.engine.drafter
         assert self.cfg is not None and self.drafter is not None
@@ -120,7 +123,7 @@ class SpecStep:
     def run(self, reqs: list[Request]) -> list[Request]:
         """One verify step for `reqs` (each has a KV slot for its next token); returns them
         with their accepted tokens appended (finished ones released)."""
-        sched, eng, kv = self.sched, self.engine, self.sched.kv
+        eng, kv = self.engine, self.kv
         k = self.draft_tokens(len(reqs))
         # A request may emit at most its remaining tokens: 1 sampled + k drafts. A grammar-
         # constrained request drafts nothing (its one row is masked like a plain decode's).
@@ -161,13 +164,13 @@ class SpecStep:
                 top = alternatives.get((b, j))
                 r.append(tok, lp, top[: r.params.top_logprobs] if top is not None else None)
                 if r.grammar is not None and not r.finished:
-                    sched.grammar.advance([r], [tok])  # an ended grammar sets finish_reason
+                    self.grammar.advance([r], [tok])  # an ended grammar sets finish_reason
                 if r.finished:  # EOS, a stop token or the length limit: the rest is dropped
                     break
             # K/V now holds positions < start + n (the last input and the accepted drafts).
             r.cached_len = min(start + n, r.total_len)
             if r.finished:
-                sched._release(r)
+                self.release_request(r)
             else:
                 kv.shrink(r, r.cached_len)
         self._maybe_log()
@@ -189,7 +192,7 @@ class SpecStep:
         def mask(logits: torch.Tensor) -> None:
             live = [b for b in rows if not reqs[b].finished and reqs[b].grammar.needs_mask]
             if live:
-                self.sched.grammar.masks.apply(logits, [rows[b] for b in live], [reqs[b].grammar for b in live])
+                self.grammar.masks.apply(logits, [rows[b] for b in live], [reqs[b].grammar for b in live])
 
         return mask, masked
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minisgl.engine.engine import Engine
-from minisgl.engine.logits_plan import LogitsMask, LogitsPlan, StepOutput
-from minisgl.engine.sampler import SamplingTensors
+from minisgl.sampling.logits_plan import LogitsMask, LogitsPlan, StepOutput
+from minisgl.sampling.sampler import SamplingTensors
 from minisgl.scheduler.request import Request
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.engine.batch import ForwardBatch
+from minisgl.core.batch import ForwardBatch
 from minisgl.logging_setup import get_logger
 from minisgl.message import trace
 from minisgl.scheduler.request import Request

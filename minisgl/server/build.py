@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.core.sampling_params import RequestError, checked_sampling
 from minisgl.message import TokenizeMsg
 from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
 from minisgl.parsers.tool_formats import ToolFormat
@@ -25,7 +26,6 @@ from minisgl.server.protocol import (
     TokenizeRequest,
 )
 from minisgl.server.protocol_types import Limits
-from minisgl.tokenizer.worker import RequestError, checked_sampling
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

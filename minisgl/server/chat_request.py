@@ -13,7 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.grammar.spec import GrammarSpec, check_grammar
+from minisgl.core.grammar_fields import GrammarSpec
+from minisgl.grammar.spec import check_grammar
 from minisgl.parsers.tool_formats import ToolFormat, tool_call_structural_tag
 
 

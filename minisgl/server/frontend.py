@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from minisgl.logging_setup import get_logger
 from minisgl.message import AbortMsg, DecodeMsg, ReplyBatch, StatsMsg, TokenizeMsg, UserReply, decode, encode, trace
-from minisgl.server.args import Addresses
+from minisgl.message.addresses import Addresses
 from minisgl.server.errors import ApiError
 from minisgl.server.metrics import Metrics
 

@@ -116,8 +116,8 @@ def _replay(first: list[dict[str, Any]], receive: Any) -> Any:
 def server_info(args: Any, schedulers: list[dict[str, Any]]) -> dict[str, Any]:
     """GET /server_info: SGLang's field names where one fits (the router reads model_path,
     served_model_name, dp_size); `schedulers` are the replicas' ready infos."""
-    from minisgl import __version__
     from minisgl.models.source import resolve_model
+    from minisgl.server.api import package_version
 
     return {
         "model_path": str(resolve_model(args.model).path),
@@ -132,7 +132,7 @@ def server_info(args: Any, schedulers: list[dict[str, Any]]) -> dict[str, Any]:
         "load_balance_method": args.load_balance_method,
         "devices": [s.get("device") for s in schedulers],
         "architectures": [schedulers[0].get("architecture")],
-        "version": __version__,
+        "version": package_version(),
     }
 
 

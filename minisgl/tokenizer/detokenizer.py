@@ -4,7 +4,6 @@ Logprobs leave here as text and bytes (tokenizer/token_bytes.py): the API render
 
 from __future__ import annotations
 
-from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
@@ -15,6 +14,7 @@ from minisgl.message import (
     DecodeMsg,
     DetokenizeMsg,
     PromptEcho,
+    Ready,
     ReplyBatch,
     TokenizeMsg,
     TokenOut,
@@ -22,10 +22,10 @@ from minisgl.message import (
     trace,
 )
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
-from minisgl.server.child import report_ready
 from minisgl.tokenizer.incremental import DecodeState
+from minisgl.tokenizer.load import load_server_tokenizer
 from minisgl.tokenizer.token_bytes import TokenTable
-from minisgl.tokenizer.worker import TokenizeHandler, load_server_tokenizer, tokenizer_facts, wait_inbox
+from minisgl.tokenizer.worker import TokenizeHandler, tokenizer_facts, wait_inbox
 
 log = get_logger("minisgl.detokenizer")
 
@@ -120,7 +120,7 @@ class Detokenizer:
         )
 
 
-def run_detokenizer(conn: Connection, args: Any, addrs: Any) -> None:
+def run_detokenizer(ready: Ready, args: Any, addrs: Any) -> None:
     tok = load_server_tokenizer(args)
     table = TokenTable(tok)
     ctx = zmq.Context()
@@ -129,7 +129,7 @@ def run_detokenizer(conn: Connection, args: Any, addrs: Any) -> None:
     detok = Detokenizer(tok, table)
     # With no tokenizer workers, requests and aborts come here too (DESIGN: --num-tokenizers 0).
     tokenizer = TokenizeHandler(tok, to_scheduler, to_api, args.seed * 1009 + 1000, table)
-    tokenizer.start(report_ready(conn, "detokenizer", tokenizer_facts(tokenizer)))
+    tokenizer.start(ready(tokenizer_facts(tokenizer)))
     while True:
         wait_inbox(inbox, tokenizer)
         msgs = []

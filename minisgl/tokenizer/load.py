@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 from minisgl.models.source import ModelSource
 
@@ -40,3 +42,12 @@ def load_tokenizer(source: ModelSource, chat_template: str | Path | None = None,
             raise ValueError(f"chat template file {str(path)!r} does not exist")
         tok.chat_template = path.read_text()
     return tok
+
+
+def load_server_tokenizer(args: Any) -> Any:
+    from minisgl.models.source import resolve_model
+
+    # Set before the tokenizer runs: a forked child (large_inputs.py) must not inherit a
+    # thread pool the Rust tokenizer started.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return load_tokenizer(resolve_model(args.model), args.chat_template, args.tokenizer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from minisgl.grammar.spec import GRAMMAR_FIELDS
+from minisgl.core.grammar_fields import GRAMMAR_FIELDS
 from minisgl.parsers.reasoning import REASONING_PARSERS, prompt_closes_reasoning, prompt_opens_reasoning
 
 

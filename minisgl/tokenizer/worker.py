@@ -9,21 +9,19 @@ fit the context is refused before tokenizing (see length_bound.py).
 
 from __future__ import annotations
 
-import os
 import random
-import re
-from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
 
-from minisgl.engine.prompt import check_prompt
-from minisgl.engine.sampling_params import SamplingParams
+from minisgl.core.prompt import check_prompt
+from minisgl.core.sampling_params import RequestError, checked_sampling
 from minisgl.logging_setup import get_logger
 from minisgl.message import (
     AbortMsg,
     DecodeMsg,
     DetokInit,
+    Ready,
     ReplyBatch,
     StartMsg,
     TokenizeMsg,
@@ -33,46 +31,15 @@ from minisgl.message import (
 )
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.parsers.tool_formats import detect_tool_format
-from minisgl.server.child import report_ready
 from minisgl.tokenizer.large_inputs import LARGE_INPUT_BYTES, Job, LargeInputs, release_free_memory
 from minisgl.tokenizer.length_bound import bytes_per_token_bound, min_tokens
+from minisgl.tokenizer.load import load_server_tokenizer
 from minisgl.tokenizer.reasoning_gate import reasoning_gate
 from minisgl.tokenizer.token_bytes import TokenTable
 
 log = get_logger("minisgl.tokenizer")
 _SEED_SPACE = 1 << 63
-_UNEXPECTED_KWARG = re.compile(r"unexpected keyword argument '(\w+)'")
 _REASONING_TAIL_TOKENS = 8
-
-
-class RequestError(ValueError):
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def checked_sampling(fields: dict[str, Any]) -> SamplingParams:
-    """SamplingParams(**fields), its errors as RequestError naming the field (its messages
-    start with the field's name; a field this engine build lacks is named too)."""
-    try:
-        return SamplingParams(**fields)
-    except TypeError as e:
-        m = _UNEXPECTED_KWARG.search(str(e))
-        name = m.group(1) if m else None
-        raise RequestError(f"{name}: not supported by this engine build", name) from e
-    except ValueError as e:
-        name = str(e).split(" ", 1)[0].rstrip(":")
-        raise RequestError(str(e), name if name in SamplingParams.__dataclass_fields__ else None) from e
-
-
-def load_server_tokenizer(args: Any) -> Any:
-    from minisgl.models.source import resolve_model
-    from minisgl.tokenizer.load import load_tokenizer
-
-    # Set before the tokenizer runs: a forked child (large_inputs.py) must not inherit a
-    # thread pool the Rust tokenizer started.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return load_tokenizer(resolve_model(args.model), args.chat_template, args.tokenizer)
 
 
 def tokenizer_facts(handler: TokenizeHandler) -> dict[str, Any]:
@@ -274,14 +241,14 @@ def wait_inbox(inbox: zmq.Socket, handler: TokenizeHandler) -> None:
             return
 
 
-def run_tokenizer(conn: Connection, args: Any, addrs: Any, index: int) -> None:
+def run_tokenizer(ready: Ready, args: Any, addrs: Any, index: int) -> None:
     tok = load_server_tokenizer(args)
     ctx = zmq.Context()
     inbox = pull_socket(ctx, addrs.tokenizers[index])
     handler = TokenizeHandler(
         tok, push_socket(ctx, addrs.scheduler), push_socket(ctx, addrs.api), args.seed * 1009 + index
     )
-    handler.start(report_ready(conn, f"tokenizer{index}", tokenizer_facts(handler)))
+    handler.start(ready(tokenizer_facts(handler)))
     while True:
         wait_inbox(inbox, handler)
         while (m := recv_nowait(inbox)) is not None:

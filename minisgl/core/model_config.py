@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minisgl.models.quant_config import QuantConfig, from_hf
+from minisgl.core.quant_config import QuantConfig, from_hf
 
 # architectures entry -> the flags of our one Llama-family implementation (moe: sparse MLP
 # blocks, see MoEConfig)

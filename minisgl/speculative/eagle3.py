@@ -18,19 +18,14 @@ correctness, is at stake: the target verifies every token).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from minisgl.engine.batch import ForwardBatch
-from minisgl.kvcache.pool import KVPool
+from minisgl.core.batch import ForwardBatch
+from minisgl.kvcache.pool import KVPool, RequestTable
 from minisgl.models.eagle3 import Eagle3Config, Eagle3Head, has_own_embedding
 from minisgl.ops import _checks
-from minisgl.spec.draft_steps import DraftSteps
-from minisgl.spec.drafter import Drafter, DraftRequest, TargetStep
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+from minisgl.speculative.draft_steps import DraftSteps
+from minisgl.speculative.drafter import Drafter, DraftRequest, DraftTarget, TargetStep
 
 
 class Eagle3Drafter(Drafter):
@@ -38,15 +33,15 @@ class Eagle3Drafter(Drafter):
     has_model = True
     needs_next_ids = True
 
-    def __init__(self, engine: Engine, path: str) -> None:
+    def __init__(self, target: DraftTarget, path: str) -> None:
         from pathlib import Path
 
         from minisgl.models.weights import fill_dummy, iter_safetensors
 
-        self.engine = engine
+        self.target = target
         folder = Path(path).expanduser()
         cfg = Eagle3Config.from_folder(folder)
-        tc = engine.model_config
+        tc = target.model_config
         lc = cfg.layer
         if lc.vocab_size != tc.vocab_size:
             raise ValueError(f"EAGLE-3 head {path!r} is for a vocabulary of {lc.vocab_size}; the target has "
@@ -54,24 +49,24 @@ class Eagle3Drafter(Drafter):
         if cfg.target_hidden_size != tc.hidden_size:
             raise ValueError(f"EAGLE-3 head {path!r} reads hidden states of size {cfg.target_hidden_size}; the "
                              f"target's are {tc.hidden_size}")
-        lc.check_tp(engine.tp.size)
+        lc.check_tp(target.tp.size)
         self.aux_layers = cfg.aux_layers(tc.num_layers)
-        dummy = engine.cfg.load_format == "dummy"
+        dummy = target.dummy_weights
         own_embed = (not dummy and has_own_embedding(folder)) or lc.hidden_size != tc.hidden_size
         default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(engine.dtype)
+        torch.set_default_dtype(target.dtype)
         try:
-            with torch.device(engine.device):
-                self.head = Eagle3Head(cfg, None if own_embed else engine.model.model.embed_tokens, engine.tp,
-                                       engine.comm, engine.max_model_len, engine.device)
-                rows = engine.cfg.max_running_requests + 1
+            with torch.device(target.device):
+                self.head = Eagle3Head(cfg, None if own_embed else target.embed_tokens, target.tp, target.comm,
+                                       target.max_model_len, target.device)
+                rows = target.max_requests + 1
                 # Per request-table row: the next chain's first draft token and hidden state.
                 self.next_token = torch.zeros(rows, dtype=torch.int64)
                 self.next_hidden = torch.zeros(rows, lc.hidden_size)
         finally:
             torch.set_default_dtype(default_dtype)
         if dummy:
-            fill_dummy(self.head, engine.cfg.seed + 1)  # d2t stays 0: the identity map
+            fill_dummy(self.head, target.seed + 1)  # d2t stays 0: the identity map
         else:
             self.head.load_weights(iter_safetensors(folder))
         self.head.eval()
@@ -79,17 +74,18 @@ class Eagle3Drafter(Drafter):
         attn = self.head.self_attn
         self.num_q_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.pool: KVPool | None = None
-        self.steps = DraftSteps(engine, self.next_token, self._step)
+        self.steps = DraftSteps(target, self.next_token, self._step)
 
     def kv_bytes_per_token(self) -> int:
-        return KVPool.bytes_per_token_for(1, self.num_kv_heads, self.cfg.layer.head_dim, self.engine.dtype)
+        return KVPool.bytes_per_token_for(1, self.num_kv_heads, self.cfg.layer.head_dim, self.target.dtype)
 
-    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+    def allocate_kv(self, num_pages: int, page_size: int, table: RequestTable) -> None:
         from minisgl.attention.select import make_backend
 
-        eng, d = self.engine, self.cfg.layer.head_dim
-        self.pool = KVPool(1, num_pages, page_size, self.num_kv_heads, d, eng.dtype, eng.device)
-        self.attn = make_backend(eng.cfg.attention_backend, self.pool, self.num_q_heads, d**-0.5, eng.device)
+        t, d = self.target, self.cfg.layer.head_dim
+        self.pool = KVPool(1, num_pages, page_size, self.num_kv_heads, d, t.dtype, t.device)
+        self.attn = make_backend(t.attention_backend, self.pool, self.num_q_heads, d**-0.5, t.device)
+        self.steps.table = table
 
     @torch.inference_mode()
     def after_forward(self, step: TargetStep) -> None:
@@ -122,7 +118,7 @@ class Eagle3Drafter(Drafter):
         out: list[list[int]] = [[] for _ in reqs]
         if not active:
             return out
-        dev = self.engine.device
+        dev = self.target.device
         kmax = max(reqs[i].k for i in active)
         rows = [reqs[i].row for i in active]
         rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)

@@ -16,10 +16,11 @@ from collections.abc import Sequence
 
 import torch
 
-from minisgl.engine.batch import ForwardBatch
-from minisgl.engine.step_layout import StepLayout, StepSpec, count_tiles, exact_layout
+from minisgl.core.batch import ForwardBatch
 from minisgl.kvcache.pool import RequestTable
 from minisgl.logging_setup import log_once
+from minisgl.ops.transfer import host_to_device, pinned_host
+from minisgl.step.layout import StepLayout, StepSpec, count_tiles, exact_layout
 
 # A mixed step's decodes take the paged decode kernel (over min(bucket, max requests) rows in
 # the captured graph) rather than one-row extend tiles. From benchmarks/graph_designs.py on an
@@ -30,17 +31,6 @@ MIXED_DECODES_VIA_DECODE_KERNEL = True
 # logits row per token (True: no verify graphs are captured). benchmarks/spec_verify.py times
 # both on the same steps ("verify graph" vs "extend bucket" columns).
 VERIFY_VIA_EXTEND_BUCKETS = False
-
-
-def pinned_host(size: int, device: torch.device) -> torch.Tensor:
-    """An int64 host buffer to fill and copy to `device`: pinned when that is a GPU."""
-    return torch.empty(size, dtype=torch.int64, pin_memory=device.type == "cuda")
-
-
-def host_to_device(values: Sequence[Sequence[float | int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small [rows, n] table to `device` from pinned memory (async; see the module doc)."""
-    t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return t.to(device, non_blocking=True)
 
 
 class StepBuilder:

@@ -30,10 +30,10 @@ from collections.abc import Callable
 import torch
 
 from minisgl import ops
-from minisgl.engine.batch import ForwardBatch
-from minisgl.engine.step_layout import StepLayout, StepSpec
+from minisgl.core.batch import ForwardBatch
 from minisgl.logging_setup import get_logger
 from minisgl.ops.graph_capture import no_gc
+from minisgl.step.layout import StepLayout, StepSpec
 
 log = get_logger("minisgl.engine")
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from minisgl import ops
-from minisgl.engine.penalty_state import PenaltyState
-from minisgl.engine.sampler import SamplingTensors
-from minisgl.engine.sampling_params import SamplingParams
+from minisgl.core.sampling_params import SamplingParams
+from minisgl.sampling.penalty_state import PenaltyState
+from minisgl.sampling.sampler import SamplingTensors
 
 # Changes the fp32 [B, V] sampled rows' logits in place (a grammar's token mask), after the
 # penalties and before sampling. It runs on the host once the step's forward is launched, so it

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from minisgl import ops
-from minisgl.engine.logits_plan import LogitsMask, LogitsPlan, LogitsSpec
-from minisgl.engine.penalty_state import PenaltyState
+from minisgl.sampling.logits_plan import LogitsMask, LogitsPlan, LogitsSpec
+from minisgl.sampling.penalty_state import PenaltyState
 
 
 def _dev(values: list[int], device: torch.device) -> torch.Tensor:

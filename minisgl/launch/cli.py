@@ -1,5 +1,5 @@
 """The command line of `python -m minisgl.serve`: the parser (flags, groups, help) and
-`parse_args` into a ServerArgs (minisgl/server/args.py holds the values and their defaults).
+`parse_args` into a ServerArgs (minisgl/launch/args.py holds the values and their defaults).
 
 Importing this module stays light (no torch) so `--help` answers at once.
 """
@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 
 from minisgl.dp.dispatch import METHODS as LOAD_BALANCE_METHODS
-from minisgl.server.args import ServerArgs, default_num_tokenizers
+from minisgl.launch.args import ServerArgs, default_num_tokenizers
 
 
 def _default_device() -> str:

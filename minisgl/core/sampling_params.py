@@ -10,9 +10,12 @@ the raw logits: log_softmax before any of the steps above (vLLM's default "raw_l
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
+from typing import Any
 
 MAX_LOGPROBS = 20  # alternatives per position, as OpenAI allows for top_logprobs
+_UNEXPECTED_KWARG = re.compile(r"unexpected keyword argument '(\w+)'")
 
 
 def _is_int(x: object) -> bool:
@@ -113,7 +116,7 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}")
 
     def _validate_grammar(self) -> None:
-        from minisgl.grammar.spec import GRAMMAR_FIELDS, normalize_grammar_field
+        from minisgl.core.grammar_fields import GRAMMAR_FIELDS, normalize_grammar_field
 
         given = []
         for name in GRAMMAR_FIELDS:
@@ -129,3 +132,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class RequestError(ValueError):
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def checked_sampling(fields: dict[str, Any]) -> SamplingParams:
+    """SamplingParams(**fields), its errors as RequestError naming the field (its messages
+    start with the field's name; a field this engine build lacks is named too)."""
+    try:
+        return SamplingParams(**fields)
+    except TypeError as e:
+        m = _UNEXPECTED_KWARG.search(str(e))
+        name = m.group(1) if m else None
+        raise RequestError(f"{name}: not supported by this engine build", name) from e
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0].rstrip(":")
+        raise RequestError(str(e), name if name in SamplingParams.__dataclass_fields__ else None) from e

@@ -14,8 +14,31 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from minisgl.engine.batch import ForwardBatch
+from minisgl.core.batch import ForwardBatch
+from minisgl.core.model_config import ModelConfig
+from minisgl.distributed.info import Communicator, TPInfo
+from minisgl.kvcache.pool import RequestTable
+
+
+@dataclass(frozen=True)
+class DraftTarget:
+    """What a drafter may know of the target engine it drafts for (the engine builds it; a
+    drafter never sees the engine itself): the target's model shape and input embedding (an
+    EAGLE-3 head may share it), where and how it runs, and the limits its buffers follow."""
+
+    model_config: ModelConfig
+    embed_tokens: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    tp: TPInfo
+    comm: Communicator
+    max_model_len: int
+    max_requests: int  # request-table rows in use at most (the table has one more: padding)
+    seed: int
+    dummy_weights: bool  # --load-format dummy: a drafter with a model fills random weights too
+    attention_backend: str
 
 
 @dataclass
@@ -76,8 +99,9 @@ class Drafter(ABC):
         """Bytes of draft KV per token slot (added to the target's when sizing the pool)."""
         return 0
 
-    def allocate_kv(self, num_pages: int, page_size: int) -> None:
-        """Create the draft's KV pool with the target's pages (same slot ids)."""
+    def allocate_kv(self, num_pages: int, page_size: int, table: RequestTable) -> None:
+        """Create the draft's KV pool with the target's pages (same slot ids); `table` is the
+        target's request table, which indexes both pools."""
 
     def after_forward(self, step: TargetStep) -> None:
         """Keep the draft's KV in step with a target forward (no-op without a draft model)."""

@@ -13,18 +13,13 @@ the tokens the target actually took. The chain's steps replay graphs per decode 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from minisgl.engine.batch import ForwardBatch
-from minisgl.kvcache.pool import KVPool
+from minisgl.core.batch import ForwardBatch
+from minisgl.kvcache.pool import KVPool, RequestTable
 from minisgl.ops import _checks
-from minisgl.spec.draft_steps import DraftSteps
-from minisgl.spec.drafter import Drafter, DraftRequest
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+from minisgl.speculative.draft_steps import DraftSteps
+from minisgl.speculative.drafter import Drafter, DraftRequest, DraftTarget
 
 
 class DraftModelDrafter(Drafter):
@@ -32,39 +27,41 @@ class DraftModelDrafter(Drafter):
     has_model = True
     mirrors_in_forward = True
 
-    def __init__(self, engine: Engine, path: str) -> None:
-        from minisgl.engine.loading import load_model, load_model_config
+    def __init__(self, target: DraftTarget, path: str) -> None:
+        from minisgl.models.loading import load_model, load_model_config
         from minisgl.models.source import resolve_model
 
-        self.engine = engine
+        self.target = target
         source = resolve_model(path)
         cfg = load_model_config(source)
-        target_vocab = engine.model_config.vocab_size
+        target_vocab = target.model_config.vocab_size
         if cfg.vocab_size != target_vocab:
             raise ValueError(
                 f"draft model {path!r} has a vocabulary of {cfg.vocab_size} tokens; the target has {target_vocab}"
             )
-        cfg.check_tp(engine.tp.size)
+        cfg.check_tp(target.tp.size)
         self.model_config = cfg
         # Another seed than the target's: dummy weights must not make the draft a copy.
-        self.model = load_model(engine, source, cfg, engine.cfg.seed + 1)
+        self.model = load_model(source, cfg, target.seed + 1, dtype=target.dtype, device=target.device, tp=target.tp,
+                                comm=target.comm, max_model_len=target.max_model_len, dummy=target.dummy_weights)
         attn = self.model.model.layers[0].self_attn
         self.num_q_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.pool: KVPool | None = None
         # Per request-table row: the next input of a draft chain (a draft step writes its argmax).
-        self.tokens = torch.zeros(engine.cfg.max_running_requests + 1, dtype=torch.int64, device=engine.device)
-        self.steps = DraftSteps(engine, self.tokens, self._step)
+        self.tokens = torch.zeros(target.max_requests + 1, dtype=torch.int64, device=target.device)
+        self.steps = DraftSteps(target, self.tokens, self._step)
 
     def kv_bytes_per_token(self) -> int:
         mc = self.model_config
-        return KVPool.bytes_per_token_for(mc.num_layers, self.num_kv_heads, mc.head_dim, self.engine.dtype)
+        return KVPool.bytes_per_token_for(mc.num_layers, self.num_kv_heads, mc.head_dim, self.target.dtype)
 
-    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+    def allocate_kv(self, num_pages: int, page_size: int, table: RequestTable) -> None:
         from minisgl.attention.select import make_backend
 
-        mc, eng = self.model_config, self.engine
-        self.pool = KVPool(mc.num_layers, num_pages, page_size, self.num_kv_heads, mc.head_dim, eng.dtype, eng.device)
-        self.attn = make_backend(eng.cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, eng.device)
+        mc, t = self.model_config, self.target
+        self.pool = KVPool(mc.num_layers, num_pages, page_size, self.num_kv_heads, mc.head_dim, t.dtype, t.device)
+        self.attn = make_backend(t.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, t.device)
+        self.steps.table = table
 
     def mirror(self, batch: ForwardBatch) -> None:
         """The draft's K/V over a target forward's positions and slots (no LM head). The engine
@@ -88,7 +85,7 @@ class DraftModelDrafter(Drafter):
         out: list[list[int]] = [[] for _ in reqs]
         if not active:
             return out
-        dev = self.engine.device
+        dev = self.target.device
         kmax = max(reqs[i].k for i in active)
         rows = [reqs[i].row for i in active]
         rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)

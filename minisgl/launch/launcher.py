@@ -18,10 +18,11 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from minisgl.launch.args import ServerArgs
+from minisgl.launch.child import child_main
 from minisgl.logging_setup import get_logger
 from minisgl.message import ReadyMsg, StartMsg, decode, encode
-from minisgl.server.args import Addresses, ServerArgs
-from minisgl.server.child import child_main
+from minisgl.message.addresses import Addresses
 
 log = get_logger("minisgl.server")
 
@@ -229,11 +230,11 @@ async def _serve(
 ) -> int:
     import uvicorn
 
+    from minisgl.launch.shell import run_shell
     from minisgl.server.api import build_app
     from minisgl.server.frontend import Frontend
     from minisgl.server.metrics import Metrics
     from minisgl.server.router_compat import add_router_routes, server_info
-    from minisgl.server.shell import run_shell
 
     loop = asyncio.get_running_loop()
     info = _server_info(args, start, children)

@@ -13,38 +13,40 @@ request table's padding row (its K/V go to the dummy slot; its buffer entries ar
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-from minisgl.engine.batch import ForwardBatch
-from minisgl.engine.step_builder import StepBuilder
-from minisgl.engine.step_layout import StepLayout, StepSpec
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+from minisgl.core.batch import ForwardBatch
+from minisgl.kvcache.pool import RequestTable
+from minisgl.speculative.drafter import DraftTarget
+from minisgl.step.builder import StepBuilder
+from minisgl.step.layout import StepLayout, StepSpec
 
 
 class DraftSteps:
-    def __init__(self, engine: Engine, token_buffer: torch.Tensor, step_fn: Callable[[ForwardBatch], None]) -> None:
-        self.engine, self.token_buffer, self.step_fn = engine, token_buffer, step_fn
+    def __init__(self, target: DraftTarget, token_buffer: torch.Tensor,
+                 step_fn: Callable[[ForwardBatch], None]) -> None:
+        self.target, self.token_buffer, self.step_fn = target, token_buffer, step_fn
+        self.table: RequestTable | None = None
         self._steps: StepBuilder | None = None
         self.graphs = None
 
     @property
     def steps(self) -> StepBuilder:
-        """Decode steps only (no extend tile map); built on first use: the drafter is made
-        before the engine's request table."""
+        """Decode steps only (no extend tile map) over the target's request table, which the
+        engine hands over with the KV pool (`allocate_kv`), after the drafter is built."""
         if self._steps is None:
-            eng = self.engine
-            self._steps = StepBuilder(eng.table, self.token_buffer, eng.device, eng.max_model_len,
-                                      eng.model_config.vocab_size, None)
+            t = self.target
+            assert self.table is not None, "the draft's KV (and the target's request table) is not allocated yet"
+            self._steps = StepBuilder(self.table, self.token_buffer, t.device, t.max_model_len,
+                                      t.model_config.vocab_size, None)
         return self._steps
 
     def enable_cuda_graphs(self, batch_sizes: list[int], runner_cls: type) -> None:
         """Captures one graph per decode batch size (its own memory pool; small: decode-sized
         activations of the draft). `runner_cls`: the engine's CudaGraphRunner (class)."""
-        eng, table, buf = self.engine, self.engine.table.req_to_slot, self.token_buffer
+        t, buf = self.target, self.token_buffer
+        table = self.steps.table.req_to_slot
 
         def forward(batch: ForwardBatch, out: torch.Tensor) -> torch.Tensor:
             self.step_fn(batch)
@@ -52,8 +54,8 @@ class DraftSteps:
 
         self.graphs = runner_cls(
             [StepLayout("decode", b, b) for b in batch_sizes], [],
-            lambda layout, b: layout.views(b, table, buf, eng.max_model_len), forward, lambda spec, dk: 0,
-            lambda layout, b: self.steps.upload(StepSpec(layout.mode, [], [], []), layout, b), 1, eng.device,
+            lambda layout, b: layout.views(b, table, buf, t.max_model_len), forward, lambda spec, dk: 0,
+            lambda layout, b: self.steps.upload(StepSpec(layout.mode, [], [], []), layout, b), 1, t.device,
         )
         self.steps.graphs = self.graphs
 

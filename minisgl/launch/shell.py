@@ -15,10 +15,10 @@ import sys
 import threading
 from typing import Any
 
+from minisgl.core.sampling_params import RequestError, checked_sampling
 from minisgl.message import TokenizeMsg
 from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
 from minisgl.server.frontend import Frontend
-from minisgl.tokenizer.worker import RequestError, checked_sampling
 
 # What /set takes, with the type of its value; "none" unsets the optional ones.
 SETTABLE: dict[str, type] = {

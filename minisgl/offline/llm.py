@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import multiprocessing as mp
 import random
 import socket
@@ -13,14 +14,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from minisgl.dp.offline import ReplicaPool
-from minisgl.dp.placement import share_cpu
+from minisgl.core.grammar_fields import grammar_spec
+from minisgl.core.sampling_params import SamplingParams
+from minisgl.distributed.placement import share_cpu
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
-from minisgl.engine.sampling_params import SamplingParams
 from minisgl.grammar.compiler import GrammarCompiler
-from minisgl.grammar.spec import check_grammar, grammar_spec
+from minisgl.grammar.spec import check_grammar
 from minisgl.message import DetokInit
+from minisgl.offline.replicas import ReplicaPool, replica_options
 from minisgl.scheduler.config import SchedulerConfig, offline_mixed_chunk, scheduler_config
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import Scheduler
@@ -45,7 +47,7 @@ class LLM:
 
     dp_size=N runs N replicas (this process and N - 1 more, each with tp_size GPUs: replica r's
     TP rank t on GPU base_gpu_id + r * tp_size + t); `generate` splits the prompts across them
-    and returns the results in input order (minisgl/dp/offline.py)."""
+    and returns the results in input order (minisgl/offline/replicas.py)."""
 
     def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str = "auto", **options: Any):
         unknown = set(options) - _ENGINE_OPTIONS - _SCHED_OPTIONS - _LLM_OPTIONS
@@ -81,7 +83,7 @@ class LLM:
             raise ValueError(f"device {cfg.device!r} names one GPU; with dp_size give device='cuda' (and base_gpu_id)")
         if cfg.dist_init_addr is not None or cfg.nnodes > 1:
             raise ValueError("dp_size > 1 runs on one machine: give neither dist_init_addr nor nnodes")
-        return ReplicaPool(dp_size, cfg.model, cfg.device, cfg.dtype, options)
+        return ReplicaPool(dp_size, functools.partial(_replica, cfg.model, cfg.device, cfg.dtype, options), cfg.device)
 
     def _init_replica0(self, cfg: EngineConfig, options: dict[str, Any]) -> None:
         if self._replicas is not None:
@@ -120,7 +122,7 @@ class LLM:
         )
 
     def _start_tp_workers(self, cfg: EngineConfig, options: dict[str, Any]) -> EngineConfig:
-        from minisgl.engine.loading import load_model_config
+        from minisgl.models.loading import load_model_config
         from minisgl.models.source import resolve_model
         from minisgl.scheduler.tp_worker import run_tp_worker
 
@@ -288,3 +290,8 @@ def _shutdown_ranks(sync: InputSync, engine: Engine, workers: list[mp.process.Ba
         proc.join(timeout=30)
         if proc.is_alive():
             proc.kill()
+
+
+def _replica(model: str | None, device: str, dtype: str, options: dict[str, Any], dp_rank: int) -> LLM:
+    """Replica `dp_rank` of an LLM(dp_size=N), built in its own process (ReplicaPool)."""
+    return LLM(model, device=device, dtype=dtype, **replica_options(options, dp_rank))

@@ -40,17 +40,15 @@ def replica_options(options: dict[str, Any], dp_rank: int) -> dict[str, Any]:
     return {**options, "base_gpu_id": options.get("base_gpu_id", 0) + dp_rank * tp}
 
 
-def _replica_main(
-    conn: Connection, model: str | None, device: str, dtype: str, options: dict[str, Any], dp_size: int
-) -> None:
-    from minisgl.dp.placement import share_cpu
-    from minisgl.llm import LLM
+def _replica_main(conn: Connection, make_replica: Callable[[int], Any], dp_rank: int, device: str,
+                  dp_size: int) -> None:
+    from minisgl.distributed.placement import share_cpu
 
     # No PR_SET_PDEATHSIG here (it fires when the *thread* that started us ends, and an LLM
     # may live in any thread): if the parent dies, our recv() below ends with EOFError.
     share_cpu(device, dp_size)
     try:
-        llm = LLM(model, device=device, dtype=dtype, **options)
+        llm = make_replica(dp_rank)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", type(e).__name__, str(e)))
         return
@@ -70,9 +68,11 @@ def _replica_main(
 
 
 class ReplicaPool:
-    """Replicas 1..N-1 of an LLM, one process each."""
+    """Replicas 1..N-1 of an LLM, one process each. `make_replica(dp_rank)` (picklable: it is
+    sent to the spawned process) builds a replica there: an object with the LLM's
+    `generate(prompts, params, use_tqdm)` and `shutdown()`."""
 
-    def __init__(self, dp_size: int, model: str | None, device: str, dtype: str, options: dict[str, Any]) -> None:
+    def __init__(self, dp_size: int, make_replica: Callable[[int], Any], device: str) -> None:
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
         self.conns: list[Connection] = []
         # Not daemonic: a replica with tp_size > 1 starts its own rank processes. shutdown()
@@ -82,7 +82,7 @@ class ReplicaPool:
         for r in range(1, dp_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_replica_main, args=(child, model, device, dtype, replica_options(options, r), dp_size),
+                target=_replica_main, args=(child, make_replica, r, device, dp_size),
                 name=f"minisgl-llm-replica{r}",
             )
             proc.start()

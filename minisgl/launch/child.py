@@ -4,6 +4,7 @@ the parent, and report ready (or why it could not start) through its pipe."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import signal
 import sys
 from collections.abc import Callable
@@ -27,12 +28,14 @@ def _die_with_parent() -> None:
 
 
 def child_main(name: str, target: Callable[..., None], conn: Connection, *args: Any) -> None:
-    """Entry point of every child (spawned, so it must be importable)."""
+    """Entry point of every child (spawned, so it must be importable). The worker runs as
+    `target(ready, *args)`: it calls `ready(info)` once loaded, which reports to the launcher and
+    returns the StartMsg (workers know nothing of the launcher but this callback)."""
     _die_with_parent()
     # Ctrl-C reaches the whole process group; the launcher alone handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        target(conn, *args)
+        target(functools.partial(report_ready, conn, name), *args)
     except Exception as e:  # noqa: BLE001 - any failure must reach the launcher, then exit 1
         log.exception("%s failed", name)
         try:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from minisgl import ops
-from minisgl.engine.batch import ForwardBatch
+from minisgl.core.batch import ForwardBatch
 
 
 def _seg(n: int) -> int:

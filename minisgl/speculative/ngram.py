@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from minisgl.spec.drafter import Drafter, DraftRequest
+from minisgl.speculative.drafter import Drafter, DraftRequest
 
 
 def ngram_drafts(contexts: Sequence[np.ndarray], ks: Sequence[int], min_n: int, max_n: int) -> list[list[int]]:

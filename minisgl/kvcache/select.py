@@ -1,0 +1,15 @@
+"""The prefix cache a server flag names (`--cache {radix,naive}`)."""
+
+from __future__ import annotations
+
+from minisgl.kvcache.naive_cache import NaiveCache
+from minisgl.kvcache.prefix_cache import PrefixCache
+from minisgl.kvcache.radix_cache import RadixCache
+
+
+def make_prefix_cache(kind: str, page_size: int) -> PrefixCache:
+    if kind == "radix":
+        return RadixCache(page_size)
+    if kind == "naive":
+        return NaiveCache(page_size)
+    raise ValueError(f"unknown cache kind {kind!r} (expected 'radix' or 'naive')")

@@ -1,0 +1,44 @@
+"""Loading a model: its config, and the model with its weights on a device, in a dtype, for one
+TP rank (the target's, or a draft model's for speculative decoding)."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.core.model_config import ModelConfig
+from minisgl.distributed.info import Communicator, TPInfo
+from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.source import ModelSource
+from minisgl.models.weights import fill_dummy, iter_safetensors
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.is_gguf:
+        from minisgl.models.gguf_file import gguf_config
+
+        return ModelConfig.from_dict(gguf_config(source.path))
+    return ModelConfig.from_folder(source.path)
+
+
+def load_model(
+    source: ModelSource, model_cfg: ModelConfig, seed: int, *, dtype: torch.dtype, device: torch.device, tp: TPInfo,
+    comm: Communicator, max_model_len: int, dummy: bool,
+) -> LlamaForCausalLM:
+    """A Llama-family model on `device` in `dtype`, sharded for TP rank `tp`, with its weights
+    (random ones of the real shapes when `dummy`): the target, or a draft model."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(model_cfg, tp, comm, max_model_len, device)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if dummy:
+        fill_dummy(model, seed)
+    elif source.is_gguf:
+        from minisgl.models.gguf_file import gguf_config, iter_gguf
+
+        model.load_weights(iter_gguf(source.path, gguf_config(source.path)))
+    else:
+        model.load_weights(iter_safetensors(source.path))
+    return model.eval()
