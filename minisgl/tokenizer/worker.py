@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 
 from minisgl.core.prompt import check_prompt
-from minisgl.core.sampling_params import RequestError, checked_sampling
+from minisgl.core.sampling_params import RequestError
 from minisgl.logging_setup import get_logger
 from minisgl.message import (
     AbortMsg,
@@ -183,26 +183,28 @@ class TokenizeHandler:
             check_prompt(ids, limit, self.vocab_size)
         except ValueError as e:
             raise RequestError(f"prompt: {e}", "prompt") from e
-        sampling = dict(msg.sampling)
+        # The API process validated the sampling fields (decoding does not rerun it): what is
+        # left to check here is what needs the prompt's length.
+        params = msg.sampling
         room = limit - len(ids)
-        max_tokens = sampling.get("max_tokens")
-        if max_tokens is None:
-            sampling["max_tokens"] = room
-        elif max_tokens > room:
+        if params.max_tokens is not None and params.max_tokens > room:
             raise RequestError(
-                f"max_tokens: {max_tokens} tokens asked for but the prompt has {len(ids)} tokens "
+                f"max_tokens: {params.max_tokens} tokens asked for but the prompt has {len(ids)} tokens "
                 f"and the context is {limit}: at most {room} can be generated",
                 "max_tokens",
             )
+        try:
+            params.resolve_max_tokens(room)
+        except ValueError as e:
+            raise RequestError(str(e), "min_tokens") from e
         reasoning_open = False
         if msg.reasoning and msg.messages is not None:
             # The gate reads the prompt's end only: a few tokens hold any block marker.
             tail = self.tok.decode(ids[-_REASONING_TAIL_TOKENS:])
             try:
-                reasoning_open = reasoning_gate(self.tok, msg.reasoning, tail, sampling)
+                reasoning_open = reasoning_gate(self.tok, msg.reasoning, tail, params)
             except ValueError as e:
                 raise RequestError(str(e), None) from e
-        params = checked_sampling(sampling)
         echo = msg.return_prompt or params.prompt_logprobs is not None
         init = DetokInit(
             len(ids),
@@ -224,7 +226,7 @@ class TokenizeHandler:
             else:  # choices of one request must differ: offset the seed per choice
                 seed = params.seed if i == 0 else (params.seed + i) % _SEED_SPACE
             hops = None if msg.trace is None else dict(msg.trace)
-            out.append(UserMsg(uid, ids, {**sampling, "stop": params.stop}, seed, init, hops))
+            out.append(UserMsg(uid, ids, params, seed, init, hops))
         return out
 
 
