@@ -33,7 +33,7 @@ from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.parsers.tool_formats import detect_tool_format
 from minisgl.tokenizer.large_inputs import LARGE_INPUT_BYTES, Job, LargeInputs, release_free_memory
 from minisgl.tokenizer.length_bound import bytes_per_token_bound, min_tokens
-from minisgl.tokenizer.load import load_server_tokenizer
+from minisgl.tokenizer.load import hide_torch, load_server_tokenizer
 from minisgl.tokenizer.reasoning_gate import reasoning_gate
 from minisgl.tokenizer.token_bytes import TokenTable
 
@@ -244,6 +244,7 @@ def wait_inbox(inbox: zmq.Socket, handler: TokenizeHandler) -> None:
 
 
 def run_tokenizer(ready: Ready, args: Any, addrs: Any, index: int) -> None:
+    hide_torch()  # this process only tokenizes: transformers must not load torch (see there)
     tok = load_server_tokenizer(args)
     ctx = zmq.Context()
     inbox = pull_socket(ctx, addrs.tokenizers[index])
