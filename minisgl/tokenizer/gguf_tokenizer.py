@@ -49,9 +49,9 @@ def gguf_tokenizer_folder(gguf: Path) -> Path:
 
 def _convert_in_child(gguf: Path, out: Path) -> None:
     log.info("converting the tokenizer of %s into %s (once)", gguf.name, out.parent)
-    # The child imports this same minisgl: the folder holding the package goes first on its path.
-    root = str(Path(__file__).parents[2])
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    # The child must import this same minisgl: it gets this process's module path, in order
+    # (as multiprocessing's spawn does; "" is the current directory, which the child shares).
+    path = os.pathsep.join(p or os.getcwd() for p in sys.path)
     cmd = [sys.executable, "-m", "minisgl.tokenizer.gguf_tokenizer", str(gguf), str(out)]
     try:
         done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
