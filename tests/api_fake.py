@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
+from minisgl.core.grammar_fields import grammar_spec
 from minisgl.message import DecodeMsg, PromptEcho, TokenizeMsg, UserReply, decode
 from minisgl.message.addresses import Addresses
 from minisgl.server.api import ServerInfo, build_app
@@ -19,6 +20,7 @@ from minisgl.server.protocol_types import Limits
 VOCAB, CONTEXT = 1000, 64
 SAY = "say:"  # a last message "say:TEXT" makes the stand-in output TEXT (tool calls, reasoning)
 OPEN = "</think>"  # ... and when TEXT holds this, the reply says the prompt opened a think block
+REJECT = "REJECT"  # a grammar holding this does not compile (the scheduler's error, engine field named)
 OUTPUT = [10, 11, 12]  # every generation: these tokens, then "length"
 TEXTS = {10: "ab", 11: "\ufffd", 12: "c"}
 BYTES = {10: b"ab", 11: b"\xe2\x82", 12: b"c"}  # a partial character in the middle
@@ -52,6 +54,10 @@ class ScriptedBackend:
             raise RuntimeError("a bug in the backend stand-in")
         if text == "refuse":
             return [UserReply(u, error="prompt: refused by the worker", error_param="prompt") for u in msg.uids]
+        spec = grammar_spec(msg.sampling)
+        if spec is not None and REJECT in spec.text:  # as the scheduler's grammar compiler refuses one
+            error = f"{spec.kind}: invalid (the stand-in rejects it)"
+            return [UserReply(u, error=error, error_param=spec.kind) for u in msg.uids]
         prompt = list(msg.input_ids or [7, 8])
         if msg.mode == "tokenize":
             return [UserReply(msg.uids[0], token_ids=prompt, prompt_tokens=len(prompt), finish_reason="stop",
@@ -62,8 +68,8 @@ class ScriptedBackend:
             return [UserReply(uid, said[a:b], [10], prompt_tokens=2, completion_tokens=i + 1,
                               finish_reason="stop" if i == 2 else None, reasoning_open=i == 0 and OPEN in said)
                     for uid in msg.uids for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
-        k = msg.sampling.get("top_logprobs", 0)
-        pk = msg.sampling.get("prompt_logprobs")
+        k = msg.sampling.top_logprobs
+        pk = msg.sampling.prompt_logprobs
         out = []
         for uid in msg.uids:
             for i, t in enumerate(OUTPUT):

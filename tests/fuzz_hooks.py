@@ -9,7 +9,8 @@ for each is a regression test of its own):
   needs stream: true;
 - on an engine build without prompt logprobs, completions' echo with logprobs;
 - chat's output constraint: one at most (response_format, regex, ebnf, tool_choice), and it
-  must compile with xgrammar (checked here with the server's own planning code).
+  must compile with xgrammar (checked here with the server's own planning code and the
+  grammar parse of the scheduler's compiler).
 Requests whose generation work (prompts x n x max_tokens) exceeds FUZZ_MAX_WORK tokens are
 dropped too, positive or negative: they are valid, only slow on a CPU.
 
@@ -24,7 +25,9 @@ from typing import Any
 import schemathesis
 from transformers import AutoTokenizer
 
+from minisgl.core.grammar_fields import GrammarSpec
 from minisgl.core.sampling_params import SamplingParams
+from minisgl.grammar.spec import check_grammar
 from minisgl.server.build import chat_messages
 from minisgl.server.chat_request import plan_chat
 from minisgl.server.protocol import ChatMessage
@@ -89,8 +92,10 @@ def acceptable(path: str, body: dict[str, Any]) -> bool:
 
 def _constraint_ok(body: dict[str, Any]) -> bool:
     try:  # the fuzzed server has no tool-call parser: its schema admits no tools
-        plan_chat(body.get("response_format"), body.get("regex"), body.get("ebnf"), body.get("tools"),
-                  body.get("tool_choice"), body.get("parallel_tool_calls") is not False, None)
+        plan = plan_chat(body.get("response_format"), body.get("regex"), body.get("ebnf"), body.get("tools"),
+                         body.get("tool_choice"), body.get("parallel_tool_calls") is not False, None)
+        for kind, text in plan.grammar.items():  # the scheduler's compiler parses it the same way
+            check_grammar(GrammarSpec(kind, text))
     except ValueError:
         return False
     return True

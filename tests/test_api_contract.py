@@ -173,11 +173,11 @@ def test_accepted_fields_and_defaults(app) -> None:  # noqa: ANN001
             "spaces_between_special_tokens": True, "include_stop_str_in_output": True}
     assert client.post(CHAT, json=body).status_code == 200
     msg = backend.seen[-1]
-    assert msg.sampling["temperature"] == 0.2 and msg.sampling["top_p"] == 0.9  # the model's defaults
-    assert (msg.sampling["min_p"], msg.sampling["top_k"], msg.sampling["stop_token_ids"]) == (0.1, 5, [3])
+    assert msg.sampling.temperature == 0.2 and msg.sampling.top_p == 0.9  # the model's defaults
+    assert (msg.sampling.min_p, msg.sampling.top_k, msg.sampling.stop_token_ids) == (0.1, 5, [3])
     assert msg.include_stop_str and msg.spaces_between_special_tokens and not msg.skip_special_tokens
     client.post(CHAT, json={"messages": HI, "temperature": 0, "top_p": 1})
-    assert (backend.seen[-1].sampling["temperature"], backend.seen[-1].sampling["top_p"]) == (0, 1)
+    assert (backend.seen[-1].sampling.temperature, backend.seen[-1].sampling.top_p) == (0, 1)
     card = client.get("/v1/models/tiny").json()
     assert card["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.9, "top_k": -1, "min_p": 0.0,
                                          "repetition_penalty": 1.0}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from api_fake import SAY, make_client
+from api_fake import REJECT, SAY, make_client
 from server_harness import sse_events
 
 from minisgl.parsers.tool_formats import TOOL_FORMATS
@@ -47,21 +47,21 @@ def test_constraints_reach_the_worker(tools_app) -> None:  # noqa: ANN001
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
     assert client.post(CHAT, json={"messages": HI, "response_format": fmt}).status_code == 200
-    assert json.loads(backend.seen[-1].sampling["json_schema"]) == schema
+    assert json.loads(backend.seen[-1].sampling.json_schema) == schema
     client.post(CHAT, json={"messages": HI, "response_format": {"type": "json_object"}})
-    assert json.loads(backend.seen[-1].sampling["json_schema"]) == {"type": "object"}
+    assert json.loads(backend.seen[-1].sampling.json_schema) == {"type": "object"}
     client.post(CHAT, json={"messages": HI, "regex": "[ab]+"})
-    assert backend.seen[-1].sampling["regex"] == "[ab]+"
+    assert backend.seen[-1].sampling.regex == "[ab]+"
     tag = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
            "triggers": ["<f>"]}
     assert client.post(CHAT, json={"messages": HI, "response_format": tag}).status_code == 200
-    assert json.loads(backend.seen[-1].sampling["structural_tag"])["structures"][0]["schema"] == schema
+    assert json.loads(backend.seen[-1].sampling.structural_tag)["structures"][0]["schema"] == schema
     kwargs = {"enable_thinking": False}
     body = {"messages": HI, "tools": TOOLS, "tool_choice": "required", "chat_template_kwargs": kwargs}
     assert client.post(CHAT, json=body).status_code == 200
     msg = backend.seen[-1]
     assert msg.tools == TOOLS and msg.chat_template_kwargs == {"enable_thinking": False} and msg.reasoning == "qwen3"
-    assert "get_weather" in msg.sampling["structural_tag"]
+    assert "get_weather" in msg.sampling.structural_tag
 
 
 def test_tool_messages_reach_the_template(tools_app) -> None:  # noqa: ANN001
@@ -78,9 +78,6 @@ def test_tool_messages_reach_the_template(tools_app) -> None:  # noqa: ANN001
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"regex": "a("}, "regex"),
-        ({"ebnf": "root ::= "}, "ebnf"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, "response_format"),
         ({"response_format": {"type": "json_object"}, "regex": "a"}, "regex"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "structural_tag", "triggers": ["<f>"]}}, "response_format.structural_tag"),
@@ -94,6 +91,38 @@ def test_tool_messages_reach_the_template(tools_app) -> None:  # noqa: ANN001
 def test_bad_structured_fields_are_400s_naming_them(tools_app, body: dict, param: str) -> None:  # noqa: ANN001
     err = error_of(tools_app[0].post(CHAT, json={"messages": HI, **body}))
     assert err["param"] == param and err["message"].startswith(param), err
+
+
+def test_grammars_reach_the_worker_unparsed(tools_app) -> None:  # noqa: ANN001
+    """The API checks a grammar's shape only: xgrammar (which imports torch) parses it in the
+    scheduler's compiler (tests/test_server_structured.py goes through the real server)."""
+    client, backend = tools_app
+    assert client.post(CHAT, json={"messages": HI, "regex": "a("}).status_code == 200
+    assert backend.seen[-1].sampling.regex == "a("
+    fmt = {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}
+    assert client.post(CHAT, json={"messages": HI, "response_format": fmt}).status_code == 200
+    assert json.loads(backend.seen[-1].sampling.json_schema) == {"type": "nope"}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"regex": REJECT}, "regex"),
+        ({"ebnf": f'root ::= "{REJECT}"'}, "ebnf"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"title": REJECT}}}},
+         "response_format"),
+        ({"response_format": {"type": "structural_tag", "format": {"type": REJECT}}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": REJECT}}], "tool_choice": "required"}, "tool_choice"),
+    ],
+)
+@pytest.mark.parametrize("streamed", [False, True])
+def test_grammar_the_compiler_refuses_is_a_400_naming_the_request_field(
+    tools_app, body: dict, param: str, streamed: bool  # noqa: ANN001
+) -> None:
+    """The scheduler names the engine field (json_schema, structural_tag, ...); Job.names maps it
+    to the one the client sent, message and param, and a stream answers 400 before any event."""
+    err = error_of(tools_app[0].post(CHAT, json={"messages": HI, **body, "stream": streamed}))
+    assert err["param"] == param and err["message"] == f"{param}: invalid (the stand-in rejects it)", err
 
 
 def test_schema_states_the_fields(tools_app, plain_app) -> None:  # noqa: ANN001

@@ -114,6 +114,12 @@ def test_prompt_longer_than_context(tiny_model_path: Callable[[str], Path]) -> N
     out = llm.generate([[5] * 20, [5] * 31], SamplingParams(max_tokens=50, temperature=0.0))
     assert 1 <= len(out[0]["token_ids"]) <= 12
     assert len(out[1]["token_ids"]) == 1
+    # max_tokens None: the rest of the context, per prompt (one params object for both).
+    rest = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    out = llm.generate([[5] * 20, [5] * 29], rest)
+    assert [len(o["token_ids"]) for o in out] == [12, 3] and rest.max_tokens is None
+    with pytest.raises(ValueError, match="^min_tokens: 5 asked for but the prompt leaves room for 3 tokens"):
+        llm.generate([[5] * 29], SamplingParams(max_tokens=None, min_tokens=5))
 
 
 def test_bad_prompts(tiny_model_path: Callable[[str], Path]) -> None:

@@ -11,6 +11,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
+from minisgl.core.sampling_params import SamplingParams
 from minisgl.dp.controller import Controller
 from minisgl.dp.dispatch import Dispatcher, PrefixTable, block_hashes
 from minisgl.launch.args import ServerArgs
@@ -166,7 +167,7 @@ def test_controller_routes_requests_broadcasts_aborts_and_forwards_reports() -> 
     replicas, api = [_Sock(), _Sock()], _Sock()
     c = Controller(Dispatcher(2, "round_robin"), replicas, api)
     init = DetokInit(3)
-    frames = [encode(UserMsg(u, [1, 2, 3], {"max_tokens": 4}, 7, init)) for u in range(3)]
+    frames = [encode(UserMsg(u, [1, 2, 3], SamplingParams(max_tokens=4), 7, init)) for u in range(3)]
     for f in frames:
         c.handle(f)
     assert replicas[0].frames == [frames[0], frames[2]] and replicas[1].frames == [frames[1]]  # forwarded as is

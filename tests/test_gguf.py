@@ -77,6 +77,35 @@ def test_chat_template_matches_hf(default_llm: LLM, hf: tuple[Any, Any]) -> None
         assert default_llm.tokenizer(ours).input_ids == hf[1](ours).input_ids
 
 
+TEXTS = ["Hello, world!", "  runs of   spaces\n\n\ttabs", "你好，世界！😀 emoji 🎉 漢字", "Ünïcödé façade — naïve",
+         "<|im_start|>user\nhi<|im_end|>", "<|endoftext|>x", "def f(n):\n    return n * 2", "", " "]
+
+
+def test_converted_tokenizer_is_transformers_gguf_one(default_llm: LLM, hf: tuple[Any, Any]) -> None:
+    """Every process loads the folder the GGUF's tokenizer was converted into once (torch-free
+    processes cannot run transformers' GGUF reader): ids, texts, special tokens, vocabulary,
+    token bytes and chat template are those of transformers' GGUF tokenizer."""
+    from minisgl.tokenizer.token_bytes import TokenTable
+
+    ours, ref = default_llm.tokenizer, hf[1]
+    for text in TEXTS:
+        for add in (True, False):
+            ids = ref(text, add_special_tokens=add).input_ids
+            assert ours(text, add_special_tokens=add).input_ids == ids, text
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    assert ours.get_vocab() == ref.get_vocab() and len(ours) == len(ref)
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id", "all_special_ids", "chat_template"):
+        assert getattr(ours, name) == getattr(ref, name), name
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"},
+             {"role": "assistant", "content": "5"}, {"role": "user", "content": "and 😀?"}]
+    for gen in (True, False):
+        assert (ours.apply_chat_template(convo, tokenize=False, add_generation_prompt=gen)
+                == ref.apply_chat_template(convo, tokenize=False, add_generation_prompt=gen))
+    a, b = TokenTable(ours), TokenTable(ref)
+    assert a.kind == b.kind == "byte_level" and all(a.bytes_of(i) == b.bytes_of(i) for i in range(len(ref)))
+
+
 def test_greedy_answers_match_hf(default_llm: LLM, hf: tuple[Any, Any]) -> None:
     prompts = [chat(default_llm.tokenizer, q) for q in QUESTIONS]
     outs = default_llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))

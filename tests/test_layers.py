@@ -1,7 +1,8 @@
 """The house's floors (DESIGN.md §2), read from the source: every import of minisgl/ and
 kernels/ (module level, inside functions and under TYPE_CHECKING alike) runs from a floor to
 the same one or a lower one, never in a circle between files; and the processes that need no
-torch (the API server, tokenizer workers, detokenizer, DP controller) do not import it."""
+torch (the API server, tokenizer workers, detokenizer, DP controller) do not import it (while
+they run: tests/test_torch_free_processes.py)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ UPWARD_ALLOWED: set[tuple[str, str]] = set()
 # Entry modules of the processes that never need torch, and what each must not load.
 TORCH_FREE_ENTRIES = [
     "minisgl.launch.launcher",  # the launcher, which is also the API server's process
+    "minisgl.launch.child",  # every child's start, before it imports its worker
     "minisgl.server.api",
     "minisgl.tokenizer.worker",
     "minisgl.tokenizer.detokenizer",

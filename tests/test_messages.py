@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from minisgl.core.sampling_params import SamplingParams
 from minisgl.message import (
     AbortMsg,
     DecodeMsg,
@@ -33,8 +34,9 @@ SAMPLES = [
     TokenizeMsg(
         [1, 2, 3],
         text="héllo 你好 😀",
-        sampling={"max_tokens": None, "temperature": 0.7, "stop": ["x"], "seed": 2**63 - 1},
+        sampling=SamplingParams(max_tokens=None, temperature=0.7, stop=["x"], seed=2**63 - 1),
     ),
+    TokenizeMsg([5], text="{", sampling=SamplingParams(json_schema={"type": "object"}, logit_bias={3: -1.5})),
     TokenizeMsg([9], input_ids=[1, 2, 3], logprobs=True, include_stop_str=True, return_prompt=True),
     TokenizeMsg([4], messages=[{"role": "user", "content": "hi"}], add_generation_prompt=False, mode="tokenize"),
     DecodeMsg(4, [1, 2, 2**31]),
@@ -42,8 +44,8 @@ SAMPLES = [
     AbortMsg(8, "stop", 17),
     AbortMsg(6),
     INIT,
-    UserMsg(3, [1, 2, 3], {"max_tokens": 4, "top_k": -1, "min_p": 0.0}, seed=2**63 - 1, detok=INIT),
-    UserMsg(3, [1, 2, 3], {"max_tokens": 4, "logit_bias": {5: -100.0, 2**20: 1.5}}, seed=0, detok=INIT_ECHO),
+    UserMsg(3, [1, 2, 3], SamplingParams(max_tokens=4, top_k=-1, min_p=0.0), seed=2**63 - 1, detok=INIT),
+    UserMsg(3, [1, 2, 3], SamplingParams(max_tokens=4, logit_bias={5: -100.0, 2**20: 1.5}), seed=0, detok=INIT_ECHO),
     INIT_ECHO,
     ECHO,
     TokenOut(3, [10, 11], [-0.5, -1.25], "length", INIT),
@@ -80,7 +82,19 @@ def test_round_trip(msg: object) -> None:
 def test_every_message_type_is_covered() -> None:
     from minisgl.message import codec
 
-    assert set(codec._BY_TAG) <= {type(m).__name__ for m in SAMPLES} | {"_Point", "_Tup"}
+    covered = {type(m).__name__ for m in SAMPLES} | {"SamplingParams", "_Point", "_Tup"}
+    assert set(codec._BY_TAG) <= covered
+
+
+def test_decoding_does_not_validate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's SamplingParams is validated once, where it is made (the API process):
+    decoding restores the fields without running __init__ / __post_init__ again."""
+    params = SamplingParams(max_tokens=None, stop="x", json_schema={"type": "object"}, logit_bias={7: 2.0})
+    data = encode(UserMsg(1, [1, 2], params, 0, INIT))
+    calls = []
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: calls.append(self))
+    back = decode(data)
+    assert calls == [] and back.sampling == params and back.sampling.stop == ["x"]
 
 
 def test_floats_keep_full_precision() -> None:

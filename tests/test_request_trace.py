@@ -54,7 +54,7 @@ def test_trace_line_has_deltas_in_hop_order_and_parses_back() -> None:
 def test_messages_carry_the_trace() -> None:
     hops = {h: float(i) for i, h in enumerate(HOPS[:4])}
     init = DetokInit(3)
-    for msg in (TokenizeMsg([1], input_ids=[5, 6], trace=hops), UserMsg(1, [5, 6], {}, 9, init, hops),
+    for msg in (TokenizeMsg([1], input_ids=[5, 6], trace=hops), UserMsg(1, [5, 6], SamplingParams(), 9, init, hops),
                 TokenOut(1, [7], None, None, init, trace=hops), UserReply(1, "x", trace=hops)):
         assert decode(encode(msg)).trace == hops
         msg.trace = None

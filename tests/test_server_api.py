@@ -229,6 +229,43 @@ def test_bad_input_gets_400(http: httpx.Client, path: str, body: dict, param: st
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+# Sampling fields refused by the API process, with the exact 400 bodies the server gave before
+# messages carried a typed SamplingParams (the request models, or SamplingParams' own checks).
+REFUSED_SAMPLING = [
+    (CHAT, {"temperature": -1}, "temperature: Input should be greater than or equal to 0", "temperature"),
+    (CHAT, {"top_p": 2}, "top_p: Input should be less than or equal to 1", "top_p"),
+    (CHAT, {"temprature": 0.5},
+     "temprature: unknown field; the server refuses fields it does not implement rather than ignore them",
+     "temprature"),
+    (CMPL, {"min_tokens": 20, "max_tokens": 5}, "min_tokens must be an integer in [0, max_tokens=5], got 20",
+     "min_tokens"),
+    ("/generate", {"sampling_params": {"min_new_tokens": 9, "max_new_tokens": 3}},
+     "sampling_params.min_new_tokens must be an integer in [0, max_tokens=3], got 9", "sampling_params.min_new_tokens"),
+]
+
+
+def test_malformed_sampling_is_refused_once_in_the_api(http: httpx.Client) -> None:
+    """Refused in the API process, with the same body as always, and never sent on: no worker
+    answers it (every reply from the workers is counted in minisgl_requests_total). The workers
+    do not validate the sampling fields again (tests/test_server_units.py)."""
+
+    def answered() -> float:
+        text = http.get("/metrics").text
+        return sum(float(v) for v in re.findall(r"^minisgl_requests_total\{[^}]*\} (\S+)$", text, re.M))
+
+    before = answered()
+    for path, fields, message, param in REFUSED_SAMPLING:
+        prompt = {"messages": HI} if path == CHAT else {"prompt": "hi"} if path == CMPL else {"text": "hi"}
+        for stream in (False, True):
+            r = http.post(path, json={**prompt, **fields, "stream": stream})
+            assert r.status_code == 400, r.text
+            assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                          "code": None}}
+    assert answered() == before
+    assert http.post(CMPL, json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+    assert answered() == before + 1  # the count does move when a worker answers
+
+
 def test_malformed_json_and_wrong_model(http: httpx.Client) -> None:
     r = http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]

@@ -2,7 +2,7 @@
 client (tiny random-weight Qwen3, CPU, its real chat template): JSON schemas validate, streamed
 and not, n = 3, mixed with unconstrained requests; tool_choice "required" and a named function
 give valid calls streamed as OpenAI streams them; a conversation with tool results goes through
-the template; chat_template_kwargs reach it; bad structured fields are 400s naming the field."""
+the template; chat_template_kwargs reach it; grammars xgrammar rejects are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -166,13 +166,27 @@ def test_conversation_with_tool_results_renders(client: openai.OpenAI, model_dir
     assert thinking.usage.prompt_tokens < out.usage.prompt_tokens  # no empty think block: the kwargs arrived
 
 
-def test_bad_structured_field_is_400_and_serving_goes_on(client: openai.OpenAI) -> None:
-    """One case through the whole server (tests/test_api_structured.py has them all in-process):
-    a schema xgrammar rejects is refused before anything is queued."""
-    bad = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}}
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, extra_body=bad)
-    assert e.value.status_code == 400 and e.value.body["param"] == "response_format", e.value.body
+BAD_GRAMMARS = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format"),
+    ({"regex": "a("}, "regex"),
+    ({"ebnf": "root ::= foo"}, "ebnf"),
+]
+
+
+@pytest.mark.parametrize(("bad", "param"), BAD_GRAMMARS, ids=[p for _, p in BAD_GRAMMARS])
+def test_bad_grammar_is_400_naming_the_field_and_serving_goes_on(
+    client: openai.OpenAI, bad: dict, param: str
+) -> None:
+    """xgrammar parses a grammar in the scheduler's compiler alone (the API process stays
+    torch-free); the server still answers 400 naming the request's field, streamed or not,
+    before anything is generated, and the grammar is never queued."""
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, stream=stream, extra_body=bad)
+        body = e.value.body
+        assert e.value.status_code == 400 and body["param"] == param, body
+        assert body["message"].startswith(f"{param}: invalid ("), body
     out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2)
     assert out.choices[0].finish_reason == "length"  # the server carries on

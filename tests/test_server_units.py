@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from minisgl.launch.cli import build_parser, parse_args
-from minisgl.message import DetokenizeMsg, DetokInit, TokenOut
+from minisgl.message import DetokenizeMsg, DetokInit, TokenOut, decode, encode
 from minisgl.scheduler.process import scheduler_builder
 from minisgl.server.build import Builder
 from minisgl.server.errors import ApiError
@@ -232,11 +232,11 @@ def test_build_sampling() -> None:
     proto, builder = Protocol(limits), Builder("m", limits, {"temperature": 0.2, "top_k": 20})
     job = builder.completion(proto.completion(prompt="x", top_k=0, stop="x", temperature=0))
     d = job.msgs[0].sampling
-    assert d["top_k"] == -1 and d["stop"] == ["x"] and d["max_tokens"] == 16  # OpenAI's completions default
-    assert d["temperature"] == 0 and d["top_p"] == 1.0  # the request wins; then the model; then OpenAI
+    assert d.top_k == -1 and d.stop == ["x"] and d.max_tokens == 16  # OpenAI's completions default
+    assert d.temperature == 0 and d.top_p == 1.0  # the request wins; then the model; then OpenAI
     d = builder.completion(proto.completion(prompt="x")).msgs[0].sampling
-    assert (d["temperature"], d["top_k"]) == (0.2, 20)
-    assert (d["presence_penalty"], d["repetition_penalty"], d["logit_bias"], d["min_tokens"]) == (0.0, 1.0, None, 0)
+    assert (d.temperature, d.top_k) == (0.2, 20)
+    assert (d.presence_penalty, d.repetition_penalty, d.logit_bias, d.min_tokens) == (0.0, 1.0, None, 0)
     # What the schema cannot state is checked here: min_tokens <= max_tokens, logprobs needed by
     # top_logprobs, the model.
     with pytest.raises(ApiError) as e:
@@ -251,8 +251,10 @@ def test_build_sampling() -> None:
     assert e.value.status == 404 and e.value.code == "model_not_found"
 
 
-def test_tokenizer_worker_checks_and_templates(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
-    from minisgl.core.sampling_params import RequestError
+def test_tokenizer_worker_checks_and_templates(
+    tiny_model_path: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minisgl.core.sampling_params import RequestError, SamplingParams
     from minisgl.message import StartMsg, TokenizeMsg
     from minisgl.models.source import resolve_model
     from minisgl.tokenizer.load import load_tokenizer
@@ -263,20 +265,69 @@ def test_tokenizer_worker_checks_and_templates(tiny_model_path: Callable[[str], 
     tok = load_tokenizer(resolve_model(tiny_model_path("llama3")), template)
     h = TokenizeHandler(tok, None, None, seed=0)  # type: ignore[arg-type]
     h.start(StartMsg(max_model_len=64, vocab_size=len(tok), extra_eos_ids=[]))
-    msgs = h.prepare(TokenizeMsg([1, 2], messages=[{"role": "user", "content": "hi"}], sampling={"seed": 5}))
-    assert tok.decode(msgs[0].input_ids) == "<<user:hi>>"
-    assert [m.uid for m in msgs] == [1, 2] and [m.seed for m in msgs] == [5, 6]
-    assert msgs[0].sampling["max_tokens"] == 64 - len(msgs[0].input_ids)  # the rest of the context
-    assert msgs[0].detok.prompt_tokens == len(msgs[0].input_ids)
-    for msg, param in (
+    chat = TokenizeMsg([1, 2], messages=[{"role": "user", "content": "hi"}],
+                       sampling=SamplingParams(seed=5, max_tokens=None))
+    refused = [
         (TokenizeMsg([1], text="word " * 80), "prompt"),
         (TokenizeMsg([1], text=""), "prompt"),
         (TokenizeMsg([1], input_ids=[len(tok) + 5]), "prompt"),
-        (TokenizeMsg([1], text="hi", sampling={"max_tokens": 100}), "max_tokens"),
-    ):
+        (TokenizeMsg([1], text="hi", sampling=SamplingParams(max_tokens=100)), "max_tokens"),
+        # More than the 64-token context leaves after the prompt: known only once tokenized.
+        (TokenizeMsg([1], text="hi", sampling=SamplingParams(max_tokens=None, min_tokens=70)), "min_tokens"),
+    ]
+    # The API process validated the sampling fields; the worker gets them through the codec and
+    # checks only what needs the prompt, never validating them again.
+    validated = []
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: validated.append(self))
+    msgs = h.prepare(decode(encode(chat)))
+    assert tok.decode(msgs[0].input_ids) == "<<user:hi>>"
+    assert [m.uid for m in msgs] == [1, 2] and [m.seed for m in msgs] == [5, 6]
+    assert msgs[0].sampling.max_tokens == 64 - len(msgs[0].input_ids)  # the rest of the context
+    assert msgs[0].detok.prompt_tokens == len(msgs[0].input_ids)
+    for msg, param in refused:
         with pytest.raises(RequestError) as e:
-            h.prepare(msg)
+            h.prepare(decode(encode(msg)))
         assert e.value.param == param and param in str(e.value)
+    assert validated == []
+
+
+def test_scheduler_process_add_checks_only_kv_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scheduler rank 0 takes the tokenizer's UserMsg as it decodes (no revalidation) and
+    refuses only a request the KV pool could never hold, blaming max_tokens."""
+    from types import SimpleNamespace
+
+    import zmq
+
+    from minisgl.core.sampling_params import SamplingParams
+    from minisgl.message import StartMsg, UserMsg
+    from minisgl.message.addresses import Addresses
+    from minisgl.scheduler.process import SchedulerProcess
+
+    def add_check(req: Any) -> None:
+        if req.max_total_len > 40:
+            raise ValueError(f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds 40")
+
+    engine = SimpleNamespace(model_config=SimpleNamespace(eos_token_ids=[2]), tp=SimpleNamespace(rank=0, size=1),
+                             cpu_group=None, max_model_len=64)
+    sched = SimpleNamespace(add_check=add_check, grammar=SimpleNamespace(compiler=None))
+    addrs = Addresses.ipc(tmp_path, 1)
+    ctx = zmq.Context()
+    api = ctx.socket(zmq.PULL)
+    api.bind(addrs.api)
+    proc = SchedulerProcess(engine, sched, addrs, StartMsg(64, 100, []))  # type: ignore[arg-type]
+    init = DetokInit(3)
+    fits, too_long = (encode(UserMsg(u, [5, 6, 7], SamplingParams(max_tokens=n), 0, init))
+                      for u, n in ((1, 8), (2, 50)))
+    validated = []
+    monkeypatch.setattr(SamplingParams, "validate", lambda self: validated.append(self))
+    proc.apply(decode(fits))
+    proc.apply(decode(too_long))
+    assert [i[0] for i in proc.inputs] == ["add"] and proc.inputs[0][1].max_total_len == 11
+    (reply,) = decode(api.recv()).replies
+    assert (reply.uid, reply.error_param) == (2, "max_tokens") and "KV cache" in reply.error
+    assert validated == []
+    api.close(0)
+    ctx.term()
 
 
 def test_detokenizer_drops_state_of_aborted_request(tok: Any) -> None:

@@ -28,7 +28,9 @@ def _is_real(x: object) -> bool:
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    # None: the rest of the context, resolved by `resolve_max_tokens` where the prompt's length
+    # is known (the server's tokenizer worker, the offline LLM).
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -63,8 +65,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises ValueError whose message starts with the offending field's name."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 (or None), got {self.max_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -88,7 +90,8 @@ class SamplingParams:
         if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
         self._validate_logit_bias()
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        most = float("inf") if self.max_tokens is None else self.max_tokens
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= most:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
             )
@@ -102,9 +105,19 @@ class SamplingParams:
             )
         self._validate_grammar()
 
+    def resolve_max_tokens(self, room: int) -> None:
+        """Sets max_tokens None to `room` (the tokens the context leaves after the prompt) and
+        checks min_tokens against it: the one check that needs the prompt's length. In place,
+        without validating anything else (these params were validated where they were made)."""
+        if self.max_tokens is not None:
+            return
+        if self.min_tokens > room:
+            raise ValueError(f"min_tokens: {self.min_tokens} asked for but the prompt leaves room for {room} tokens")
+        self.max_tokens = room
+
     def _validate_logit_bias(self) -> None:
         """Token ids must be ints >= 0 (the vocabulary bound is checked where the vocabulary is
-        known: the scheduler's add); biases finite numbers in [-100, 100]."""
+        known: the API's request models, the offline LLM); biases finite numbers in [-100, 100]."""
         if self.logit_bias is None:
             return
         if not isinstance(self.logit_bias, dict):

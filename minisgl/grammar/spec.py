@@ -1,8 +1,10 @@
 """A request's grammar (minisgl.core.grammar_fields.GrammarSpec) as xgrammar builds it.
 
 `check_grammar` parses the spec with xgrammar without a tokenizer (well under a millisecond
-for typical schemas), so a schema, regex or grammar that xgrammar rejects is refused where the
-request is validated, with xgrammar's reason, before anything is queued.
+for typical schemas), so the offline LLM refuses a schema, regex or grammar that xgrammar
+rejects, with xgrammar's reason, before anything is queued. The server parses grammars only in
+the scheduler's compiler (compiler.py): xgrammar imports torch, which the API process never
+loads (DESIGN.md §2).
 """
 
 from __future__ import annotations

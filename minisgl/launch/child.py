@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import signal
 import sys
 from collections.abc import Callable
@@ -27,15 +28,19 @@ def _die_with_parent() -> None:
         pass
 
 
-def child_main(name: str, target: Callable[..., None], conn: Connection, *args: Any) -> None:
-    """Entry point of every child (spawned, so it must be importable). The worker runs as
-    `target(ready, *args)`: it calls `ready(info)` once loaded, which reports to the launcher and
-    returns the StartMsg (workers know nothing of the launcher but this callback)."""
+def child_main(name: str, target: str, conn: Connection, *args: Any) -> None:
+    """Entry point of every child (spawned, so it must be importable). `target` names the
+    worker as "module:function", imported here, in the child, so that the launcher never loads
+    a worker's modules. The worker runs as `function(ready, *args)`: it calls `ready(info)` once
+    loaded, which reports to the launcher and returns the StartMsg (workers know nothing of the
+    launcher but this callback)."""
     _die_with_parent()
     # Ctrl-C reaches the whole process group; the launcher alone handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        target(functools.partial(report_ready, conn, name), *args)
+        module, _, function = target.partition(":")
+        run: Callable[..., None] = getattr(importlib.import_module(module), function)
+        run(functools.partial(report_ready, conn, name), *args)
     except Exception as e:  # noqa: BLE001 - any failure must reach the launcher, then exit 1
         log.exception("%s failed", name)
         try:

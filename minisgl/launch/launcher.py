@@ -69,30 +69,34 @@ def _replica_dist_addrs(args: ServerArgs) -> list[str | None]:
     return out
 
 
-def _children_spec(args: ServerArgs, addrs: Addresses) -> list[tuple[str, Callable[..., None], tuple]]:
-    from minisgl.scheduler.process import run_scheduler, run_scheduler_rank
-    from minisgl.tokenizer.detokenizer import run_detokenizer
-    from minisgl.tokenizer.worker import run_tokenizer
+# Each child's work as "module:function", imported in the child (launch/child.py): importing the
+# scheduler here to name its function would load the engine and torch into the launcher, which
+# is also the API server's process.
+RUN_SCHEDULER = "minisgl.scheduler.process:run_scheduler"
+RUN_SCHEDULER_RANK = "minisgl.scheduler.process:run_scheduler_rank"
+RUN_DP_CONTROLLER = "minisgl.dp.controller:run_dp_controller"
+RUN_DETOKENIZER = "minisgl.tokenizer.detokenizer:run_detokenizer"
+RUN_TOKENIZER = "minisgl.tokenizer.worker:run_tokenizer"
 
-    specs: list[tuple[str, Callable[..., None], tuple]] = []
+
+def _children_spec(args: ServerArgs, addrs: Addresses) -> list[tuple[str, str, tuple]]:
+    specs: list[tuple[str, str, tuple]] = []
     for dp_rank, dist_addr in enumerate(_replica_dist_addrs(args)):
         rargs = dataclasses.replace(args, dist_init_addr=dist_addr)
         # Scheduler ranks > 0 of this machine (with TP); rank 0 lives on node 0 only.
         ranks = [r for r in args.local_ranks if r > 0]
         specs += [
-            (scheduler_name(args.dp, dp_rank, r), run_scheduler_rank, (rargs, r, dp_rank)) for r in ranks
+            (scheduler_name(args.dp, dp_rank, r), RUN_SCHEDULER_RANK, (rargs, r, dp_rank)) for r in ranks
         ]
         if args.node_rank == 0:
             raddrs = addrs.for_replica(dp_rank)
-            specs.append((scheduler_name(args.dp, dp_rank), run_scheduler, (rargs, raddrs, dp_rank)))
+            specs.append((scheduler_name(args.dp, dp_rank), RUN_SCHEDULER, (rargs, raddrs, dp_rank)))
     if args.node_rank > 0:
         return specs
     if args.dp > 1:
-        from minisgl.dp.controller import run_dp_controller
-
-        specs.append(("dp controller", run_dp_controller, (args, addrs)))
-    specs.append(("detokenizer", run_detokenizer, (args, addrs)))
-    specs += [(f"tokenizer{i}", run_tokenizer, (args, addrs, i)) for i in range(args.num_tokenizers)]
+        specs.append(("dp controller", RUN_DP_CONTROLLER, (args, addrs)))
+    specs.append(("detokenizer", RUN_DETOKENIZER, (args, addrs)))
+    specs += [(f"tokenizer{i}", RUN_TOKENIZER, (args, addrs, i)) for i in range(args.num_tokenizers)]
     return specs
 
 

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Any
 
-from minisgl.core.sampling_params import RequestError, checked_sampling
+from minisgl.core.sampling_params import RequestError, SamplingParams, checked_sampling
 from minisgl.message import TokenizeMsg
 from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
 from minisgl.server.frontend import Frontend
@@ -59,7 +59,7 @@ class Settings:
             return f"{name} cannot be unset"
         trial = {**self.values, name: value}
         try:
-            checked_sampling({**trial, "max_tokens": trial["max_tokens"] or 1})
+            checked_sampling(trial)
         except RequestError as e:
             return f"error: {e}"
         self.values = trial
@@ -101,7 +101,7 @@ class _LineReader:
                 return None
 
 
-async def _answer(frontend: Frontend, history: list[dict[str, str]], sampling: dict[str, Any]) -> str | None:
+async def _answer(frontend: Frontend, history: list[dict[str, str]], sampling: SamplingParams) -> str | None:
     """Streams one answer to stdout; None when the request failed."""
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
@@ -161,7 +161,7 @@ async def run_shell(frontend: Frontend, model_name: str, defaults: dict[str, Any
             print(HELP)
             continue
         history.append({"role": "user", "content": line})
-        answer = await _answer(frontend, history, dict(settings.values))
+        answer = await _answer(frontend, history, checked_sampling(settings.values))
         if answer is None:
             history.pop()
         else:

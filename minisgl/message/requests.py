@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.message.codec import message
+from minisgl.core.sampling_params import SamplingParams
+from minisgl.message.codec import message, register
+
+register(SamplingParams)  # requests carry it typed, validated once in the API process
 
 
 @message
@@ -14,18 +17,19 @@ class TokenizeMsg:
     """API server → tokenizer worker: one prompt, generated `len(uids)` times (OpenAI `n`).
 
     Exactly one of text / input_ids / messages is set; messages (chat) are templated by the
-    worker. `sampling` holds SamplingParams fields; a missing max_tokens means "the rest of
-    the context". Errors name SamplingParams fields and `prompt`; the API renames them to the
-    request's own field names. mode "tokenize" (POST /tokenize) replies with the prompt's ids
-    instead of generating.
+    worker. `sampling` was validated by the API process (decoding does not validate again);
+    its max_tokens None means "the rest of the context", which the worker resolves once it
+    knows the prompt's length. Errors name SamplingParams fields and `prompt`; the API renames
+    them to the request's own field names. mode "tokenize" (POST /tokenize) replies with the
+    prompt's ids instead of generating.
     """
 
     uids: list[int]
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
-    logprobs: bool = False  # the chosen tokens' logprobs (alternatives: sampling["top_logprobs"])
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: bool = False  # the chosen tokens' logprobs (alternatives: sampling.top_logprobs)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool | None = None  # None: the tokenizer's own decoding
     include_stop_str: bool = False  # keep the stop string / stop token's text in the output
@@ -82,13 +86,13 @@ class DetokInit:
 @message
 @dataclass
 class UserMsg:
-    """Tokenizer → scheduler rank 0: a validated, tokenized request. The seed is concrete
-    (drawn by the tokenizer when the user gave none), so every rank that replays the input
-    stream samples identically."""
+    """Tokenizer → scheduler rank 0: a validated, tokenized request (max_tokens resolved). The
+    seed is concrete (drawn by the tokenizer when the user gave none), so every rank that
+    replays the input stream samples identically."""
 
     uid: int
     input_ids: list[int]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     seed: int
     detok: DetokInit
     trace: dict[str, float] | None = None  # hop timestamps when traced (message/trace.py)

@@ -14,7 +14,7 @@ from minisgl.models.weights import fill_dummy, iter_safetensors
 
 def load_model_config(source: ModelSource) -> ModelConfig:
     if source.is_gguf:
-        from minisgl.models.gguf_file import gguf_config
+        from minisgl.models.gguf_meta import gguf_config
 
         return ModelConfig.from_dict(gguf_config(source.path))
     return ModelConfig.from_folder(source.path)
@@ -36,7 +36,8 @@ def load_model(
     if dummy:
         fill_dummy(model, seed)
     elif source.is_gguf:
-        from minisgl.models.gguf_file import gguf_config, iter_gguf
+        from minisgl.models.gguf_meta import gguf_config
+        from minisgl.models.gguf_weights import iter_gguf
 
         model.load_weights(iter_gguf(source.path, gguf_config(source.path)))
     else:

@@ -35,7 +35,7 @@ def default_model_path() -> Path:
 
 
 def resolve_model(model: str | Path | None) -> ModelSource:
-    from minisgl.models.gguf_file import find_gguf
+    from minisgl.models.gguf_meta import find_gguf
 
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import multiprocessing as mp
@@ -184,6 +185,13 @@ class LLM:
             raise ValueError("each prompt must be a string or a list of token ids")
         self.engine.check_prompt(ids)
         params.validate()
+        vocab = self.model_config.vocab_size
+        outside = sorted(t for t in (params.logit_bias or {}) if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary of {vocab} tokens")
+        if params.max_tokens is None:  # the rest of the context (a copy: the params may serve other prompts)
+            params = copy.copy(params)
+            params.resolve_max_tokens(self.engine.max_model_len - len(ids))
         spec = grammar_spec(params)
         if spec is not None:
             check_grammar(spec)

@@ -16,7 +16,6 @@ from typing import Any
 import zmq
 
 from minisgl.core.grammar_fields import grammar_spec
-from minisgl.core.sampling_params import SamplingParams
 from minisgl.distributed.placement import share_cpu
 from minisgl.engine.engine import Engine
 from minisgl.grammar.compiler import GrammarCompiler
@@ -151,20 +150,19 @@ class SchedulerProcess:
             log.warning("scheduler: ignoring unexpected %s", type(msg).__name__)
 
     def add(self, msg: UserMsg) -> None:
-        # The tokenizer checked the prompt and the sampling fields; what is left to refuse is a
-        # request the KV pool could never hold (then fewer max_tokens would fit), or a logit_bias
-        # id outside the vocabulary. Messages start with the field to blame.
+        # The API process validated the sampling fields (logit_bias ids against the vocabulary
+        # too) and the tokenizer the prompt and max_tokens against the context; decoding does
+        # not validate again. What is left to refuse is a request the KV pool could never hold
+        # (then fewer max_tokens would fit, so that is the field to blame).
+        params = msg.sampling
+        limit = min(len(msg.input_ids) + params.max_tokens, self.engine.max_model_len)
+        req = Request(msg.uid, list(msg.input_ids), params, msg.seed, self.eos_ids, limit)
+        req.report_logprobs = bool(msg.detok.logprobs)
+        req.trace = msg.trace
         try:
-            params = SamplingParams(**msg.sampling)
-            limit = min(len(msg.input_ids) + params.max_tokens, self.engine.max_model_len)
-            req = Request(msg.uid, list(msg.input_ids), params, msg.seed, self.eos_ids, limit)
-            req.report_logprobs = bool(msg.detok.logprobs)
-            req.trace = msg.trace
             self.sched.add_check(req)
         except ValueError as e:
-            first = str(e).split(" ", 1)[0].rstrip(":")
-            param = first if first in SamplingParams.__dataclass_fields__ else "max_tokens"
-            send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param=param)]))
+            send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param="max_tokens")]))
             return
         spec = grammar_spec(params)
         if spec is not None and self.sched.grammar.compiler is not None:

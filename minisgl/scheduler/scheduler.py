@@ -118,12 +118,8 @@ class Scheduler:
         return self.queues.prefilling
 
     def add_check(self, req: Request) -> None:
-        """Raises ValueError if `req` could never run (it must fit the KV pool alone, and its
-        logit_bias ids the vocabulary)."""
-        vocab = self.engine.model_config.vocab_size
-        outside = sorted(t for t in (req.params.logit_bias or {}) if t >= vocab)
-        if outside:
-            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary of {vocab} tokens")
+        """Raises ValueError if `req` could never run: it must fit the KV pool alone. (Its
+        sampling fields were validated where it was made: the API process, the offline LLM.)"""
         if self.kv.pages_for(req.max_total_len) > self.engine.allocator.total_pages:
             raise ValueError(
                 f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.core.sampling_params import RequestError, checked_sampling
+from minisgl.core.sampling_params import RequestError, SamplingParams, checked_sampling
 from minisgl.message import TokenizeMsg
 from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
 from minisgl.parsers.tool_formats import ToolFormat
@@ -67,9 +67,10 @@ class Builder:
                 "model_not_found",
             )
 
-    def sampling(self, req: Any, max_tokens: int | None, names: dict[str, str], **extra: Any) -> dict[str, Any]:
-        """SamplingParams fields (max_tokens None: the rest of the context), checked here, in
-        the API process, so that a bad value never reaches a queue."""
+    def sampling(self, req: Any, max_tokens: int | None, names: dict[str, str], **extra: Any) -> SamplingParams:
+        """The request's SamplingParams (max_tokens None: the rest of the context), validated
+        here, in the API process, once: a bad value never reaches a queue, and the processes
+        after this one receive it typed and check only what they own (prompt length, KV fit)."""
 
         def pick(name: str) -> Any:
             value = getattr(req, name)
@@ -86,13 +87,11 @@ class Builder:
             **extra,
         }
         d.update(optional)
-        probe = {**d, "max_tokens": self.limits.max_new_tokens if max_tokens is None else max_tokens}
         try:
-            d["stop"] = checked_sampling(probe).stop
+            return checked_sampling(d)
         except RequestError as e:
             name = names.get(e.param or "", e.param)
             raise ApiError(f"{name}{str(e)[len(e.param or ''):]}" if e.param else str(e), name) from e
-        return d
 
     def _common(self, req: SamplingFields) -> None:
         self.check_model(req.model)
@@ -109,13 +108,19 @@ class Builder:
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
         top = (req.top_logprobs or 0) if req.logprobs else 0
         plan = self.plan(req)
+        if plan.grammar_field is not None:
+            # xgrammar parses the grammar in the scheduler's compiler (the API process stays
+            # torch-free: xgrammar imports torch); its error names the engine field.
+            (kind,) = plan.grammar
+            names[kind] = plan.grammar_field
         sampling = self.sampling(
-            req, max_tokens, names, min_tokens=req.min_tokens, top_logprobs=top, prompt_logprobs=req.prompt_logprobs
+            req, max_tokens, names, min_tokens=req.min_tokens, top_logprobs=top, prompt_logprobs=req.prompt_logprobs,
+            **plan.grammar,
         )
         msg = TokenizeMsg(
             [0] * req.n,
             messages=chat_messages(req.messages),
-            sampling={**sampling, **plan.grammar},
+            sampling=sampling,
             add_special_tokens=req.add_special_tokens,
             return_prompt=req.prompt_logprobs is not None,
             tools=plan.template_tools,

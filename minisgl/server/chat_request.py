@@ -13,8 +13,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.core.grammar_fields import GrammarSpec
-from minisgl.grammar.spec import check_grammar
 from minisgl.parsers.tool_formats import ToolFormat, tool_call_structural_tag
 
 
@@ -30,6 +28,9 @@ class ChatFeatures:
 @dataclass
 class ChatPlan:
     grammar: dict[str, str] = field(default_factory=dict)  # SamplingParams grammar field -> text
+    # The request field the grammar came from (response_format, regex, ebnf, tool_choice): a
+    # grammar xgrammar rejects is refused by the scheduler's compiler, naming this field.
+    grammar_field: str | None = None
     template_tools: list[dict[str, Any]] | None = None  # passed to apply_chat_template(tools=...)
     tool_format: ToolFormat | None = None  # parse the output for calls with this format
     max_calls: int | None = None  # 1 when parallel_tool_calls is false
@@ -122,13 +123,7 @@ def plan_chat(
     if len(grammars) > 1:
         raise ValueError(f"{grammars[1][0]}: cannot be combined with {grammars[0][0]} (one output constraint at most)")
     if grammars:
-        name, g = grammars[0]
-        (kind, text), = g.items()
-        try:
-            check_grammar(GrammarSpec(kind, text))
-        except ValueError as e:
-            raise ValueError(str(e) if name == kind else f"{name}: {e}") from e
-        plan.grammar = g
+        plan.grammar_field, plan.grammar = grammars[0]
     return plan
 
 

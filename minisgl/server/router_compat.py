@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from minisgl.core.sampling_params import SamplingParams
 from minisgl.message import TokenizeMsg
 from minisgl.server.frontend import Frontend
 
@@ -164,7 +165,7 @@ def add_router_routes(app: FastAPI, frontend: Frontend, info: dict[str, Any]) ->
         """200 once a one-token generation comes back, 503 if it fails or takes too long."""
         if frontend.dead is not None:
             return JSONResponse({"status": "unhealthy", "reason": frontend.dead}, status_code=503)
-        msg = TokenizeMsg([0], input_ids=[0], sampling={"max_tokens": 1, "temperature": 0.0})
+        msg = TokenizeMsg([0], input_ids=[0], sampling=SamplingParams(max_tokens=1, temperature=0.0))
         handle = frontend.submit([msg], metered=False)  # submit numbers the uids
 
         async def finished() -> str | None:

@@ -23,7 +23,7 @@ from minisgl.message import (
 )
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.tokenizer.incremental import DecodeState
-from minisgl.tokenizer.load import load_server_tokenizer
+from minisgl.tokenizer.load import hide_torch, load_server_tokenizer
 from minisgl.tokenizer.token_bytes import TokenTable
 from minisgl.tokenizer.worker import TokenizeHandler, tokenizer_facts, wait_inbox
 
@@ -121,6 +121,7 @@ class Detokenizer:
 
 
 def run_detokenizer(ready: Ready, args: Any, addrs: Any) -> None:
+    hide_torch()  # this process only tokenizes: transformers must not load torch (see there)
     tok = load_server_tokenizer(args)
     table = TokenTable(tok)
     ctx = zmq.Context()

@@ -15,7 +15,7 @@ from typing import Any
 import zmq
 
 from minisgl.core.prompt import check_prompt
-from minisgl.core.sampling_params import RequestError, checked_sampling
+from minisgl.core.sampling_params import RequestError
 from minisgl.logging_setup import get_logger
 from minisgl.message import (
     AbortMsg,
@@ -33,7 +33,7 @@ from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.parsers.tool_formats import detect_tool_format
 from minisgl.tokenizer.large_inputs import LARGE_INPUT_BYTES, Job, LargeInputs, release_free_memory
 from minisgl.tokenizer.length_bound import bytes_per_token_bound, min_tokens
-from minisgl.tokenizer.load import load_server_tokenizer
+from minisgl.tokenizer.load import hide_torch, load_server_tokenizer
 from minisgl.tokenizer.reasoning_gate import reasoning_gate
 from minisgl.tokenizer.token_bytes import TokenTable
 
@@ -183,26 +183,28 @@ class TokenizeHandler:
             check_prompt(ids, limit, self.vocab_size)
         except ValueError as e:
             raise RequestError(f"prompt: {e}", "prompt") from e
-        sampling = dict(msg.sampling)
+        # The API process validated the sampling fields (decoding does not rerun it): what is
+        # left to check here is what needs the prompt's length.
+        params = msg.sampling
         room = limit - len(ids)
-        max_tokens = sampling.get("max_tokens")
-        if max_tokens is None:
-            sampling["max_tokens"] = room
-        elif max_tokens > room:
+        if params.max_tokens is not None and params.max_tokens > room:
             raise RequestError(
-                f"max_tokens: {max_tokens} tokens asked for but the prompt has {len(ids)} tokens "
+                f"max_tokens: {params.max_tokens} tokens asked for but the prompt has {len(ids)} tokens "
                 f"and the context is {limit}: at most {room} can be generated",
                 "max_tokens",
             )
+        try:
+            params.resolve_max_tokens(room)
+        except ValueError as e:
+            raise RequestError(str(e), "min_tokens") from e
         reasoning_open = False
         if msg.reasoning and msg.messages is not None:
             # The gate reads the prompt's end only: a few tokens hold any block marker.
             tail = self.tok.decode(ids[-_REASONING_TAIL_TOKENS:])
             try:
-                reasoning_open = reasoning_gate(self.tok, msg.reasoning, tail, sampling)
+                reasoning_open = reasoning_gate(self.tok, msg.reasoning, tail, params)
             except ValueError as e:
                 raise RequestError(str(e), None) from e
-        params = checked_sampling(sampling)
         echo = msg.return_prompt or params.prompt_logprobs is not None
         init = DetokInit(
             len(ids),
@@ -224,7 +226,7 @@ class TokenizeHandler:
             else:  # choices of one request must differ: offset the seed per choice
                 seed = params.seed if i == 0 else (params.seed + i) % _SEED_SPACE
             hops = None if msg.trace is None else dict(msg.trace)
-            out.append(UserMsg(uid, ids, {**sampling, "stop": params.stop}, seed, init, hops))
+            out.append(UserMsg(uid, ids, params, seed, init, hops))
         return out
 
 
@@ -242,6 +244,7 @@ def wait_inbox(inbox: zmq.Socket, handler: TokenizeHandler) -> None:
 
 
 def run_tokenizer(ready: Ready, args: Any, addrs: Any, index: int) -> None:
+    hide_torch()  # this process only tokenizes: transformers must not load torch (see there)
     tok = load_server_tokenizer(args)
     ctx = zmq.Context()
     inbox = pull_socket(ctx, addrs.tokenizers[index])
