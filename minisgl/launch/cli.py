@@ -229,16 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ns = build_parser().parse_args(argv)
     values = vars(ns)
-    if values["device"] is None:
-        values["device"] = _default_device()
-    if values["num_tokenizers"] is None:
-        values["num_tokenizers"] = default_num_tokenizers()
     if values["model"] is None:
         from minisgl.models.source import default_model_path
 
         # The built-in model is fetched here if needed, once, before any worker starts (the
-        # workers then find it in the cache); a failure is the CLI's one-line error.
+        # workers then find it in the cache); a failure is the CLI's one-line error, given
+        # before the device check below imports torch (seconds).
         default_model_path()
+    if values["device"] is None:
+        values["device"] = _default_device()
+    if values["num_tokenizers"] is None:
+        values["num_tokenizers"] = default_num_tokenizers()
     if values["served_model_name"] is None:
         from minisgl.models.source import resolve_model
 
