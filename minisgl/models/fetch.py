@@ -22,7 +22,6 @@ temporary name in the same folder, renamed atomically), so a reader never sees h
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import http.client
 import os
@@ -117,16 +116,18 @@ def fetch_gguf(
 
 @contextlib.contextmanager
 def _exclusive(lock_path: Path, target: Path) -> Iterator[None]:
-    with open(lock_path, "a+b") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process that is fetching %s", target.name)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(lock_path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("waiting for another process that is fetching %s", target.name)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @contextlib.contextmanager
