@@ -14,9 +14,19 @@ from minisgl.launch.args import ServerArgs, default_num_tokenizers
 
 
 def _default_device() -> str:
-    import torch
+    """cuda when the CUDA driver sees a GPU (CUDA_VISIBLE_DEVICES applies), else cpu. Asked of
+    the driver itself: torch, which would answer the same, must not load in this process (the
+    launcher is also the API server's process; DESIGN.md §2)."""
+    import ctypes
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no NVIDIA driver
+        return "cpu"
+    count = ctypes.c_int(0)
+    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return "cpu"
+    return "cuda" if count.value > 0 else "cpu"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
