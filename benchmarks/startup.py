@@ -42,7 +42,9 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float) -> float | Non
 
 
 def first_completion(base: str) -> float:
-    body = json.dumps({"model": "default", "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
+    with urllib.request.urlopen(f"{base}/v1/models", timeout=10) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
     req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
     t0 = time.monotonic()
     with urllib.request.urlopen(req, timeout=120) as r:

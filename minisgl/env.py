@@ -47,5 +47,8 @@ FUSED_MOE_CONFIGS: str = os.environ.get("MINISGL_FUSED_MOE_CONFIGS", "")
 # Largest all-reduce (bytes) sent through the one-shot peer-memory path instead of NCCL
 # (default: a measured threshold per TP size, minisgl/distributed/custom_all_reduce.py; 0: off).
 CUSTOM_ALL_REDUCE_MAX_BYTES: int | None = _bytes_or_none("MINISGL_CUSTOM_ALL_REDUCE_MAX_BYTES")
+# When the server's launch began (CLOCK_BOOTTIME seconds, set by `python -m minisgl.serve` for
+# its children): startup log lines say how long after it each phase ended (logging_setup.py).
+LAUNCH_T0: float | None = float(os.environ["MINISGL_LAUNCH_T0"]) if os.environ.get("MINISGL_LAUNCH_T0") else None
 # Per-request hop timestamps and per-step lines in the server log (minisgl/message/trace.py).
 TRACE_REQUESTS: bool = _flag("MINISGL_TRACE_REQUESTS")

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from minisgl.logging_setup import log_phase, process_start_time, since_launch
+
+    # The launch's clock, inherited by every child: their startup lines count from here.
+    os.environ.setdefault("MINISGL_LAUNCH_T0", str(process_start_time()))
+    from minisgl import env
+
+    env.LAUNCH_T0 = float(os.environ["MINISGL_LAUNCH_T0"])
+    log_phase("launcher: interpreter and imports", since_launch())
     from minisgl.launch.cli import parse_args
 
     try:

@@ -134,3 +134,37 @@ def test_explicit_gguf_path(smollm2_gguf: Path, default_llm: LLM, form: str, tmp
     assert llm.tokenizer.chat_template == default_llm.tokenizer.chat_template
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
     assert len(out[0]["token_ids"]) <= 2
+
+
+def test_gguf_index_reads_what_ggufreader_reads(smollm2_gguf: Path) -> None:
+    """Our header reader (it reads past the vocabulary) against gguf's own GGUFReader: every
+    field (a long string array by its length), every tensor's name, type, shape and bytes, and
+    the dequantized weights."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from minisgl.models.gguf_meta import gguf_config, gguf_file
+    from minisgl.models.gguf_weights import iter_gguf
+
+    ours, ref = gguf_file(smollm2_gguf), gguf.GGUFReader(str(smollm2_gguf))
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.qtype == int(b.tensor_type) and a.shape == tuple(int(d) for d in reversed(b.shape.tolist()))
+        assert np.array_equal(np.asarray(a.data).ravel(), np.asarray(b.data).view(np.uint8).ravel()), a.name
+    fields = {k: v for k, v in ref.fields.items() if not k.startswith("GGUF.")}
+    assert set(ours.fields) == set(fields)
+    for key, field in fields.items():
+        want, got = field.contents(), ours.fields[key]
+        if isinstance(got, np.ndarray):
+            got = got.tolist()
+        if hasattr(got, "count"):  # a vocabulary read past: its length
+            assert len(got) == len(want), key
+        else:
+            assert got == pytest.approx(want) if isinstance(want, float) else got == want, key
+    cfg = gguf_config(smollm2_gguf)
+    weights = dict(iter_gguf(smollm2_gguf, cfg))
+    assert len(weights) == len(ref.tensors)
+    embed = next(t for t in ref.tensors if t.name == "token_embd.weight")
+    want = torch.from_numpy(np.array(dequantize(embed.data, embed.tensor_type), dtype=np.float32))
+    assert torch.equal(weights["model.embed_tokens.weight"], want.reshape(weights["model.embed_tokens.weight"].shape))

@@ -8,11 +8,12 @@ import functools
 import importlib
 import signal
 import sys
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from minisgl.logging_setup import get_logger
+from minisgl.logging_setup import get_logger, log_phase, process_start_time
 from minisgl.message import ReadyMsg, StartMsg, decode, encode
 
 log = get_logger("minisgl.server")
@@ -40,6 +41,8 @@ def child_main(name: str, target: str, conn: Connection, *args: Any) -> None:
     try:
         module, _, function = target.partition(":")
         run: Callable[..., None] = getattr(importlib.import_module(module), function)
+        log_phase(f"{name}: process started, its modules imported", time.clock_gettime(time.CLOCK_BOOTTIME)
+                  - process_start_time())
         run(functools.partial(report_ready, conn, name), *args)
     except Exception as e:  # noqa: BLE001 - any failure must reach the launcher, then exit 1
         log.exception("%s failed", name)

@@ -20,7 +20,7 @@ from typing import Any
 
 from minisgl.launch.args import ServerArgs
 from minisgl.launch.child import child_main
-from minisgl.logging_setup import get_logger
+from minisgl.logging_setup import get_logger, log_phase, since_launch
 from minisgl.message import ReadyMsg, StartMsg, decode, encode
 from minisgl.message.addresses import Addresses
 
@@ -104,6 +104,7 @@ def _start_children(args: ServerArgs, addrs: Addresses, children: list[Child]) -
     ctx = mp.get_context("spawn")  # never fork a process that may hold CUDA state
     specs = _children_spec(args, addrs)
     log.info("starting %d processes: %s", len(specs), ", ".join(name for name, _, _ in specs))
+    t0 = time.perf_counter()
     for name, target, targs in specs:
         parent_end, child_end = ctx.Pipe()
         proc = ctx.Process(
@@ -112,9 +113,11 @@ def _start_children(args: ServerArgs, addrs: Addresses, children: list[Child]) -
         proc.start()
         child_end.close()
         children.append(Child(name, proc, parent_end))
+    log_phase(f"launcher: {len(specs)} processes spawned", time.perf_counter() - t0)
 
 
 def _wait_ready(children: list[Child]) -> StartMsg:
+    t0 = time.perf_counter()
     pending = {c.conn: c for c in children}
     by_sentinel = {c.process.sentinel: c for c in children}
     while pending:
@@ -133,6 +136,7 @@ def _wait_ready(children: list[Child]) -> StartMsg:
                 raise ChildFailed(f"{c.name} failed to start: {msg.error}")
             c.info = msg.info
             log.info("%s ready (pid %d)", c.name, c.process.pid)
+            log_phase(f"launcher: {c.name} ready", time.perf_counter() - t0)
     infos = [c.info for c in children if c.name.endswith("scheduler")]  # each replica's rank 0
     if not infos:  # a worker-only node (--node-rank > 0)
         return StartMsg(0, 0, [])
@@ -282,6 +286,7 @@ async def _serve(
             while not server.started and not task.done():
                 await asyncio.sleep(0.02)
             if server.started:
+                log_phase("launcher: HTTP serving", since_launch())
                 host, port = listener.getsockname()[:2]
                 host = f"[{host}]" if ":" in host else host  # IPv6 literals go in brackets in URLs
                 print(

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl.models.gguf_meta import gguf_reader
+from minisgl.models.gguf_meta import gguf_file
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -50,16 +50,14 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def iter_gguf(path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, fp32 tensor) pairs, dequantized one at a time (`cfg`: gguf_meta.gguf_config)."""
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    r = gguf_reader(path)
     permute = cfg["_gguf_arch"] == "llama"
-    for t in r.tensors:
+    for t in gguf_file(path).tensors:
         name = _hf_name(t.name)
-        array = dequantize(t.data, t.tensor_type)
-        # GGUF lists dims fastest-first; the dequantized array is already row-major [out, in].
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(shape)  # writable copy
+        array = dequantize(t.data, GGMLQuantizationType(t.qtype))  # row-major [out, in] already
+        w = torch.from_numpy(np.array(array, dtype=np.float32, copy=True)).reshape(t.shape)  # writable copy
         if permute and name.endswith("q_proj.weight"):
             w = _unpermute(w, cfg["num_attention_heads"])
         elif permute and name.endswith("k_proj.weight"):

@@ -8,7 +8,7 @@ from typing import Any
 
 import zmq
 
-from minisgl.logging_setup import get_logger
+from minisgl.logging_setup import get_logger, startup_phase
 from minisgl.message import (
     AbortMsg,
     DecodeMsg,
@@ -122,7 +122,8 @@ class Detokenizer:
 
 def run_detokenizer(ready: Ready, args: Any, addrs: Any) -> None:
     hide_torch()  # this process only tokenizes: transformers must not load torch (see there)
-    tok = load_server_tokenizer(args)
+    with startup_phase("detokenizer: tokenizer loaded"):
+        tok = load_server_tokenizer(args)
     table = TokenTable(tok)
     ctx = zmq.Context()
     inbox = pull_socket(ctx, addrs.detokenizer)

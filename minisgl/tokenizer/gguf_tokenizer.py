@@ -69,11 +69,11 @@ def convert(gguf: Path, out: Path) -> None:
     saved as a Hugging Face tokenizer folder."""
     from transformers import AutoTokenizer
 
-    from minisgl.models.gguf_meta import gguf_field, gguf_reader
+    from minisgl.models.gguf_meta import gguf_field, gguf_file
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if not getattr(tok, "chat_template", None):
-        template = gguf_field(gguf_reader(gguf), "tokenizer.chat_template")
+        template = gguf_field(gguf_file(gguf), "tokenizer.chat_template")
         if template:
             tok.chat_template = template
     tok.save_pretrained(str(out))

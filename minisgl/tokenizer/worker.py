@@ -16,7 +16,7 @@ import zmq
 
 from minisgl.core.prompt import check_prompt
 from minisgl.core.sampling_params import RequestError
-from minisgl.logging_setup import get_logger
+from minisgl.logging_setup import get_logger, startup_phase
 from minisgl.message import (
     AbortMsg,
     DecodeMsg,
@@ -245,7 +245,8 @@ def wait_inbox(inbox: zmq.Socket, handler: TokenizeHandler) -> None:
 
 def run_tokenizer(ready: Ready, args: Any, addrs: Any, index: int) -> None:
     hide_torch()  # this process only tokenizes: transformers must not load torch (see there)
-    tok = load_server_tokenizer(args)
+    with startup_phase(f"tokenizer{index}: tokenizer loaded"):
+        tok = load_server_tokenizer(args)
     ctx = zmq.Context()
     inbox = pull_socket(ctx, addrs.tokenizers[index])
     handler = TokenizeHandler(
