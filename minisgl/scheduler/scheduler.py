@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.core.logits_spec import LogitsSpec
 from minisgl.engine.engine import Engine
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.kvcache.select import make_prefix_cache
 from minisgl.logging_setup import get_logger
 from minisgl.message import trace
-from minisgl.sampling.logits_plan import LogitsSpec, StepOutput
+from minisgl.sampling.logits_plan import StepOutput
 from minisgl.scheduler import step_trace
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar_rows import GrammarRows

@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 
 from minisgl.core.batch import ForwardBatch
+from minisgl.core.logits_spec import LogitsMask
 from minisgl.engine.engine import Engine
 from minisgl.logging_setup import get_logger
-from minisgl.sampling.logits_plan import LogitsMask
 from minisgl.sampling.sampler import SamplingTensors
 from minisgl.sampling.verify_plan import VerifyPlan
 from minisgl.scheduler.grammar_rows import GrammarRows

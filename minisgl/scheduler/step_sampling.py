@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minisgl.core.logits_spec import LogitsMask
 from minisgl.engine.engine import Engine
-from minisgl.sampling.logits_plan import LogitsMask, LogitsPlan, StepOutput
+from minisgl.sampling.logits_plan import LogitsPlan, StepOutput
 from minisgl.sampling.sampler import SamplingTensors
 from minisgl.scheduler.request import Request
 
