@@ -3,8 +3,10 @@
 This file builds an engine (sizes its KV pool, loads its model and drafter) and takes it
 down; what an engine does lives beside it, by what each part is, and is mixed into the one
 Engine class so that callers see one object:
-- forward.py: the step primitives (build_batch, forward, sample, run_batch, verify), which
-  the scheduler, tests, benchmarks and prompt scoring call on their batches;
+- steps.py: the face, one call per step kind (step, verify_step), described in the request
+  vocabulary of face.py, which is all the scheduler imports of the engine besides this class;
+- forward.py: the step primitives those calls use (build_batch, forward, sample, run_batch,
+  verify), which tests, benchmarks and prompt scoring also call on batches of their own;
 - graphs.py: enabling CUDA graphs (later than construction, and only when asked).
 """
 
@@ -25,6 +27,7 @@ from minisgl.engine.config import EngineConfig, resolve_dtype
 from minisgl.engine.deterministic import check_deterministic
 from minisgl.engine.forward import ForwardCalls
 from minisgl.engine.graphs import GraphCapture
+from minisgl.engine.steps import StepCalls
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
 from minisgl.models.llama import LlamaForCausalLM
@@ -44,7 +47,7 @@ _DEVICE_STATE = ("model", "pool", "allocator", "table", "token_buffer", "penalti
                  "comm", "drafter")
 
 
-class Engine(ForwardCalls, GraphCapture):
+class Engine(StepCalls, ForwardCalls, GraphCapture):
     def __init__(self, cfg: EngineConfig) -> None:
         self.closed = False
         self.cfg = cfg

@@ -1,7 +1,9 @@
 """The engine's step primitives: a batch from its indices, the forward (a captured graph's
 replay or eager), sampling, and the verify forward with acceptance.
 
-Part of Engine (engine.py mixes it in and builds every attribute used here).
+Part of Engine (engine.py mixes it in and builds every attribute used here). It is apart from
+the face (steps.py), which turns a scheduler's step description into calls of these, because
+tests, benchmarks and prompt scoring call them directly, on batches they build themselves.
 """
 
 from __future__ import annotations
@@ -69,11 +71,31 @@ class ForwardCalls:
     @torch.inference_mode()
     def warm_up_sampling(self) -> None:
         """Compiles the sampling kernel now rather than at the first request that samples (its
-        specialization depends on the vocabulary and the 16-byte-aligned inputs only)."""
+        specialization depends on the vocabulary and the 16-byte-aligned inputs only), and,
+        when speculating, the acceptance kernel (the first verify step would take seconds)."""
         gen = torch.Generator(device=self.device).manual_seed(0)
         logits = torch.randn(2, self.model_config.vocab_size, generator=gen, device=self.device)
         st = SamplingTensors.build([0.8, 1.0], [20, -1], [0.9, 1.0], [0.05, 0.0], [1, 2], [0, 0], self.device)
         self.sample(logits, st)
+        if self.drafter is not None:
+            self._warm_up_acceptance()
+
+    @torch.inference_mode()
+    def _warm_up_acceptance(self) -> None:
+        """Once per specialization the acceptance kernel can meet: Triton specializes the
+        drafts' row stride (the step's longest draft) on == 1 and on multiples of 16."""
+        spec = self.cfg.spec
+        dev, vocab = self.device, self.model_config.vocab_size
+        top = max((k for _, k in spec.table), default=spec.num_draft_tokens)  # the longest K
+        if top == 0:
+            return
+        gen = torch.Generator(device=dev).manual_seed(0)
+        for k in sorted({1, min(2, top), *(16 * i for i in range(1, top // 16 + 1))}):
+            st = SamplingTensors.build([0.0, 0.8], [-1, 20], [1.0, 0.9], [0.0, 0.05], [1, 2], [0, 0], dev)
+            logits = torch.randn(2 * (k + 1), vocab, generator=gen, device=dev)
+            cu = torch.tensor([0, k + 1, 2 * (k + 1)], dtype=torch.int32, device=dev)
+            drafts = torch.randint(0, vocab, (2, k), generator=gen, device=dev)
+            ops.spec_accept(logits, cu, drafts, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,3 +59,8 @@ class GraphCapture:
         drafting = self.drafter.describe_graphs() if self.drafter is not None else ""
         log.info("captured %s%s; graph memory +%.2f GiB allocated, +%.2f GiB reserved", self.graphs.describe(),
                  drafting, (alloc2 - alloc) / gib, (reserved2 - reserved) / gib)
+
+    def mixed_graph_tokens(self) -> list[int]:
+        """The token buckets of the captured mixed graphs (none: empty), which the scheduler
+        fills when it sizes a mixed step's prefill chunk."""
+        return [] if self.graphs is None else [x.tokens for x in self.graphs.mixed]
