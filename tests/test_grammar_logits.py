@@ -18,7 +18,8 @@ import torch
 from test_grammar import REGEX, SCHEMA
 
 from minisgl import LLM, SamplingParams
-from minisgl.sampling.logits_plan import LogitsPlan, LogitsSpec, sample_with_plan
+from minisgl.core.logits_spec import LogitsSpec
+from minisgl.sampling.logits_plan import LogitsPlan, sample_with_plan
 from minisgl.sampling.penalty_state import PenaltyState
 from minisgl.sampling.sampler import SamplingTensors
 

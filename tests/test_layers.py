@@ -187,6 +187,20 @@ def test_imports_run_down_the_floors():
     assert not sideways, "imports between folders of one floor:\n" + "\n".join(sorted(sideways))
 
 
+def test_scheduler_meets_the_engine_at_its_face():
+    """The scheduler describes steps in the engine face's vocabulary (engine/face.py) and builds
+    no engine objects: of the engine's floors it imports the face, the Engine class and its
+    config (to build one), and the speculation gate, nothing of step/ or sampling/."""
+    engine_side = ("minisgl.engine", "minisgl.step", "minisgl.sampling", "minisgl.speculative")
+    allowed = {"minisgl.engine.face", "minisgl.engine.engine", "minisgl.engine.config", "minisgl.speculative.gate"}
+    reached = {
+        target
+        for mod, targets in import_graph().items() if mod.startswith("minisgl.scheduler.")
+        for target in targets if target.startswith(engine_side)
+    }
+    assert reached <= allowed, f"the scheduler reaches past the engine's face: {sorted(reached - allowed)}"
+
+
 def test_every_module_is_on_a_floor():
     for mod in import_graph():
         floor_of(mod)

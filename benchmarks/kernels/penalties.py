@@ -22,9 +22,10 @@ import torch
 from _bench import ceilings, num_sets, print_ceilings, print_table, time_calls
 
 from minisgl import ops
+from minisgl.core.logits_spec import LogitsSpec
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.kernels import penalties as K
-from minisgl.sampling.logits_plan import LogitsPlan, LogitsSpec, sample_with_plan
+from minisgl.sampling.logits_plan import LogitsPlan, sample_with_plan
 from minisgl.sampling.penalty_state import PenaltyState
 from minisgl.sampling.sampler import SamplingTensors
 

@@ -1,4 +1,14 @@
-"""Engine: one rank's model + KV pool + request table + attention backend + sampler."""
+"""Engine: one rank's model + KV pool + request table + attention backend + sampler.
+
+This file builds an engine (sizes its KV pool, loads its model and drafter) and takes it
+down; what an engine does lives beside it, by what each part is, and is mixed into the one
+Engine class so that callers see one object:
+- steps.py: the face, one call per step kind (step, verify_step), described in the request
+  vocabulary of face.py, which is all the scheduler imports of the engine besides this class;
+- forward.py: the step primitives those calls use (build_batch, forward, sample, run_batch,
+  verify), which tests, benchmarks and prompt scoring also call on batches of their own;
+- graphs.py: enabling CUDA graphs (later than construction, and only when asked).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +18,6 @@ import torch
 
 from minisgl import ops
 from minisgl.attention.select import make_backend
-from minisgl.core.batch import ForwardBatch
 from minisgl.core.model_config import ModelConfig
 from minisgl.core.prompt import check_prompt
 from minisgl.core.quant_config import resolve as resolve_quantization
@@ -16,21 +25,20 @@ from minisgl.distributed.communicator import make_communicator, min_across_ranks
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.config import EngineConfig, resolve_dtype
 from minisgl.engine.deterministic import check_deterministic
+from minisgl.engine.forward import ForwardCalls
+from minisgl.engine.graphs import GraphCapture
+from minisgl.engine.steps import StepCalls
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.loading import load_model, load_model_config
 from minisgl.models.source import resolve_model
-from minisgl.ops import _checks
 from minisgl.ops.fp8 import check_fp8_device
 from minisgl.ops.transfer import host_to_device
-from minisgl.sampling.logits_plan import LogitsPlan, StepOutput, sample_with_plan
 from minisgl.sampling.penalty_state import PenaltyState
-from minisgl.sampling.sampler import SamplingTensors, sample_per_row
-from minisgl.sampling.verify_plan import VerifyPlan
 from minisgl.speculative.drafter import Drafter, DraftTarget
 from minisgl.step.builder import StepBuilder
-from minisgl.step.layout import StepSpec
+from minisgl.step.cuda_graph import batch_size_ladder
 
 log = get_logger("minisgl.engine")
 
@@ -39,7 +47,7 @@ _DEVICE_STATE = ("model", "pool", "allocator", "table", "token_buffer", "penalti
                  "comm", "drafter")
 
 
-class Engine:
+class Engine(StepCalls, ForwardCalls, GraphCapture):
     def __init__(self, cfg: EngineConfig) -> None:
         self.closed = False
         self.cfg = cfg
@@ -156,7 +164,6 @@ class Engine:
         from minisgl.layers.linear import fp8_gemm_calls, gemm_calls
         from minisgl.ops.fp8_tuning import tune_fp8_gemms
         from minisgl.ops.gemm_tuning import tune_gemms
-        from minisgl.step.cuda_graph import batch_size_ladder
 
         ms = batch_size_ladder(min(32, self.cfg.max_running_requests))
         tune_gemms(gemm_calls(self.model), self.device, ms)
@@ -223,156 +230,6 @@ class Engine:
         if name in _DEVICE_STATE and self.__dict__.get("closed"):
             raise RuntimeError(f"this engine was shut down (its {name} is freed); make a new one")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    # ---- one step ----
-
-    def build_batch(
-        self, mode: str, rows: list[int], prefix_lens: list[int], new_tokens: list[list[int] | None] | None,
-        use_graphs: bool = True, extra_logit_rows: list[int] | None = None, all_rows: bool = False,
-    ) -> ForwardBatch:
-        """A batch for requests at table rows `rows`, each with `prefix_lens[i]` tokens already
-        in the KV cache and `new_tokens[i]` to run now. The slots of the new tokens must
-        already be written to the request table. A request's input None means one token, its
-        last sampled one, read on the device from `token_buffer` (so step N+1 can launch
-        before the host has read step N's tokens): all of a decode step (`new_tokens=None`),
-        or the leading requests of a "mixed" step (decodes riding along with an extend).
-        The step is checked here, once; its indices go to the device in one copy, into a
-        captured graph's buffers when one fits (`use_graphs`). `extra_logit_rows` (indices into
-        the new tokens): logits are computed there too, after the B sampled rows (prompt
-        logprobs; such a step runs eagerly: a graph keeps the sampled rows only). `all_rows`:
-        every position's logits (a verify step: a verify graph where one fits)."""
-        return self.steps.build(mode, rows, prefix_lens, new_tokens, use_graphs, extra_logit_rows, all_rows)
-
-    def enable_cuda_graphs(self, max_bs: int | None, max_tokens: int = 0, max_mixed_tokens: int = 0,
-                           runner_cls: type | None = None, verify: list | None = None) -> None:
-        """Captures decode graphs up to `max_bs` requests (default: from GPU memory), extend
-        graphs up to `max_tokens` tokens per step and mixed ones (decodes + a prefill chunk) up
-        to `max_mixed_tokens` (0: none of that kind; mixed steps then take the extend graphs,
-        decodes as one-row tiles). `runner_cls`: a CudaGraphRunner subclass (tests replay
-        "graphs" on the CPU with one). `verify`: the verify layouts to capture (default: one per
-        decode batch size with the draft table's K when speculating; benchmarks pass their own)."""
-        from minisgl.step.builder import VERIFY_VIA_EXTEND_BUCKETS
-        from minisgl.step.cuda_graph import CudaGraphRunner, graph_layouts, verify_layouts
-
-        runner_cls = runner_cls or CudaGraphRunner
-        cuda = self.device.type == "cuda"
-        if self.attn.name == "torch":
-            raise ValueError("CUDA graphs need the 'triton' or 'cuda' attention backend (or disable CUDA graphs)")
-        if max_bs is None:
-            total = torch.cuda.get_device_properties(self.device).total_memory if cuda else 0
-            max_bs = 256 if total >= 40 * (1 << 30) else 128
-        decode, extend = graph_layouts(min(max_bs, self.cfg.max_running_requests), max_tokens, max_mixed_tokens,
-                                       self.cfg.max_running_requests, self.steps.block_m, self.steps.decode_kernel,
-                                       self.steps.decode_tiles)
-        if verify is None and self.cfg.spec is not None and not VERIFY_VIA_EXTEND_BUCKETS:
-            verify = verify_layouts([x.tokens for x in decode], self.cfg.spec.draft_tokens_for, self.steps.block_m)
-        table, buffer, bound = self.table.req_to_slot, self.token_buffer, self.max_model_len
-        mem = (lambda: (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))) if cuda \
-            else (lambda: (0, 0))
-        alloc, reserved = mem()
-        self.graphs = runner_cls(
-            decode, extend, lambda layout, buf: layout.views(buf, table, buffer, bound),
-            lambda batch, out: self.forward_eager(batch, logits_out=out), self.steps.count_tiles,
-            lambda layout, buf: self.steps.upload(StepSpec(layout.mode, [], [], []), layout, buf),
-            self.model_config.vocab_size, self.device, verify, lambda: self.model.model.aux_hidden,
-        )
-        self.steps.graphs = self.graphs
-        if self.drafter is not None:
-            self.drafter.enable_cuda_graphs([x.tokens for x in decode], runner_cls)
-        gib = 1 << 30
-        alloc2, reserved2 = mem()
-        drafting = self.drafter.describe_graphs() if self.drafter is not None else ""
-        log.info("captured %s%s; graph memory +%.2f GiB allocated, +%.2f GiB reserved", self.graphs.describe(),
-                 drafting, (alloc2 - alloc) / gib, (reserved2 - reserved) / gib)
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
-        """fp32 logits of each request's last new token [B, vocab] (every token's: [T, vocab]),
-        from the step's captured graph when it has one (a graph keeps the sampled rows only, so
-        every position's logits come from an eager run, except from a graph built with
-        `all_rows`, whose sample rows are every token; `batch.logit_rows` when set: [B + E, vocab])."""
-        if batch.all_rows and not all_positions:
-            raise ValueError("a batch built with all_rows (a verify step) gives every position's logits")
-        if batch.graph is not None and batch.logit_rows is None and all_positions == batch.all_rows:
-            logits = self.graphs.replay(batch)
-            if self.model.model.aux_layers is not None:  # the graph's residual stream [T of the layout, n H]
-                self.model.model.aux_hidden = self.graphs.extras[batch.graph]
-            return logits
-        return self.forward_eager(batch, all_positions)
-
-    def forward_eager(
-        self, batch: ForwardBatch, all_positions: bool = False, logits_out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The model on `batch`, layer by layer. The batch was checked when it was built: the
-        ops skip their per-call argument checks here. A graph's step (built last) runs over
-        the graph's padded buffers, and the padding rows are cut off."""
-        rows = None
-        if batch.graph is not None:
-            rows = batch.num_tokens if all_positions else batch.batch_size
-            batch = self.graphs.views(batch.graph, self.graphs.buffer)
-        with _checks.trusted():
-            self.attn.prepare(batch)
-            out = self.model(batch, self.attn, all_positions=all_positions, logits_out=logits_out)
-            if self.drafter is not None and self.drafter.mirrors_in_forward:
-                self.drafter.mirror(batch)  # a draft model's K/V over the same positions
-        return out if rows is None else out[:rows]
-
-    @torch.inference_mode()
-    def warm_up_sampling(self) -> None:
-        """Compiles the sampling kernel now rather than at the first request that samples (its
-        specialization depends on the vocabulary and the 16-byte-aligned inputs only)."""
-        gen = torch.Generator(device=self.device).manual_seed(0)
-        logits = torch.randn(2, self.model_config.vocab_size, generator=gen, device=self.device)
-        st = SamplingTensors.build([0.8, 1.0], [20, -1], [0.9, 1.0], [0.05, 0.0], [1, 2], [0, 0], self.device)
-        self.sample(logits, st)
-
-    @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, logprobs of the chosen tokens under the raw logits)."""
-        if self.cfg.deterministic:
-            return sample_per_row(logits, st)
-        if st.all_greedy:  # no randomness: skip the sampling kernel
-            tokens = logits.argmax(dim=-1)
-            # log_softmax at one index, without writing a [B, vocab] tensor every step.
-            logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
-            return tokens, logprobs
-        return ops.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
-
-    @torch.inference_mode()
-    def run_batch(self, batch: ForwardBatch, st: SamplingTensors, plan: LogitsPlan | None = None) -> StepOutput:
-        """Forward + (penalties, bias, grammar mask, logprob alternatives as `plan` says) + sample;
-        the sampled tokens also go to `token_buffer` (the next decode's inputs). A prefill
-        chunk's row samples too; the scheduler drops that token. The plan's mask runs on the host
-        once the forward is launched; under CUDA graphs the logits are the graph's output
-        buffer, so it changes them outside the graph."""
-        logits = self.forward(batch)
-        if plan is None:
-            out = StepOutput(*self.sample(logits, st))
-        else:
-            out = sample_with_plan(logits, st, plan, self.penalties, self.sample)
-        self.token_buffer[batch.req_rows.long()] = out.tokens
-        return out
-
-    @torch.inference_mode()
-    def verify(
-        self, batch: ForwardBatch, drafts: torch.Tensor, st: SamplingTensors, plan: VerifyPlan | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
-        """Speculative verify: `batch` is an extend of 1 + k_b tokens per request (its last
-        token, then its drafts int64 [B, K >= k_b]), built with all_rows. Forward every
-        position, accept on the device (ops.spec_accept). Returns (tokens [B, K + 1], logprobs [B, K + 1],
-        num_accepted [B]): request b's new tokens are tokens[b, :num_accepted[b] + 1]; the
-        last of them goes to `token_buffer` (a plain decode may follow). `plan`: penalties, logit
-        bias, min_tokens and alternatives at every row (engine/verify_plan.py); then the fourth
-        value is (top ids, top logprobs) of its top rows, else None."""
-        logits = self.forward(batch, all_positions=True)
-        raw, tops = plan.apply(logits, self.penalties) if plan is not None else (None, None)
-        tokens, logprobs, num_acc = ops.spec_accept(
-            logits, batch.cu_seqlens_q, drafts, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps
-        )
-        if plan is not None:
-            plan.finish(tokens, logprobs, num_acc, raw, self.penalties)
-        self.token_buffer[batch.req_rows.long()] = tokens.gather(1, num_acc.long()[:, None]).squeeze(1)
-        return tokens, logprobs, num_acc, tops
 
     # ---- helpers for tests and prompt scoring ----
 

@@ -1,10 +1,11 @@
 """What a step does to its logits beyond temperature/top-k/top-p/min-p, and what it reports.
 
-`LogitsSpec` is built once per request (at add) from its SamplingParams; `LogitsPlan` once
-per step from the specs of the batch's rows: device tensors for the penalty op (only the rows
-that need it), for the count update after sampling, for the top-k logprobs of the rows that
-ask, and for prompt logprobs; plus the step's grammar mask (a host callback, see
-`LogitsMask`). A batch whose rows ask for none of it gets no plan at all and pays nothing.
+A request's `LogitsSpec` (core/logits_spec.py) is built once (at add) from its SamplingParams;
+`LogitsPlan` once per step from the specs of the batch's rows: device tensors for the penalty
+op (only the rows that need it), for the count update after sampling, for the top-k logprobs
+of the rows that ask, and for prompt logprobs; plus the step's grammar mask (a host callback,
+see core/logits_spec.py `LogitsMask`). A batch whose rows ask for none of it gets no plan at
+all and pays nothing.
 """
 
 from __future__ import annotations
@@ -15,60 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from minisgl import ops
-from minisgl.core.sampling_params import SamplingParams
+from minisgl.core.logits_spec import LogitsMask, LogitsSpec
 from minisgl.sampling.penalty_state import PenaltyState
 from minisgl.sampling.sampler import SamplingTensors
-
-# Changes the fp32 [B, V] sampled rows' logits in place (a grammar's token mask), after the
-# penalties and before sampling. It runs on the host once the step's forward is launched, so it
-# may wait for the host state it needs (the scheduler's in-flight tokens) while the forward runs.
-# It returns the batch rows it masked (int64 [k], on the device) and their log-normalizers as
-# they were before the mask (f32 [k]), or None when it masked nothing: a mask only sets
-# forbidden logits to -inf, so a masked row's chosen (allowed) token keeps its logit, and its raw
-# logprob is that logit minus the raw log-normalizer, without a raw copy of the row.
-LogitsMask = Callable[[torch.Tensor], "tuple[torch.Tensor, torch.Tensor] | None"]
-
-
-class LogitsSpec:
-    """One request's penalties, bias, min_tokens ban and top_logprobs, in the form the plan
-    builder consumes every step (lists prepared once, ids deduplicated and < vocab)."""
-
-    __slots__ = ("rep", "pres", "freq", "min_tokens", "top_logprobs", "_open", "_banned")
-
-    def __init__(self, params: SamplingParams, eos_ids: frozenset[int], vocab_size: int) -> None:
-        self.rep = float(params.repetition_penalty)
-        self.pres = float(params.presence_penalty)
-        self.freq = float(params.frequency_penalty)
-        self.min_tokens = params.min_tokens
-        self.top_logprobs = params.top_logprobs
-        bias = {int(t): float(b) for t, b in (params.logit_bias or {}).items() if b != 0.0}
-        self._open = (list(bias), list(bias.values()))
-        # While fewer than min_tokens tokens exist, EOS (unless ignored) and the stop token ids
-        # are banned. An id outside the vocabulary can never be sampled: nothing to ban.
-        stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else set(eos_ids))
-        banned = {**bias, **{t: float("-inf") for t in stops if 0 <= t < vocab_size}}
-        self._banned = (list(banned), list(banned.values()))
-
-    @staticmethod
-    def of(params: SamplingParams, eos_ids: frozenset[int], vocab_size: int) -> LogitsSpec | None:
-        """None for a request that needs none of it (the common case: no per-step work)."""
-        spec = LogitsSpec(params, eos_ids, vocab_size)
-        if spec.tracks_counts or spec._open[0] or spec.min_tokens > 0 or spec.top_logprobs > 0:
-            return spec
-        return None
-
-    @property
-    def tracks_counts(self) -> bool:
-        """Needs the row's token history (counts; prompt presence too with a repetition penalty)."""
-        return self.rep != 1.0 or self.pres != 0.0 or self.freq != 0.0
-
-    @property
-    def needs_prompt(self) -> bool:
-        return self.rep != 1.0
-
-    def sparse(self, generated: int) -> tuple[list[int], list[float]]:
-        """The (ids, additions) of a step that samples the request's token number `generated`."""
-        return self._banned if generated < self.min_tokens else self._open
 
 
 def _pack(segments: Sequence[Sequence[float | int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

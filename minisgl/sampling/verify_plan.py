@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from minisgl import ops
-from minisgl.sampling.logits_plan import LogitsMask, LogitsPlan, LogitsSpec
+from minisgl.core.logits_spec import LogitsMask, LogitsSpec
+from minisgl.sampling.logits_plan import LogitsPlan
 from minisgl.sampling.penalty_state import PenaltyState
 
 

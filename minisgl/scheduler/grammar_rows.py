@@ -4,7 +4,7 @@ in step with its tokens, and the mask of every constrained row applied before sa
 Overlap: step N+1's forward is launched before the host reads step N's tokens, but a
 constrained row's mask for step N+1 depends on its token from step N. So the mask is made
 between the forward and the sampling of step N+1 (the step plan's LogitsMask, which runs after
-the penalties and before sampling: engine/logits_plan.py sample_with_plan): if a
+the penalties and before sampling: sampling/logits_plan.py sample_with_plan): if a
 constrained row still has a token in flight, the host first reads the steps in flight (step N
 finished on the device before step N+1's forward began, so this waits for nothing the device
 still has to do), advances the grammars, then fills the masks while the forward runs. Batches
@@ -27,11 +27,11 @@ from collections.abc import Callable
 import torch
 
 from minisgl.core.grammar_fields import grammar_spec
+from minisgl.core.logits_spec import LogitsMask
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.grammar.masks import GrammarMasks
 from minisgl.grammar.threads import MatcherThreads
 from minisgl.logging_setup import get_logger
-from minisgl.sampling.logits_plan import LogitsMask
 from minisgl.scheduler.request import Request
 
 log = get_logger("minisgl.scheduler")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.core.logits_spec import LogitsSpec
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.kvcache.prefix_cache import MatchResult
-from minisgl.sampling.logits_plan import LogitsSpec
 
 
 @dataclass(eq=False)  # identity: the scheduler finds requests in its lists by identity, not by value

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.core.logits_spec import LogitsSpec
 from minisgl.engine.engine import Engine
+from minisgl.engine.face import Step, StepResult
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.kvcache.select import make_prefix_cache
 from minisgl.logging_setup import get_logger
 from minisgl.message import trace
-from minisgl.sampling.logits_plan import LogitsSpec, StepOutput
 from minisgl.scheduler import step_trace
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar_rows import GrammarRows
@@ -35,12 +36,7 @@ from minisgl.scheduler.prefill import PrefillPlan, admit, finish_admitted
 from minisgl.scheduler.queues import RequestQueues
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.spec_step import SpecStep
-from minisgl.scheduler.step_sampling import (
-    StepSampling,
-    add_prompt_logprobs,
-    prepare_step_sampling,
-    top_logprobs_by_row,
-)
+from minisgl.scheduler.step_sampling import PromptSpan, add_prompt_logprobs, fresh_histories, prompt_logprob_targets
 
 log = get_logger("minisgl.scheduler")
 
@@ -49,9 +45,8 @@ log = get_logger("minisgl.scheduler")
 class _InFlight:
     reqs: list[Request]
     samples: list[bool]  # False for a prefill chunk that samples nothing
-    out: StepOutput  # host copies (filled asynchronously on CUDA)
-    sampling: StepSampling  # which rows asked for top/prompt logprobs
-    event: torch.cuda.Event | None
+    step: StepResult  # its output's host copies (filled asynchronously on CUDA)
+    prompt_spans: list[PromptSpan]  # which prompt-logprob entries belong to which request
     trace: step_trace.StepTrace | None = None  # timing, when tracing (MINISGL_TRACE_REQUESTS)
 
 
@@ -79,14 +74,13 @@ class Scheduler:
         # (start, end) CUDA events around each step's device work, when a benchmark asks.
         self.gpu_timeline: list[tuple[str, int, torch.cuda.Event, torch.cuda.Event]] | None = None
         # Speculative decoding (minisgl/speculative/): decode steps become verify steps.
-        self.spec = SpecStep(engine, self.kv, self.grammar, self._release) if engine.drafter is not None else None
+        self.spec = SpecStep(engine, self.kv, self.grammar, self._release) if engine.cfg.spec is not None else None
         if engine.device.type == "cuda":
-            # Everything the serving path runs is compiled (and captured) before it serves.
+            # Everything the serving path runs is compiled (and captured) before it serves (the
+            # sampling kernel, and with speculation the acceptance kernel).
             if self.cfg.cuda_graph:
                 engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, *self.graph_max_tokens)
             engine.warm_up_sampling()
-            if self.spec is not None:
-                self.spec.warm_up()
 
     @property
     def graph_max_tokens(self) -> tuple[int, int]:
@@ -230,10 +224,10 @@ class Scheduler:
         replay the 640-token graph; 7 + 505 fill the 512 one). The prompt's rest rides in a
         later step, whose decodes had to run anyway."""
         budget = min(self.cfg.mixed_chunk_tokens, self.cfg.max_prefill_tokens)
-        graphs = self.engine.graphs
-        if graphs is None or not graphs.mixed:
+        buckets = self.engine.mixed_graph_tokens()
+        if not buckets:
             return budget
-        fit = max((x.tokens for x in graphs.mixed if x.tokens <= num_decodes + budget), default=0) - num_decodes
+        fit = max((t for t in buckets if t <= num_decodes + budget), default=0) - num_decodes
         return fit if fit > 0 else budget
 
     def _launch_decode(self, reqs: list[Request] | None = None) -> bool:
@@ -319,40 +313,33 @@ class Scheduler:
             start.record()
         self.kv.flush()
         mask = self.grammar.step_mask(reqs, samples, self._drain)
-        sampling = prepare_step_sampling(eng, reqs, samples, prefix, new, mask)
-        batch = eng.build_batch(mode, [r.row for r in reqs], prefix, new, extra_logit_rows=sampling.extra_logit_rows)
+        targets, spans = prompt_logprob_targets(reqs, prefix, new)
+        generated = [len(r.output) + r.num_pending for r in reqs]  # exact under overlap: values unknown
+        launched = eng.step(Step(mode, reqs, prefix, new, samples, generated, targets, fresh_histories(reqs), mask,
+                                 traced is not None))
         if traced is not None:
-            traced.built = trace.now()
-        out = eng.run_batch(batch, sampling.tensors, sampling.plan)
-        if self.spec is not None:  # a draft model's KV follows every target step
-            self.spec.after_plain_step(batch, reqs, samples, new, out.tokens)
+            traced.built = launched.built
         if timed:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.gpu_timeline.append((mode, len(reqs), start, end))
-        event = None
-        if out.tokens.device.type == "cuda":
-            out = out.to_host()
-            event = torch.cuda.Event()
-            event.record()
+        launched.copy_to_host()
         if traced is not None:
             decodes = len(reqs) if new is None else sum(t is None for t in new)
-            step_trace.launched(traced, batch, eng.steps.eager_reason, reqs, samples, decodes)
-        self.inflight.append(_InFlight(reqs, samples, out, sampling, event, traced))
+            step_trace.launched(traced, launched, reqs, samples, decodes)
+        self.inflight.append(_InFlight(reqs, samples, launched, spans, traced))
 
     def _process(self, item: _InFlight) -> list[Request]:
-        if item.event is not None:
-            item.event.synchronize()
+        item.step.wait()
         if item.trace is not None:
             step_trace.ready(item.trace, item.reqs, item.samples)
-        out = item.out
-        add_prompt_logprobs(item.reqs, item.sampling, out)
-        tops = top_logprobs_by_row(item.sampling, out)
+        out = item.step.read()
+        add_prompt_logprobs(item.reqs, item.prompt_spans, out)
+        tops = out.alternatives
         done = []
         constrained: list[Request] = []  # still running with a grammar: it takes the token
         tokens: list[int] = []
-        for i, (req, sampled, tok, lp) in enumerate(zip(item.reqs, item.samples, out.tokens.tolist(),
-                                                        out.logprobs.tolist())):
+        for i, (req, sampled, tok, lp) in enumerate(zip(item.reqs, item.samples, out.tokens, out.logprobs)):
             if not sampled:
                 continue
             req.num_pending -= 1

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.core.batch import ForwardBatch
+from minisgl.engine.face import StepResult
 from minisgl.logging_setup import get_logger
 from minisgl.message import trace
 from minisgl.scheduler.request import Request
@@ -52,15 +52,13 @@ def begin(step: int, cuda: bool) -> StepTrace:
     return StepTrace(step, trace.now(), events)
 
 
-def launched(st: StepTrace, batch: ForwardBatch, eager: str | None, reqs: list[Request], samples: list[bool],
-             decodes: int) -> None:
+def launched(st: StepTrace, step: StepResult, reqs: list[Request], samples: list[bool], decodes: int) -> None:
     """After the launch: the step's shape, and the hops of the traced requests in it."""
     st.launched, st.decodes = trace.now(), decodes
     if st.events is not None:
         st.events[1].record()
-    st.mode, st.requests, st.tokens = batch.mode, batch.batch_size, batch.num_tokens
-    st.graph = None if batch.graph is None else batch.graph.tokens
-    st.eager = eager
+    st.mode, st.requests, st.tokens = step.mode, step.requests, step.tokens
+    st.graph, st.eager = step.graph, step.eager
     for req, sampled in zip(reqs, samples):
         if req.trace is not None:
             trace.stamp(req.trace, "admit", st.start, first=True)

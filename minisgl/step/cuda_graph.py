@@ -16,7 +16,7 @@ LM head) in one shared memory pool:
   position's logits. A verify step may also take an extend bucket that has T logits rows.
 
 A step replays the smallest layout that fits it: the host fills the static index buffer (one
-copy, see step_builder) and launches one graph. Padding tokens write K/V only to the dummy
+copy, see step/builder.py) and launches one graph. Padding tokens write K/V only to the dummy
 slot, attend to nothing (no tile covers them) and are never sampled; padding requests have no
 tokens. Everything here is handed in by the engine: this module does not know the Engine.
 """
