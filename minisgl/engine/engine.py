@@ -13,6 +13,8 @@ Engine class so that callers see one object:
 from __future__ import annotations
 
 import dataclasses
+import time
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -29,7 +31,7 @@ from minisgl.engine.forward import ForwardCalls
 from minisgl.engine.graphs import GraphCapture
 from minisgl.engine.steps import StepCalls
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
-from minisgl.logging_setup import get_logger
+from minisgl.logging_setup import get_logger, log_phase, startup_phase
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.loading import load_model, load_model_config
 from minisgl.models.source import resolve_model
@@ -49,6 +51,7 @@ _DEVICE_STATE = ("model", "pool", "allocator", "table", "token_buffer", "penalti
 
 class Engine(StepCalls, ForwardCalls, GraphCapture):
     def __init__(self, cfg: EngineConfig) -> None:
+        started = time.perf_counter()
         self.closed = False
         self.cfg = cfg
         self.device = cfg.torch_device
@@ -72,14 +75,18 @@ class Engine(StepCalls, ForwardCalls, GraphCapture):
         self.tp = TPInfo(cfg.tp_rank, cfg.tp_size)
         if cfg.deterministic:
             check_deterministic(cfg, mc, self.tp)
-        self.comm, self.cpu_group = make_communicator(
-            self.tp, self.device, cfg.dist_init_addr, cfg.custom_nccl, cfg.custom_all_reduce
-        )
+        phase = self._startup_phase
+        with phase("device and communicators"):
+            self.comm, self.cpu_group = make_communicator(
+                self.tp, self.device, cfg.dist_init_addr, cfg.custom_nccl, cfg.custom_all_reduce
+            )
         torch.manual_seed(cfg.seed)
-        self.model = self._build_model()
+        with phase("model built, weights " + ("filled" if cfg.load_format == "dummy" else "loaded")):
+            self.model = self._build_model()
         ops.set_deterministic(self.device, cfg.deterministic)
         if self.device.type == "cuda" and not cfg.deterministic:  # deterministic: one GEMM, nothing to choose
-            self._tune_gemms()
+            with phase("GEMM dispatch table (measured, or from the cache)"):
+                self._tune_gemms()
         self.num_q_heads = self.model.model.layers[0].self_attn.num_heads
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
         # Speculative decoding: the drafter (and its model) load before the KV pool is sized.
@@ -87,7 +94,8 @@ class Engine(StepCalls, ForwardCalls, GraphCapture):
         if cfg.spec is not None:
             from minisgl.speculative.factory import build_drafter
 
-            self.drafter = build_drafter(self._draft_target(), cfg.spec)
+            with phase(f"drafter ({cfg.spec.algorithm})"):
+                self.drafter = build_drafter(self._draft_target(), cfg.spec)
             self.model.model.aux_layers = self.drafter.aux_layers
         num_pages = cfg.num_pages or self._default_num_pages(kv_heads)
         if self.tp.size > 1:
@@ -114,12 +122,18 @@ class Engine(StepCalls, ForwardCalls, GraphCapture):
         block_m = getattr(self.attn, "tile_block_m", None)  # backends that take the extend tile map
         self.steps = StepBuilder(self.table, self.token_buffer, self.device, self.max_model_len, mc.vocab_size,
                                  block_m, deterministic=cfg.deterministic)
+        log_phase(f"engine{f' rank {self.tp.rank}' if self.tp.size > 1 else ''}: built, in all",
+                  time.perf_counter() - started)
         log.info(
             "engine ready: %s (%s) on %s, %s%s, context %d, KV pool %d tokens in pages of %d, attention %s",
             self.source.name, mc.architecture, self.device, str(self.dtype).removeprefix("torch."),
             "" if quant is None else f", FP8 weights ({quant.method}, {quant.weights} scales)",
             self.max_model_len, self.pool.num_slots - cfg.page_size, cfg.page_size, self.attn.name,
         )
+
+    def _startup_phase(self, what: str) -> AbstractContextManager[None]:
+        rank = f" rank {self.tp.rank}" if self.tp.size > 1 else ""
+        return startup_phase(f"engine{rank}: {what}")
 
     def _context_length(self, mc: ModelConfig) -> int:
         limit = mc.max_position_embeddings

@@ -26,7 +26,7 @@ from minisgl.engine.engine import Engine
 from minisgl.engine.face import Step, StepResult
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.kvcache.select import make_prefix_cache
-from minisgl.logging_setup import get_logger
+from minisgl.logging_setup import get_logger, startup_phase
 from minisgl.message import trace
 from minisgl.scheduler import step_trace
 from minisgl.scheduler.config import SchedulerConfig
@@ -79,8 +79,10 @@ class Scheduler:
             # Everything the serving path runs is compiled (and captured) before it serves (the
             # sampling kernel, and with speculation the acceptance kernel).
             if self.cfg.cuda_graph:
-                engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, *self.graph_max_tokens)
-            engine.warm_up_sampling()
+                with startup_phase("scheduler: CUDA graphs captured"):
+                    engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, *self.graph_max_tokens)
+            with startup_phase("scheduler: sampling kernels compiled"):
+                engine.warm_up_sampling()
 
     @property
     def graph_max_tokens(self) -> tuple[int, int]:
