@@ -86,6 +86,7 @@ def main() -> None:
     args = ap.parse_args()
     server_args = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
     out = args.out or tempfile.mkdtemp(prefix="minisgl-startup-")
+    os.makedirs(out, exist_ok=True)
     runs = []
     for i in range(args.runs):
         cold = tempfile.mkdtemp(prefix="cold-") if args.cold else None
