@@ -18,10 +18,11 @@ Q=$(python3 -c "import importlib.util, os; print(os.path.dirname(importlib.util.
 
 tree() {  # NAME CMD...: CMD from tree NAME (after: this one; before: $BEFORE on PYTHONPATH)
   local name=$1; shift
+  # exec: a server started in the background is then this process, which `kill` reaches.
   if [ "$name" = before ]; then
-    (cd "$BEFORE" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$@")
+    (cd "$BEFORE" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$@")
   else
-    "$@"
+    (exec "$@")
   fi
 }
 
