@@ -18,11 +18,10 @@ Q=$(python3 -c "import importlib.util, os; print(os.path.dirname(importlib.util.
 
 tree() {  # NAME CMD...: CMD from tree NAME (after: this one; before: $BEFORE on PYTHONPATH)
   local name=$1; shift
-  # exec: a server started in the background is then this process, which `kill` reaches.
   if [ "$name" = before ]; then
     (cd "$BEFORE" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "$@")
   else
-    (exec "$@")
+    "$@"
   fi
 }
 
@@ -47,8 +46,13 @@ for round in $(seq "$ROUNDS"); do
     fi
     if want ttft; then
       echo "== round $round $name: sequential TTFT (Qwen3-8B shapes)"
-      tree $name python3 -m minisgl.serve --model "$root/benchmarks/configs/qwen3-8b" --load-format dummy \
-        --tokenizer "$Q" --port 8123 > "$OUT/server_$name.log" 2>&1 &
+      serve=(python3 -m minisgl.serve --model "$root/benchmarks/configs/qwen3-8b" --load-format dummy
+             --tokenizer "$Q" --port 8123)
+      if [ "$name" = before ]; then  # (exec: $! is then the server itself, which kill reaches)
+        (cd "$BEFORE" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" exec "${serve[@]}") > "$OUT/server_$name.log" 2>&1 &
+      else
+        "${serve[@]}" > "$OUT/server_$name.log" 2>&1 &
+      fi
       server=$!
       if wait_health http://127.0.0.1:8123/health; then
         timeout 200 python3 benchmarks/latency.py --base-url http://127.0.0.1:8123 --tokenizer "$Q" \
@@ -57,6 +61,7 @@ for round in $(seq "$ROUNDS"); do
         tail -20 "$OUT/server_$name.log"
       fi
       kill "$server"; wait "$server" 2>/dev/null
+      pkill -f "minisgl.serve --model" 2>/dev/null; sleep 1  # nothing may outlive its turn (GPU memory, the port)
     fi
   done
 done
