@@ -202,8 +202,7 @@ def decode_latency(llm: LLM, n: int = 256) -> float:
 
     def timed_process(item):  # noqa: ANN001, ANN202
         t0 = time.perf_counter()
-        if item.event is not None:
-            item.event.synchronize()
+        item.step.wait()  # the step's tokens on the host
         t1 = time.perf_counter()
         out = process(item)
         wait_ms.append((t1 - t0) * 1e3)
