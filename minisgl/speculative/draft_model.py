@@ -79,24 +79,6 @@ class DraftModelDrafter(Drafter):
     def enable_cuda_graphs(self, batch_sizes: list[int], runner_cls: type) -> None:
         self.steps.enable_cuda_graphs(batch_sizes, runner_cls)
 
-    @torch.inference_mode()
     def propose(self, reqs: list[DraftRequest]) -> list[list[int]]:
-        active = [i for i, r in enumerate(reqs) if r.k > 0]
-        out: list[list[int]] = [[] for _ in reqs]
-        if not active:
-            return out
-        dev = self.target.device
-        kmax = max(reqs[i].k for i in active)
-        rows = [reqs[i].row for i in active]
-        rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-        self.tokens[rows_t] = torch.tensor([reqs[i].last for i in active], dtype=torch.int64).to(dev, non_blocking=True)
-        drafts = []  # drafts[s]: [A] the s-th draft of each active request (stale where k <= s)
-        for s in range(kmax):
-            live = [a for a, i in enumerate(active) if reqs[i].k > s]
-            # Step s feeds the last token (s = 0) or draft s, at position len - 1 + s.
-            self.steps.run([rows[a] for a in live], [reqs[active[a]].length - 1 + s for a in live])
-            drafts.append(self.tokens[rows_t])
-        host = torch.stack(drafts, dim=1).tolist()
-        for a, i in enumerate(active):
-            out[i] = host[a][: reqs[i].k]
-        return out
+        # Step s feeds the last token (s = 0) or draft s, at position length - 1 + s.
+        return self.steps.chain(reqs, first_step=0, offset=-1)

@@ -18,7 +18,7 @@ import torch
 
 from minisgl.core.batch import ForwardBatch
 from minisgl.kvcache.pool import RequestTable
-from minisgl.speculative.drafter import DraftTarget
+from minisgl.speculative.drafter import DraftRequest, DraftTarget
 from minisgl.step.builder import StepBuilder
 from minisgl.step.layout import StepLayout, StepSpec
 
@@ -71,3 +71,31 @@ class DraftSteps:
 
     def describe(self) -> str:
         return "" if self.graphs is None else f"; draft-step graphs for {len(self.graphs.graphs)} batch sizes"
+
+    @torch.inference_mode()
+    def chain(self, reqs: list[DraftRequest], first_step: int, offset: int) -> list[list[int]]:
+        """Up to reqs[i].k drafts per request, read from `token_buffer` after each chain step.
+        Step s (from `first_step` on) runs each request that wants more than s drafts at
+        position length + offset + s. A chain that starts at step 1 takes its first draft from
+        the buffer as the target's last forward left it (EAGLE-3); one that starts at 0 first
+        writes each request's last token there (a draft model)."""
+        active = [i for i, r in enumerate(reqs) if r.k > 0]
+        out: list[list[int]] = [[] for _ in reqs]
+        if not active:
+            return out
+        dev = self.target.device
+        kmax = max(reqs[i].k for i in active)
+        rows = [reqs[i].row for i in active]
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+        if first_step == 0:
+            last = torch.tensor([reqs[i].last for i in active], dtype=torch.int64)
+            self.token_buffer[rows_t] = last.to(dev, non_blocking=True)
+        drafts = [] if first_step == 0 else [self.token_buffer[rows_t]]  # [A] each: stale where k <= s
+        for s in range(first_step, kmax):
+            live = [a for a, i in enumerate(active) if reqs[i].k > s]
+            self.run([rows[a] for a in live], [reqs[active[a]].length + offset + s for a in live])
+            drafts.append(self.token_buffer[rows_t])
+        host = torch.stack(drafts, dim=1).tolist()
+        for a, i in enumerate(active):
+            out[i] = host[a][: reqs[i].k]
+        return out

@@ -112,23 +112,7 @@ class Eagle3Drafter(Drafter):
     def enable_cuda_graphs(self, batch_sizes: list[int], runner_cls: type) -> None:
         self.steps.enable_cuda_graphs(batch_sizes, runner_cls)
 
-    @torch.inference_mode()
     def propose(self, reqs: list[DraftRequest]) -> list[list[int]]:
-        active = [i for i, r in enumerate(reqs) if r.k > 0]
-        out: list[list[int]] = [[] for _ in reqs]
-        if not active:
-            return out
-        dev = self.target.device
-        kmax = max(reqs[i].k for i in active)
-        rows = [reqs[i].row for i in active]
-        rows_t = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-        drafts = [self.next_token[rows_t]]  # the first draft: from the target's last forward
-        for s in range(1, kmax):
-            live = [a for a, i in enumerate(active) if reqs[i].k > s]
-            # Step s: draft s at position len - 2 + s (the head's positions trail the tokens by one).
-            self.steps.run([rows[a] for a in live], [reqs[active[a]].length - 2 + s for a in live])
-            drafts.append(self.next_token[rows_t])
-        host = torch.stack(drafts, dim=1).tolist()
-        for a, i in enumerate(active):
-            out[i] = host[a][: reqs[i].k]
-        return out
+        # The first draft comes from the target's last forward (after_forward); step s writes
+        # draft s at position length - 2 + s (the head's positions trail the tokens by one).
+        return self.steps.chain(reqs, first_step=1, offset=-2)
