@@ -5,6 +5,8 @@ Logits pipeline of one sampled token (all per request, on the device):
             ──▶ min_tokens mask ──▶ grammar mask ──▶ temperature ──▶ top-k ──▶ top-p ──▶ min-p ──▶ draw.
 Reported log-probabilities (the chosen token's, `top_logprobs`, `prompt_logprobs`) are those of
 the raw logits: log_softmax before any of the steps above (vLLM's default "raw_logprobs").
+`priority` is no sampling field but travels with them: where the request queues (the scheduler's
+priority policy), never which tokens it gets.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20  # alternatives per position, as OpenAI allows for top_logprobs
+PRIORITY_MAX = 2**31 - 1  # |priority| bound: a 32-bit integer, as any client sends it
 _UNEXPECTED_KWARG = re.compile(r"unexpected keyword argument '(\w+)'")
 
 
@@ -59,6 +62,9 @@ class SamplingParams:
     # The grammar constrains only what follows the first occurrence of this token (a reasoning
     # model's end of thinking, e.g. Qwen3's `</think>`); None: from the first token.
     grammar_after_token: int | None = None
+    # Scheduling, as vLLM's: smaller runs first under `scheduling_policy="priority"`; the fcfs
+    # policy refuses any value but 0 (a request asking for an order it would not get).
+    priority: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,6 +110,8 @@ class SamplingParams:
                 f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
             )
         self._validate_grammar()
+        if not _is_int(self.priority) or not -PRIORITY_MAX <= self.priority <= PRIORITY_MAX:
+            raise ValueError(f"priority must be an integer in [-{PRIORITY_MAX}, {PRIORITY_MAX}], got {self.priority!r}")
 
     def resolve_max_tokens(self, room: int) -> None:
         """Sets max_tokens None to `room` (the tokens the context leaves after the prompt) and

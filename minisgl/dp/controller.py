@@ -10,7 +10,8 @@ to the API server) and its prompt's prefix affinity. Frames are forwarded as rec
 re-encoded.
 
 Aborts (client gone, stop string found) go to every replica: a scheduler ignores uids it does
-not hold, so no uid -> replica table has to be kept (or pruned). An abort travels on the same
+not hold, so no uid -> replica table has to be kept (or pruned). So does a cache flush (each
+replica answers the API server itself); the prefix tables forget what was sent before it. An abort travels on the same
 socket as the request it ends, after it, so it can never overtake it.
 """
 
@@ -22,7 +23,7 @@ import zmq
 
 from minisgl.dp.dispatch import Dispatcher
 from minisgl.logging_setup import get_logger
-from minisgl.message import AbortMsg, Ready, StatsMsg, UserMsg, decode
+from minisgl.message import AbortMsg, FlushCacheMsg, Ready, StatsMsg, UserMsg, decode
 from minisgl.message.zmq_io import pull_socket, push_socket
 
 log = get_logger("minisgl.dp")
@@ -43,9 +44,11 @@ class Controller:
         elif isinstance(msg, StatsMsg):
             self.dispatcher.on_report(msg.dp_rank, msg.load_tokens, msg.received)
             self.to_api.send(frame, copy=False)
-        elif isinstance(msg, AbortMsg):
+        elif isinstance(msg, (AbortMsg, FlushCacheMsg)):
             for sock in self.replicas:
                 sock.send(frame, copy=False)
+            if isinstance(msg, FlushCacheMsg):
+                self.dispatcher.forget_prefixes()
         else:
             log.warning("dp controller: ignoring unexpected %s", type(msg).__name__)
 

@@ -129,3 +129,7 @@ class Dispatcher:
 
     def on_report(self, dp_rank: int, load_tokens: int, received: int) -> None:
         self.loads[dp_rank].on_report(load_tokens, received)
+
+    def forget_prefixes(self) -> None:
+        """The replicas' caches were flushed: no prefix is where it was sent."""
+        self.tables = [PrefixTable(t.max_blocks) for t in self.tables]

@@ -13,6 +13,11 @@ Eviction pops a heap of `(last_access, seq, node)` instead of scanning the tree.
 lazy: an entry whose node has since gained children or a lock is dropped when popped, one whose
 node was touched later is pushed again at its new time. Each node has at most one entry, and
 each touch causes at most one re-push: O(log n) amortized per evicted node and per touch.
+
+KV-cache events (kvcache/events.py): with `events`, every node also holds its pages' chained
+hashes, and the three places pages enter or leave the tree report it: a new leaf in `insert`
+(BlockStored, its parent the block above it), an evicted leaf in `evict` (BlockRemoved), and
+`reset` (AllBlocksCleared). Splitting an edge moves no page, so it reports nothing.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
+from minisgl.kvcache.events import CacheEvents
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "in_heap")
+    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "in_heap", "hashes")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, now: int) -> None:
         self.key = key
@@ -35,13 +41,17 @@ class _Node:
         self.ref = 0
         self.last_access = now
         self.in_heap = False
+        self.hashes: list[int] = []  # the pages' chained hashes, with KV events on
 
 
 class RadixCache(PrefixCache):
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, events: CacheEvents | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if events is not None and events.page_size != page_size:
+            raise ValueError(f"events hash blocks of {events.page_size} tokens, the cache's pages hold {page_size}")
         self.page_size = page_size
+        self.events = events
         self.heap_pops = 0  # eviction work counter (tests and metrics)
         self._clear()
 
@@ -103,6 +113,7 @@ class RadixCache(PrefixCache):
         assert parent is not None
         mid = _Node(child.key[: n * ps], child.pages[:n], parent, child.last_access)
         mid.ref = child.ref
+        mid.hashes, child.hashes = child.hashes[:n], child.hashes[n:]
         parent.children[mid.key[:ps]] = mid
         child.key, child.pages, child.parent = child.key[n * ps :], child.pages[n:], mid
         mid.children[child.key[:ps]] = child
@@ -162,6 +173,10 @@ class RadixCache(PrefixCache):
             raise ValueError(f"pages already cached: {sorted(self._pages & set(new_pages))}")
         leaf = _Node(ids[present:], new_pages, node, self._clock)
         node.children[leaf.key[:ps]] = leaf
+        if self.events is not None:
+            parent = node.hashes[-1] if node is not self._root else None
+            leaf.hashes = self.events.block_hashes(parent, leaf.key)
+            self.events.stored(leaf.hashes, parent, leaf.key)
         self._pages.update(new_pages)
         self._evictable += len(new_pages)
         self._push(leaf)
@@ -188,6 +203,8 @@ class RadixCache(PrefixCache):
             node.parent = None
             freed.extend(node.pages)
             self._pages.difference_update(node.pages)
+            if self.events is not None:
+                self.events.removed(node.hashes)
             self._evictable -= len(node.pages)
             if parent is not self._root and not parent.children and parent.ref == 0:
                 self._push(parent)
@@ -211,7 +228,22 @@ class RadixCache(PrefixCache):
             raise RuntimeError(f"cannot reset the cache: {self._protected} pages are locked")
         pages = list(self._pages)
         self._clear()
+        if self.events is not None:
+            self.events.cleared()
         return pages
+
+    def cached_prefixes(self) -> list[tuple[int, ...]]:
+        """Every cached page-aligned prefix (one per page: the tokens up to its end), for
+        inspection; it copies the whole tree's tokens."""
+        out: list[tuple[int, ...]] = []
+        stack: list[tuple[_Node, tuple[int, ...]]] = [(self._root, ())]
+        while stack:
+            node, above = stack.pop()
+            for child in node.children.values():
+                path = above + child.key
+                out.extend(path[: len(above) + (i + 1) * self.page_size] for i in range(len(child.pages)))
+                stack.append((child, path))
+        return out
 
     def check_integrity(self) -> None:
         ps = self.page_size
@@ -234,6 +266,8 @@ class RadixCache(PrefixCache):
                 )
                 _require(child.ref >= 0, f"{where}: ref {child.ref} < 0")
                 _require(child.last_access <= node.last_access, f"{where}: newer than parent")
+                if self.events is not None:
+                    _require(len(child.hashes) == len(child.pages), f"{where}: {len(child.hashes)} block hashes")
                 if not child.children and child.ref == 0:
                     _require(child.in_heap, f"{where}: evictable leaf missing from the heap")
                 for p in child.pages:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from minisgl.kvcache.events import CacheEvents
 from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.prefix_cache import PrefixCache
 from minisgl.kvcache.radix_cache import RadixCache
 
 
-def make_prefix_cache(kind: str, page_size: int) -> PrefixCache:
+def make_prefix_cache(kind: str, page_size: int, events: CacheEvents | None = None) -> PrefixCache:
+    """`events`: report what the cache stores and drops (KV-cache events); the naive cache
+    stores nothing, so it has nothing to report."""
     if kind == "radix":
-        return RadixCache(page_size)
+        return RadixCache(page_size, events)
     if kind == "naive":
         return NaiveCache(page_size)
     raise ValueError(f"unknown cache kind {kind!r} (expected 'radix' or 'naive')")

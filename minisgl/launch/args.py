@@ -59,6 +59,8 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_max_tokens: int | None = None
+    scheduling_policy: str = "fcfs"
+    kv_events_config: str | None = None  # JSON (message/kv_events.py); checked here, parsed by each scheduler
     tp: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -110,6 +112,12 @@ class ServerArgs:
             self.speculative_ngram_min, self.speculative_ngram_max, self.speculative_draft_table,
         )
         self._check_dp()
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        from minisgl.message.kv_events import parse_kv_events_config
+
+        if parse_kv_events_config(self.kv_events_config) is not None and self.cache == "naive":
+            raise ValueError("--kv-events-config reports the radix cache's blocks: it needs --cache radix")
 
     def _check_dp(self) -> None:
         if self.dp < 1:
@@ -176,4 +184,6 @@ class ServerArgs:
             opts["cuda_graph_max_bs"] = self.cuda_graph_max_bs
         if self.cuda_graph_max_tokens is not None:
             opts["cuda_graph_max_tokens"] = self.cuda_graph_max_tokens
+        if self.scheduling_policy != "fcfs":
+            opts["scheduling_policy"] = self.scheduling_policy
         return opts

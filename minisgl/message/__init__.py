@@ -1,5 +1,6 @@
 """Typed messages between the server's processes (DESIGN §1), msgpack-encoded."""
 
+from minisgl.message.admin import FlushCacheMsg, FlushCacheReply
 from minisgl.message.codec import decode, encode, message
 from minisgl.message.replies import (
     DetokenizeMsg,
@@ -19,6 +20,8 @@ __all__ = [
     "DecodeMsg",
     "DetokInit",
     "DetokenizeMsg",
+    "FlushCacheMsg",
+    "FlushCacheReply",
     "PromptEcho",
     "Ready",
     "ReadyMsg",

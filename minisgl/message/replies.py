@@ -75,6 +75,7 @@ class UserReply:
     prompt: PromptEcho | None = None  # first reply only, when asked
     reasoning_open: bool = False  # DetokInit.reasoning_open, on the request's first reply
     trace: dict[str, float] | None = None  # on the first reply of a traced request (message/trace.py)
+    cached_tokens: int = 0  # of the prompt tokens, those served from the prefix cache
 
 
 @message

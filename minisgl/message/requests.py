@@ -81,6 +81,7 @@ class DetokInit:
     prompt_ids: list[int] | None = None  # set when the first reply must render the prompt
     prompt_logprobs: bool = False  # the first TokenOut carries prompt logprobs to render
     reasoning_open: bool = False  # the prompt ends inside a reasoning block (the output starts in it)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (set by the scheduler)
 
 
 @message

@@ -31,6 +31,10 @@ class SchedulerConfig:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.15
     new_token_ratio_decay: float = 0.002
+    # "fcfs": arrival order. "priority": the waiting queue by (priority, arrival), and a waiting
+    # request may retract running ones of lower priority (larger number) to be admitted
+    # (scheduler/priority.py).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.cache not in ("radix", "naive"):
@@ -43,6 +47,8 @@ class SchedulerConfig:
             raise ValueError(f"mixed_chunk_tokens must be >= 0, got {self.mixed_chunk_tokens}")
         if self.cuda_graph_max_tokens is not None and self.cuda_graph_max_tokens < 0:
             raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
 
 
 def offline_mixed_chunk(options: dict) -> int:

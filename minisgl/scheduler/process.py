@@ -5,6 +5,10 @@ stop-string aborts from the detokenizer), steps the scheduler, and pushes new to
 the detokenizer and stats/errors to the API server. With tensor parallelism, rank 0
 broadcasts each step's inputs to ranks 1..N-1 (scheduler/tp_sync.py), so every rank applies
 the same inputs in the same order and forms the same batches.
+
+KV-cache events (--kv-events-config): rank 0's radix cache records what it stores and drops
+(kvcache/events.py); after every step, and after a flush, the loop publishes what was recorded
+as one batch (message/kv_events.py).
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ from minisgl.core.grammar_fields import grammar_spec
 from minisgl.distributed.placement import share_cpu
 from minisgl.engine.engine import Engine
 from minisgl.grammar.compiler import GrammarCompiler
+from minisgl.kvcache.events import CacheEvents
 from minisgl.logging_setup import get_logger
 from minisgl.message import (
     AbortMsg,
     DetokenizeMsg,
     DetokInit,
+    FlushCacheMsg,
+    FlushCacheReply,
     Ready,
     ReplyBatch,
     StartMsg,
@@ -33,6 +40,7 @@ from minisgl.message import (
     UserReply,
     trace,
 )
+from minisgl.message.kv_events import KVEventPublisher, parse_kv_events_config
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.scheduler.config import SchedulerConfig, scheduler_config
 from minisgl.scheduler.request import Request
@@ -59,7 +67,7 @@ def logprob_extras(req: Request, start: int, first: bool) -> tuple[list | None, 
     return top, prompt
 
 
-def scheduler_builder(options: dict[str, Any], args: Any = None) -> Callable[[Engine], Scheduler]:
+def scheduler_builder(options: dict[str, Any], args: Any = None) -> Callable[..., Scheduler]:
     """Checks the scheduler options now (before the model loads) and returns a function that
     builds the scheduler for an engine (with a grammar compiler that loads the server's
     tokenizer the first time a request has a grammar)."""
@@ -69,13 +77,13 @@ def scheduler_builder(options: dict[str, Any], args: Any = None) -> Callable[[En
         raise ValueError(f"unknown scheduler option(s): {', '.join(unknown)}")
     SchedulerConfig(**options)  # validates the values
 
-    def build(engine: Engine) -> Scheduler:
+    def build(engine: Engine, events: CacheEvents | None = None) -> Scheduler:
         grammars = None
         if args is not None:
             from minisgl.tokenizer.load import load_server_tokenizer
 
             grammars = GrammarCompiler(lambda: load_server_tokenizer(args), engine.model_config.vocab_size)
-        return Scheduler(engine, scheduler_config(options, engine.attn.name, engine.device.type), grammars)
+        return Scheduler(engine, scheduler_config(options, engine.attn.name, engine.device.type), grammars, events)
 
     return build
 
@@ -94,8 +102,11 @@ def load_tokens(sched: Scheduler) -> int:
 
 
 class SchedulerProcess:
-    def __init__(self, engine: Engine, sched: Any, addrs: Any, start: StartMsg, dp_rank: int = 0) -> None:
-        self.engine, self.sched, self.dp_rank = engine, sched, dp_rank
+    def __init__(
+        self, engine: Engine, sched: Any, addrs: Any, start: StartMsg, dp_rank: int = 0,
+        events: tuple[CacheEvents, KVEventPublisher] | None = None,
+    ) -> None:
+        self.engine, self.sched, self.dp_rank, self.events = engine, sched, dp_rank, events
         # Requests whose grammar compiles on the worker thread: added once it is ready, so a
         # compile never stalls the batch (the other ranks start compiling at the same time).
         self.compiling: list[tuple[Request, Any]] = []
@@ -138,6 +149,8 @@ class SchedulerProcess:
         if isinstance(msg, UserMsg):
             self.received += 1
             self.add(msg)
+        elif isinstance(msg, FlushCacheMsg):
+            self.inputs.append(("flush", msg.request_id))  # in lockstep: every TP rank empties its cache
         elif isinstance(msg, AbortMsg):
             req = self.reqs.get(msg.uid)
             if req is not None:  # unknown: already finished (requests and aborts are in order)
@@ -162,7 +175,8 @@ class SchedulerProcess:
         try:
             self.sched.add_check(req)
         except ValueError as e:
-            send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param="max_tokens")]))
+            param = getattr(e, "param", None) or "max_tokens"  # the KV pool's fit, unless it names its field
+            send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param=param)]))
             return
         spec = grammar_spec(params)
         if spec is not None and self.sched.grammar.compiler is not None:
@@ -203,6 +217,7 @@ class SchedulerProcess:
             init = self.inits.pop(uid, None)
             if init is not None:  # first tokens: the prefill is done, its cache hits known
                 self.cache_hit_tokens += req.cache_hit_tokens
+                init.cached_tokens = req.cache_hit_tokens  # the reply's usage.prompt_tokens_details
             hops = None
             if init is not None and req.trace is not None:  # its trace rides on the first TokenOut only
                 hops, req.trace = req.trace, None
@@ -243,9 +258,14 @@ class SchedulerProcess:
             if self.compiling:
                 self.admit_compiled()
             inputs, self.inputs = self.inputs, []
-            apply_inputs(self.sched, self.sync.exchange(inputs), self.synced)
+            flushed: list[tuple[int, str | None]] = []
+            apply_inputs(self.sched, self.sync.exchange(inputs), self.synced, flushed)
+            for request_id, refused in flushed:
+                send(self.to_api, FlushCacheReply(request_id, self.dp_rank, refused))
             if self.sched.has_work:
                 self.emit(self.sched.step())
+            if self.events is not None:
+                self.events[1].publish(self.events[0].drain())
             # Idle now: report at once (freed slots must show before we block on the socket).
             self.send_stats(force=not self.sched.has_work)
 
@@ -267,7 +287,12 @@ def run_scheduler(ready: Ready, args: Any, addrs: Any, dp_rank: int = 0) -> None
     build = scheduler_builder(args.scheduler_options(), args)
     share_cpu(args.device, args.dp * args.tp if args.dp > 1 else 1)
     engine = Engine(args.engine_config(tp_rank=0, dp_rank=dp_rank))
-    sched = build(engine)
+    events_cfg = parse_kv_events_config(args.kv_events_config)
+    events = None
+    if events_cfg is not None:  # the sockets bind now: a taken port fails the start, naming it
+        events = (CacheEvents(engine.cfg.page_size, events_cfg.hash_seed),
+                  KVEventPublisher(events_cfg, engine.cfg.page_size, dp_rank))
+    sched = build(engine, events[0] if events else None)
     kv_total = scheduler_stats(sched)[3]
     mc = engine.model_config
     start = ready(
@@ -280,4 +305,4 @@ def run_scheduler(ready: Ready, args: Any, addrs: Any, dp_rank: int = 0) -> None
             "device": str(engine.device),
         },
     )
-    SchedulerProcess(engine, sched, addrs, start, dp_rank).loop()
+    SchedulerProcess(engine, sched, addrs, start, dp_rank, events).loop()

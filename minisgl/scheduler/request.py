@@ -28,7 +28,8 @@ class Request:
     match: MatchResult | None = None
     # Tokens sampled on the GPU whose values the host has not read yet (overlap scheduling).
     num_pending: int = 0
-    cache_hit_tokens: int = 0  # prompt tokens served by the prefix cache (for metrics)
+    cache_hit_tokens: int = 0  # prompt tokens served by the prefix cache (metrics, usage.cached_tokens)
+    arrival: int = 0  # the order the scheduler received it in (ties between equal priorities)
     # Whether the chosen tokens' logprobs are reported (the server: when the request asked;
     # offline LLM results always carry them). Only then must a row whose logits a penalty or
     # a grammar mask changes keep a raw copy for them (`logprobs` holds whatever sampling saw

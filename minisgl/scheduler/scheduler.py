@@ -22,9 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core.logits_spec import LogitsSpec
+from minisgl.core.sampling_params import RequestError
 from minisgl.engine.engine import Engine
 from minisgl.engine.face import Step, StepResult
 from minisgl.grammar.compiler import GrammarCompiler
+from minisgl.kvcache.events import CacheEvents
 from minisgl.kvcache.select import make_prefix_cache
 from minisgl.logging_setup import get_logger, startup_phase
 from minisgl.message import trace
@@ -33,6 +35,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar_rows import GrammarRows
 from minisgl.scheduler.kv import RequestKV
 from minisgl.scheduler.prefill import PrefillPlan, admit, finish_admitted
+from minisgl.scheduler.priority import preemption_victims, retraction_order
 from minisgl.scheduler.queues import RequestQueues
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.spec_step import SpecStep
@@ -52,16 +55,18 @@ class _InFlight:
 
 class Scheduler:
     def __init__(
-        self, engine: Engine, cfg: SchedulerConfig | None = None, grammars: GrammarCompiler | None = None
+        self, engine: Engine, cfg: SchedulerConfig | None = None, grammars: GrammarCompiler | None = None,
+        events: CacheEvents | None = None,
     ) -> None:
         self.engine = engine
         self.cfg = cfg or SchedulerConfig()
         self.grammar = GrammarRows(
             grammars, engine.model_config.vocab_size, engine.cfg.max_running_requests, engine.device
         )
-        self.cache = make_prefix_cache(self.cfg.cache, engine.cfg.page_size)
+        self.cache = make_prefix_cache(self.cfg.cache, engine.cfg.page_size, events)  # events: KV-cache events
         self.kv = RequestKV(engine, self.cache)
-        self.queues = RequestQueues()
+        self.by_priority = self.cfg.scheduling_policy == "priority"
+        self.queues = RequestQueues(self.cfg.scheduling_policy)
         self.inflight: deque[_InFlight] = deque()
         self.new_token_ratio = self.cfg.init_new_token_ratio
         self._decode_next = False
@@ -115,7 +120,12 @@ class Scheduler:
 
     def add_check(self, req: Request) -> None:
         """Raises ValueError if `req` could never run: it must fit the KV pool alone. (Its
-        sampling fields were validated where it was made: the API process, the offline LLM.)"""
+        sampling fields were validated where it was made: the API process, the offline LLM.)
+        A priority other than 0 needs the priority policy (RequestError naming it)."""
+        if req.params.priority and not self.by_priority:
+            raise RequestError(f"priority: {req.params.priority} needs the priority scheduling policy "
+                               "(--scheduling-policy priority); this server schedules first come, first served",
+                               "priority")
         if self.kv.pages_for(req.max_total_len) > self.engine.allocator.total_pages:
             raise ValueError(
                 f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds "
@@ -156,6 +166,18 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.kv.check_integrity(self.queues.active)
 
+    def flush_cache(self) -> str | None:
+        """Empties the prefix cache (POST /flush_cache) unless a request holds some of its pages;
+        returns why not, or None once flushed. (A step in flight writes only pages its requests
+        hold, or later the same stream's work does: nothing to wait for.)"""
+        held = self.cache.protected_pages
+        if held:
+            holders = sum(1 for r in self.queues.active if r.match is not None and r.match.pages)
+            return (f"{held} cached pages are in use by {holders} running request(s) sharing a cached prefix; "
+                    "retry once they finish")
+        self.engine.allocator.free(self.cache.reset())
+        return None
+
     # ---- one step ----
 
     def step(self) -> list[Request]:
@@ -171,6 +193,10 @@ class Scheduler:
         return done
 
     def _launch_next(self) -> bool:
+        if self.by_priority and self.queues.waiting and preemption_victims(self.queues, self.kv, self.new_token_ratio):
+            self._drain()  # retraction needs every token value on the host; some may finish here
+            for victim in preemption_victims(self.queues, self.kv, self.new_token_ratio):
+                self._retract(victim)
         want_prefill = bool(self.queues.waiting or self.queues.prefilling)
         if want_prefill and self.cfg.mixed_chunk_tokens > 0 and self._decodable():
             return self._launch_mixed()
@@ -281,7 +307,7 @@ class Scheduler:
             return reqs
         self._drain()  # retraction needs every token value on the host
         reqs = self._decodable()
-        victims = sorted(reqs, key=lambda r: (len(r.output), -r.uid))
+        victims = retraction_order(reqs, self.by_priority)
         while True:
             if all(self.kv.grow(r, r.seq_len) for r in reqs):
                 return reqs

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from minisgl.scheduler.request import Request
 
 # Inputs: ("add", Request) | ("finish", uid, reason[, output tokens to keep]) | ("grammar", GrammarSpec)
-# | ("shutdown",). "grammar" starts compiling a grammar on every rank as soon as rank 0 sees a
+# | ("flush", request id) | ("shutdown",). "grammar" starts compiling a grammar on every rank as soon as rank 0 sees a
 # request that needs it; rank 0 sends the request's "add" once its own compile is done.
 Input = tuple[Any, ...]
 
@@ -36,9 +36,12 @@ class InputSync:
         return box[0] or []
 
 
-def apply_inputs(scheduler, inputs: list[Input], requests: dict[int, Request]) -> bool:
+def apply_inputs(
+    scheduler, inputs: list[Input], requests: dict[int, Request], flushed: list | None = None
+) -> bool:
     """Applies broadcast inputs to `scheduler` (rank 0 applies its own inputs the same way);
-    `requests` maps uid -> this rank's copy. Returns False on shutdown."""
+    `requests` maps uid -> this rank's copy; `flushed` gets (request id, why not or None) per
+    cache flush, for rank 0 to answer. Returns False on shutdown."""
     for item in inputs:
         if item[0] == "add":
             req = item[1]
@@ -51,6 +54,10 @@ def apply_inputs(scheduler, inputs: list[Input], requests: dict[int, Request]) -
         elif item[0] == "grammar":
             if scheduler.grammar.compiler is not None:
                 scheduler.grammar.compiler.prefetch(item[1])
+        elif item[0] == "flush":
+            refused = scheduler.flush_cache()
+            if flushed is not None:
+                flushed.append((item[1], refused))
         elif item[0] == "shutdown":
             return False
     return True

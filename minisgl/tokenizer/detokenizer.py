@@ -89,6 +89,7 @@ class Detokenizer:
             token_ids=ids,
             finish_reason=reason,
             prompt_tokens=init.prompt_tokens,
+            cached_tokens=init.cached_tokens,
             completion_tokens=len(st.ids) + stop_token,
             reasoning_open=first and init.reasoning_open,
         )
