@@ -103,7 +103,11 @@ def test_chat_matches_offline_and_streams(client: openai.OpenAI, http: httpx.Cli
     content = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
     assert content == want["text"]
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] in ("stop", "length")
-    assert events[-1]["choices"] == [] and events[-1]["usage"] == out.usage.model_dump(exclude_none=True)
+    usage = events[-1]["usage"]
+    # The second asking finds all of the prompt but its last token in the prefix cache (pages of 1).
+    assert usage.pop("prompt_tokens_details") == {"cached_tokens": out.usage.prompt_tokens - 1}
+    first = out.usage.model_dump(exclude_none=True, exclude={"prompt_tokens_details"})
+    assert events[-1]["choices"] == [] and usage == first
     assert all(e["usage"] is None for e in events[:-1])
 
 
@@ -168,6 +172,17 @@ def test_sampling_options_reproducible(client: openai.OpenAI, llm: LLM) -> None:
     assert llm.generate([PROMPTS[3]], params, use_tqdm=False)[0]["text"] == a
 
 
+def test_priority_under_fcfs(client: openai.OpenAI) -> None:
+    """vLLM's request field: accepted at 0 (every request's priority under fcfs), else a 400 that
+    says which policy it needs rather than an order the server would not keep."""
+    out = client.completions.create(model=NAME, prompt="hi", max_tokens=1, extra_body={"priority": 0})
+    assert out.usage.completion_tokens == 1
+    with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority") as e:
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                       extra_body={"priority": -1})
+    assert e.value.body["param"] == "priority"
+
+
 def test_logprobs(client: openai.OpenAI, http: httpx.Client) -> None:
     out = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, logprobs=True
@@ -214,6 +229,9 @@ BAD_INPUTS = [(CHAT, {"messages": HI, k: v}, k) for k, v in BAD_FIELDS] + [
     ("/generate", {"input_ids": [2**64]}, "input_ids"),
     ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "sampling_params.max_new_tokens"),
+    (CMPL, {"prompt": "hi", "priority": 3}, "priority"),  # the scheduler's: this server schedules fcfs
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "priority": "high"}, "priority"),
+    ("/generate", {"text": "hi", "priority": 2**40}, "priority"),
 ]
 
 

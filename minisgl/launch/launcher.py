@@ -241,6 +241,7 @@ async def _serve(
     from minisgl.launch.shell import run_shell
     from minisgl.server.api import build_app
     from minisgl.server.frontend import Frontend
+    from minisgl.server.gateway import add_gateway_routes
     from minisgl.server.metrics import Metrics
     from minisgl.server.router_compat import add_router_routes, server_info
 
@@ -277,7 +278,9 @@ async def _serve(
             assert listener is not None
             app = build_app(frontend, info)
             schedulers = [c.info for c in children if c.name.endswith("scheduler")]  # each replica's rank 0
-            add_router_routes(app, frontend, server_info(args, schedulers))
+            router_info = server_info(args, schedulers)
+            add_router_routes(app, frontend, router_info)
+            add_gateway_routes(app, frontend, router_info)  # SMG's /v1/loads, /flush_cache; llm-d's gauges
             server = uvicorn.Server(
                 uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)
             )
@@ -321,6 +324,7 @@ def _import_api() -> None:
         import uvicorn  # noqa: F401
 
         import minisgl.server.api  # noqa: F401
+        import minisgl.server.gateway  # noqa: F401
         import minisgl.server.router_compat  # noqa: F401
 
 

@@ -57,7 +57,9 @@ class ServerInfo:
             "id": self.model_name,
             "object": "model",
             "created": int(self.started),
-            "owned_by": "minisgl",
+            # SGLang's value: SMG (the SGLang model gateway) tells an SGLang HTTP worker by it, and
+            # then reads its loads from /v1/loads (server/gateway.py), which this server serves.
+            "owned_by": "sglang",
             "max_model_len": self.limits.max_model_len,
             "sampling_defaults": {**OPENAI_DEFAULTS, **self.sampling_defaults},
         }

@@ -115,7 +115,7 @@ class Builder:
             names[kind] = plan.grammar_field
         sampling = self.sampling(
             req, max_tokens, names, min_tokens=req.min_tokens, top_logprobs=top, prompt_logprobs=req.prompt_logprobs,
-            **plan.grammar,
+            priority=req.priority, **plan.grammar,
         )
         msg = TokenizeMsg(
             [0] * req.n,
@@ -154,7 +154,8 @@ class Builder:
         prompt_lp = max(wanted) if wanted else None
         max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
         sampling = self.sampling(
-            req, max_tokens, names, min_tokens=req.min_tokens, top_logprobs=k or 0, prompt_logprobs=prompt_lp
+            req, max_tokens, names, min_tokens=req.min_tokens, top_logprobs=k or 0, prompt_logprobs=prompt_lp,
+            priority=req.priority,
         )
         msgs = [
             TokenizeMsg(
@@ -176,7 +177,9 @@ class Builder:
         names.update(max_tokens="sampling_params.max_new_tokens", min_tokens="sampling_params.min_new_tokens")
         names["prompt"] = "text" if req.text is not None else "input_ids"
         top = req.top_logprobs_num if req.return_logprob else 0
-        sampling = self.sampling(sp, sp.max_new_tokens, names, min_tokens=sp.min_new_tokens, top_logprobs=top)
+        sampling = self.sampling(
+            sp, sp.max_new_tokens, names, min_tokens=sp.min_new_tokens, top_logprobs=top, priority=req.priority
+        )
         prompt = {"text": req.text} if req.text is not None else {"input_ids": req.input_ids}
         msg = TokenizeMsg(
             [0],

@@ -65,6 +65,8 @@ class Frontend:
         self._handles: dict[int, RequestHandle] = {}
         self._route: dict[int, int] = {}  # uid -> tokenizer index (aborts follow the request)
         self._timing: dict[int, _Timing] = {}
+        # Other messages for the API server (an admin call's replies), by type: see server/gateway.py.
+        self.handlers: dict[type, Any] = {}
 
     def open(self) -> None:
         """Call inside the running event loop."""
@@ -195,6 +197,8 @@ class Frontend:
             elif isinstance(msg, StatsMsg):
                 self.stats = msg
                 self.metrics.on_stats(msg)
+            elif type(msg) in self.handlers:
+                self.handlers[type(msg)](msg)
             else:
                 log.warning("api server: ignoring unexpected %s", type(msg).__name__)
 

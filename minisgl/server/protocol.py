@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
+from minisgl.core.sampling_params import PRIORITY_MAX
 from minisgl.server.protocol_structured import (
     NEEDS_COMPILE,
     ONE_CONSTRAINT,
@@ -38,6 +39,10 @@ from minisgl.server.protocol_types import (
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 Logprobs = int_in(0, MAX_LOGPROBS)
 NO_EFFECT = "accepted for compatibility; does not change the output"
+PRIORITY = (
+    "vLLM's: the request's place in the queue under --scheduling-policy priority, smaller first (ties keep "
+    "arrival order); a server scheduling fcfs refuses any value but 0"
+)
 SPACES = (
     "with skip_special_tokens false: true puts a space between special tokens and the text around them, "
     "false does not; unset: the tokenizer's own decoding (fast tokenizers: no spaces)"
@@ -104,6 +109,7 @@ class SamplingFields(Strict):
         default=None, description="add the tokenizer's special tokens (BOS) to the prompt; default: true for "
         "completions, false for chat (the template holds them)"
     )
+    priority: int_in(-PRIORITY_MAX, PRIORITY_MAX) = Field(default=0, description=PRIORITY)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -182,6 +188,7 @@ class GenerateRequest(Strict):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: Logprobs = 0
+    priority: int_in(-PRIORITY_MAX, PRIORITY_MAX) = Field(default=0, description=PRIORITY)
 
     @model_validator(mode="after")
     def check_one_of(self) -> Any:

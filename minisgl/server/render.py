@@ -31,6 +31,7 @@ class ChoiceTracker:
         self.top: list[list[list]] = [[] for _ in range(k)]
         self.finish: list[str | None] = [None] * k
         self.prompt_tokens = [0] * k
+        self.cached_tokens = [0] * k
         self.completion_tokens = [0] * k
         self.prompt: list[PromptEcho | None] = [None] * k
         self.reasoning_open = [False] * k  # the prompt opened a reasoning block (first reply says)
@@ -44,6 +45,7 @@ class ChoiceTracker:
         self.token_bytes[i] += r.token_bytes or []
         self.top[i] += r.top_logprobs or []
         self.prompt_tokens[i] = r.prompt_tokens
+        self.cached_tokens[i] = r.cached_tokens
         self.completion_tokens[i] = r.completion_tokens
         if r.prompt is not None:
             self.prompt[i] = r.prompt
@@ -52,11 +54,14 @@ class ChoiceTracker:
             self.finish[i] = r.finish_reason
         return i
 
-    def usage(self) -> dict[str, int]:
-        # A prompt counts once however many choices (n) it has, as OpenAI counts it.
-        prompt = sum(self.prompt_tokens[i] for i in range(0, len(self.text), self.n))
+    def usage(self) -> dict[str, Any]:
+        # A prompt counts once however many choices (n) it has, as OpenAI counts it; its cached
+        # tokens are its first choice's (the others may find what that one's prefill cached).
+        firsts = range(0, len(self.text), self.n)
+        prompt = sum(self.prompt_tokens[i] for i in firsts)
         completion = sum(self.completion_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens[i] for i in firsts)}}
 
 
 def chat_logprobs(texts: list[str], lps: list[float], raw: list[bytes], top: list[list], k: int) -> dict[str, Any]:
@@ -190,6 +195,7 @@ def generate_result(job: Job, t: ChoiceTracker, rid: str) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": t.prompt_tokens[0],
+        "cached_tokens": t.cached_tokens[0],
         "completion_tokens": t.completion_tokens[0],
         "finish_reason": t.finish[0] and {"type": t.finish[0]},
     }
