@@ -30,13 +30,26 @@ def events_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory,
-           events_dir: Path) -> Server:
+def server(
+    tiny_model_path: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory, events_dir: Path
+) -> Server:
     events = f'{{"endpoint": "ipc://{events_dir}/pub", "replay_endpoint": "ipc://{events_dir}/replay", "topic": "kv"}}'
     s = Server(
-        "--model", str(tiny_model_path("llama3")), "--served-model-name", NAME, "--num-tokenizers", "0",
-        "--page-size", str(PAGE), "--num-pages", str(PAGES), "--scheduling-policy", "priority",
-        "--kv-events-config", events, cwd=tmp_path_factory.mktemp("cluster_server"),
+        "--model",
+        str(tiny_model_path("llama3")),
+        "--served-model-name",
+        NAME,
+        "--num-tokenizers",
+        "0",
+        "--page-size",
+        str(PAGE),
+        "--num-pages",
+        str(PAGES),
+        "--scheduling-policy",
+        "priority",
+        "--kv-events-config",
+        events,
+        cwd=tmp_path_factory.mktemp("cluster_server"),
     )
     yield s
     s.stop()
@@ -63,7 +76,10 @@ def _families(http: httpx.Client) -> dict:
 def test_vllm_profile_gauges(http: httpx.Client, client: openai.OpenAI) -> None:
     fams = _families(http)
     assert {n for n in fams if n.startswith("vllm:")} == {
-        "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:cache_config_info"
+        "vllm:num_requests_waiting",
+        "vllm:num_requests_running",
+        "vllm:kv_cache_usage_perc",
+        "vllm:cache_config_info",
     } and not any(n.startswith("sglang") for n in fams)
     (info,) = fams["vllm:cache_config_info"].samples
     assert info.value == 1 and info.labels == {"engine": "0", "block_size": str(PAGE), "num_gpu_blocks": str(USABLE)}
@@ -71,8 +87,9 @@ def test_vllm_profile_gauges(http: httpx.Client, client: openai.OpenAI) -> None:
         (s,) = fams[name].samples
         assert fams[name].type == "gauge" and s.labels == {"engine": "0", "model_name": NAME}
     # While a request decodes: running 1, and the usage is the share of pages requests hold.
-    stream = client.completions.create(model=NAME, prompt=_ids(random.Random(1), 30), max_tokens=150, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=NAME, prompt=_ids(random.Random(1), 30), max_tokens=150, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
 
     def busy() -> bool:
@@ -82,7 +99,8 @@ def test_vllm_profile_gauges(http: httpx.Client, client: openai.OpenAI) -> None:
     assert wait_for(busy, 30)
     usage = _families(http)["vllm:kv_cache_usage_perc"].samples[0].value
     assert 0 < usage <= 1 and usage == pytest.approx(
-        metric(http, "minisgl_kv_slots_used") / metric(http, "minisgl_kv_slots_total"), abs=0.05)
+        metric(http, "minisgl_kv_slots_used") / metric(http, "minisgl_kv_slots_total"), abs=0.05
+    )
     stream.close()  # aborts it
 
 
@@ -107,15 +125,21 @@ def test_cached_tokens(client: openai.OpenAI) -> None:
     again = client.completions.create(model=NAME, prompt=prompt, max_tokens=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == (23 - 1) // PAGE * PAGE  # whole pages, one to compute
-    chunks = list(client.completions.create(model=NAME, prompt=prompt + [7], max_tokens=2, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt=prompt + [7], max_tokens=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 23 // PAGE * PAGE
     messages = [{"role": "user", "content": "the same question, twice over"}]
     chat = [client.chat.completions.create(model=NAME, messages=messages, max_tokens=2) for _ in range(2)]
     n = chat[1].usage.prompt_tokens
     assert chat[1].usage.prompt_tokens_details.cached_tokens == (n - 1) // PAGE * PAGE > 0
-    streamed = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, stream=True,
-                                                   stream_options={"include_usage": True}))
+    streamed = list(
+        client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=2, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // PAGE * PAGE
 
 
@@ -127,8 +151,9 @@ def test_flush_cache(http: httpx.Client, client: openai.OpenAI) -> None:
     again = client.completions.create(model=NAME, prompt=prompt, max_tokens=1)
     assert again.usage.prompt_tokens_details.cached_tokens == 0  # flushed
     # A request reading the cached prompt holds its pages: the flush is refused, saying why.
-    stream = client.completions.create(model=NAME, prompt=prompt + [9, 9], max_tokens=150, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=NAME, prompt=prompt + [9, 9], max_tokens=150, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
     r = http.post("/flush_cache")
     err = r.json()["error"]
@@ -149,8 +174,13 @@ def test_priority_overtakes_a_burst(server: Server, http: httpx.Client) -> None:
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as oai:
 
             async def low(i: int) -> None:
-                stream = await oai.completions.create(model=NAME, prompt=_ids(rng, 8), max_tokens=100, stream=True,
-                                                      extra_body={"ignore_eos": True, "priority": 5})
+                stream = await oai.completions.create(
+                    model=NAME,
+                    prompt=_ids(rng, 8),
+                    max_tokens=100,
+                    stream=True,
+                    extra_body={"ignore_eos": True, "priority": 5},
+                )
                 async for _ in stream:
                     first_token.setdefault(i, time.monotonic())
 
@@ -161,8 +191,9 @@ def test_priority_overtakes_a_burst(server: Server, http: httpx.Client) -> None:
                     break
                 await asyncio.sleep(0.02)
             waiting = {i for i in range(6) if i not in first_token}
-            urgent = await oai.completions.create(model=NAME, prompt=_ids(rng, 30), max_tokens=4,
-                                                  extra_body={"ignore_eos": True, "priority": 0})
+            urgent = await oai.completions.create(
+                model=NAME, prompt=_ids(rng, 30), max_tokens=4, extra_body={"ignore_eos": True, "priority": 0}
+            )
             assert urgent.usage.completion_tokens == 4 and not any(t.done() for t in lows)
             late = [i for i in waiting if i in first_token]
             assert len(waiting) >= 2 and not late, (waiting, late)

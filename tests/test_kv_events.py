@@ -93,8 +93,17 @@ def test_config_defaults_and_off() -> None:
 
 
 def test_bad_config_is_a_startup_error(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "minisgl.serve", "--device", "cpu", "--model", str(tiny_model_path("llama3")),
-           "--kv-events-config", '{"publisher": "zmq", "endpoint": "udp://x:1"}']
+    cmd = [
+        sys.executable,
+        "-m",
+        "minisgl.serve",
+        "--device",
+        "cpu",
+        "--model",
+        str(tiny_model_path("llama3")),
+        "--kv-events-config",
+        '{"publisher": "zmq", "endpoint": "udp://x:1"}',
+    ]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--kv-events-config: endpoint:" in out.stderr, out.stderr[-2000:]
 
@@ -199,8 +208,7 @@ def _replay(endpoint: str, start: int, got: dict[int, list]) -> None:
     dealer.close()
 
 
-def test_events_of_500_requests_rebuild_the_radix_cache(tiny_model_path: Callable[[str], Path],
-                                                        tmp_path: Path) -> None:
+def test_events_of_500_requests_rebuild_the_radix_cache(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
     page, pool = 4, 48  # 192 token slots: the prompts below evict each other all the time
     llm = LLM(str(tiny_model_path("llama3")), device="cpu", dtype="float32", page_size=page, num_pages=pool)
     events = CacheEvents(page, SEED)

@@ -27,8 +27,9 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def _req(llm: LLM, prompt: list[int], max_tokens: int, priority: int) -> Request:
-    return llm._make_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                                    priority=priority))
+    return llm._make_request(
+        prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, priority=priority)
+    )
 
 
 def _alone(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
@@ -68,8 +69,16 @@ def test_high_priority_admitted_at_the_next_step_through_a_full_pool(model: str,
     """Five low-priority (5) requests, each needing ~17 of the pool's 40 pages: two run, three
     wait. A priority-0 request is admitted by the very next step (a low one is retracted to make
     room) and finishes before any waiting low one starts; at equal priority it waits its turn."""
-    llm = LLM(model, device="cpu", dtype="float32", scheduling_policy="priority", num_pages=40, page_size=4,
-              max_prefill_tokens=64, mixed_chunk_tokens=64)
+    llm = LLM(
+        model,
+        device="cpu",
+        dtype="float32",
+        scheduling_policy="priority",
+        num_pages=40,
+        page_size=4,
+        max_prefill_tokens=64,
+        mixed_chunk_tokens=64,
+    )
     sched = llm.scheduler
     lows = [_req(llm, p, 60, 5) for p in _prompts(5, 8, 2)]
     for r in lows:
@@ -99,8 +108,17 @@ def test_high_priority_admitted_at_the_next_step_through_a_full_pool(model: str,
 def test_kv_pressure_retracts_the_lowest_priority_first(model: str) -> None:
     """An admission estimate of 0 lets every request in; the decodes then outgrow the pool and
     requests are retracted: each time the lowest priority of those holding KV."""
-    llm = LLM(model, device="cpu", dtype="float32", scheduling_policy="priority", num_pages=24, page_size=4,
-              init_new_token_ratio=0.0, min_new_token_ratio=0.0, new_token_ratio_decay=0.0)
+    llm = LLM(
+        model,
+        device="cpu",
+        dtype="float32",
+        scheduling_policy="priority",
+        num_pages=24,
+        page_size=4,
+        init_new_token_ratio=0.0,
+        min_new_token_ratio=0.0,
+        new_token_ratio_decay=0.0,
+    )
     sched = llm.scheduler
     reqs = [_req(llm, p, 24, prio) for p, prio in zip(_prompts(4, 8, 4), [3, 1, 7, 2])]
     victims: list[tuple[int, int]] = []

@@ -103,7 +103,7 @@ def parse_kv_events_config(text: str | None) -> KVEventsConfig | None:
     if not isinstance(raw.get("enable_kv_cache_events", True), bool):
         raise _bad("enable_kv_cache_events", f"must be true or false, got {raw['enable_kv_cache_events']!r}")
     if raw.get("publisher", "zmq") not in ("zmq", "null"):
-        raise _bad("publisher", f"must be \"zmq\" or \"null\", got {raw['publisher']!r}")
+        raise _bad("publisher", f'must be "zmq" or "null", got {raw["publisher"]!r}')
     endpoint = raw.get("endpoint", KVEventsConfig.endpoint)
     _check_endpoint("endpoint", endpoint)
     _check_endpoint("replay_endpoint", raw.get("replay_endpoint"), optional=True)

@@ -62,6 +62,7 @@ def preemption_victims(queues: RequestQueues, kv: RequestKV, new_token_ratio: fl
         rows += 1
         own = len(victim.pages) - (len(victim.match.pages) if victim.match is not None else 0)
         available += own  # its private pages go to the cache, evictable (its match may be shared)
-        reserved -= max(0, kv.pages_for(victim.seq_len + int(victim.remaining_tokens * new_token_ratio))
-                        - len(victim.pages))
+        reserved -= max(
+            0, kv.pages_for(victim.seq_len + int(victim.remaining_tokens * new_token_ratio)) - len(victim.pages)
+        )
     return victims if fits() else []

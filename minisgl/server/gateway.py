@@ -89,28 +89,32 @@ class CacheFlusher:
             self._sock.send(encode(FlushCacheMsg(rid)), zmq.NOBLOCK)
             return await asyncio.wait_for(fut, FLUSH_TIMEOUT_S)
         except (asyncio.TimeoutError, zmq.Again):
-            raise ApiError(f"the schedulers did not answer within {FLUSH_TIMEOUT_S:.0f} s", None, 503,
-                           kind="server_error") from None
+            raise ApiError(
+                f"the schedulers did not answer within {FLUSH_TIMEOUT_S:.0f} s", None, 503, kind="server_error"
+            ) from None
         finally:
             del self._waiting[rid]
 
 
 def add_gateway_routes(app: FastAPI, frontend: Frontend, info: dict[str, Any]) -> None:
     """/v1/loads, /flush_cache and the vLLM-profile gauges (`info`: server_info's dict)."""
-    frontend.metrics.registry.register(VllmProfile(frontend.metrics.replicas, info["served_model_name"],
-                                                   info["page_size"]))
+    frontend.metrics.registry.register(
+        VllmProfile(frontend.metrics.replicas, info["served_model_name"], info["page_size"])
+    )
     flusher = CacheFlusher(frontend, info["dp_size"])
 
     @app.get("/v1/loads", responses=openapi_doc.errors(400))
-    async def loads(include: str = Query("all", description=f"sections, comma-separated: {', '.join(LOAD_SECTIONS)}")
-                    ) -> dict[str, Any]:
+    async def loads(
+        include: str = Query("all", description=f"sections, comma-separated: {', '.join(LOAD_SECTIONS)}"),
+    ) -> dict[str, Any]:
         """SGLang's per-replica load report (the core section: the rest describe features this
         server does not have)."""
         sections = {p.strip() for p in include.split(",") if p.strip()}
         unknown = sorted(sections - set(LOAD_SECTIONS))
         if unknown:
-            raise ApiError(f"include: unknown section(s) {', '.join(unknown)}; known: {', '.join(LOAD_SECTIONS)}",
-                           "include")
+            raise ApiError(
+                f"include: unknown section(s) {', '.join(unknown)}; known: {', '.join(LOAD_SECTIONS)}", "include"
+            )
         entries = load_entries(frontend, info["max_running_requests"], sections)
         return {"timestamp": datetime.now(timezone.utc).isoformat(), "dp_rank_count": len(entries), "loads": entries}
 

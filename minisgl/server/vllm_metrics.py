@@ -37,7 +37,8 @@ class VllmProfile:
             "vllm:kv_cache_usage_perc", "KV-cache usage: 1 = every page held by a request", labels=labels
         )
         info = GaugeMetricFamily(
-            "vllm:cache_config_info", "KV-cache configuration (its labels)",
+            "vllm:cache_config_info",
+            "KV-cache configuration (its labels)",
             labels=["engine", "block_size", "num_gpu_blocks"],
         )
         for rank, s in reports:
