@@ -1,4 +1,6 @@
-"""Runs sglang-router (`python -m sglang_router.launch_router`) in front of minisgl servers."""
+"""Runs a router in front of minisgl servers: sglang-router 0.3.2 (`python -m
+sglang_router.launch_router`) or its successor, the SGLang model gateway (SMG, `python -m
+smg.launch_router`), which take the same flags for what the tests use."""
 
 from __future__ import annotations
 
@@ -18,15 +20,34 @@ def free_port() -> int:
 
 
 class Router:
-    def __init__(self, worker_urls: list[str], log: Path, *extra: str, timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        worker_urls: list[str],
+        log: Path,
+        *extra: str,
+        timeout: float = 120.0,
+        module: str = "sglang_router.launch_router",
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [
-            sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-            "--log-level", "warn", *extra,
+            sys.executable,
+            "-m",
+            module,
+            "--worker-urls",
+            *worker_urls,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+            *extra,
         ]
         self._log_file = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT)
