@@ -20,7 +20,13 @@ import zmq
 from minisgl import LLM, SamplingParams
 from minisgl.kvcache.events import CacheEvents
 from minisgl.kvcache.radix_cache import RadixCache
-from minisgl.message.kv_events import KVEventPublisher, endpoint_for, parse_kv_events_config, wire_event
+from minisgl.message.kv_events import (
+    KVEventPublisher,
+    check_replicas,
+    endpoint_for,
+    parse_kv_events_config,
+    wire_event,
+)
 from minisgl.scheduler.config import scheduler_config
 from minisgl.scheduler.scheduler import Scheduler
 
@@ -90,6 +96,21 @@ def test_config_defaults_and_off() -> None:
     assert parse_kv_events_config('{"publisher": "null"}') is None
     assert parse_kv_events_config('{"enable_kv_cache_events": false}') is None
     assert endpoint_for("tcp://*:5557", 2) == "tcp://*:5559" and endpoint_for("ipc:///tmp/e", 1) == "ipc:///tmp/e_dp1"
+
+
+def test_replica_ports_checked_against_dp() -> None:
+    def check(text: str, dp: int) -> None:
+        cfg = parse_kv_events_config(text)
+        assert cfg is not None
+        check_replicas(cfg, dp)
+
+    check('{"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}', 1)
+    check('{"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5559"}', 2)
+    check('{"endpoint": "ipc:///tmp/kv", "replay_endpoint": "ipc:///tmp/kv_replay"}', 4)
+    with pytest.raises(ValueError, match=r"--kv-events-config: replay_endpoint: .*tcp://\*:5558.* at least 2 apart"):
+        check('{"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}', 2)
+    with pytest.raises(ValueError, match="--kv-events-config: endpoint: .*past 65535"):
+        check('{"endpoint": "tcp://*:65535"}', 2)
 
 
 def test_bad_config_is_a_startup_error(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:

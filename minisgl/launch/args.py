@@ -114,10 +114,13 @@ class ServerArgs:
         self._check_dp()
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"--scheduling-policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        from minisgl.message.kv_events import parse_kv_events_config
+        from minisgl.message.kv_events import check_replicas, parse_kv_events_config
 
-        if parse_kv_events_config(self.kv_events_config) is not None and self.cache == "naive":
+        events = parse_kv_events_config(self.kv_events_config)
+        if events is not None and self.cache == "naive":
             raise ValueError("--kv-events-config reports the radix cache's blocks: it needs --cache radix")
+        if events is not None:
+            check_replicas(events, self.dp)
 
     def _check_dp(self) -> None:
         if self.dp < 1:

@@ -123,6 +123,24 @@ def endpoint_for(endpoint: str, dp_rank: int) -> str:
     return f"{host}:{int(port) + dp_rank}"
 
 
+def check_replicas(cfg: KVEventsConfig, dp: int) -> None:
+    """With --dp, replica r takes the port + r (endpoint_for): each range must fit below 65536
+    and the publish and replay ranges must not meet, else a replica's bind fails mid-start."""
+    named = [("endpoint", cfg.endpoint)] + ([("replay_endpoint", cfg.replay_endpoint)] if cfg.replay_endpoint else [])
+    for name, value in named:
+        if value.startswith("tcp://") and int(value.rsplit(":", 1)[-1]) + dp - 1 > 65535:
+            raise _bad(name, f"with --dp {dp} the replicas use ports up to {value} + {dp - 1}, past 65535")
+    if cfg.replay_endpoint is not None:
+        pubs = {endpoint_for(cfg.endpoint, r) for r in range(dp)}
+        clash = sorted(pubs & {endpoint_for(cfg.replay_endpoint, r) for r in range(dp)})
+        if clash:
+            raise _bad(
+                "replay_endpoint",
+                f"with --dp {dp} replica r publishes on the endpoint's port + r and replays on the replay port "
+                f"+ r; both use {clash[0]}: put the two ports at least {dp} apart",
+            )
+
+
 def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith("ipc://")
 
