@@ -8,11 +8,15 @@ import random
 import re
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import msgpack
 import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
 from server_harness import Server, alive, child_pids, greedy, metric, wait_for
 
 from minisgl import LLM
@@ -27,11 +31,17 @@ def model_dir(tiny_model_path: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dp_server")  # its cwd, and where its KV events' ipc sockets live
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, workdir: Path) -> Server:
     # No tokenizer workers (the detokenizer tokenizes): fewer processes to start on the CPU.
+    events = f'{{"endpoint": "ipc://{workdir}/kv", "replay_endpoint": "ipc://{workdir}/replay"}}'
     s = Server(
         "--model", str(model_dir), "--served-model-name", NAME, "--dp", "2", "--num-tokenizers", "0",
-        cwd=tmp_path_factory.mktemp("dp_server"),
+        "--kv-events-config", events, cwd=workdir,
     )
     yield s
     s.stop()  # a no-op once test_killed_replica_stops_the_server has run
@@ -114,6 +124,50 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(server: Serv
     home = received.index(5)
     assert received[1 - home] == 0
     assert hits[home] >= 4 * len(shared) and hits[1 - home] == 0, hits  # requests 2..5 reused the prefix
+
+
+def _replay(endpoint: str) -> list[list]:
+    """Every batch the replica has published, from its replay socket."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    out = []
+    while True:
+        assert dealer.poll(10_000), f"no answer from {endpoint}"
+        _, seq, payload = dealer.recv_multipart()
+        if int.from_bytes(seq, "big", signed=True) == -1:
+            dealer.close(0)
+            return out
+        out.append(msgpack.unpackb(payload))
+
+
+def test_cluster_views_are_per_replica(http: httpx.Client, workdir: Path) -> None:
+    """llm-d's gauges and SMG's /v1/loads carry one entry per replica; each replica publishes its
+    KV events on its own sockets (ipc path + "_dp<r>") with its dp_rank; a flush reaches both."""
+    fams = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert sorted(s.labels["engine"] for s in fams[name].samples) == ["0", "1"], name
+    assert sorted(s.labels["engine"] for s in fams["vllm:cache_config_info"].samples) == ["0", "1"]
+    loads = http.get("/v1/loads", params={"include": "core"}).json()
+    assert loads["dp_rank_count"] == 2 and [e["dp_rank"] for e in loads["loads"]] == [0, 1]
+    subs = []
+    for r, suffix in enumerate(("", "_dp1")):
+        batches = _replay(f"ipc://{workdir}/replay{suffix}")  # the earlier tests' traffic reached both
+        assert batches and {b[2] for b in batches} == {r}
+        assert any(ev[0] == "BlockStored" for b in batches for ev in b[1])
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"ipc://{workdir}/kv{suffix}")
+        subs.append(sub)
+    time.sleep(0.3)  # the subscriptions reach the publishers
+    r = http.post("/flush_cache")
+    assert r.status_code == 200 and "2 replica(s)" in r.json()["message"], r.text
+    for rank, sub in enumerate(subs):
+        assert sub.poll(10_000)
+        _, _, payload = sub.recv_multipart()
+        ts, batch, dp_rank = msgpack.unpackb(payload)
+        assert dp_rank == rank and batch == [["AllBlocksCleared"]]
+        sub.close(0)
 
 
 def test_killed_replica_stops_the_server(server: Server, http: httpx.Client) -> None:
