@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Two minisgl servers behind sglang-router on one machine (README: Scaling out).
+# Two minisgl servers behind a router on one machine (README: Scaling out): the SGLang model
+# gateway (SMG) when installed, else sglang-router 0.3.2 (both take the flags used below).
 #
-#   pip install sglang-router==0.3.2
+#   pip install "smg>=1.13"                    # or: pip install sglang-router==0.3.2
 #   examples/router.sh                         # the built-in SmolLM2; the router on :30000
 #   MODEL=/models/Qwen3-8B examples/router.sh   # any model `python -m minisgl.serve` takes
 #
@@ -18,7 +19,13 @@ WORKER_PORTS=(${WORKER_PORTS:-30001 30002})
 POLICY=${POLICY:-cache_aware}
 model_args=()
 [ -n "${MODEL:-}" ] && model_args=(--model "$MODEL")
-python3 -c "import sglang_router" 2> /dev/null || { echo "needs: pip install sglang-router==0.3.2"; exit 1; }
+if python3 -c "import smg" 2> /dev/null; then
+  router=smg.launch_router
+elif python3 -c "import sglang_router" 2> /dev/null; then
+  router=sglang_router.launch_router
+else
+  echo 'needs: pip install "smg>=1.13" (or sglang-router==0.3.2)'; exit 1
+fi
 
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -lt "${#WORKER_PORTS[@]}" ]; then
@@ -45,7 +52,7 @@ for url in "${urls[@]}"; do  # a server opens its port once every process has lo
   curl -sf "$url/health" > /dev/null || { echo "$url did not start; see $LOGS/server*.log"; exit 1; }
 done
 
-python3 -m sglang_router.launch_router --worker-urls "${urls[@]}" --host 127.0.0.1 --port "$PORT" \
+python3 -m "$router" --worker-urls "${urls[@]}" --host 127.0.0.1 --port "$PORT" \
   --prometheus-host 127.0.0.1 --prometheus-port $((PORT + 1000)) --policy "$POLICY" --log-level warn \
   > "$LOGS/router.log" 2>&1 &
 pids+=($!)
