@@ -17,7 +17,7 @@
 #            decode graph's replay time, per-kernel profile); about 1.5 minutes; not default
 # e.g. `bash benchmarks/gpu_suite.sh online latency`; `--online-only` = `online`.
 # Extra server flags: $SERVER_ARGS.
-# `--two-gpu [STEP ...]` runs the two-GPU section below instead.
+# `--two-gpu [STEP ...]` and `--four-gpu [STEP ...]` run the multi-GPU sections below instead.
 set -u
 OUT=${OUT:-/tmp/minisgl-bench}
 mkdir -p "$OUT"
@@ -146,26 +146,85 @@ sys.exit(not (len(ws) == 2 and all(w['is_healthy'] for w in ws)))" && break
   python3 benchmarks/scaling_table.py "$OUT"
 }
 
+# The TP 2 batch-1 step of Llama-3.1-8B shapes per kernel family against the floor (issue 32),
+# and the same at TP 1 on GPU 0 for comparison.
+two_gpu_tp_profile() {
+  for tp in 2 1; do
+    python3 benchmarks/profile_tp_decode.py --model benchmarks/configs/llama-3.1-8b --tokenizer "$Q" --tp $tp 2>&1 \
+      | grep -v -E "it/s\]|Warn|warn"
+  done
+}
+
+# ---- Four GPUs (issue 32), on nvidia-h100-x4: benchmarks/gpu_suite.sh --four-gpu [STEP ...] ----
+# The same structure: each step under its own limit, output in $OUT/four_gpu_STEP.txt.
+# The one-shot all-reduce at world 4 (and its fused add + RMSNorm) against the torch reference.
+four_gpu_allreduce_tests() { $PYTEST tests/test_custom_all_reduce_gpu.py -k four_ranks; }
+# TP = 4 greedy equals TP = 1 (bf16 tie rule): llama3, qwen3, qwen3_moe.
+four_gpu_tp4_tests() { $PYTEST tests/test_nccl_gpu.py -k tp4_gpu_equals_tp1; }
+# One-shot vs NCCL vs torch.distributed at world 4 (target: <= 0.5x torch's latency up to 256 KB).
+four_gpu_allreduce_bench() { python3 benchmarks/kernels/allreduce.py --gpus 4; }
+# Llama-3.1-70B shapes at TP 4, batch-1 decode against the floor, NCCL only then one-shot; the profile.
+four_gpu_llama70b_decode() {
+  for flag in --disable-custom-all-reduce ""; do
+    echo "-- TP 4 ${flag:-(one-shot all-reduce on)}"
+    python3 benchmarks/offline.py --model benchmarks/configs/llama-3.1-70b --load-format dummy --tokenizer "$Q" \
+      --tp 4 --num-requests 16 --decode-latency $flag 2>&1 | offline_rows
+  done
+  python3 benchmarks/profile_tp_decode.py --model benchmarks/configs/llama-3.1-70b --tokenizer "$Q" --tp 4 2>&1 \
+    | grep -v -E "it/s\]|Warn|warn"
+}
+# Served latency, sequential (concurrency 1): Qwen3-8B shapes at TP 1, 2 and 4, Llama-3.1-70B at TP 4.
+four_gpu_serve_latency() {
+  for run in "qwen3-8b 1" "qwen3-8b 2" "qwen3-8b 4" "llama-3.1-70b 4"; do
+    set -- $run
+    echo "-- serve $1 --tp $2"
+    start_server 8124 --model "benchmarks/configs/$1" --tp "$2" || continue
+    python3 benchmarks/online.py --base-url http://127.0.0.1:8124 --tokenizer "$Q" --num-prompts 8 \
+      --input-len 1024 --output-len 256 --concurrency 1 2>&1 | tail -12
+    stop_server 8124
+  done
+}
+# The same Poisson load (Qwen3-8B shapes, ${RATES:-8} req/s) against --dp 2 --tp 2, --tp 4 and one --tp 2.
+four_gpu_dp_tp_online() {
+  for run in "dp2_tp2 --dp 2 --tp 2" "tp4 --tp 4" "tp2 --tp 2"; do
+    set -- $run; name=$1; shift
+    start_server 8124 --model benchmarks/configs/qwen3-8b "$@" || continue
+    for rate in ${RATES:-8}; do
+      echo "== online $name, Poisson $rate req/s"
+      timeout 240 python3 benchmarks/online.py --base-url http://127.0.0.1:8124 --tokenizer "$Q" \
+        --num-prompts "${ONLINE_PROMPTS:-128}" --input-len 1024 --output-len 256 --request-rate "$rate" 2>&1 | tail -12
+    done
+    stop_server 8124
+  done
+}
+
 TWO_GPU_STEPS="allreduce_tests:300 tp2_tests:480 serve_tests:300 dp_tests:300 suite:540 allreduce_bench:300
-  llama8b_decode:420 serve_latency:480 moe_decode:420 dp_offline:600 dp_online:600"
-if [ "${1:-}" = "--two-gpu" ]; then
+  llama8b_decode:420 tp_profile:300 serve_latency:480 moe_decode:420 dp_offline:600 dp_online:600"
+FOUR_GPU_STEPS="allreduce_tests:300 tp4_tests:480 allreduce_bench:300 llama70b_decode:600 serve_latency:600
+  dp_tp_online:600"
+case "${1:-}" in
+  --two-gpu) mode=two_gpu; need=2; steps=$TWO_GPU_STEPS ;;
+  --four-gpu) mode=four_gpu; need=4; steps=$FOUR_GPU_STEPS ;;
+  *) mode= ;;
+esac
+if [ -n "$mode" ]; then
   shift
   gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
-  [ "$gpus" -ge 2 ] || { echo "--two-gpu needs 2 GPUs, found $gpus"; exit 1; }
+  [ "$gpus" -ge "$need" ] || { echo "--${mode/_/-} needs $need GPUs, found $gpus"; exit 1; }
   for step in "$@"; do
-    [[ " $TWO_GPU_STEPS " == *" $step:"* ]] || { echo "unknown step $step; steps: $TWO_GPU_STEPS"; exit 1; }
+    [[ " $steps " == *" $step:"* ]] || { echo "unknown step $step; steps: $steps"; exit 1; }
   done
-  export -f wait_health start_server stop_server offline_rows $(compgen -A function two_gpu_)
-  for entry in $TWO_GPU_STEPS; do
+  export -f wait_health start_server stop_server offline_rows $(compgen -A function "${mode}_")
+  for entry in $steps; do
     step=${entry%%:*}
     [ $# -gt 0 ] && [[ " $* " != *" $step "* ]] && continue
-    echo "== two-gpu $step (limit ${entry##*:} s)"
-    timeout -k 10 "${entry##*:}" bash -c "two_gpu_$step" 2>&1 | tee "$OUT/two_gpu_$step.txt"
-    echo "== two-gpu $step: exit ${PIPESTATUS[0]}"
+    echo "== ${mode/_/-} $step (limit ${entry##*:} s)"
+    timeout -k 10 "${entry##*:}" bash -c "${mode}_$step" 2>&1 | tee "$OUT/${mode}_$step.txt"
+    echo "== ${mode/_/-} $step: exit ${PIPESTATUS[0]}"
   done
   exit 0
 fi
-# ---- end of the two-GPU section ----
+# ---- end of the multi-GPU sections ----
 
 if want offline; then
   for variant in "" "--disable-overlap" "--disable-cuda-graph"; do

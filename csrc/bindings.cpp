@@ -99,6 +99,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("IPC_HANDLE_BYTES") = minisgl::kIpcHandleBytes;
   m.attr("CUSTOM_ALL_REDUCE_MAX_WORLD") = minisgl::kCustomAllReduceMaxWorld;
   m.attr("CUSTOM_ALL_REDUCE_MAX_BLOCKS") = minisgl::kCustomAllReduceMaxBlocks;
+  m.attr("CUSTOM_ALL_REDUCE_NORM_MAX_HIDDEN") = minisgl::kCustomAllReduceNormMaxHidden;
   m.def(
       "custom_all_reduce_alloc",
       [](int device, int64_t buffer_bytes) {
@@ -155,6 +156,25 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("bases"), py::arg("rank"), py::arg("inp"), py::arg("out"), py::arg("n"), py::arg("dtype"),
       py::arg("buffer_bytes"), py::arg("max_blocks"), py::arg("stream"));
+  m.def(
+      "custom_all_reduce_rmsnorm",
+      [](const py::sequence& bases, int rank, std::uintptr_t in, std::uintptr_t residual, std::uintptr_t out,
+         std::uintptr_t weight, int64_t rows, int64_t hidden, int dtype, float eps, int64_t buffer_bytes,
+         int max_blocks, std::uintptr_t stream) {
+        const int world = static_cast<int>(bases.size());
+        if (world < 1 || world > minisgl::kCustomAllReduceMaxWorld) {
+          throw std::invalid_argument("custom_all_reduce_rmsnorm: 1 to 8 ranks");
+        }
+        void* b[minisgl::kCustomAllReduceMaxWorld] = {};
+        for (int r = 0; r < world; ++r) b[r] = ptr(bases[r].cast<std::uintptr_t>());
+        check(minisgl::custom_all_reduce_rmsnorm(b, world, rank, ptr<const void>(in), ptr(residual), ptr(out),
+                                                 ptr<const void>(weight), rows, hidden, dtype, eps, buffer_bytes,
+                                                 max_blocks, ptr(stream)),
+              "custom_all_reduce_rmsnorm");
+      },
+      py::arg("bases"), py::arg("rank"), py::arg("inp"), py::arg("residual"), py::arg("out"), py::arg("weight"),
+      py::arg("rows"), py::arg("hidden"), py::arg("dtype"), py::arg("eps"), py::arg("buffer_bytes"),
+      py::arg("max_blocks"), py::arg("stream"));
   // ---- end of the one-shot all-reduce ----
 
   // Skinny GEMM (csrc/skinny_gemm.cu): tile configurations by id as (row tiles, chunks, max m), and the launch.

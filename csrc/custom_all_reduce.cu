@@ -1,12 +1,15 @@
 // Launcher and peer-memory set-up of the one-shot all-reduce (custom_all_reduce.cuh).
 #include <cstring>
 
+#include "all_reduce_norm.cuh"
 #include "custom_all_reduce.cuh"
 #include "launchers.h"
 
 namespace minisgl {
 
 static_assert(sizeof(cudaIpcMemHandle_t) == kIpcHandleBytes, "launchers.h's IPC handle size is wrong");
+static_assert(car::kNormMaxSlotsPerThread * car::kThreads * 8 == kCustomAllReduceNormMaxHidden,
+              "launchers.h and all_reduce_norm.cuh disagree on the longest row");
 static_assert(car::kMaxWorld == kCustomAllReduceMaxWorld && car::kMaxBlocks == kCustomAllReduceMaxBlocks,
               "launchers.h and custom_all_reduce.cuh disagree on the limits");
 
@@ -66,6 +69,50 @@ cudaError_t launch_dtype(const car::RankBases& ranks, int world, int rank, const
   }
   return cudaGetLastError();
 }
+
+template <int kDtype>
+cudaError_t launch_norm_dtype(const car::RankBases& ranks, int world, int rank, const void* in, void* residual,
+                              void* out, const void* weight, int64_t rows, int64_t hidden, float eps,
+                              int64_t buffer_bytes, int blocks, cudaStream_t stream) {
+  // Programmatic dependent launch on sm_90+ (all_reduce_norm.cuh says what it overlaps).
+  cudaLaunchConfig_t launch = {};
+  launch.gridDim = dim3(static_cast<unsigned>(blocks));
+  launch.blockDim = dim3(car::kThreads);
+  launch.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  int device = 0, major = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err != cudaSuccess) return reported(err);
+  if (major >= 9) {
+    launch.attrs = attr;
+    launch.numAttrs = 1;
+  }
+  const void* in_c = in;
+  const void* weight_c = weight;
+#define MINISGL_NORM_CASE(W)                                                                                  \
+  case W:                                                                                                     \
+    err = cudaLaunchKernelEx(&launch, car::one_shot_all_reduce_rmsnorm_kernel<kDtype, W>, ranks, rank, in_c,  \
+                             residual, out, weight_c, rows, hidden, eps, buffer_bytes);                       \
+    break;
+  switch (world) {
+    MINISGL_NORM_CASE(1)
+    MINISGL_NORM_CASE(2)
+    MINISGL_NORM_CASE(3)
+    MINISGL_NORM_CASE(4)
+    MINISGL_NORM_CASE(5)
+    MINISGL_NORM_CASE(6)
+    MINISGL_NORM_CASE(7)
+    MINISGL_NORM_CASE(8)
+    default: return cudaErrorInvalidValue;
+  }
+#undef MINISGL_NORM_CASE
+  return err != cudaSuccess ? reported(err) : cudaGetLastError();
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
@@ -142,6 +189,32 @@ int custom_all_reduce(void* const* bases, int world, int rank, const void* in, v
       return launch_dtype<kNcclBfloat16>(ranks, world, rank, in, out, n, buffer_bytes, blocks, aligned, s);
     case kNcclFloat32:
       return launch_dtype<kNcclFloat32>(ranks, world, rank, in, out, n, buffer_bytes, blocks, aligned, s);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+int custom_all_reduce_rmsnorm(void* const* bases, int world, int rank, const void* in, void* residual, void* out,
+                              const void* weight, int64_t rows, int64_t hidden, int dtype, float eps,
+                              int64_t buffer_bytes, int max_blocks, void* stream) {
+  if (world < 1 || world > car::kMaxWorld || rank < 0 || rank >= world || rows < 0 || hidden <= 0 ||
+      hidden % 8 != 0 || hidden > kCustomAllReduceNormMaxHidden || max_blocks < 1 || max_blocks > car::kMaxBlocks || buffer_bytes <= 0 ||
+      buffer_bytes % 16 != 0 || rows * hidden * 2 > buffer_bytes || !aligned16(in) || !aligned16(residual) ||
+      !aligned16(out) || !aligned16(weight)) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0) return cudaSuccess;  // every rank skips alike: the epochs stay in step
+  car::RankBases ranks{};
+  for (int r = 0; r < world; ++r) ranks.base[r] = static_cast<char*>(bases[r]);
+  const int blocks = static_cast<int>(rows < max_blocks ? rows : max_blocks);
+  auto s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case kNcclFloat16:
+      return launch_norm_dtype<kNcclFloat16>(ranks, world, rank, in, residual, out, weight, rows, hidden, eps,
+                                             buffer_bytes, blocks, s);
+    case kNcclBfloat16:
+      return launch_norm_dtype<kNcclBfloat16>(ranks, world, rank, in, residual, out, weight, rows, hidden, eps,
+                                              buffer_bytes, blocks, s);
     default:
       return cudaErrorInvalidValue;
   }

@@ -49,6 +49,14 @@ int peer_memory_close(int device, void* base);
 // (<= kCustomAllReduceMaxBlocks). Every rank must make the same sequence of calls.
 int custom_all_reduce(void* const* bases, int world, int rank, const void* in, void* out, int64_t n, int dtype,
                       int64_t buffer_bytes, int max_blocks, void* stream);
+// The all-reduce of `in` [rows, hidden] fused with the residual add and RMSNorm after it
+// (all_reduce_norm.cuh): residual += sum of in (in place), out = weight * rmsnorm(residual).
+// 16-bit dtypes, hidden % 8 == 0 and <= 16384, every pointer 16-byte aligned, rows
+// contiguous; rows * hidden * 2 <= buffer_bytes. Shares the epochs of custom_all_reduce.
+constexpr int kCustomAllReduceNormMaxHidden = 16384;
+int custom_all_reduce_rmsnorm(void* const* bases, int world, int rank, const void* in, void* residual, void* out,
+                              const void* weight, int64_t rows, int64_t hidden, int dtype, float eps,
+                              int64_t buffer_bytes, int max_blocks, void* stream);
 // ---- end of the one-shot all-reduce ----
 
 // Skinny GEMM y = x W^T (+ bias) for 1..32 rows of x (csrc/skinny_gemm.cuh). dtype: 0 =

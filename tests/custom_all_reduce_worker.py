@@ -1,14 +1,17 @@
 """One rank of tests/test_custom_all_reduce_gpu.py's two-rank test, run as a script:
-`python custom_all_reduce_worker.py RANK PORT [--same-gpu]`. With --same-gpu both ranks run
-on GPU 0 (two processes exchanging IPC handles on one device: the whole protocol on one GPU);
-otherwise rank r runs on GPU r.
+`python custom_all_reduce_worker.py RANK PORT [--same-gpu] [--world N]` (N ranks, default 2).
+With --same-gpu every rank runs on GPU 0 (processes exchanging IPC handles on one device: the
+whole protocol on one GPU); otherwise rank r runs on GPU r.
 
 The one-shot all-reduce must give, on every rank: exactly the sum for small integers in every
 dtype; bit for bit the torch reference (fp32 sum in rank order) for random data; for sizes from
 1 element to the threshold, including sizes that are not a multiple of the 16-byte vector and
 unaligned views (whose NaN-poisoned neighbours must stay untouched); eagerly, back to back
 without synchronising (the staging buffers' reuse), and under CUDA-graph replay interleaved
-with eager calls (the epoch lives in device memory)."""
+with eager calls (the epoch lives in device memory). The fused all-reduce + residual add +
+RMSNorm kernel (check_fused) against the torch reference of the two steps it replaces: the
+residual bit for bit, the normed output within one rounding (rsqrt), eagerly and in a graph
+interleaved with plain all-reduces (they share the epochs)."""
 
 from __future__ import annotations
 
@@ -42,24 +45,24 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: differs at {bad}: {got[bad].tolist()} vs {want[bad].tolist()}")
 
 
-def main(rank: int, port: int, same_gpu: bool) -> None:
+def main(rank: int, port: int, same_gpu: bool, world: int) -> None:
     from minisgl.distributed.custom_all_reduce import make_custom_all_reduce, rank_order_sum
     from minisgl.distributed.info import TPInfo
 
     dev = torch.device("cuda", 0 if same_gpu else rank)
     torch.cuda.set_device(dev)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
-    car = make_custom_all_reduce(TPInfo(rank, 2), dev, dist.group.WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world, rank=rank)
+    car = make_custom_all_reduce(TPInfo(rank, world), dev, dist.group.WORLD)
     assert car is not None, "the one-shot all-reduce did not set up (its reason is logged above)"
     calls = 0
     for dtype in DTYPES:
         for n in SIZES + [car.max_bytes // dtype.itemsize]:
             gen = torch.Generator(device=dev).manual_seed(1000 + n)  # both ranks draw the same parts
-            ints = torch.randint(-8, 8, (2, n), generator=gen, device=dev).to(dtype)
+            ints = torch.randint(-8, 8, (world, n), generator=gen, device=dev).to(dtype)
             x = ints[rank].clone()
             car.all_reduce(x)
-            assert_same_bits(x, ints[0] + ints[1], f"integers {dtype} n={n}")
-            real = torch.randn(2, n, generator=gen, device=dev).to(dtype)
+            assert_same_bits(x, ints.float().sum(0).to(dtype), f"integers {dtype} n={n}")  # exact: small ints
+            real = torch.randn(world, n, generator=gen, device=dev).to(dtype)
             want = rank_order_sum(list(real))
             y = real[rank].clone()
             car.all_reduce(y)
@@ -77,7 +80,7 @@ def main(rank: int, port: int, same_gpu: bool) -> None:
     top = car.max_bytes // 2
     sizes = [[1, 4099, top, 8, 65537, 17][i % 6] for i in range(48)]
     gen = torch.Generator(device=dev).manual_seed(7)
-    parts = [torch.randn(2, n, generator=gen, device=dev).to(torch.bfloat16) for n in sizes]
+    parts = [torch.randn(world, n, generator=gen, device=dev).to(torch.bfloat16) for n in sizes]
     outs = [p[rank].clone() for p in parts]
     torch.cuda.synchronize()
     for o in outs:
@@ -100,7 +103,7 @@ def main(rank: int, port: int, same_gpu: bool) -> None:
             car.all_reduce(b)
     for step in range(4):
         gen = torch.Generator(device=dev).manual_seed(100 + step)
-        parts = [torch.randn(2, n, generator=gen, device=dev).to(torch.bfloat16) for n in sizes]
+        parts = [torch.randn(world, n, generator=gen, device=dev).to(torch.bfloat16) for n in sizes]
         for b, p in zip(bufs, parts):
             b.copy_(p[rank])
         graph.replay()
@@ -114,6 +117,7 @@ def main(rank: int, port: int, same_gpu: bool) -> None:
         torch.cuda.synchronize()
         for b, p in zip(bufs, parts):
             assert_same_bits(b, rank_order_sum(list(p)), f"graph replay {step} n={p.shape[1]}")
+    calls += check_fused(car, rank, dev, world)
     assert epoch_of(car.bases[rank]) == (calls, 0), (epoch_of(car.bases[rank]), calls)
     del graph
     car.destroy()
@@ -121,5 +125,88 @@ def main(rank: int, port: int, same_gpu: bool) -> None:
     print(f"rank {rank}: ok, {calls} calls", flush=True)
 
 
+def fused_reference(parts: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):  # noqa: ANN201
+    """What the engine computed before the fused kernel: all-reduce, then fused_add_rmsnorm."""
+    from minisgl.distributed.custom_all_reduce import rank_order_sum
+    from minisgl.kernels.norm import fused_add_rmsnorm_reference
+
+    return fused_add_rmsnorm_reference(rank_order_sum(list(parts)), residual, weight, eps)
+
+
+def assert_fused(got: tuple, want: tuple, what: str) -> None:
+    out, res = got
+    ref_out, ref_res = want
+    assert_same_bits(res, ref_res, f"{what}: residual")
+    assert not out.isnan().any(), f"{what}: NaN in the output"
+    # One bf16/fp16 rounding apart at most (the kernel's rsqrtf against torch's).
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=2**-7, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def check_fused(car, rank: int, dev: torch.device, world: int) -> int:  # noqa: ANN001
+    """The fused kernel; returns the number of calls made (each advances the epoch)."""
+    calls, eps = 0, 1e-6
+    cases = [(1, 16), (1, 4096), (3, 2048), (64, 4096), (100, 2048), (1, 16384), (7, 8192)]
+    for dtype in (torch.bfloat16, torch.float16):
+        for rows, hidden in cases:
+            gen = torch.Generator(device=dev).manual_seed(rows * 100003 + hidden)  # the same draws on both ranks
+            parts = torch.randn(world, rows, hidden, generator=gen, device=dev).to(dtype)
+            residual = torch.randn(rows, hidden, generator=gen, device=dev).to(dtype)
+            weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device=dev)).to(dtype)
+            want = fused_reference(parts, residual, weight, eps)
+            x, res = parts[rank].clone(), residual.clone()
+            assert car.takes_rmsnorm(x, res, weight), (rows, hidden, dtype)
+            got = car.all_reduce_rmsnorm(x, res, weight, eps)
+            calls += 1
+            torch.cuda.synchronize()
+            assert got[1] is res
+            assert_fused(got, want, f"fused {dtype} {rows}x{hidden}")
+            assert torch.equal(x, parts[rank]), "the fused kernel wrote into its input"
+    x = torch.randn(4, 4096, device=dev).to(torch.bfloat16)
+    w = torch.ones(4096, device=dev).to(torch.bfloat16)
+    assert not car.takes_rmsnorm(x[:, :4000], x[:, :4000].clone(), w[:4000])  # hidden % 8 == 0 but strided rows
+    assert not car.takes_rmsnorm(x.float(), x.float(), w.float())  # 16-bit only
+    assert not car.takes_rmsnorm(torch.randn(1, 16392, device=dev).to(torch.bfloat16),
+                                 torch.randn(1, 16392, device=dev).to(torch.bfloat16),
+                                 torch.ones(16392, device=dev).to(torch.bfloat16))  # longer than a block holds
+
+    # A decode step's pattern in a graph: fused, plain, fused, with fresh inputs each replay.
+    rows, hidden = 2, 4096
+    xs = [torch.randn(rows, hidden, device=dev).to(torch.bfloat16) for _ in range(3)]
+    res = torch.randn(rows, hidden, device=dev).to(torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(hidden, device=dev)).to(torch.bfloat16)
+    car.all_reduce_rmsnorm(xs[0], res, weight, eps)  # warm-up outside capture
+    calls += 1
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out0, _ = car.all_reduce_rmsnorm(xs[0], res, weight, eps)
+        car.all_reduce(xs[1])
+        out2, _ = car.all_reduce_rmsnorm(xs[2], res, weight, eps)
+    for step in range(3):
+        gen = torch.Generator(device=dev).manual_seed(500 + step)
+        parts = [torch.randn(world, rows, hidden, generator=gen, device=dev).to(torch.bfloat16) for _ in range(3)]
+        start = torch.randn(rows, hidden, generator=gen, device=dev).to(torch.bfloat16)
+        for x, p in zip(xs, parts):
+            x.copy_(p[rank])
+        res.copy_(start)
+        graph.replay()
+        calls += 3
+        torch.cuda.synchronize()
+        want0 = fused_reference(parts[0], start, weight, eps)
+        want2 = fused_reference(parts[2], want0[1].clone(), weight, eps)
+        assert_same_bits(xs[1], rank_order_sum_of(parts[1]), f"graph step {step}: plain all-reduce")
+        assert_fused((out2, res), want2, f"graph step {step}: second fused call")
+        torch.testing.assert_close(out0.float(), want0[0].float(), rtol=2**-7, atol=1e-5)
+    del graph
+    return calls
+
+
+def rank_order_sum_of(parts: torch.Tensor) -> torch.Tensor:
+    from minisgl.distributed.custom_all_reduce import rank_order_sum
+
+    return rank_order_sum(list(parts))
+
+
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), "--same-gpu" in sys.argv[3:])
+    world = int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else 2
+    main(int(sys.argv[1]), int(sys.argv[2]), "--same-gpu" in sys.argv[3:], world)

@@ -106,3 +106,11 @@ def test_two_ranks(placement: str) -> None:
     args = ["--same-gpu"] if placement.startswith("one GPU") else []
     outs = run_ranks("custom_all_reduce_worker.py", 2, timeout=240, args=args)
     assert all(f"rank {r}: ok" in outs[r] for r in range(2)), outs
+
+
+def test_four_ranks() -> None:
+    """World 4 on four GPUs (benchmarks/gpu_suite.sh --four-gpu allreduce_tests)."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    outs = run_ranks("custom_all_reduce_worker.py", 4, timeout=240, args=["--world", "4"])
+    assert all(f"rank {r}: ok" in outs[r] for r in range(4)), outs

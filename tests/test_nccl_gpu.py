@@ -56,6 +56,27 @@ def test_tp2_gpu_equals_tp1(tiny_model_path, name: str, custom_nccl: bool) -> No
     assert_same_or_bf16_tie(engine_scorer(one), want, got, PROMPTS)
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen3_moe"])
+def test_tp4_gpu_equals_tp1(tiny_model_path, name: str) -> None:
+    """TP 4 on four GPUs (benchmarks/gpu_suite.sh --four-gpu tp4_tests): fewer KV heads than
+    ranks (each rank keeps one replicated head), the one-shot all-reduce at world 4 and its
+    fused add + RMSNorm."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    from minisgl import LLM, SamplingParams
+
+    path = str(tiny_model_path(name))
+    one, want = _one_gpu(path, 12)
+    four = LLM(path, device="cuda", dtype="bfloat16", tp_size=4)
+    try:
+        assert getattr(four.engine.comm, "custom", None) is not None
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        got = [o["token_ids"] for o in four.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        four.shutdown()
+    assert_same_or_bf16_tie(engine_scorer(one), want, got, PROMPTS)
+
+
 def _server_ids(http, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:  # noqa: ANN001
     """Greedy output ids from the native /generate endpoint (the OpenAI API returns text only)."""
     out = []

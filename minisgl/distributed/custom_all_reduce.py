@@ -168,6 +168,31 @@ class CustomAllReduce:
         self._C.custom_all_reduce(self.bases, self.tp.rank, x.data_ptr(), x.data_ptr(), x.numel(), code,
                                   self.buffer_bytes, self.max_blocks, stream)
 
+    def takes_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether the fused all-reduce + add + RMSNorm kernel takes these (the same answer on
+        every rank: shapes, dtypes and layouts are the same everywhere)."""
+        rows, hidden = x.shape if x.dim() == 2 else (0, 0)
+        return (
+            self.takes(x) and x.dtype in (torch.float16, torch.bfloat16) and hidden % 8 == 0
+            and 0 < hidden <= self._C.CUSTOM_ALL_REDUCE_NORM_MAX_HIDDEN and rows * hidden * 2 <= self.buffer_bytes
+            and residual.shape == x.shape and residual.dtype == x.dtype and weight.dtype == x.dtype
+            and weight.shape == (hidden,) and all(t.is_contiguous() and t.device == self.device
+                                                  and t.data_ptr() % 16 == 0 for t in (x, residual, weight))
+        )
+
+    def all_reduce_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight * rmsnorm(r), r), r = sum of x across ranks + residual, written into residual
+        (kernel: csrc/all_reduce_norm.cuh), for a caller that has checked takes_rmsnorm()."""
+        out = torch.empty_like(x)
+        self._C.custom_all_reduce_rmsnorm(
+            self.bases, self.tp.rank, x.data_ptr(), residual.data_ptr(), out.data_ptr(), weight.data_ptr(),
+            x.shape[0], x.shape[1], self._codes[x.dtype], eps, self.buffer_bytes, self.max_blocks,
+            current_stream(self.device),
+        )
+        return out, residual
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """In-place sum across ranks; returns x."""
         if self.tp.size == 1:

@@ -44,5 +44,13 @@ class Communicator:
             return x
         raise NotImplementedError("multi-rank communicators come with tensor parallelism")
 
+    def all_reduce_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(weight * rmsnorm(r), r) with r = the sum of x across ranks + residual (written into
+        residual), in one kernel; None where this communicator has no such kernel for x (the
+        caller then reduces, adds and normalises in separate steps)."""
+        return None
+
     def destroy(self) -> None:
         """Frees the communicator's resources (collective where the backend's teardown is)."""

@@ -72,6 +72,14 @@ class NcclCommunicator(Communicator):
                 self._C.nccl_all_reduce(self.comm, x.data_ptr(), x.data_ptr(), x.numel(), code, stream)
         return x
 
+    def all_reduce_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The one-shot all-reduce fused with the residual add and RMSNorm, where it takes x."""
+        if self.tp.size > 1 and self.custom is not None and self.custom.takes_rmsnorm(x, residual, weight):
+            return self.custom.all_reduce_rmsnorm(x, residual, weight, eps)
+        return None
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenation of every rank's x along `dim`."""
         if self.tp.size == 1:

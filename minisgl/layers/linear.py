@@ -206,6 +206,12 @@ class RowParallelLinear(_Fp8Mixin):
         y = self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum, for a caller that reduces it itself (the norm after it)."""
+        if self.bias is not None:
+            raise ValueError("a row-parallel layer with a bias adds it after its own all-reduce: call it whole")
+        return self._gemm(x, None, False)
+
     def gemm_calls(self) -> list[tuple[torch.Tensor, bool]]:
         return [(self.weight, False)]
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from minisgl import ops
+from minisgl.distributed.info import Communicator
 
 
 class RMSNorm(nn.Module):
@@ -18,7 +19,14 @@ class RMSNorm(nn.Module):
         return ops.rmsnorm(x, self.weight, self.eps)
 
     def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor, reduce: Communicator | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual)."""
+        """(norm(x + residual), x + residual), residual updated in place. With `reduce`, x is
+        this rank's partial sum: summed across the TP group first, in one kernel with the add
+        and the norm where the communicator has one for x, else all-reduce then add and norm."""
+        if reduce is not None:
+            fused = reduce.all_reduce_rmsnorm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = reduce.all_reduce(x)
         return ops.fused_add_rmsnorm(x, residual, self.weight, self.eps)

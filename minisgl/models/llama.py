@@ -52,7 +52,11 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.rope = rope  # shared by all layers; not a parameter
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend):
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
+        partial: bool = False,
+    ) -> torch.Tensor:
+        """partial: return this rank's unreduced o_proj output (the caller reduces it)."""
         t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
@@ -64,8 +68,8 @@ class LlamaAttention(nn.Module):
             self.rope.forward_with_qk_norm(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         else:
             self.rope(positions, q, k)
-        o = attn.forward(q, k, v, self.layer_id, batch)
-        return self.o_proj(o.reshape(t, q_size))
+        o = attn.forward(q, k, v, self.layer_id, batch).reshape(t, q_size)
+        return self.o_proj.partial(o) if partial else self.o_proj(o)
 
 
 class LlamaMLP(nn.Module):
@@ -81,8 +85,10 @@ class LlamaMLP(nn.Module):
             inter, cfg.hidden_size, False, tp, comm, quant=layer_quant(q, [f"{prefix}.down_proj"])
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x))
+    def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        """partial: return this rank's unreduced down_proj output (the caller reduces it)."""
+        h = self.gate_up_proj(x)
+        return self.down_proj.partial(h) if partial else self.down_proj(h)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -95,6 +101,11 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = LlamaMLP(cfg, tp, comm, f"model.layers.{layer_id}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.comm = comm
+        # With TP the row-parallel outputs (o_proj, a dense down_proj) stay unreduced partial
+        # sums: the norm after each reduces them, where it can in the same kernel as its
+        # residual add (RMSNorm.forward_with_residual). An MoE block reduces its own output.
+        self.mlp_partial = tp.size > 1 and isinstance(self.mlp, LlamaMLP)
 
     def forward(
         self,
@@ -103,15 +114,23 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         batch: ForwardBatch,
         attn: AttentionBackend,
+        x_partial: bool = False,
+        aux: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, residual); the output is a partial sum where self.mlp_partial. x_partial: x
+        is the previous layer's partial sum. aux: gets a copy of the residual stream entering
+        this layer (x + residual, reduced), for EAGLE-3."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm.forward_with_residual(x, residual)
-        h = self.self_attn(positions, h, batch, attn)
-        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
-        return self.mlp(h), residual
+            h, residual = self.input_layernorm.forward_with_residual(x, residual, self.comm if x_partial else None)
+        if aux is not None:
+            aux.append(residual.clone())  # residual is updated in place by the norms below
+        partial = self.comm.tp.size > 1
+        h = self.self_attn(positions, h, batch, attn, partial=partial)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual, self.comm if partial else None)
+        return (self.mlp(h, partial=True) if self.mlp_partial else self.mlp(h)), residual
 
 
 class LlamaModel(nn.Module):
@@ -128,17 +147,19 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        residual = None
+        residual, x_partial = None, False
         aux: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
-            if self.aux_layers is not None and i in self.aux_layers:
-                aux.append(x if residual is None else x + residual)
-            x, residual = layer(batch.positions, x, residual, batch, attn)
+            want = self.aux_layers is not None and i in self.aux_layers
+            x, residual = layer(batch.positions, x, residual, batch, attn, x_partial, aux if want else None)
+            x_partial = layer.mlp_partial
+        comm = self.layers[-1].comm if x_partial else None
+        out, residual = self.norm.forward_with_residual(x, residual, comm)
         if self.aux_layers is not None:
             if len(self.layers) in self.aux_layers:
-                aux.append(x + residual)
+                aux.append(residual)
             self.aux_hidden = torch.cat(aux, dim=-1)
-        return self.norm.forward_with_residual(x, residual)[0]
+        return out
 
 
 # HF tensor name part -> (our fused module name, part index)
