@@ -39,6 +39,10 @@ class ServerArgs:
     tool_call_parser: str = "auto"  # hermes | llama3 | mistral | auto (from the chat template) | none
     reasoning_parser: str | None = None  # qwen3
     shell: bool = False
+    # overload (server/admission.py); 0 turns a bound off
+    max_queued_requests: int | None = None  # None: --max-running-requests x --dp
+    max_queued_tokens: int | None = None  # None: each replica's KV pool, in tokens
+    max_queue_wait_s: float = 30.0
     # engine
     page_size: int = 1
     num_pages: int | None = None
@@ -92,6 +96,9 @@ class ServerArgs:
             raise ValueError(f"--sampling-defaults must be model or openai, got {self.sampling_defaults!r}")
         if self.max_request_bytes is not None and self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
+        for name in ("max_queued_requests", "max_queued_tokens", "max_queue_wait_s"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: no bound), got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.tool_call_parser not in ("auto", "none"):

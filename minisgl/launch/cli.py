@@ -98,6 +98,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--reasoning-parser", default=None, help="qwen3: return <think> blocks as reasoning_content")
     add("--shell", action="store_true", help="chat with the model in this terminal (no HTTP)")
+    o = p.add_argument_group("overload (README: Overload and draining)")
+    o.add_argument(
+        "--max-queued-requests", type=int, default=None,
+        help="requests accepted but not yet generating (tokenizing, waiting, in prefill); a request past it "
+        "gets 503 + Retry-After at once (default: --max-running-requests x --dp; 0: no bound)",
+    )
+    o.add_argument(
+        "--max-queued-tokens", type=int, default=None,
+        help="prompt tokens waiting in a replica's queue; a request past it gets 503 + Retry-After "
+        "(default: the replica's KV pool in tokens; 0: no bound)",
+    )
+    o.add_argument(
+        "--max-queue-wait-s", type=float, default=d.max_queue_wait_s,
+        help="a request not admitted after this many seconds gets 503 + Retry-After (0: no bound)",
+    )
     g = p.add_argument_group("engine")
     g.add_argument("--page-size", type=int, default=d.page_size, help="KV-cache page size in tokens")
     g.add_argument(

@@ -205,6 +205,21 @@ def chat_features(args: ServerArgs, tok_info: dict[str, Any]) -> Any:
     return ChatFeatures(fmt, args.reasoning_parser)
 
 
+def _queue_limits(args: ServerArgs, children: list[Child]) -> Any:
+    """The queue's bounds with their defaults resolved (README: Overload and draining), printed."""
+    from minisgl.server.admission import QueueLimits
+
+    n = args.max_running_requests * args.dp if args.max_queued_requests is None else args.max_queued_requests
+    tokens = sorted({c.info.get("max_queued_tokens", 0) for c in children if c.name.endswith("scheduler")})
+    log.info(
+        "queue bounds (503 + Retry-After past them): --max-queued-requests %s, --max-queued-tokens %s per replica, "
+        "--max-queue-wait-s %s",
+        n or "none", "/".join(str(t) for t in tokens) if any(tokens) else "none",
+        f"{args.max_queue_wait_s:g}" if args.max_queue_wait_s else "none",
+    )
+    return QueueLimits(n, args.max_queue_wait_s)
+
+
 def _server_info(args: ServerArgs, start: StartMsg, children: list[Child]) -> Any:
     from minisgl.models.sampling_defaults import describe, model_sampling_defaults
     from minisgl.models.source import resolve_model
@@ -247,7 +262,7 @@ async def _serve(
 
     loop = asyncio.get_running_loop()
     info = _server_info(args, start, children)
-    frontend = Frontend(addrs, args.num_tokenizers, Metrics())
+    frontend = Frontend(addrs, args.num_tokenizers, Metrics(), _queue_limits(args, children))
     frontend.open()
     receiver = asyncio.create_task(frontend.run())
     failed: list[str] = []

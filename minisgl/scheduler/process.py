@@ -43,6 +43,7 @@ from minisgl.message import (
 from minisgl.message.kv_events import KVEventPublisher, parse_kv_events_config
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.scheduler.config import SchedulerConfig, scheduler_config
+from minisgl.scheduler.queue_bounds import QUEUE_TIMEOUT, TIMEOUT_MESSAGE, QueueBounds
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp_sync import Input, InputSync, apply_inputs
@@ -103,10 +104,17 @@ def load_tokens(sched: Scheduler) -> int:
 
 class SchedulerProcess:
     def __init__(
-        self, engine: Engine, sched: Any, addrs: Any, start: StartMsg, dp_rank: int = 0,
+        self,
+        engine: Engine,
+        sched: Any,
+        addrs: Any,
+        start: StartMsg,
+        dp_rank: int = 0,
         events: tuple[CacheEvents, KVEventPublisher] | None = None,
+        max_queued_tokens: int = 0,
     ) -> None:
         self.engine, self.sched, self.dp_rank, self.events = engine, sched, dp_rank, events
+        self.bounds = QueueBounds(max_queued_tokens)
         # Requests whose grammar compiles on the worker thread: added once it is ready, so a
         # compile never stalls the batch (the other ranks start compiling at the same time).
         self.compiling: list[tuple[Request, Any]] = []
@@ -178,6 +186,11 @@ class SchedulerProcess:
             param = getattr(e, "param", None) or "max_tokens"  # the KV pool's fit, unless it names its field
             send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param=param)]))
             return
+        refused = self.bounds.refuse(lambda: self.sched.waiting, len(msg.input_ids), msg.admit_by, time.monotonic())
+        if refused is not None:
+            send(self.to_api, ReplyBatch([UserReply(msg.uid, error=refused[1], error_code=refused[0])]))
+            return
+        self.bounds.track(msg.uid, msg.admit_by)
         spec = grammar_spec(params)
         if spec is not None and self.sched.grammar.compiler is not None:
             self.compiling.append((req, self.sched.grammar.compiler.prefetch(spec)))
@@ -231,7 +244,20 @@ class SchedulerProcess:
         if items:
             send(self.to_detok, DetokenizeMsg(items))
 
+    def expire(self) -> None:
+        """Waiting requests past their admission deadline leave the queue (on every rank, with
+        the next inputs) and their clients get the 503 (scheduler/queue_bounds.py)."""
+        expired = [r for r in self.bounds.expired(self.sched.waiting, time.monotonic()) if r.uid in self.reqs]
+        if not expired:
+            return
+        for req in expired:
+            self.inputs.append(("finish", req.uid, "abort"))
+            self._forget(req.uid)
+        send(self.to_api, ReplyBatch([UserReply(r.uid, error=TIMEOUT_MESSAGE, error_code=QUEUE_TIMEOUT)
+                                      for r in expired]))
+
     def _forget(self, uid: int) -> None:
+        self.bounds.forget(uid)
         self.reqs.pop(uid, None)
         self.inits.pop(uid, None)
         self.sent.pop(uid, None)
@@ -253,8 +279,10 @@ class SchedulerProcess:
     def loop(self) -> None:
         self.send_stats(force=True)  # every replica shows in /metrics (and to the DP controller) from the start
         while True:
+            self.bounds.new_batch()
             for msg in self.receive(block=not self.sched.has_work):
                 self.apply(msg)
+            self.expire()
             if self.compiling:
                 self.admit_compiled()
             inputs, self.inputs = self.inputs, []
@@ -295,6 +323,8 @@ def run_scheduler(ready: Ready, args: Any, addrs: Any, dp_rank: int = 0) -> None
     sched = build(engine, events[0] if events else None)
     kv_total = scheduler_stats(sched)[3]
     mc = engine.model_config
+    # --max-queued-tokens: by default one KV pool of prompts may wait (the launcher prints it).
+    max_queued_tokens = kv_total if args.max_queued_tokens is None else args.max_queued_tokens
     start = ready(
         {
             "max_model_len": engine.max_model_len,
@@ -303,6 +333,7 @@ def run_scheduler(ready: Ready, args: Any, addrs: Any, dp_rank: int = 0) -> None
             "kv_total": kv_total,
             "architecture": mc.architecture,
             "device": str(engine.device),
+            "max_queued_tokens": max_queued_tokens,
         },
     )
-    SchedulerProcess(engine, sched, addrs, start, dp_rank, events).loop()
+    SchedulerProcess(engine, sched, addrs, start, dp_rank, events, max_queued_tokens).loop()

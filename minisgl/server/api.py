@@ -138,8 +138,10 @@ def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
         handle = frontend.submit([DecodeMsg(0, list(req.tokens))], metered=False)
         return {"prompt": (await frontend.first_reply(handle, request)).text}
 
-    @app.get("/health", responses={503: {"description": "a server process is gone"}})
+    @app.get("/health", responses={503: {"description": "a server process is gone, or the server is draining"}})
     async def health() -> Response:
+        if frontend.admission.draining:  # readiness off at once: routers stop sending here
+            return JSONResponse({"status": "draining", "reason": "draining: the server is shutting down"}, 503)
         ok = frontend.dead is None and info.workers_alive()
         return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
 
