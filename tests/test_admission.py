@@ -29,7 +29,7 @@ OVERLOAD = "overload:"  # a prompt "overload:CODE" makes the stand-in scheduler 
 class OverloadingBackend(ScriptedBackend):
     def answer(self, msg: Any) -> list[UserReply]:
         if isinstance(msg, TokenizeMsg) and (msg.text or "").startswith(OVERLOAD):
-            code = msg.text[len(OVERLOAD):]
+            code = msg.text[len(OVERLOAD) :]
             return [UserReply(u, error=f"refused: {code}", error_code=code) for u in msg.uids]
         return super().answer(msg)
 
@@ -63,9 +63,11 @@ def test_queue_full_is_refused_before_tokenizing() -> None:
     assert client.post("/v1/completions", json=COMPLETION).status_code == 200  # 2 + 1 <= 3
     frontend.queued.add(1003)
     sent = len(frontend._push[0].seen)
-    for route, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions",
-                        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}),
-                        ("/generate", {"text": "hi"})):
+    for route, body in (
+        ("/v1/completions", COMPLETION),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}),
+        ("/generate", {"text": "hi"}),
+    ):
         assert_overloaded(client.post(route, json=body), "queue_full")
     assert len(frontend._push[0].seen) == sent  # nothing reached a tokenizer
     assert refusals(client, "queue_full") == 3
@@ -90,6 +92,7 @@ def test_queue_count_follows_first_replies() -> None:
         frontend.submit([TokenizeMsg([0], text="hi")])
     frontend._dispatch(UserReply(a.uids[0], "x", [10]))  # its first token: generating, no longer queued
     assert frontend.queued == {a.uids[1]} and frontend.in_flight == 2
+    assert "minisgl_queued_generations 1.0" in frontend.metrics.render().decode()
     b = frontend.submit([TokenizeMsg([0], text="hi")])
     frontend._dispatch(UserReply(a.uids[1], error="bad", error_param="prompt"))
     frontend.abort(b)
@@ -128,8 +131,11 @@ def test_draining_refuses_everything_and_health_says_so() -> None:
     frontend.admission.start_drain()
     h = client.get("/health")
     assert h.status_code == 503 and h.json()["status"] == "draining" and "draining" in h.json()["reason"]
-    for route, body in (("/v1/completions", COMPLETION), ("/tokenize", {"prompt": "hi"}),
-                        ("/detokenize", {"tokens": [10]})):
+    for route, body in (
+        ("/v1/completions", COMPLETION),
+        ("/tokenize", {"prompt": "hi"}),
+        ("/detokenize", {"tokens": [10]}),
+    ):
         r = client.post(route, json=body)
         assert_overloaded(r, "draining")
         assert r.headers["connection"] == "close"
@@ -181,8 +187,12 @@ def test_queue_bounds_deadlines() -> None:
 
 def test_scheduler_process_refuses_and_expires(tmp_path: Path) -> None:
     waiting: deque[Request] = deque()
-    engine = SimpleNamespace(model_config=SimpleNamespace(eos_token_ids=[2]), tp=SimpleNamespace(rank=0, size=1),
-                             cpu_group=None, max_model_len=64)
+    engine = SimpleNamespace(
+        model_config=SimpleNamespace(eos_token_ids=[2]),
+        tp=SimpleNamespace(rank=0, size=1),
+        cpu_group=None,
+        max_model_len=64,
+    )
     sched = SimpleNamespace(add_check=lambda r: None, grammar=SimpleNamespace(compiler=None), waiting=waiting)
     addrs = Addresses.ipc(tmp_path, 1)
     ctx = zmq.Context()

@@ -1,11 +1,13 @@
-"""What every child process of the server does first: die with its parent, leave Ctrl-C to
-the parent, and report ready (or why it could not start) through its pipe."""
+"""What every child process of the server does first: die with its parent, leave Ctrl-C and
+SIGTERM to the parent, exit 0 when the parent stops it, and report ready (or why it could not
+start) through its pipe."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import importlib
+import os
 import signal
 import sys
 import time
@@ -18,13 +20,14 @@ from minisgl.message import ReadyMsg, StartMsg, decode, encode
 
 log = get_logger("minisgl.server")
 _PR_SET_PDEATHSIG = 1
+STOP_SIGNAL = signal.SIGUSR1  # how the launcher stops a child: it exits 0 (a stop, not a failure)
 
 
 def _die_with_parent() -> None:
-    # Linux: the kernel sends SIGTERM to us when the launcher dies, however it dies (even
-    # SIGKILL), so no orphan keeps a GPU or a socket.
+    # Linux: the kernel kills us when the launcher dies, however it dies (even SIGKILL), so no
+    # orphan keeps a GPU or a socket.
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
 
@@ -36,13 +39,19 @@ def child_main(name: str, target: str, conn: Connection, *args: Any) -> None:
     loaded, which reports to the launcher and returns the StartMsg (workers know nothing of the
     launcher but this callback)."""
     _die_with_parent()
-    # Ctrl-C reaches the whole process group; the launcher alone handles it and stops us.
+    # Ctrl-C reaches the whole process group, and so may SIGTERM (systemd's stop, `kill -- -PGID`);
+    # the launcher alone handles them and then stops us: SIGTERM starts its drain
+    # (launch/drain.py), which needs every worker until the last request is done.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(STOP_SIGNAL, lambda *_: os._exit(0))  # no cleanup: the launcher removes the sockets
     try:
         module, _, function = target.partition(":")
         run: Callable[..., None] = getattr(importlib.import_module(module), function)
-        log_phase(f"{name}: process started, its modules imported", time.clock_gettime(time.CLOCK_BOOTTIME)
-                  - process_start_time())
+        log_phase(
+            f"{name}: process started, its modules imported",
+            time.clock_gettime(time.CLOCK_BOOTTIME) - process_start_time(),
+        )
         run(functools.partial(report_ready, conn, name), *args)
     except Exception as e:  # noqa: BLE001 - any failure must reach the launcher, then exit 1
         log.exception("%s failed", name)

@@ -11,13 +11,14 @@ reason, status 503 and `Retry-After`, sent before the request costs anything it 
   (`admit_by`), from the time the HTTP request came in.
 - `draining`: after SIGTERM (launch/drain.py) every new request, with `Connection: close`
   so that a client's next try opens a connection elsewhere.
-/metrics counts refusals by reason (`minisgl_requests_refused_total{reason}`) and shows
-`minisgl_draining`.
+/metrics counts refusals by reason (`minisgl_requests_refused_total{reason}`) and shows what
+--max-queued-requests bounds (`minisgl_queued_generations`) and `minisgl_draining`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -53,7 +54,7 @@ class QueueLimits:
 
 
 class Admission:
-    def __init__(self, limits: QueueLimits, registry: CollectorRegistry) -> None:
+    def __init__(self, limits: QueueLimits, registry: CollectorRegistry, queued: Callable[[], int]) -> None:
         self.limits = limits
         self.draining = False
         self.refused = Counter(
@@ -65,6 +66,12 @@ class Admission:
         for reason in REASONS:
             self.refused.labels(reason)  # every series from the start, at 0
         self._draining = Gauge("minisgl_draining", "1 once SIGTERM started the drain", registry=registry)
+        Gauge(
+            "minisgl_queued_generations",
+            "Generations accepted but not generating yet (tokenizing, waiting, in prefill): what --max-queued-requests "
+            "bounds",
+            registry=registry,
+        ).set_function(queued)
 
     def check(self, queued: int, generations: int, metered: bool) -> None:
         """Raises Overloaded when a new request of `generations` must be refused now."""

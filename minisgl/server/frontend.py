@@ -60,8 +60,8 @@ class Frontend:
     ) -> None:
         self.addrs = addrs
         self.metrics = metrics
-        self.admission = Admission(limits or QueueLimits(), metrics.registry)
         self.queued: set[int] = set()  # generations without a reply yet: not yet generating
+        self.admission = Admission(limits or QueueLimits(), metrics.registry, lambda: len(self.queued))
         self.stats: StatsMsg | None = None
         self.dead: str | None = None  # why the backend can no longer serve
         self._targets = addrs.tokenizers if num_tokenizers > 0 else [addrs.detokenizer]
@@ -93,7 +93,10 @@ class Frontend:
         self._pull.close(0)
 
     def submit(
-        self, msgs: list[TokenizeMsg | DecodeMsg], names: dict[str, str] | None = None, metered: bool = True,
+        self,
+        msgs: list[TokenizeMsg | DecodeMsg],
+        names: dict[str, str] | None = None,
+        metered: bool = True,
         received: float | None = None,
     ) -> RequestHandle:
         """Numbers the messages' generations (TokenizeMsg: one uid per choice) and sends each
@@ -183,9 +186,7 @@ class Frontend:
             raise self.error_of(handle, reply)
         return reply
 
-    async def replies(
-        self, handle: RequestHandle, first: UserReply | None, request: Any
-    ) -> AsyncIterator[UserReply]:
+    async def replies(self, handle: RequestHandle, first: UserReply | None, request: Any) -> AsyncIterator[UserReply]:
         """Every reply of `handle` (starting with `first`); whoever stops early (client gone,
         error, cancellation) aborts what is still running, freeing its KV slots."""
         try:
