@@ -3,20 +3,21 @@
     python benchmarks/soak.py --url http://127.0.0.1:8000 --requests 10000 --concurrency 32 --pid SERVER_PID
 
 The requests: chat and completions, streamed and not, random prompts, max_tokens, n and
-temperature; a third are cancelled (the client hangs up after a random share of a typical
-request's time, or a stream after its first events), at any point of their life: tokenizing,
-queued, generating. --concurrency clients keep that many in flight (a refused one waits as
-its Retry-After says). Afterwards the server must report 0 running and 0 waiting requests
-and no KV slot held by a request (the prefix cache may keep what it caches), read from
-/metrics (minisgl's names, else vLLM's or SGLang's where they exist), and no 5xx but the 503
-refusals for load (`server_overloaded`). Exit status 1 if anything is left behind or any other
-5xx or connection error came.
+temperature; --cancel-share of them (a third by default) are cancelled (the client hangs up
+after a random share of a typical request's time, or a stream after its first events), at
+any point of their life: tokenizing, queued, generating. --concurrency clients keep that
+many in flight (a refused one waits as its Retry-After says). Afterwards the server must
+report 0 running and 0 waiting requests and no KV slot held by a request (the prefix cache
+may keep what it caches), read from /metrics (minisgl's names, else vLLM's or SGLang's where
+they exist), and no 5xx but the 503 refusals for load (`server_overloaded`). Exit status 1
+if anything is left behind or any other 5xx or connection error came.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
 import sys
@@ -39,7 +40,7 @@ GAUGES = {
 
 
 def make_request(
-    rng: random.Random, model: str, max_tokens: int, temperatures: tuple[float, ...]
+    rng: random.Random, model: str, max_tokens: int, temperatures: tuple[float, ...], cancel_share: float = 1 / 3
 ) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(path, body, how the client behaves): one random request."""
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 60)))
@@ -56,7 +57,7 @@ def make_request(
     else:
         path, body["prompt"] = "/v1/completions", text
     how: dict[str, Any] = {}
-    if rng.random() < 1 / 3:  # cancelled: somewhere between sending and the end
+    if rng.random() < cancel_share:  # cancelled: somewhere between sending and the end
         if stream and rng.random() < 0.5:
             how["cancel_events"] = rng.randint(1, 3)
         else:  # a share of a typical request's time (see `run`), so that it lands mid-flight
@@ -97,11 +98,12 @@ async def run(
     model: str | None = None,
     progress: bool = False,
     temperatures: tuple[float, ...] = (0.0, 0.7),
+    cancel_share: float = 1 / 3,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     if model is None:
         model = (await request("GET", url, "/v1/models")).json()["data"][0]["id"]
-    plan = [make_request(rng, model, max_tokens, temperatures) for _ in range(requests)]
+    plan = [make_request(rng, model, max_tokens, temperatures, cancel_share) for _ in range(requests)]
     results: list[tuple[dict[str, Any], Reply]] = []
     rss: list[tuple[float, float]] = []
     start = time.monotonic()
@@ -212,7 +214,11 @@ def main() -> None:
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7], help="each request takes one of these")
+    p.add_argument("--cancel-share", type=float, default=1 / 3, help="share of the requests the client cancels")
+    p.add_argument("--json", default=None, help="also write the summary to this file")
     args = p.parse_args()
+    if not 0 <= args.cancel_share <= 1:
+        p.error(f"--cancel-share must be between 0 and 1, got {args.cancel_share}")
     s = asyncio.run(
         run(
             args.url,
@@ -224,9 +230,13 @@ def main() -> None:
             args.model,
             progress=True,
             temperatures=tuple(args.temperatures),
+            cancel_share=args.cancel_share,
         )
     )
     print_report(s)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(s, f, indent=1)
     sys.exit(1 if problems(s) else 0)
 
 
