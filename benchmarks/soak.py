@@ -170,6 +170,11 @@ def summarize(
             "p50": percentile([r.t_end for r in whole if r.status == 200], 50),
             "p99": percentile([r.t_end for r in whole if r.status == 200], 99),
         },
+        # Streams only: a stream's first event is its first token (the status line may come first).
+        "ttft_s": {
+            "p50": percentile([r.t_first_event for r in whole if r.status == 200 and r.t_first_event], 50),
+            "p99": percentile([r.t_first_event for r in whole if r.status == 200 and r.t_first_event], 99),
+        },
         "after": after,
         "rss_mb": rss,
     }
@@ -196,7 +201,11 @@ def print_report(s: dict[str, Any]) -> None:
         f"  503 refusals for load {s['refused_503']}, other 5xx or error events {s['unexpected_5xx']}, "
         f"connection errors {s['num_client_errors']}"
     )
-    print(f"  whole requests answered: e2e p50 {s['e2e_s']['p50']:.2f} s, p99 {s['e2e_s']['p99']:.2f} s")
+    e2e, ttft = s["e2e_s"], s["ttft_s"]
+    print(
+        f"  whole requests answered: e2e p50 {e2e['p50']:.2f} s, p99 {e2e['p99']:.2f} s; "
+        f"streams' TTFT p50 {ttft['p50']:.2f} s, p99 {ttft['p99']:.2f} s"
+    )
     print("  after: " + ", ".join(f"{k} {'n/a' if v is None else f'{v:g}'}" for k, v in s["after"].items()))
     if rss:
         print(f"  server RSS (MB): start {rss[0]:.0f}, peak {max(rss):.0f}, end {rss[-1]:.0f}")
