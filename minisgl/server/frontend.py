@@ -253,7 +253,8 @@ class Frontend:
         return len(self._handles)
 
     def fail_all(self, why: str) -> None:
-        """The backend died: every waiter gets an error now instead of hanging."""
+        """The backend died, or a drain ran out of time (launch/drain.py): every waiter gets an
+        error now instead of hanging, and later requests are refused."""
         self.dead = why
         for uid, handle in list(self._handles.items()):
             self._forget(handle, uid)
