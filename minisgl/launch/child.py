@@ -10,6 +10,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -32,6 +33,21 @@ def _die_with_parent() -> None:
         pass
 
 
+def _exit_on_stop_signal() -> None:
+    # Not a Python handler: it would run only when the main thread next runs bytecode, and a
+    # signal the kernel hands to another thread (zmq's, a tokenizer pool's) does not wake a
+    # main thread blocked in a poll. So the signal is blocked in every thread (the mask, set
+    # before any thread exists, is inherited by all of them) and one thread waits for it.
+    # No cleanup on the way out: the launcher removes the sockets.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {STOP_SIGNAL})
+
+    def wait() -> None:
+        signal.sigwait({STOP_SIGNAL})
+        os._exit(0)
+
+    threading.Thread(target=wait, name="minisgl-stop", daemon=True).start()
+
+
 def child_main(name: str, target: str, conn: Connection, *args: Any) -> None:
     """Entry point of every child (spawned, so it must be importable). `target` names the
     worker as "module:function", imported here, in the child, so that the launcher never loads
@@ -44,7 +60,7 @@ def child_main(name: str, target: str, conn: Connection, *args: Any) -> None:
     # (launch/drain.py), which needs every worker until the last request is done.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(STOP_SIGNAL, lambda *_: os._exit(0))  # no cleanup: the launcher removes the sockets
+    _exit_on_stop_signal()
     try:
         module, _, function = target.partition(":")
         run: Callable[..., None] = getattr(importlib.import_module(module), function)
