@@ -111,6 +111,13 @@ def test_16_streams_finish_during_the_drain(greedy_model: Path, tmp_path: Path) 
         s.stop(signal.SIGKILL)
 
 
+def per_replica(http: httpx.Client, name: str) -> list[float]:
+    """`name` of replicas 0 and 1 (0 before a replica's first report)."""
+    text = http.get("/metrics").text
+    values = [re.search(rf'^{name}{{dp_rank="{r}"}} (\S+)$', text, re.M) for r in range(2)]
+    return [float(m.group(1)) if m else 0.0 for m in values]
+
+
 def test_dp_replicas_drain_together_and_the_timeout_cuts_with_an_error_event(
     greedy_model: Path, tmp_path: Path
 ) -> None:
@@ -122,23 +129,18 @@ def test_dp_replicas_drain_together_and_the_timeout_cuts_with_an_error_event(
         folder = re.search(r"IPC sockets in (\S+)", s.output).group(1)
         kids = child_pids(s.proc.pid)
         # 8 streams that cannot finish within the second (400 tokens on a CPU), on both replicas,
-        # then 8 that can (8 tokens), all in flight at the SIGTERM.
+        # then 8 that can (4 tokens), all in flight at the SIGTERM.
         long = Streams(s.url, [{"prompt": p, "max_tokens": 400, "ignore_eos": True} for p in PROMPTS[:8]])
-        replica = [f'{{dp_rank="{r}"}}' for r in range(2)]
-        assert wait_for(
-            lambda: all(metric(http, "minisgl_replica_num_requests_running", lab) >= 1 for lab in replica), 20
-        )
-        short = Streams(s.url, [{"prompt": p, "max_tokens": 8, "ignore_eos": True} for p in PROMPTS[8:]])
-        assert wait_for(
-            lambda: sum(metric(http, "minisgl_replica_requests_received_total", lab) for lab in replica) == 16, 20
-        )
+        assert wait_for(lambda: all(per_replica(http, "minisgl_replica_num_requests_running")), 20)
+        short = Streams(s.url, [{"prompt": p, "max_tokens": 4, "ignore_eos": True} for p in PROMPTS[8:]])
+        assert wait_for(lambda: sum(per_replica(http, "minisgl_replica_requests_received_total")) == 16, 20)
         t0 = time.monotonic()
         sigterm_and_watch_health(s)
         cut, finished = long.join(30), short.join(30)
         assert_stopped_clean(s, kids, folder, s.wait_exit(30))
         assert time.monotonic() - t0 < 1 + 10  # the timeout, the HTTP server's close, the processes' stop
         for r in finished:
-            assert events(r)[-1]["usage"]["completion_tokens"] == 8
+            assert events(r)[-1]["usage"]["completion_tokens"] == 4
         for r in cut:
             evs = events(r)
             assert "error" in evs[-1] and "--shutdown-timeout 1 s" in evs[-1]["error"]["message"]
