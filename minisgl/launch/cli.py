@@ -205,12 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the largest step the scheduler forms; 0: decode graphs only)",
     )
     s.add_argument(
-        "--scheduling-policy", choices=("fcfs", "priority"), default=d.scheduling_policy,
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=d.scheduling_policy,
         help="fcfs: arrival order (a request's priority must be 0); priority: by the request's priority "
         "(smaller first, vLLM's), lower-priority running requests retracted to admit higher ones",
     )
     s.add_argument(
-        "--kv-events-config", default=None,
+        "--kv-events-config",
+        default=None,
         help='publish KV-cache events in vLLM\'s format, a JSON object: {"publisher": "zmq", "endpoint": '
         '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv", "buffer_steps": 10000, '
         '"hwm": 100000, "hash_seed": ""} (README: KV-cache events)',

@@ -235,8 +235,17 @@ class SchedulerProcess:
             if init is not None and req.trace is not None:  # its trace rides on the first TokenOut only
                 hops, req.trace = req.trace, None
                 trace.stamp(hops, "emit")
-            items.append(TokenOut(uid, req.output[start:], logprobs, req.finish_reason, init,
-                                  *logprob_extras(req, start, first=init is not None), hops))
+            items.append(
+                TokenOut(
+                    uid,
+                    req.output[start:],
+                    logprobs,
+                    req.finish_reason,
+                    init,
+                    *logprob_extras(req, start, first=init is not None),
+                    hops,
+                )
+            )
             self.sent[uid] = len(req.output)
             if req.finished:
                 self._forget(uid)
@@ -253,8 +262,10 @@ class SchedulerProcess:
         for req in expired:
             self.inputs.append(("finish", req.uid, "abort"))
             self._forget(req.uid)
-        send(self.to_api, ReplyBatch([UserReply(r.uid, error=TIMEOUT_MESSAGE, error_code=QUEUE_TIMEOUT)
-                                      for r in expired]))
+        send(
+            self.to_api,
+            ReplyBatch([UserReply(r.uid, error=TIMEOUT_MESSAGE, error_code=QUEUE_TIMEOUT) for r in expired]),
+        )
 
     def _forget(self, uid: int) -> None:
         self.bounds.forget(uid)
@@ -270,9 +281,18 @@ class SchedulerProcess:
         running, queued, used, total = scheduler_stats(self.sched)
         st = self.sched.stats()
         msg = StatsMsg(
-            running, queued, used, total, self.prompt_tokens, self.cache_hit_tokens,
-            self.dp_rank, load_tokens(self.sched), self.received,
-            st.get("spec_proposed", 0), st.get("spec_accepted", 0), st.get("spec_verified", 0),
+            running,
+            queued,
+            used,
+            total,
+            self.prompt_tokens,
+            self.cache_hit_tokens,
+            self.dp_rank,
+            load_tokens(self.sched),
+            self.received,
+            st.get("spec_proposed", 0),
+            st.get("spec_accepted", 0),
+            st.get("spec_verified", 0),
         )
         send(self.to_stats, msg)
 
@@ -305,7 +325,8 @@ def run_scheduler_rank(ready: Ready, args: Any, rank: int, dp_rank: int = 0) -> 
     scheduler_builder(args.scheduler_options())  # the same checks as rank 0
     share_cpu(args.device, args.dp * args.tp if args.dp > 1 else 1)
     run_tp_worker(
-        args.engine_config(tp_rank=rank, dp_rank=dp_rank), {**args.scheduler_options(), "tokenizer": args.tokenizer},
+        args.engine_config(tp_rank=rank, dp_rank=dp_rank),
+        {**args.scheduler_options(), "tokenizer": args.tokenizer},
         on_ready=lambda: ready(None),
     )
 
@@ -318,8 +339,10 @@ def run_scheduler(ready: Ready, args: Any, addrs: Any, dp_rank: int = 0) -> None
     events_cfg = parse_kv_events_config(args.kv_events_config)
     events = None
     if events_cfg is not None:  # the sockets bind now: a taken port fails the start, naming it
-        events = (CacheEvents(engine.cfg.page_size, events_cfg.hash_seed),
-                  KVEventPublisher(events_cfg, engine.cfg.page_size, dp_rank))
+        events = (
+            CacheEvents(engine.cfg.page_size, events_cfg.hash_seed),
+            KVEventPublisher(events_cfg, engine.cfg.page_size, dp_rank),
+        )
     sched = build(engine, events[0] if events else None)
     kv_total = scheduler_stats(sched)[3]
     mc = engine.model_config

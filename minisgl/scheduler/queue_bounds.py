@@ -46,8 +46,9 @@ class QueueBounds:
     def new_batch(self) -> None:
         self._tokens = None
 
-    def refuse(self, waiting: Callable[[], Iterable[Request]], prompt_len: int, admit_by: float | None, now: float
-               ) -> tuple[str, str] | None:
+    def refuse(
+        self, waiting: Callable[[], Iterable[Request]], prompt_len: int, admit_by: float | None, now: float
+    ) -> tuple[str, str] | None:
         """(error_code, message) when a new request must be refused, else None (it is counted).
         `waiting`: the scheduler's waiting requests (asked for only when the count is stale)."""
         if admit_by is not None and now >= admit_by:  # it waited its time before reaching the queue
