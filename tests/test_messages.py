@@ -30,8 +30,13 @@ from minisgl.message import (
 
 INIT = DetokInit(prompt_tokens=7, stop=["</s>", "\n\n"], skip_special_tokens=False, logprobs=True)
 INIT_ECHO = DetokInit(3, None, True, True, True, True, 5, [1, 2, 3], True)
-ECHO = PromptEcho("a😀", [1, 2, 3], ["a", "\ufffd", "\ufffd"], [b"a", b"\xf0\x9f", b"\x98\x80"],
-                  [None, [-0.5, [[7, "x", -0.1, b"x"]]], [-2.0, []]])
+ECHO = PromptEcho(
+    "a😀",
+    [1, 2, 3],
+    ["a", "\ufffd", "\ufffd"],
+    [b"a", b"\xf0\x9f", b"\x98\x80"],
+    [None, [-0.5, [[7, "x", -0.1, b"x"]]], [-2.0, []]],
+)
 SAMPLES = [
     TokenizeMsg(
         [1, 2, 3],
@@ -48,20 +53,41 @@ SAMPLES = [
     INIT,
     UserMsg(3, [1, 2, 3], SamplingParams(max_tokens=4, top_k=-1, min_p=0.0), seed=2**63 - 1, detok=INIT),
     UserMsg(3, [1, 2, 3], SamplingParams(max_tokens=4, logit_bias={5: -100.0, 2**20: 1.5}), seed=0, detok=INIT_ECHO),
+    UserMsg(7, [1], SamplingParams(max_tokens=1), seed=1, detok=INIT, admit_by=12345.678),
+    TokenizeMsg([10], text="hi", admit_by=99.5),
     INIT_ECHO,
     ECHO,
     TokenOut(3, [10, 11], [-0.5, -1.25], "length", INIT),
     TokenOut(3, [], None, None, None),
     TokenOut(
-        4, [10, 11], [-0.5, -1.25], None, INIT, top_logprobs=[[[10, -0.5], [7, -1.0]], [[11, -1.25], [3, -2.0]]],
+        4,
+        [10, 11],
+        [-0.5, -1.25],
+        None,
+        INIT,
+        top_logprobs=[[[10, -0.5], [7, -1.0]], [[11, -1.25], [3, -2.0]]],
         prompt_logprobs=[None, [-3.5, [[4, -0.125], [9, -2.5]]], [-0.25, []]],
     ),
     DetokenizeMsg([TokenOut(1, [5], None), TokenOut(2, [6], [-3.0], "stop")]),
     DetokenizeMsg([]),
     UserReply(1, "text ✓", [1, 2], [-0.1, -0.2], ["te", "xt ✓"], "stop", 3, 2, None, None),
     UserReply(2, error="prompt: too long", error_param="prompt"),
-    UserReply(3, "\ufffd", [9], [-0.3], ["\ufffd"], None, 3, 1, None, None, [b"\xf0"],
-              [[[9, "\ufffd", -0.3, b"\xf0"], [4, "b", -1.5, b"b"]]], ECHO),
+    UserReply(4, error="the queue is full", error_code="queue_tokens"),
+    UserReply(
+        3,
+        "\ufffd",
+        [9],
+        [-0.3],
+        ["\ufffd"],
+        None,
+        3,
+        1,
+        None,
+        None,
+        [b"\xf0"],
+        [[[9, "\ufffd", -0.3, b"\xf0"], [4, "b", -1.5, b"b"]]],
+        ECHO,
+    ),
     ReplyBatch([UserReply(1, "a"), UserReply(2, "b", finish_reason="length", cached_tokens=16)]),
     FlushCacheMsg(7),
     FlushCacheReply(7, 1),

@@ -39,6 +39,11 @@ class ServerArgs:
     tool_call_parser: str = "auto"  # hermes | llama3 | mistral | auto (from the chat template) | none
     reasoning_parser: str | None = None  # qwen3
     shell: bool = False
+    # overload and shutdown (server/admission.py, launch/drain.py); 0 turns a bound off
+    max_queued_requests: int | None = None  # None: --max-running-requests x --dp
+    max_queued_tokens: int | None = None  # None: each replica's KV pool, in tokens
+    max_queue_wait_s: float = 30.0
+    shutdown_timeout: float = 30.0
     # engine
     page_size: int = 1
     num_pages: int | None = None
@@ -92,6 +97,9 @@ class ServerArgs:
             raise ValueError(f"--sampling-defaults must be model or openai, got {self.sampling_defaults!r}")
         if self.max_request_bytes is not None and self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
+        for name in ("max_queued_requests", "max_queued_tokens", "max_queue_wait_s", "shutdown_timeout"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: no bound), got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.tool_call_parser not in ("auto", "none"):
@@ -108,8 +116,12 @@ class ServerArgs:
         from minisgl.speculative.config import make_spec_config  # light: no torch
 
         make_spec_config(  # checked here, before any process starts
-            self.speculative_algorithm, self.speculative_num_draft_tokens, self.speculative_draft_model,
-            self.speculative_ngram_min, self.speculative_ngram_max, self.speculative_draft_table,
+            self.speculative_algorithm,
+            self.speculative_num_draft_tokens,
+            self.speculative_draft_model,
+            self.speculative_ngram_min,
+            self.speculative_ngram_max,
+            self.speculative_draft_table,
         )
         self._check_dp()
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -159,7 +171,10 @@ class ServerArgs:
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(self, f.name)}
         shared["base_gpu_id"] = self.gpu_id(dp_rank, 0)
         return EngineConfig(
-            **shared, tp_rank=tp_rank, tp_size=self.tp, custom_nccl=not self.disable_custom_nccl,
+            **shared,
+            tp_rank=tp_rank,
+            tp_size=self.tp,
+            custom_nccl=not self.disable_custom_nccl,
             custom_all_reduce=not self.disable_custom_all_reduce,
         )
 

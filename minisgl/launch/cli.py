@@ -98,6 +98,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--reasoning-parser", default=None, help="qwen3: return <think> blocks as reasoning_content")
     add("--shell", action="store_true", help="chat with the model in this terminal (no HTTP)")
+    o = p.add_argument_group("overload and shutdown (README: Overload and draining)")
+    o.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="requests accepted but not yet generating (tokenizing, waiting, in prefill); a request past it "
+        "gets 503 + Retry-After at once (default: --max-running-requests x --dp; 0: no bound)",
+    )
+    o.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens waiting in a replica's queue; a request past it gets 503 + Retry-After "
+        "(default: the replica's KV pool in tokens; 0: no bound)",
+    )
+    o.add_argument(
+        "--max-queue-wait-s",
+        type=float,
+        default=d.max_queue_wait_s,
+        help="a request not admitted after this many seconds gets 503 + Retry-After (0: no bound)",
+    )
+    o.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=d.shutdown_timeout,
+        help="on SIGTERM, seconds requests in flight may take to finish while new ones get 503; "
+        "then the rest end with an error (a second SIGTERM or Ctrl-C stops at once)",
+    )
     g = p.add_argument_group("engine")
     g.add_argument("--page-size", type=int, default=d.page_size, help="KV-cache page size in tokens")
     g.add_argument(
@@ -154,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-prefill-tokens", type=int, default=None, help="token budget of one prefill step (default 8192)"
     )
     s.add_argument(
-        "--mixed-chunk-tokens", type=int, default=None,
+        "--mixed-chunk-tokens",
+        type=int,
+        default=None,
         help="prompt tokens a step may add to the running decodes (a mixed step; default 384); "
         "0: prefill steps and decode steps alternate instead",
     )
@@ -168,17 +198,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly (no CUDA graphs)")
     s.add_argument("--cuda-graph-max-bs", type=int, default=None, help="largest decode batch captured in a CUDA graph")
     s.add_argument(
-        "--cuda-graph-max-tokens", type=int, default=None,
+        "--cuda-graph-max-tokens",
+        type=int,
+        default=None,
         help="largest prefill / mixed step (tokens) captured in a CUDA graph; larger ones run eagerly "
         "(default: the largest step the scheduler forms; 0: decode graphs only)",
     )
     s.add_argument(
-        "--scheduling-policy", choices=("fcfs", "priority"), default=d.scheduling_policy,
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default=d.scheduling_policy,
         help="fcfs: arrival order (a request's priority must be 0); priority: by the request's priority "
         "(smaller first, vLLM's), lower-priority running requests retracted to admit higher ones",
     )
     s.add_argument(
-        "--kv-events-config", default=None,
+        "--kv-events-config",
+        default=None,
         help='publish KV-cache events in vLLM\'s format, a JSON object: {"publisher": "zmq", "endpoint": '
         '"tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": "kv", "buffer_steps": 10000, '
         '"hwm": 100000, "hash_seed": ""} (README: KV-cache events)',
@@ -187,61 +222,84 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size: one scheduler process per GPU")
     t.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the TP ranks span")
     t.add_argument(
-        "--node-rank", type=int, default=d.node_rank,
+        "--node-rank",
+        type=int,
+        default=d.node_rank,
         help="this machine's index; nodes > 0 run their ranks only (no HTTP), joining node 0",
     )
     t.add_argument(
-        "--dist-init-addr", default=None,
+        "--dist-init-addr",
+        default=None,
         help="HOST:PORT of the rank-0 rendezvous (default: a free local port; required with --nnodes > 1); "
         "with --dp, replica r uses PORT + r",
     )
     t.add_argument(
-        "--disable-custom-nccl", action="store_true",
+        "--disable-custom-nccl",
+        action="store_true",
         help="reduce through torch.distributed's NCCL instead of minisgl's own NCCL bindings",
     )
     t.add_argument(
-        "--disable-custom-all-reduce", action="store_true",
+        "--disable-custom-all-reduce",
+        action="store_true",
         help="send every all-reduce through NCCL, not small ones through the one-shot peer-memory kernel",
     )
     g = p.add_argument_group("data parallelism")
     g.add_argument(
-        "--dp", "--dp-size", dest="dp", type=int, default=d.dp,
+        "--dp",
+        "--dp-size",
+        dest="dp",
+        type=int,
+        default=d.dp,
         help="replicas of the model (each of --tp GPUs) behind this one API server",
     )
     g.add_argument(
-        "--base-gpu-id", type=int, default=d.base_gpu_id,
+        "--base-gpu-id",
+        type=int,
+        default=d.base_gpu_id,
         help="first GPU to use: replica r's TP rank t runs on GPU base + r * tp + t",
     )
     g.add_argument(
-        "--load-balance-method", choices=LOAD_BALANCE_METHODS, default=d.load_balance_method,
+        "--load-balance-method",
+        choices=LOAD_BALANCE_METHODS,
+        default=d.load_balance_method,
         help="how requests pick a replica: prefix (least load, preferring the replica that holds "
         "the longest prefix of the prompt), load (least load) or round_robin",
     )
     sp = p.add_argument_group("speculative decoding (off unless --speculative-algorithm is given)")
     sp.add_argument(
-        "--speculative-algorithm", choices=("ngram", "draft", "eagle3"), default=None,
+        "--speculative-algorithm",
+        choices=("ngram", "draft", "eagle3"),
+        default=None,
         help="ngram: drafts copied from the request's own context; draft: a small model with the target's "
         "vocabulary; eagle3: an EAGLE-3 head reading the target's hidden states",
     )
     sp.add_argument(
-        "--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=d.speculative_num_draft_tokens,
         help="draft tokens proposed per request per step (K); each step verifies 1 + K tokens",
     )
     sp.add_argument(
-        "--speculative-draft-model", default=None,
+        "--speculative-draft-model",
+        default=None,
         help="the draft model folder (draft) or the EAGLE-3 head folder (eagle3)",
     )
     sp.add_argument(
-        "--speculative-ngram-min", type=int, default=d.speculative_ngram_min,
+        "--speculative-ngram-min",
+        type=int,
+        default=d.speculative_ngram_min,
         help="ngram: the shortest suffix of the context that may match an earlier occurrence",
     )
     sp.add_argument(
-        "--speculative-ngram-max", type=int, default=d.speculative_ngram_max,
+        "--speculative-ngram-max",
+        type=int,
+        default=d.speculative_ngram_max,
         help="ngram: the longest suffix tried (longer matches win)",
     )
     sp.add_argument(
-        "--speculative-draft-table", default=None,
-        help="JSON file {\"num_draft_tokens\": {batch size: K}} (benchmarks/spec_tune.py writes it): "
+        "--speculative-draft-table",
+        default=None,
+        help='JSON file {"num_draft_tokens": {batch size: K}} (benchmarks/spec_tune.py writes it): '
         "K per batch size, 0 turns speculation off there; default: K at every batch size",
     )
     return p

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import socket
@@ -19,7 +20,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from minisgl.launch.args import ServerArgs
-from minisgl.launch.child import child_main
+from minisgl.launch.child import STOP_SIGNAL, child_main
 from minisgl.logging_setup import get_logger, log_phase, since_launch, startup_phase
 from minisgl.message import ReadyMsg, StartMsg, decode, encode
 from minisgl.message.addresses import Addresses
@@ -85,9 +86,7 @@ def _children_spec(args: ServerArgs, addrs: Addresses) -> list[tuple[str, str, t
         rargs = dataclasses.replace(args, dist_init_addr=dist_addr)
         # Scheduler ranks > 0 of this machine (with TP); rank 0 lives on node 0 only.
         ranks = [r for r in args.local_ranks if r > 0]
-        specs += [
-            (scheduler_name(args.dp, dp_rank, r), RUN_SCHEDULER_RANK, (rargs, r, dp_rank)) for r in ranks
-        ]
+        specs += [(scheduler_name(args.dp, dp_rank, r), RUN_SCHEDULER_RANK, (rargs, r, dp_rank)) for r in ranks]
         if args.node_rank == 0:
             raddrs = addrs.for_replica(dp_rank)
             specs.append((scheduler_name(args.dp, dp_rank), RUN_SCHEDULER, (rargs, raddrs, dp_rank)))
@@ -150,15 +149,20 @@ def _wait_ready(children: list[Child]) -> StartMsg:
 def _stop_children(children: list[Child]) -> None:
     for c in children:
         if c.process.is_alive():
-            c.process.terminate()
+            os.kill(c.process.pid, STOP_SIGNAL)  # it exits 0 (launch/child.py)
     deadline = time.monotonic() + 5.0
     for c in children:
         c.process.join(max(0.0, deadline - time.monotonic()))
         if c.process.is_alive():
-            log.warning("%s ignored SIGTERM; killing it", c.name)
+            log.warning("%s did not stop within 5 s; killing it", c.name)
             c.process.kill()
             c.process.join(2.0)
         c.conn.close()
+    codes = {c.name: c.process.exitcode for c in children}
+    if children and all(code == 0 for code in codes.values()):
+        log.info("stopped %d processes, each with exit code 0", len(children))
+    elif children:
+        log.info("stopped %d processes; exit codes: %s", len(children), codes)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -205,6 +209,23 @@ def chat_features(args: ServerArgs, tok_info: dict[str, Any]) -> Any:
     return ChatFeatures(fmt, args.reasoning_parser)
 
 
+def _queue_limits(args: ServerArgs, children: list[Child]) -> Any:
+    """The queue's bounds with their defaults resolved (README: Overload and draining), printed."""
+    from minisgl.server.admission import QueueLimits
+
+    n = args.max_running_requests * args.dp if args.max_queued_requests is None else args.max_queued_requests
+    tokens = sorted({c.info.get("max_queued_tokens", 0) for c in children if c.name.endswith("scheduler")})
+    log.info(
+        "queue bounds (503 + Retry-After past them): --max-queued-requests %s, --max-queued-tokens %s per replica, "
+        "--max-queue-wait-s %s; on SIGTERM, drain for up to --shutdown-timeout %g s",
+        n or "none",
+        "/".join(str(t) for t in tokens) if any(tokens) else "none",
+        f"{args.max_queue_wait_s:g}" if args.max_queue_wait_s else "none",
+        args.shutdown_timeout,
+    )
+    return QueueLimits(n, args.max_queue_wait_s)
+
+
 def _server_info(args: ServerArgs, start: StartMsg, children: list[Child]) -> Any:
     from minisgl.models.sampling_defaults import describe, model_sampling_defaults
     from minisgl.models.source import resolve_model
@@ -238,6 +259,7 @@ async def _serve(
 ) -> int:
     import uvicorn
 
+    from minisgl.launch.drain import DrainingServer
     from minisgl.launch.shell import run_shell
     from minisgl.server.api import build_app
     from minisgl.server.frontend import Frontend
@@ -247,7 +269,7 @@ async def _serve(
 
     loop = asyncio.get_running_loop()
     info = _server_info(args, start, children)
-    frontend = Frontend(addrs, args.num_tokenizers, Metrics())
+    frontend = Frontend(addrs, args.num_tokenizers, Metrics(), _queue_limits(args, children))
     frontend.open()
     receiver = asyncio.create_task(frontend.run())
     failed: list[str] = []
@@ -281,8 +303,10 @@ async def _serve(
             router_info = server_info(args, schedulers)
             add_router_routes(app, frontend, router_info)
             add_gateway_routes(app, frontend, router_info)  # SMG's /v1/loads, /flush_cache; llm-d's gauges
-            server = uvicorn.Server(
-                uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3)
+            server = DrainingServer(
+                uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3),
+                frontend,
+                args.shutdown_timeout,
             )
             stoppers.append(lambda: setattr(server, "should_exit", True))
             task = asyncio.create_task(server.serve(sockets=[listener]))
@@ -323,6 +347,7 @@ def _import_api() -> None:
     with startup_phase("launcher: API server modules imported"):
         import uvicorn  # noqa: F401
 
+        import minisgl.launch.drain  # noqa: F401
         import minisgl.server.api  # noqa: F401
         import minisgl.server.gateway  # noqa: F401
         import minisgl.server.router_compat  # noqa: F401

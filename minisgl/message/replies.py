@@ -76,6 +76,9 @@ class UserReply:
     reasoning_open: bool = False  # DetokInit.reasoning_open, on the request's first reply
     trace: dict[str, float] | None = None  # on the first reply of a traced request (message/trace.py)
     cached_tokens: int = 0  # of the prompt tokens, those served from the prefix cache
+    # Refused for load, not for its content ("queue_tokens", "queue_timeout"): the API answers
+    # 503 with Retry-After (server/admission.py), not a 400.
+    error_code: str | None = None
 
 
 @message

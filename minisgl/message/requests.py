@@ -41,6 +41,7 @@ class TokenizeMsg:
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
     reasoning: str | None = None  # the reasoning parser: a grammar starts after its block
     trace: dict[str, float] | None = None  # hop timestamps when traced (message/trace.py)
+    admit_by: float | None = None  # CLOCK_MONOTONIC deadline for admission (--max-queue-wait-s)
 
 
 @message
@@ -97,3 +98,5 @@ class UserMsg:
     seed: int
     detok: DetokInit
     trace: dict[str, float] | None = None  # hop timestamps when traced (message/trace.py)
+    # Still waiting for admission at this CLOCK_MONOTONIC time: refused (scheduler/queue_bounds.py).
+    admit_by: float | None = None

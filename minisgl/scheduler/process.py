@@ -43,6 +43,7 @@ from minisgl.message import (
 from minisgl.message.kv_events import KVEventPublisher, parse_kv_events_config
 from minisgl.message.zmq_io import pull_socket, push_socket, recv_nowait, send
 from minisgl.scheduler.config import SchedulerConfig, scheduler_config
+from minisgl.scheduler.queue_bounds import QUEUE_TIMEOUT, TIMEOUT_MESSAGE, QueueBounds
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp_sync import Input, InputSync, apply_inputs
@@ -103,10 +104,17 @@ def load_tokens(sched: Scheduler) -> int:
 
 class SchedulerProcess:
     def __init__(
-        self, engine: Engine, sched: Any, addrs: Any, start: StartMsg, dp_rank: int = 0,
+        self,
+        engine: Engine,
+        sched: Any,
+        addrs: Any,
+        start: StartMsg,
+        dp_rank: int = 0,
         events: tuple[CacheEvents, KVEventPublisher] | None = None,
+        max_queued_tokens: int = 0,
     ) -> None:
         self.engine, self.sched, self.dp_rank, self.events = engine, sched, dp_rank, events
+        self.bounds = QueueBounds(max_queued_tokens)
         # Requests whose grammar compiles on the worker thread: added once it is ready, so a
         # compile never stalls the batch (the other ranks start compiling at the same time).
         self.compiling: list[tuple[Request, Any]] = []
@@ -178,6 +186,11 @@ class SchedulerProcess:
             param = getattr(e, "param", None) or "max_tokens"  # the KV pool's fit, unless it names its field
             send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param=param)]))
             return
+        refused = self.bounds.refuse(lambda: self.sched.waiting, len(msg.input_ids), msg.admit_by, time.monotonic())
+        if refused is not None:
+            send(self.to_api, ReplyBatch([UserReply(msg.uid, error=refused[1], error_code=refused[0])]))
+            return
+        self.bounds.track(msg.uid, msg.admit_by)
         spec = grammar_spec(params)
         if spec is not None and self.sched.grammar.compiler is not None:
             self.compiling.append((req, self.sched.grammar.compiler.prefetch(spec)))
@@ -222,8 +235,17 @@ class SchedulerProcess:
             if init is not None and req.trace is not None:  # its trace rides on the first TokenOut only
                 hops, req.trace = req.trace, None
                 trace.stamp(hops, "emit")
-            items.append(TokenOut(uid, req.output[start:], logprobs, req.finish_reason, init,
-                                  *logprob_extras(req, start, first=init is not None), hops))
+            items.append(
+                TokenOut(
+                    uid,
+                    req.output[start:],
+                    logprobs,
+                    req.finish_reason,
+                    init,
+                    *logprob_extras(req, start, first=init is not None),
+                    hops,
+                )
+            )
             self.sent[uid] = len(req.output)
             if req.finished:
                 self._forget(uid)
@@ -231,7 +253,22 @@ class SchedulerProcess:
         if items:
             send(self.to_detok, DetokenizeMsg(items))
 
+    def expire(self) -> None:
+        """Waiting requests past their admission deadline leave the queue (on every rank, with
+        the next inputs) and their clients get the 503 (scheduler/queue_bounds.py)."""
+        expired = [r for r in self.bounds.expired(self.sched.waiting, time.monotonic()) if r.uid in self.reqs]
+        if not expired:
+            return
+        for req in expired:
+            self.inputs.append(("finish", req.uid, "abort"))
+            self._forget(req.uid)
+        send(
+            self.to_api,
+            ReplyBatch([UserReply(r.uid, error=TIMEOUT_MESSAGE, error_code=QUEUE_TIMEOUT) for r in expired]),
+        )
+
     def _forget(self, uid: int) -> None:
+        self.bounds.forget(uid)
         self.reqs.pop(uid, None)
         self.inits.pop(uid, None)
         self.sent.pop(uid, None)
@@ -244,17 +281,28 @@ class SchedulerProcess:
         running, queued, used, total = scheduler_stats(self.sched)
         st = self.sched.stats()
         msg = StatsMsg(
-            running, queued, used, total, self.prompt_tokens, self.cache_hit_tokens,
-            self.dp_rank, load_tokens(self.sched), self.received,
-            st.get("spec_proposed", 0), st.get("spec_accepted", 0), st.get("spec_verified", 0),
+            running,
+            queued,
+            used,
+            total,
+            self.prompt_tokens,
+            self.cache_hit_tokens,
+            self.dp_rank,
+            load_tokens(self.sched),
+            self.received,
+            st.get("spec_proposed", 0),
+            st.get("spec_accepted", 0),
+            st.get("spec_verified", 0),
         )
         send(self.to_stats, msg)
 
     def loop(self) -> None:
         self.send_stats(force=True)  # every replica shows in /metrics (and to the DP controller) from the start
         while True:
+            self.bounds.new_batch()
             for msg in self.receive(block=not self.sched.has_work):
                 self.apply(msg)
+            self.expire()
             if self.compiling:
                 self.admit_compiled()
             inputs, self.inputs = self.inputs, []
@@ -277,7 +325,8 @@ def run_scheduler_rank(ready: Ready, args: Any, rank: int, dp_rank: int = 0) -> 
     scheduler_builder(args.scheduler_options())  # the same checks as rank 0
     share_cpu(args.device, args.dp * args.tp if args.dp > 1 else 1)
     run_tp_worker(
-        args.engine_config(tp_rank=rank, dp_rank=dp_rank), {**args.scheduler_options(), "tokenizer": args.tokenizer},
+        args.engine_config(tp_rank=rank, dp_rank=dp_rank),
+        {**args.scheduler_options(), "tokenizer": args.tokenizer},
         on_ready=lambda: ready(None),
     )
 
@@ -290,11 +339,15 @@ def run_scheduler(ready: Ready, args: Any, addrs: Any, dp_rank: int = 0) -> None
     events_cfg = parse_kv_events_config(args.kv_events_config)
     events = None
     if events_cfg is not None:  # the sockets bind now: a taken port fails the start, naming it
-        events = (CacheEvents(engine.cfg.page_size, events_cfg.hash_seed),
-                  KVEventPublisher(events_cfg, engine.cfg.page_size, dp_rank))
+        events = (
+            CacheEvents(engine.cfg.page_size, events_cfg.hash_seed),
+            KVEventPublisher(events_cfg, engine.cfg.page_size, dp_rank),
+        )
     sched = build(engine, events[0] if events else None)
     kv_total = scheduler_stats(sched)[3]
     mc = engine.model_config
+    # --max-queued-tokens: by default one KV pool of prompts may wait (the launcher prints it).
+    max_queued_tokens = kv_total if args.max_queued_tokens is None else args.max_queued_tokens
     start = ready(
         {
             "max_model_len": engine.max_model_len,
@@ -303,6 +356,7 @@ def run_scheduler(ready: Ready, args: Any, addrs: Any, dp_rank: int = 0) -> None
             "kv_total": kv_total,
             "architecture": mc.architecture,
             "device": str(engine.device),
+            "max_queued_tokens": max_queued_tokens,
         },
     )
-    SchedulerProcess(engine, sched, addrs, start, dp_rank, events).loop()
+    SchedulerProcess(engine, sched, addrs, start, dp_rank, events, max_queued_tokens).loop()

@@ -83,8 +83,16 @@ def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
         first = await frontend.first_reply(handle, request)
         rid = state["request_id"]
         if first.trace is not None:  # RequestGuard logs it once the first chunk is written
-            state["trace"] = (first.trace, {"rid": rid, "uid": first.uid, "route": request.url.path,
-                                            "prompt": first.prompt_tokens, "stream": job.stream})
+            state["trace"] = (
+                first.trace,
+                {
+                    "rid": rid,
+                    "uid": first.uid,
+                    "route": request.url.path,
+                    "prompt": first.prompt_tokens,
+                    "stream": job.stream,
+                },
+            )
         tracker = ChoiceTracker(handle.uids, job.n)
         # Streams learn of a gone client from Starlette cancelling them; others poll for it.
         replies = frontend.replies(handle, first, None if job.stream else request)
@@ -105,9 +113,7 @@ def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
     async def chat(req: P.chat, request: Request) -> Response:  # type: ignore[valid-type]
         return await run(builder.chat(req), request)
 
-    @app.post(
-        "/v1/completions", responses={**openapi_doc.streams("A text_completion, or its events"), **gen_errors}
-    )
+    @app.post("/v1/completions", responses={**openapi_doc.streams("A text_completion, or its events"), **gen_errors})
     async def completions(req: P.completion, request: Request) -> Response:  # type: ignore[valid-type]
         return await run(builder.completion(req), request)
 
@@ -138,8 +144,10 @@ def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
         handle = frontend.submit([DecodeMsg(0, list(req.tokens))], metered=False)
         return {"prompt": (await frontend.first_reply(handle, request)).text}
 
-    @app.get("/health", responses={503: {"description": "a server process is gone"}})
+    @app.get("/health", responses={503: {"description": "a server process is gone, or the server is draining"}})
     async def health() -> Response:
+        if frontend.admission.draining:  # readiness off at once: routers stop sending here
+            return JSONResponse({"status": "draining", "reason": "draining: the server is shutting down"}, 503)
         ok = frontend.dead is None and info.workers_alive()
         return JSONResponse({"status": "ok" if ok else "unhealthy"}, status_code=200 if ok else 503)
 

@@ -17,6 +17,7 @@ import zmq.asyncio
 from minisgl.logging_setup import get_logger
 from minisgl.message import AbortMsg, DecodeMsg, ReplyBatch, StatsMsg, TokenizeMsg, UserReply, decode, encode, trace
 from minisgl.message.addresses import Addresses
+from minisgl.server.admission import Admission, QueueLimits
 from minisgl.server.errors import ApiError
 from minisgl.server.metrics import Metrics
 
@@ -54,9 +55,13 @@ class _Timing:
 
 
 class Frontend:
-    def __init__(self, addrs: Addresses, num_tokenizers: int, metrics: Metrics) -> None:
+    def __init__(
+        self, addrs: Addresses, num_tokenizers: int, metrics: Metrics, limits: QueueLimits | None = None
+    ) -> None:
         self.addrs = addrs
         self.metrics = metrics
+        self.queued: set[int] = set()  # generations without a reply yet: not yet generating
+        self.admission = Admission(limits or QueueLimits(), metrics.registry, lambda: len(self.queued))
         self.stats: StatsMsg | None = None
         self.dead: str | None = None  # why the backend can no longer serve
         self._targets = addrs.tokenizers if num_tokenizers > 0 else [addrs.detokenizer]
@@ -88,17 +93,24 @@ class Frontend:
         self._pull.close(0)
 
     def submit(
-        self, msgs: list[TokenizeMsg | DecodeMsg], names: dict[str, str] | None = None, metered: bool = True,
+        self,
+        msgs: list[TokenizeMsg | DecodeMsg],
+        names: dict[str, str] | None = None,
+        metered: bool = True,
         received: float | None = None,
     ) -> RequestHandle:
         """Numbers the messages' generations (TokenizeMsg: one uid per choice) and sends each
         to a tokenizer worker, round robin (workers tokenize large inputs off their loop, so
         any worker serves small requests at once). `received`: when the HTTP request came in
-        (the start of its hop trace, when tracing is on)."""
+        (the start of its hop trace, when tracing is on, and of its wait for admission).
+        Raises Overloaded when admission refuses it (server/admission.py)."""
+        self.admission.check(len(self.queued), sum(len(uids) for uids in _uids_of(msgs)), metered)
         for m in msgs:
             if isinstance(m, TokenizeMsg):
                 m.uids = [next(self._next_uid) for _ in m.uids]
                 m.trace = trace.start(received)
+                if metered:
+                    m.admit_by = self.admission.admit_by(received)
             else:
                 m.uid = next(self._next_uid)
         handle = RequestHandle([u for uids in _uids_of(msgs) for u in uids], names, metered)
@@ -108,6 +120,8 @@ class Frontend:
             return handle
         for m, uids in zip(msgs, _uids_of(msgs)):
             target = next(self._rr) % len(self._push)
+            if metered:
+                self.queued.update(uids)
             for uid in uids:
                 self._handles[uid] = handle
                 self._route[uid] = target
@@ -126,6 +140,7 @@ class Frontend:
             self._forget(handle, uid)
 
     def _forget(self, handle: RequestHandle, uid: int) -> None:
+        self.queued.discard(uid)
         handle.unfinished.discard(uid)
         self._handles.pop(uid, None)
         self._route.pop(uid, None)
@@ -150,6 +165,8 @@ class Frontend:
     def error_of(self, handle: RequestHandle, reply: UserReply) -> ApiError:
         if self.dead:
             return ApiError(reply.error or "server error", None, 503, kind="server_error")
+        if reply.error_code is not None:  # refused for load by the scheduler: 503 + Retry-After
+            return self.admission.refuse(reply.error_code, reply.error or "the server is overloaded")
         param, message = reply.error_param, reply.error or "bad request"
         if param in handle.names:
             name = handle.names[param]
@@ -169,9 +186,7 @@ class Frontend:
             raise self.error_of(handle, reply)
         return reply
 
-    async def replies(
-        self, handle: RequestHandle, first: UserReply | None, request: Any
-    ) -> AsyncIterator[UserReply]:
+    async def replies(self, handle: RequestHandle, first: UserReply | None, request: Any) -> AsyncIterator[UserReply]:
         """Every reply of `handle` (starting with `first`); whoever stops early (client gone,
         error, cancellation) aborts what is still running, freeing its KV slots."""
         try:
@@ -206,6 +221,7 @@ class Frontend:
         handle = self._handles.get(reply.uid)
         if handle is None:
             return  # aborted: late replies are dropped
+        self.queued.discard(reply.uid)  # generating now (or failed)
         if handle.metered:
             self._observe(reply)
         if reply.error is not None or reply.finish_reason is not None:
@@ -224,14 +240,21 @@ class Frontend:
             t.last = now
             m.generation_tokens.inc(n)
         if reply.error is not None:
-            m.requests.labels("error").inc()
+            if reply.error_code is None:  # refusals for load have their own counter (admission.py)
+                m.requests.labels("error").inc()
         elif reply.finish_reason is not None:
             m.requests.labels(reply.finish_reason).inc()
             m.prompt_tokens.inc(reply.prompt_tokens)
             m.e2e.observe(now - t.start)
 
+    @property
+    def in_flight(self) -> int:
+        """Generations not finished yet (a drain waits for them)."""
+        return len(self._handles)
+
     def fail_all(self, why: str) -> None:
-        """The backend died: every waiter gets an error now instead of hanging."""
+        """The backend died, or a drain ran out of time (launch/drain.py): every waiter gets an
+        error now instead of hanging, and later requests are refused."""
         self.dead = why
         for uid, handle in list(self._handles.items()):
             self._forget(handle, uid)

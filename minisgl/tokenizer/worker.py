@@ -226,7 +226,7 @@ class TokenizeHandler:
             else:  # choices of one request must differ: offset the seed per choice
                 seed = params.seed if i == 0 else (params.seed + i) % _SEED_SPACE
             hops = None if msg.trace is None else dict(msg.trace)
-            out.append(UserMsg(uid, ids, params, seed, init, hops))
+            out.append(UserMsg(uid, ids, params, seed, init, hops, msg.admit_by))
         return out
 
 
