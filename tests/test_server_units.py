@@ -85,7 +85,7 @@ def test_stop_inside_a_multi_token_step(tok: Any) -> None:
     item = TokenOut(7, ids, [0.5] * len(ids), None, DetokInit(3, ["own fo"], logprobs=True))
     replies, stopped = detok.process(DetokenizeMsg([item]))
     (r,) = replies
-    assert r.text == "The quick br" and r.finish_reason == "stop"
+    assert r.text == "The quick br" and r.finish_reason == "stop" and r.matched_stop == "own fo"
     assert r.token_ids == one and r.completion_tokens == len(one) and len(r.logprobs) == len(one)
     assert stopped == [(7, len(one))]
 

@@ -75,6 +75,10 @@ class UserReply:
     prompt: PromptEcho | None = None  # first reply only, when asked
     reasoning_open: bool = False  # DetokInit.reasoning_open, on the request's first reply
     trace: dict[str, float] | None = None  # on the first reply of a traced request (message/trace.py)
+    matched_stop: str | None = None  # the stop string that ended it (Anthropic's stop_sequence), last reply
+    # An embedding request's pooled hidden state, float32 little-endian (its one reply; the
+    # scheduler sends it to the API directly: there is nothing to detokenize).
+    embedding: bytes | None = None
 
 
 @message

@@ -31,6 +31,10 @@ EMBED_ONLY = (
     "this server serves an embedding model (--task embed): it answers POST /v1/embeddings only; start one "
     "with --task generate to generate text"
 )
+STATELESS = (
+    "this server keeps no responses (stateless): send the whole conversation as input, with store false or absent "
+    "and no previous_response_id"
+)
 GENERATE_ONLY = (
     "this server generates text (--task generate): POST /v1/embeddings needs an embedding model; start a "
     "server with --task embed (or on a sentence-transformers / Qwen3-Embedding folder, detected by --task auto)"
@@ -43,7 +47,7 @@ def refused(why: str, *neutral: Any) -> Any:
     allowed = (None, *neutral)
 
     def check(value: Any) -> Any:
-        if value not in allowed:
+        if not any(type(value) is type(v) and value == v for v in allowed):  # 0 is no False
             raise ValueError(why)
         return value
 
