@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
         "auto (from the chat template, when unambiguous) or none",
     )
     add("--reasoning-parser", default=None, help="qwen3: return <think> blocks as reasoning_content")
+    add(
+        "--task", choices=("auto", "generate", "embed"), default=d.task,
+        help="generate text, or serve embeddings (POST /v1/embeddings; pooling from a sentence-transformers "
+        "folder, else the last token); auto: embed for a sentence-transformers or base-model (no LM head) folder",
+    )
     add("--shell", action="store_true", help="chat with the model in this terminal (no HTTP)")
     g = p.add_argument_group("engine")
     g.add_argument("--page-size", type=int, default=d.page_size, help="KV-cache page size in tokens")

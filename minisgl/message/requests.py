@@ -41,6 +41,7 @@ class TokenizeMsg:
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": False}
     reasoning: str | None = None  # the reasoning parser: a grammar starts after its block
     trace: dict[str, float] | None = None  # hop timestamps when traced (message/trace.py)
+    pooling: str | None = None  # an embedding request: how its prompt's hidden states are pooled
 
 
 @message
@@ -96,3 +97,6 @@ class UserMsg:
     seed: int
     detok: DetokInit
     trace: dict[str, float] | None = None  # hop timestamps when traced (message/trace.py)
+    # An embedding request ("last" | "mean" | "cls"): its prompt may fill the context (it
+    # generates nothing); its one reply carries the pooled hidden state (UserReply.embedding).
+    pooling: str | None = None

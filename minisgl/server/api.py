@@ -18,12 +18,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message import DecodeMsg
+from minisgl.models.embedding_config import EmbeddingConfig
 from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
 from minisgl.server import openapi_doc
 from minisgl.server.anthropic_api import add_anthropic_routes
 from minisgl.server.anthropic_protocol import AnthropicProtocol
 from minisgl.server.build import Builder, Job
 from minisgl.server.chat_request import ChatFeatures
+from minisgl.server.embeddings import GENERATION_PATHS, add_embedding_routes
 from minisgl.server.errors import ApiError, from_validation
 from minisgl.server.frontend import ClientGone, Frontend
 from minisgl.server.gates import ApiKeyGate, BodyLimitGate, RequestGuard
@@ -56,16 +58,22 @@ class ServerInfo:
     started: float = 0.0
     workers_alive: Callable[[], bool] = field(default=lambda: True)
     features: ChatFeatures = field(default_factory=ChatFeatures)  # tool-call and reasoning parsers
+    embedding: EmbeddingConfig | None = None  # set on an embedding model's server (--task embed)
 
     def model_card(self) -> dict[str, Any]:
-        return {
+        card = {
             "id": self.model_name,
             "object": "model",
             "created": int(self.started),
             "owned_by": "minisgl",
             "max_model_len": self.limits.max_model_len,
-            "sampling_defaults": {**OPENAI_DEFAULTS, **self.sampling_defaults},
+            "task": "embed" if self.embedding is not None else "generate",
         }
+        if self.embedding is None:
+            card["sampling_defaults"] = {**OPENAI_DEFAULTS, **self.sampling_defaults}
+        else:
+            card.update(pooling=self.embedding.pooling, dimensions=self.embedding.dimensions)
+        return card
 
 
 def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
@@ -75,12 +83,14 @@ def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
     builder = Builder(info.model_name, info.limits, info.sampling_defaults, info.features)
     stages = Stages(frontend, builder, P.chat)
     _install_error_handlers(app)
-    openapi_doc.install(app, info.api_key is not None, package_version())
+    hidden = GENERATION_PATHS if info.embedding is not None else ()  # refused by the task (embeddings.py)
+    openapi_doc.install(app, info.api_key is not None, package_version(), hidden)
     app.add_middleware(BodyLimitGate, limit=info.max_request_bytes)
     if info.api_key is not None:
         app.add_middleware(ApiKeyGate, key=info.api_key)
     app.add_middleware(RequestGuard)
     gen_errors = {**openapi_doc.errors(400, 404, 503)}
+    add_embedding_routes(app, stages, info.limits, info.embedding)  # first: it may refuse the generate routes
 
     async def run(job: Job, request: Request) -> Response:
         replies, tracker, rid = await stages.start(job, request)

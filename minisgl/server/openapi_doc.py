@@ -48,8 +48,9 @@ def streams(description: str) -> dict[int | str, dict[str, Any]]:
     }
 
 
-def install(app: FastAPI, api_key: bool, version: str) -> None:
-    """Replaces app.openapi with the generator of the schema described above."""
+def install(app: FastAPI, api_key: bool, version: str, hidden: tuple[str, ...] = ()) -> None:
+    """Replaces app.openapi with the generator of the schema described above; `hidden` paths are
+    left out (routes this server refuses whatever the body: an embedding server's generate routes)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -61,6 +62,8 @@ def install(app: FastAPI, api_key: bool, version: str) -> None:
             '`{"error": {"message", "type", "param", "code"}}`.',
             routes=app.routes,
         )
+        for path in hidden:
+            schema.get("paths", {}).pop(path, None)
         comps = schema.setdefault("components", {})
         for name in ("HTTPValidationError", "ValidationError"):
             comps.get("schemas", {}).pop(name, None)
