@@ -35,6 +35,11 @@ MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages", "/v1/responses")
 
 
+def _is_id(t: Any) -> bool:
+    """A JSON integer, 7.0 included (JSON Schema's "integer" admits it), not a bool."""
+    return type(t) is int or (type(t) is float and t.is_integer())
+
+
 def embedding_input(limits: Limits) -> Any:
     """`input`: a string, a list of strings, a list of token ids or a list of such lists;
     normalised to a list of inputs (str or list[int]), each at most the context long."""
@@ -42,7 +47,8 @@ def embedding_input(limits: Limits) -> Any:
     def one(x: Any, where: str) -> str | list[int]:
         if isinstance(x, str) and x:
             return x
-        if isinstance(x, list) and x and all(type(t) is int for t in x):
+        if isinstance(x, list) and x and all(_is_id(t) for t in x):
+            x = [int(t) for t in x]
             if len(x) > limits.max_model_len:
                 raise ValueError(f"{where}has {len(x)} tokens; the context is {limits.max_model_len}")
             bad = next((t for t in x if not 0 <= t < limits.vocab_size), None)
@@ -52,7 +58,7 @@ def embedding_input(limits: Limits) -> Any:
         raise ValueError(f"{where}must be a non-empty string or a non-empty list of token ids")
 
     def parse(value: Any) -> list[str | list[int]]:
-        if isinstance(value, str) or (isinstance(value, list) and value and type(value[0]) is int):
+        if isinstance(value, str) or (isinstance(value, list) and value and _is_id(value[0])):
             return [one(value, "")]
         if not isinstance(value, list) or not value:
             raise ValueError("must be a non-empty string, list of strings, list of token ids, or list of those lists")

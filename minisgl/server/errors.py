@@ -78,7 +78,9 @@ def param_of(loc: tuple[Any, ...]) -> str | None:
 
 def from_validation(errors: list[dict[str, Any]]) -> ApiError:
     """The 400 of a body that failed validation, naming the most specific field at fault."""
-    err = max(errors, key=lambda e: len(e.get("loc", ())))  # deepest: a union's real culprit
+    # Deepest: a union's real culprit; of equals, one that is not "wrong type" (the member whose
+    # type matched says what is wrong with the value).
+    err = max(errors, key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type")))
     kind, msg = err.get("type"), str(err.get("msg", "")).removeprefix("Value error, ")
     if kind == "json_invalid":
         return ApiError(f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")

@@ -11,7 +11,7 @@ tool-call / reasoning parser can return them.
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, create_model
+from pydantic import AfterValidator, BaseModel, Discriminator, Field, Tag, create_model
 
 from minisgl.server.capabilities import NO_REASONING_PARSER, NO_TOOL_PARSER, STATELESS, refused
 from minisgl.server.protocol_structured import NEEDS_COMPILE, ToolName
@@ -103,6 +103,20 @@ InputItem = Annotated[
 ]
 
 
+def _not_only_reasoning(items: list[Any]) -> list[Any]:
+    if all(_item_type(i) == "reasoning" for i in items):
+        raise ValueError("needs a message, function_call or function_call_output item (reasoning items are dropped)")
+    return items
+
+
+Items = Annotated[
+    list[InputItem],
+    Field(min_length=1, json_schema_extra={"contains": {"not": {"required": ["type"], "properties": {
+        "type": {"const": "reasoning"}}}}}),
+    AfterValidator(_not_only_reasoning),
+]
+
+
 class FunctionTool(Strict):
     type: Literal["function"]
     name: ToolName
@@ -150,8 +164,8 @@ class ReasoningConfig(Strict):
 
 class ResponsesRequest(Strict):
     model: str | None = Field(default=None, description="must be the served model's name (else 404)")
-    input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)] = Field(
-        description="a user message's text, or the conversation's items"
+    input: Annotated[str, Field(min_length=1)] | Items = Field(
+        description="a user message's text, or the conversation's items (not reasoning items alone)"
     )
     instructions: str | None = Field(default=None, description="a system message before the input")
     tools: list[FunctionTool] | None = Field(default=None, description="function tools (names unique: not "
