@@ -140,8 +140,10 @@ def test_openapi_states_the_contract(client) -> None:  # noqa: ANN001
                 assert {"400", "404", "413"} <= set(op["responses"]), path
     metrics = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert list(metrics) == ["text/plain"]
-    chat_200 = schema["paths"][CHAT]["post"]["responses"]["200"]["content"]
-    assert {"application/json", "text/event-stream"} <= set(chat_200)
+    for path in (CHAT, "/v1/completions", "/generate", "/v1/messages", "/v1/responses"):  # every generate route
+        assert {"application/json", "text/event-stream"} <= set(schema["paths"][path]["post"]["responses"]["200"][
+            "content"]), path
+    assert "/v1/messages/count_tokens" in schema["paths"]
     defs = schema["components"]["schemas"]
     chat = defs["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and chat["properties"]["messages"]["minItems"] == 1
