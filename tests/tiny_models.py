@@ -318,9 +318,11 @@ def build_tiny_model(spec: TinySpec, out: Path, tokenizer_src: Path) -> Path:
     return out
 
 
-ST_MODULES = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-              {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-              {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+ST_MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+]
 ST_POOLING = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
 
 
@@ -349,7 +351,8 @@ def build_tiny_embedding_model(out: Path, tokenizer_src: Path, pooling: str, cau
     (out / "modules.json").write_text(json.dumps(ST_MODULES))
     (out / "1_Pooling").mkdir(exist_ok=True)
     modes = {key: key == ST_POOLING[pooling] for key in ST_POOLING.values()}
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": config.hidden_size,
-                                                               **modes, "include_prompt": True}))
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": config.hidden_size, **modes, "include_prompt": True})
+    )
     (out / "2_Normalize").mkdir(exist_ok=True)
     return out

@@ -52,7 +52,7 @@ def _is_base_model(folder: Path) -> bool:
 
 
 def resolve_task(source: ModelSource, task: str) -> str:
-    """"generate" or "embed" for `--task` (auto: what the folder is)."""
+    """ "generate" or "embed" for `--task` (auto: what the folder is)."""
     if task not in TASKS:
         raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
     if task != "auto":
@@ -72,8 +72,10 @@ def embedding_config(source: ModelSource) -> EmbeddingConfig:
         unsupported = [k for k in _ST_UNSUPPORTED if st.get(k)]
         modes = [mode for key, mode in _ST_MODES.items() if st.get(key)]
         if unsupported or len(modes) > 1:
-            raise ValueError(f"{folder / 'config.json'}: pooling {', '.join(unsupported + modes)} is not served; "
-                             f"minisgl pools one of: last token, mean, cls")
+            raise ValueError(
+                f"{folder / 'config.json'}: pooling {', '.join(unsupported + modes)} is not served; "
+                f"minisgl pools one of: last token, mean, cls"
+            )
         pooling = modes[0] if modes else pooling
         dims = st.get("word_embedding_dimension")
     if dims is None:

@@ -21,8 +21,10 @@ from minisgl.server.stages import Stages
 
 def add_anthropic_routes(app: FastAPI, stages: Stages, protocol: AnthropicProtocol) -> None:
     errors = {c: {**r, "model": AnthropicErrorResponse} for c, r in openapi_doc.errors(400, 404, 503).items()}
-    streams = openapi_doc.streams("An Anthropic message, or with stream: true its events (message_start, "
-                                  "content_block_start / _delta / _stop, message_delta, message_stop, ping)")
+    streams = openapi_doc.streams(
+        "An Anthropic message, or with stream: true its events (message_start, "
+        "content_block_start / _delta / _stop, message_delta, message_stop, ping)"
+    )
 
     @app.post("/v1/messages", responses={**streams, **errors})
     async def messages(req: protocol.messages, request: Request) -> Response:  # type: ignore[valid-type]
@@ -39,7 +41,8 @@ def add_anthropic_routes(app: FastAPI, stages: Stages, protocol: AnthropicProtoc
         """`{input_tokens}`: the prompt a Messages request with these fields would take."""
         stages.builder.check_model(req.model)
         msg = stages.chat_job(chat_body(req, max_tokens=1), NAMES).msgs[0]
-        tok = TokenizeMsg([0], messages=msg.messages, tools=msg.tools, chat_template_kwargs=msg.chat_template_kwargs,
-                          mode="tokenize")
+        tok = TokenizeMsg(
+            [0], messages=msg.messages, tools=msg.tools, chat_template_kwargs=msg.chat_template_kwargs, mode="tokenize"
+        )
         reply = await stages.tokenize(tok, {"prompt": "messages"}, request)
         return {"input_tokens": len(reply.token_ids)}

@@ -17,8 +17,14 @@ import json
 from typing import Any
 
 # chat field -> Anthropic field, for errors the chat stages and later hops name.
-NAMES = {"stop": "stop_sequences", "messages": "messages", "max_tokens": "max_tokens", "tool_choice": "tool_choice",
-         "tools": "tools", "chat_template_kwargs": "thinking"}
+NAMES = {
+    "stop": "stop_sequences",
+    "messages": "messages",
+    "max_tokens": "max_tokens",
+    "tool_choice": "tool_choice",
+    "tools": "tools",
+    "chat_template_kwargs": "thinking",
+}
 
 
 def _plain(obj: Any) -> Any:
@@ -47,14 +53,19 @@ def chat_messages(system: Any, messages: list[Any]) -> list[dict[str, Any]]:
             continue
         texts = [{"type": "text", "text": b["text"]} for b in content if b["type"] == "text"]
         if role == "user":
-            out += [{"role": "tool", "tool_call_id": b["tool_use_id"], "content": _text(b.get("content"))}
-                    for b in content if b["type"] == "tool_result"]
+            out += [
+                {"role": "tool", "tool_call_id": b["tool_use_id"], "content": _text(b.get("content"))}
+                for b in content
+                if b["type"] == "tool_result"
+            ]
             if texts or not any(b["type"] == "tool_result" for b in content):
                 out.append({"role": "user", "content": texts})
             continue
-        calls = [{"id": b["id"], "type": "function",
-                  "function": {"name": b["name"], "arguments": json.dumps(b["input"])}}
-                 for b in content if b["type"] == "tool_use"]
+        calls = [
+            {"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": json.dumps(b["input"])}}
+            for b in content
+            if b["type"] == "tool_use"
+        ]
         msg: dict[str, Any] = {"role": "assistant", "content": texts or (None if calls else "")}
         if calls:
             msg["tool_calls"] = calls
@@ -78,9 +89,21 @@ def chat_body(req: Any, max_tokens: int | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req.system, req.messages)}
     tools = [_plain(t) for t in req.tools or []]
     if tools:
-        body["tools"] = [{"type": "function", "function": {
-            k: v for k, v in (("name", t["name"]), ("description", t.get("description")),
-                              ("parameters", t["input_schema"])) if v is not None}} for t in tools]
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    k: v
+                    for k, v in (
+                        ("name", t["name"]),
+                        ("description", t.get("description")),
+                        ("parameters", t["input_schema"]),
+                    )
+                    if v is not None
+                },
+            }
+            for t in tools
+        ]
     choice, parallel = _tool_choice(_plain(req.tool_choice))
     if choice is not None:  # without tools chat's planning refuses all but "none", naming tool_choice
         body["tool_choice"] = choice
@@ -90,8 +113,13 @@ def chat_body(req: Any, max_tokens: int | None = None) -> dict[str, Any]:
     if thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
     body["max_tokens"] = max_tokens if max_tokens is not None else getattr(req, "max_tokens", 1)
-    for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                         ("stop", "stop_sequences"), ("stream", "stream")):
+    for ours, theirs in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("top_k", "top_k"),
+        ("stop", "stop_sequences"),
+        ("stream", "stream"),
+    ):
         value = getattr(req, theirs, None)
         if value is not None:
             body[ours] = value

@@ -156,8 +156,9 @@ class CountTokensRequest(Strict):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int_in(1, None) = Field(description="the prompt's tokens plus max_tokens must fit the context "
-                                        "(not expressible in the schema: else 400)")
+    max_tokens: int_in(1, None) = Field(
+        description="the prompt's tokens plus max_tokens must fit the context (not expressible in the schema: else 400)"
+    )
     temperature: Annotated[float, Field(ge=0, le=1)] | None = Field(default=None, description="0: greedy")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: int_in(1, None) | None = None
@@ -168,8 +169,10 @@ class MessagesRequest(CountTokensRequest):
 
 
 class AnthropicErrorObject(BaseModel):
-    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, request_too_large, "
-                      "api_error, overloaded_error")
+    type: str = Field(
+        description="invalid_request_error, authentication_error, not_found_error, request_too_large, "
+        "api_error, overloaded_error"
+    )
     message: str
 
 
@@ -197,8 +200,11 @@ class AnthropicProtocol:
 
         self.count_tokens = model("CountTokensRequest", CountTokensRequest)
         self.messages = model(
-            "MessagesRequest", MessagesRequest,
-            max_tokens=(int_in(1, limits.max_new_tokens), Field(description=MessagesRequest.model_fields[
-                "max_tokens"].description)),
+            "MessagesRequest",
+            MessagesRequest,
+            max_tokens=(
+                int_in(1, limits.max_new_tokens),
+                Field(description=MessagesRequest.model_fields["max_tokens"].description),
+            ),
             top_k=(int_in(1, limits.vocab_size) | None, None),
         )

@@ -69,8 +69,16 @@ def content_blocks(out: ChatOutput) -> list[dict[str, Any]]:
 
 
 def message_head(model: str, prompt_tokens: int) -> dict[str, Any]:
-    return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
+    return {
+        "id": f"msg_{uuid.uuid4().hex}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+    }
 
 
 async def message(job: Job, replies: AsyncIterator[UserReply], t: ChoiceTracker, model: str) -> dict[str, Any]:
@@ -84,8 +92,9 @@ async def message(job: Job, replies: AsyncIterator[UserReply], t: ChoiceTracker,
     _, finish = out.finish(t.finish[0])
     reason = stop_reason(finish, matched)
     body = message_head(model, t.prompt_tokens[0])
-    body.update(content=content_blocks(out), stop_reason=reason, stop_sequence=matched if reason == "stop_sequence"
-                else None)
+    body.update(
+        content=content_blocks(out), stop_reason=reason, stop_sequence=matched if reason == "stop_sequence" else None
+    )
     body["usage"]["output_tokens"] = t.completion_tokens[0]
     return body
 

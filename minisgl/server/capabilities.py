@@ -51,7 +51,7 @@ def refused(why: str, *neutral: Any) -> Any:
             raise ValueError(why)
         return value
 
-    schema: dict[str, Any] = {"type": "null"} if not neutral else {
-        "anyOf": [{"type": "null"}, *({"const": v} for v in neutral)]
-    }
+    schema: dict[str, Any] = (
+        {"type": "null"} if not neutral else {"anyOf": [{"type": "null"}, *({"const": v} for v in neutral)]}
+    )
     return Annotated[Any, BeforeValidator(check), WithJsonSchema({**schema, "description": why}), Field()]

@@ -66,14 +66,22 @@ def embedding_input(limits: Limits) -> Any:
             raise ValueError(f"at most {MAX_INPUTS} inputs per request, got {len(value)}")
         return [one(x, f"[{i}]: ") for i, x in enumerate(value)]
 
-    ids = {"type": "array", "minItems": 1, "maxItems": limits.max_model_len,
-           "items": {"type": "integer", "minimum": 0, "maximum": limits.max_token_id}}
+    ids = {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": limits.max_model_len,
+        "items": {"type": "integer", "minimum": 0, "maximum": limits.max_token_id},
+    }
     text = {"type": "string", "minLength": 1}
     schema = {
         "description": "the input(s) to embed: text or token ids, one or a list; each at most the context long in "
         "tokens (text: not expressible in the schema, else 400)",
-        "anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": text},
-                  {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": ids}],
+        "anyOf": [
+            text,
+            ids,
+            {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": text},
+            {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": ids},
+        ],
     }
     return Annotated[Any, BeforeValidator(parse), WithJsonSchema(schema)]
 
@@ -105,8 +113,12 @@ def add_embedding_routes(app: FastAPI, stages: Stages, limits: Limits, embedding
     """/v1/embeddings (`embedding`: the served model's, or None on a generating server), and on
     an embedding server the refusal of the generate routes (registered first, so they match)."""
     dims = embedding.dimensions if embedding is not None else 1
-    model = create_model("EmbeddingRequest", __base__=EmbeddingRequest, input=(embedding_input(limits), ...),
-                         dimensions=(int_in(1, dims) | None, EmbeddingRequest.model_fields["dimensions"]))
+    model = create_model(
+        "EmbeddingRequest",
+        __base__=EmbeddingRequest,
+        input=(embedding_input(limits), ...),
+        dimensions=(int_in(1, dims) | None, EmbeddingRequest.model_fields["dimensions"]),
+    )
     if embedding is not None:
         for path in GENERATION_PATHS:
             app.add_api_route(path, _refusal(EMBED_ONLY), methods=["POST"], include_in_schema=False)
@@ -118,8 +130,16 @@ def add_embedding_routes(app: FastAPI, stages: Stages, limits: Limits, embedding
             raise ApiError(GENERATE_ONLY)
         stages.builder.check_model(req.model)
         sampling = SamplingParams(max_tokens=1, temperature=0.0)  # an embedding samples nothing
-        msgs = [TokenizeMsg([0], **({"text": x} if isinstance(x, str) else {"input_ids": x}), sampling=sampling,
-                            add_special_tokens=req.add_special_tokens, pooling=embedding.pooling) for x in req.input]
+        msgs = [
+            TokenizeMsg(
+                [0],
+                **({"text": x} if isinstance(x, str) else {"input_ids": x}),
+                sampling=sampling,
+                add_special_tokens=req.add_special_tokens,
+                pooling=embedding.pooling,
+            )
+            for x in req.input
+        ]
         replies, tracker, _ = await stages.start(Job("embed", msgs, names={"prompt": "input"}), request)
         vectors: list[Any] = [None] * len(msgs)
         async for r in replies:
@@ -127,10 +147,14 @@ def add_embedding_routes(app: FastAPI, stages: Stages, limits: Limits, embedding
             if r.embedding is not None:
                 vectors[i] = finish_vector(r.embedding, req.dimensions, req.normalize, req.encoding_format)
         tokens = sum(tracker.prompt_tokens)
-        return JSONResponse({
-            "object": "list", "model": stages.model_name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
-        })
+        return JSONResponse(
+            {
+                "object": "list",
+                "model": stages.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)],
+            }
+        )
 
 
 def _refusal(why: str) -> Any:

@@ -68,8 +68,10 @@ def install(app: FastAPI, api_key: bool, version: str, hidden: tuple[str, ...] =
         for name in ("HTTPValidationError", "ValidationError"):
             comps.get("schemas", {}).pop(name, None)
         if api_key:  # either header: a bearer token, or Anthropic's x-api-key
-            comps["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
-                                        "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+            comps["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            }
         for path, ops in schema.get("paths", {}).items():
             shape = "AnthropicErrorResponse" if is_anthropic(path) else "ErrorResponse"
             error_content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}

@@ -16,8 +16,10 @@ from minisgl.server.stages import Stages
 
 
 def add_responses_routes(app: FastAPI, stages: Stages, protocol: ResponsesProtocol) -> None:
-    streams = openapi_doc.streams("A response, or with stream: true its events (response.created, "
-                                  "response.output_item.added, response.output_text.delta, ..., response.completed)")
+    streams = openapi_doc.streams(
+        "A response, or with stream: true its events (response.created, "
+        "response.output_item.added, response.output_text.delta, ..., response.completed)"
+    )
 
     @app.post("/v1/responses", responses={**streams, **openapi_doc.errors(400, 404, 503)})
     async def responses(req: protocol.responses, request: Request) -> Response:  # type: ignore[valid-type]

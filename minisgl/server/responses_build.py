@@ -14,8 +14,14 @@ means, which the chat stages then run (template, tools, grammar, parsers).
 
 from typing import Any
 
-NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
-         "tool_choice": "tool_choice", "tools": "tools", "chat_template_kwargs": "reasoning"}
+NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "tool_choice": "tool_choice",
+    "tools": "tools",
+    "chat_template_kwargs": "reasoning",
+}
 
 
 def _plain(obj: Any) -> Any:
@@ -41,8 +47,11 @@ def chat_messages(instructions: str | None, input: Any) -> list[dict[str, Any]]:
         if kind == "message":
             out.append({"role": item["role"], "content": _text(item["content"])})
         elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":  # the same turn: its text, then its calls
                 last.setdefault("tool_calls", []).append(call)
@@ -64,17 +73,25 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def chat_body(req: Any) -> dict[str, Any]:
     """The chat completions body a Responses request stands for."""
-    body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req.instructions, req.input),
-                            "stream": req.stream}
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": chat_messages(req.instructions, req.input),
+        "stream": req.stream,
+    }
     tools = _plain(req.tools) or []
     if tools:
         body["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
     choice = _plain(req.tool_choice)
     if isinstance(choice, dict):
         choice = {"type": "function", "function": {"name": choice["name"]}}
-    fields = {"tool_choice": choice, "parallel_tool_calls": req.parallel_tool_calls,
-              "response_format": _response_format(_plain(req.text)), "max_tokens": req.max_output_tokens,
-              "temperature": req.temperature, "top_p": req.top_p}
+    fields = {
+        "tool_choice": choice,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "response_format": _response_format(_plain(req.text)),
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+    }
     reasoning = _plain(req.reasoning)
     if reasoning and reasoning.get("effort") is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": reasoning["effort"] != "none"}

@@ -97,8 +97,10 @@ def _item_type(value: Any) -> str:
 
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type),
 ]
 
@@ -111,8 +113,10 @@ def _not_only_reasoning(items: list[Any]) -> list[Any]:
 
 Items = Annotated[
     list[InputItem],
-    Field(min_length=1, json_schema_extra={"contains": {"not": {"required": ["type"], "properties": {
-        "type": {"const": "reasoning"}}}}}),
+    Field(
+        min_length=1,
+        json_schema_extra={"contains": {"not": {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}}},
+    ),
     AfterValidator(_not_only_reasoning),
 ]
 
@@ -122,8 +126,8 @@ class FunctionTool(Strict):
     name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = Field(
-        default=None, description='a JSON schema of the arguments; with tool_choice "required" or named: '
-        + NEEDS_COMPILE
+        default=None,
+        description='a JSON schema of the arguments; with tool_choice "required" or named: ' + NEEDS_COMPILE,
     )
     strict: bool | None = None
 
@@ -168,24 +172,30 @@ class ResponsesRequest(Strict):
         description="a user message's text, or the conversation's items (not reasoning items alone)"
     )
     instructions: str | None = Field(default=None, description="a system message before the input")
-    tools: list[FunctionTool] | None = Field(default=None, description="function tools (names unique: not "
-                                             "expressible in the schema)")
+    tools: list[FunctionTool] | None = Field(
+        default=None, description="function tools (names unique: not expressible in the schema)"
+    )
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = Field(default=None, description="false: at most one tool call")
-    text: TextConfig | None = Field(default=None, description="format: the output's format (json_schema: must "
-                                    "compile with xgrammar, not expressible in the schema)")
+    text: TextConfig | None = Field(
+        default=None,
+        description="format: the output's format (json_schema: must "
+        "compile with xgrammar, not expressible in the schema)",
+    )
     reasoning: ReasoningConfig | None = None
     max_output_tokens: int_in(1, None) | None = Field(
-        default=None, description="default: the rest of the context; the prompt's tokens plus it must fit the "
-        "context (not expressible in the schema: else 400)"
+        default=None,
+        description="default: the rest of the context; the prompt's tokens plus it must fit the "
+        "context (not expressible in the schema: else 400)",
     )
     temperature: Annotated[float, Field(ge=0, le=2)] | None = Field(default=None, description="0: greedy")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stream: bool = False
     store: refused(STATELESS, False) = None  # type: ignore[valid-type]
     previous_response_id: refused(STATELESS) = None  # type: ignore[valid-type]
-    truncation: Literal["disabled"] | None = Field(default=None, description='"disabled" only: a prompt past the '
-                                                   "context is a 400")
+    truncation: Literal["disabled"] | None = Field(
+        default=None, description='"disabled" only: a prompt past the context is a 400'
+    )
     metadata: dict[str, str] | None = Field(default=None, description=NO_EFFECT)
     user: str | None = Field(default=None, description=NO_EFFECT)
     service_tier: str | None = Field(default=None, description=NO_EFFECT)
@@ -199,8 +209,10 @@ class ResponsesProtocol:
 
     def __init__(self, limits: Limits, tools: bool, reasoning: bool) -> None:
         fields: dict[str, Any] = {
-            "max_output_tokens": (int_in(1, limits.max_new_tokens) | None, ResponsesRequest.model_fields[
-                "max_output_tokens"]),
+            "max_output_tokens": (
+                int_in(1, limits.max_new_tokens) | None,
+                ResponsesRequest.model_fields["max_output_tokens"],
+            ),
         }
         if not tools:
             fields["tools"] = (refused(NO_TOOL_PARSER), None)

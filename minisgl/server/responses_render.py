@@ -39,12 +39,28 @@ def response_object(req: Any, model: str, tools: list[dict[str, Any]]) -> dict[s
     reasoning = req.reasoning.model_dump(exclude_none=True) if hasattr(req.reasoning, "model_dump") else None
     choice = req.tool_choice.model_dump() if hasattr(req.tool_choice, "model_dump") else req.tool_choice
     return {
-        "id": _id("resp"), "object": "response", "created_at": int(time.time()), "status": "in_progress",
-        "model": model, "output": [], "error": None, "incomplete_details": None, "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens, "parallel_tool_calls": req.parallel_tool_calls is not False,
-        "temperature": req.temperature, "top_p": req.top_p, "tool_choice": choice or "auto", "tools": tools,
-        "text": {"format": text.get("format", {"type": "text"})}, "reasoning": reasoning, "store": False,
-        "previous_response_id": None, "truncation": "disabled", "metadata": req.metadata or {}, "user": req.user,
+        "id": _id("resp"),
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "model": model,
+        "output": [],
+        "error": None,
+        "incomplete_details": None,
+        "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "tool_choice": choice or "auto",
+        "tools": tools,
+        "text": {"format": text.get("format", {"type": "text"})},
+        "reasoning": reasoning,
+        "store": False,
+        "previous_response_id": None,
+        "truncation": "disabled",
+        "metadata": req.metadata or {},
+        "user": req.user,
         "usage": None,
     }
 
@@ -56,14 +72,23 @@ def finished(resp: dict[str, Any], output: list[dict[str, Any]], t: ChoiceTracke
     resp["status"] = "incomplete" if finish == "length" else "completed"
     resp["incomplete_details"] = {"reason": "max_output_tokens"} if finish == "length" else None
     # Neither the prefix-cache hits nor the reasoning tokens are counted per request here: 0.
-    resp["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
-                     "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-                     "total_tokens": prompt + completion}
+    resp["usage"] = {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
 
 
 def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [{"type": "reasoning_text", "text": text}],
-            "status": status}
+    return {
+        "type": "reasoning",
+        "id": _id("rs"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
 
 
 def message_item(text: str, status: str) -> dict[str, Any]:
@@ -72,12 +97,19 @@ def message_item(text: str, status: str) -> dict[str, Any]:
 
 
 def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": _id("fc"), "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"], "status": status}
+    return {
+        "type": "function_call",
+        "id": _id("fc"),
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": status,
+    }
 
 
-async def respond(job: Job, req: Any, replies: AsyncIterator[UserReply], t: ChoiceTracker, model: str,
-                  tools: list[dict[str, Any]]) -> dict[str, Any]:
+async def respond(
+    job: Job, req: Any, replies: AsyncIterator[UserReply], t: ChoiceTracker, model: str, tools: list[dict[str, Any]]
+) -> dict[str, Any]:
     """The whole response of a non-streamed request."""
     async for r in replies:
         t.add(r)
@@ -117,16 +149,22 @@ class _Events:
         self.item, self.text = item, ""
         events.append(self.event("response.output_item.added", output_index=len(self.output), item=item))
         if item["type"] in ("message", "reasoning"):
-            part = {"type": "output_text", "text": "", "annotations": []} if item["type"] == "message" else {
-                "type": "reasoning_text", "text": ""}
+            part = (
+                {"type": "output_text", "text": "", "annotations": []}
+                if item["type"] == "message"
+                else {"type": "reasoning_text", "text": ""}
+            )
             events.append(self.event("response.content_part.added", **self._where(), content_index=0, part=part))
         return events
 
     def delta(self, text: str) -> str:
         assert self.item is not None
         self.text += text
-        kind = {"message": "response.output_text.delta", "reasoning": "response.reasoning_text.delta",
-                "function_call": "response.function_call_arguments.delta"}[self.item["type"]]
+        kind = {
+            "message": "response.output_text.delta",
+            "reasoning": "response.reasoning_text.delta",
+            "function_call": "response.function_call_arguments.delta",
+        }[self.item["type"]]
         more: dict[str, Any] = {"logprobs": []} if self.item["type"] == "message" else {}
         if self.item["type"] != "function_call":
             more["content_index"] = 0
@@ -142,12 +180,16 @@ class _Events:
             events.append(self.event("response.function_call_arguments.done", **where, arguments=self.text))
         else:
             message = item["type"] == "message"
-            part = message_item(self.text, status)["content"][0] if message else {
-                "type": "reasoning_text", "text": self.text}
+            part = (
+                message_item(self.text, status)["content"][0]
+                if message
+                else {"type": "reasoning_text", "text": self.text}
+            )
             item.update(status=status, content=[part])
             done = "response.output_text.done" if message else "response.reasoning_text.done"
-            events.append(self.event(done, **where, content_index=0, text=self.text, **(
-                {"logprobs": []} if message else {})))
+            events.append(
+                self.event(done, **where, content_index=0, text=self.text, **({"logprobs": []} if message else {}))
+            )
             events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
         events.append(self.event("response.output_item.done", output_index=len(self.output), item=item))
         self.output.append(item)
@@ -155,8 +197,9 @@ class _Events:
         return events
 
 
-async def response_events(job: Job, req: Any, replies: AsyncIterator[UserReply], t: ChoiceTracker, model: str,
-                          tools: list[dict[str, Any]]) -> AsyncIterator[str]:
+async def response_events(
+    job: Job, req: Any, replies: AsyncIterator[UserReply], t: ChoiceTracker, model: str, tools: list[dict[str, Any]]
+) -> AsyncIterator[str]:
     ev, resp = _Events(), response_object(req, model, tools)
     yield ev.event("response.created", response=resp)
     yield ev.event("response.in_progress", response=resp)
@@ -173,8 +216,11 @@ async def response_events(job: Job, req: Any, replies: AsyncIterator[UserReply],
             for kind, text in (("reasoning", d.get("reasoning_content")), ("message", d.get("content"))):
                 if text:
                     if ev.item is None or ev.item["type"] != kind:
-                        item = reasoning_item("", "in_progress") if kind == "reasoning" else message_item(
-                            "", "in_progress")
+                        item = (
+                            reasoning_item("", "in_progress")
+                            if kind == "reasoning"
+                            else message_item("", "in_progress")
+                        )
                         for e in ev.open({**item, "content": []}):
                             yield e
                     yield ev.delta(text)

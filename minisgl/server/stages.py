@@ -51,8 +51,16 @@ class Stages:
         first = await self.frontend.first_reply(handle, request)
         rid = state["request_id"]
         if first.trace is not None:  # RequestGuard logs it once the first chunk is written
-            state["trace"] = (first.trace, {"rid": rid, "uid": first.uid, "route": request.url.path,
-                                            "prompt": first.prompt_tokens, "stream": job.stream})
+            state["trace"] = (
+                first.trace,
+                {
+                    "rid": rid,
+                    "uid": first.uid,
+                    "route": request.url.path,
+                    "prompt": first.prompt_tokens,
+                    "stream": job.stream,
+                },
+            )
         tracker = ChoiceTracker(handle.uids, job.n)
         return self.frontend.replies(handle, first, None if job.stream else request), tracker, rid
 
@@ -69,6 +77,6 @@ def _renamed(err: ApiError, names: dict[str, str]) -> ApiError:
     head = err.param.split(".", 1)[0].split("[", 1)[0]
     if head not in names:
         return err
-    param = names[head] + err.param[len(head):]
-    message = param + err.message[len(err.param):] if err.message.startswith(err.param) else err.message
+    param = names[head] + err.param[len(head) :]
+    message = param + err.message[len(err.param) :] if err.message.startswith(err.param) else err.message
     return ApiError(message, param, err.status, err.code, err.kind)
