@@ -64,7 +64,9 @@ def _prompt_lengths(path: str, body: dict[str, Any]) -> list[int]:
         path, body = "/v1/chat/completions", as_chat(path, body)
     if path == "/v1/embeddings":
         given = body["input"]
-        inputs = [given] if isinstance(given, str) or (given and isinstance(given[0], int)) else given
+        # Token ids may be written 7.0 (a JSON Schema integer too); bools are not ids.
+        one = isinstance(given, str) or (given and type(given[0]) in (int, float))
+        inputs = [given] if one else given
         add = body.get("add_special_tokens") is not False
         return [len(x) if isinstance(x, list) else len(tok(x, add_special_tokens=add).input_ids) for x in inputs]
     if path == "/v1/chat/completions":

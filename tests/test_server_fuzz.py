@@ -84,7 +84,7 @@ def test_fuzzing_embeddings_finds_no_failure(tmp_path: Path) -> None:
     server = Server(*server_args(model), cwd=tmp_path)
     try:
         out = run_schemathesis(server.url, model, seed=20261126, max_examples=30, max_work=4096,
-                               phases="examples,fuzzing", extra=("--include-path", "/v1/embeddings"))
+                               phases="examples,coverage,fuzzing", extra=("--include-path", "/v1/embeddings"))
         assert out.returncode == 0, out.stdout[-20000:] + out.stderr[-5000:]
         print(out.stdout)
         assert server.proc.poll() is None
