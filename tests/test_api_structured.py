@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 from api_fake import REJECT, SAY, make_client
 from server_harness import sse_events
@@ -164,3 +165,82 @@ def test_reasoning_rendered_streamed_and_not(tools_app) -> None:  # noqa: ANN001
     deltas = [e["choices"][0]["delta"] for e in events]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "plan it"
     assert "".join(d.get("content") or "" for d in deltas) == "The answer."
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize(
+    "route, body, field, text",
+    [
+        ("/v1/completions", {"regex": "[ab]+"}, "regex", "[ab]+"),
+        ("/v1/completions", {"ebnf": 'root ::= "x"'}, "ebnf", 'root ::= "x"'),
+        ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+         "json_schema", json.dumps(SCHEMA)),
+        ("/v1/completions", {"structured_outputs": {"json": SCHEMA}}, "json_schema", json.dumps(SCHEMA)),
+        ("/v1/completions", {"structured_outputs": {"regex": "a|b"}}, "regex", "a|b"),
+        ("/v1/completions", {"structured_outputs": {"grammar": 'root ::= "y"'}}, "ebnf", 'root ::= "y"'),
+        ("/v1/completions", {"structured_outputs": {"choice": ["yes", 'a "q"']}}, "ebnf",
+         'root ::= "yes" | "a \\"q\\""'),
+        (CHAT, {"structured_outputs": {"regex": "a|b"}}, "regex", "a|b"),
+        ("/generate", {"sampling_params": {"json_schema": json.dumps(SCHEMA)}}, "json_schema", json.dumps(SCHEMA)),
+        ("/generate", {"sampling_params": {"regex": "[0-9]+"}}, "regex", "[0-9]+"),
+        ("/generate", {"sampling_params": {"ebnf": 'root ::= "z"'}}, "ebnf", 'root ::= "z"'),
+    ],
+)
+def test_every_generate_route_takes_constraints(
+    plain_app, route: str, body: dict, field: str, text: str  # noqa: ANN001
+) -> None:
+    client, backend = plain_app
+    prompt = {CHAT: {"messages": HI}, "/generate": {"text": "hi"}}.get(route, {"prompt": "hi"})
+    assert client.post(route, json={**prompt, **body}).status_code == 200
+    assert getattr(backend.seen[-1].sampling, field) == text
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("/v1/completions", {"regex": REJECT}, "regex"),
+        ("/v1/completions", {"structured_outputs": {"regex": REJECT}}, "structured_outputs.regex"),
+        ("/v1/completions", {"structured_outputs": {"choice": [REJECT]}}, "structured_outputs.choice"),
+        ("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"title": REJECT}}}},
+         "response_format"),
+        ("/generate", {"sampling_params": {"ebnf": f'root ::= "{REJECT}"'}}, "sampling_params.ebnf"),
+        ("/generate", {"sampling_params": {"json_schema": json.dumps({"title": REJECT})}},
+         "sampling_params.json_schema"),
+    ],
+)
+def test_compiler_refusal_names_the_field_on_every_route(
+    plain_app, route: str, body: dict, param: str  # noqa: ANN001
+) -> None:
+    prompt = {"text": "hi"} if route == "/generate" else {"prompt": "hi"}
+    err = error_of(plain_app[0].post(route, json={**prompt, **body}))
+    assert err["param"] == param and err["message"] == f"{param}: invalid (the stand-in rejects it)", err
+
+
+def test_schema_states_the_one_constraint_rule(plain_app) -> None:  # noqa: ANN001
+    """A body with two constraints is invalid by /openapi.json, as the server says: a fuzzer finds
+    no schema-valid body the server refuses for it (and one constraint stays valid)."""
+    client = plain_app[0]
+    comps = client.get("/openapi.json").json()["components"]
+
+    def valid(model: str, body: dict) -> bool:
+        schema = {"$ref": f"#/components/schemas/{model}", "components": comps}
+        return jsonschema.Draft202012Validator(schema).is_valid(body)
+
+    fmt = {"type": "json_object"}
+    cases = [
+        ("CompletionRequest", "/v1/completions", {"prompt": "x", "regex": "a", "ebnf": 'root ::= "a"'}, False),
+        ("CompletionRequest", "/v1/completions", {"prompt": "x", "regex": "a", "response_format": fmt}, False),
+        ("CompletionRequest", "/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a"}, "ebnf": "b"},
+         False),
+        ("CompletionRequest", "/v1/completions", {"prompt": "x", "regex": "a", "response_format": {"type": "text"}},
+         True),
+        ("CompletionRequest", "/v1/completions", {"prompt": "x", "regex": "a", "ebnf": None}, True),
+        ("ChatCompletionRequest", CHAT, {"messages": HI, "regex": "a", "ebnf": "b"}, False),
+        ("GenerateRequest", "/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": "b"}}, False),
+        ("GenerateRequest", "/generate", {"text": "x", "sampling_params": {"regex": "a"}}, True),
+    ]
+    for model, route, body, ok in cases:
+        assert valid(model, body) is ok, body
+        assert (client.post(route, json=body).status_code == 200) is ok, body

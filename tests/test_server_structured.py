@@ -7,10 +7,12 @@ the template; chat_template_kwargs reach it; grammars xgrammar rejects are 400s 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -190,3 +192,55 @@ def test_bad_grammar_is_400_naming_the_field_and_serving_goes_on(
         assert body["message"].startswith(f"{param}: invalid ("), body
     out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2)
     assert out.choices[0].finish_reason == "length"  # the server carries on
+
+
+def test_completions_and_generate_constrained_over_many_seeds(server: Server, client: openai.OpenAI) -> None:
+    """The same grammar machinery on /v1/completions (OpenAI's, SGLang's and vLLM's fields) and
+    /generate (SGLang's sampling_params): every sample of many seeds follows its constraint."""
+    regex = r"(red|blue)-[0-9]{2}"
+    for extra in ({"response_format": FORMAT}, {"structured_outputs": {"json": SCHEMA}}):
+        out = client.completions.create(model="tiny", prompt="A pet:", max_tokens=80, n=4, seed=11, extra_body=extra)
+        for c in out.choices:
+            assert c.finish_reason == "stop", c
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    for extra in ({"regex": regex}, {"structured_outputs": {"regex": regex}}):
+        out = client.completions.create(model="tiny", prompt="Color:", max_tokens=20, n=8, seed=21, extra_body=extra)
+        assert all(re.fullmatch(regex, c.text) for c in out.choices), [c.text for c in out.choices]
+    choices = ["yes", "no", 'a "quoted" maybe']
+    out = client.completions.create(model="tiny", prompt="Answer:", max_tokens=20, n=8, seed=31,
+                                    extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices for c in out.choices)
+    stream = client.completions.create(model="tiny", prompt="A pet:", max_tokens=80, seed=41, stream=True,
+                                       extra_body={"structured_outputs": {"json": SCHEMA}})
+    jsonschema.validate(json.loads("".join(c.choices[0].text for c in stream if c.choices)), SCHEMA)
+    ebnf = 'root ::= "ok" | "no" " " [a-c]'
+    kinds = {"json_schema": json.dumps(SCHEMA), "regex": regex, "ebnf": ebnf}
+
+    def generate(key: str, seed: int) -> str:
+        sp = {key: kinds[key], "max_new_tokens": 80, "seed": seed, "temperature": 1.0}
+        r = httpx.post(f"{server.url}/generate", json={"text": "Describe a pet:", "sampling_params": sp}, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["text"]
+
+    with ThreadPoolExecutor(12) as pool:  # batched together, as clients would send them
+        # JSON costs the CPU most (longest outputs): fewer seeds of it
+        texts = {(k, s): pool.submit(generate, k, s) for k in kinds for s in range(4 if k == "json_schema" else 8)}
+    for (key, _), fut in texts.items():
+        text = fut.result()
+        if key == "json_schema":
+            jsonschema.validate(json.loads(text), SCHEMA)
+        else:
+            assert re.fullmatch(regex if key == "regex" else "ok|no [a-c]", text), (key, text)
+
+
+@pytest.mark.parametrize(("route", "bad", "param"), [
+    ("/v1/completions", {"regex": "a("}, "regex"),
+    ("/v1/completions", {"structured_outputs": {"grammar": "root ::= foo"}}, "structured_outputs.grammar"),
+    ("/generate", {"sampling_params": {"ebnf": "root ::= foo"}}, "sampling_params.ebnf"),
+])
+def test_bad_grammar_on_completions_and_generate_is_400_naming_the_field(
+    server: Server, route: str, bad: dict, param: str
+) -> None:
+    prompt = {"text": "hi"} if route == "/generate" else {"prompt": "hi"}
+    r = httpx.post(f"{server.url}{route}", json={**prompt, **bad}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

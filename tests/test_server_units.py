@@ -85,7 +85,7 @@ def test_stop_inside_a_multi_token_step(tok: Any) -> None:
     item = TokenOut(7, ids, [0.5] * len(ids), None, DetokInit(3, ["own fo"], logprobs=True))
     replies, stopped = detok.process(DetokenizeMsg([item]))
     (r,) = replies
-    assert r.text == "The quick br" and r.finish_reason == "stop"
+    assert r.text == "The quick br" and r.finish_reason == "stop" and r.matched_stop == "own fo"
     assert r.token_ids == one and r.completion_tokens == len(one) and len(r.logprobs) == len(one)
     assert stopped == [(7, len(one))]
 
@@ -213,6 +213,21 @@ def test_args_map_onto_configs(tiny_model_path: Callable[[str], Path]) -> None:
     assert parse_args(["--model", model, "--device", "cpu"]).scheduler_options() == {}
     with pytest.raises(ValueError, match="num_tokenizers"):
         parse_args(["--model", model, "--device", "cpu", "--num-tokenizers", "-1"])
+
+
+def test_speculative_flags_without_the_algorithm_are_refused_naming_it(tmp_path: Path) -> None:
+    """A speculative flag on a server without speculation would do nothing: refused in the style of
+    every missing capability (the flag, the one that turns it on and its values); with the
+    algorithm, the flag takes effect, and left out, its default does."""
+    base = ["--model", str(tmp_path), "--device", "cpu", "--served-model-name", "m", "--num-tokenizers", "1"]
+    for flag, value in (("--speculative-num-draft-tokens", "4"), ("--speculative-ngram-max", "3")):
+        with pytest.raises(ValueError) as e:
+            parse_args([*base, flag, value])
+        assert str(e.value).startswith(f"{flag}: speculative decoding is off"), e.value
+        assert "--speculative-algorithm ngram, draft or eagle3" in str(e.value)
+    args = parse_args([*base, "--speculative-algorithm", "ngram", "--speculative-ngram-max", "3"])
+    assert (args.speculative_ngram_max, args.speculative_num_draft_tokens) == (3, 4)
+    assert parse_args(base).speculative_ngram_max == 4
 
 
 def test_scheduler_options_checked_before_the_model_loads() -> None:

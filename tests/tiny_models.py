@@ -316,3 +316,43 @@ def build_tiny_model(spec: TinySpec, out: Path, tokenizer_src: Path) -> Path:
     if spec.legacy_rope:
         _to_legacy_rope(out / "config.json")
     return out
+
+
+ST_MODULES = [
+    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+]
+ST_POOLING = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+
+
+def build_tiny_embedding_model(out: Path, tokenizer_src: Path, pooling: str, causal_lm_config: bool) -> Path:
+    """A tiny random Qwen3 embedding model as sentence-transformers folders hold one: a base model
+    (no LM head, tensors without the "model." prefix), modules.json and 1_Pooling/config.json with
+    `pooling` ("last", "mean" or "cls"). `causal_lm_config`: config.json names Qwen3ForCausalLM,
+    as Qwen3-Embedding's does; else the class saved, Qwen3Model."""
+    from transformers import AutoModel, AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer_src.iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    config = _build_config(SPECS["qwen3"], AutoTokenizer.from_pretrained(str(out)))
+    torch.manual_seed(9)
+    model = AutoModel.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(str(out), safe_serialization=True)
+    if causal_lm_config:
+        cfg = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForCausalLM"]}))
+    (out / "modules.json").write_text(json.dumps(ST_MODULES))
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    modes = {key: key == ST_POOLING[pooling] for key in ST_POOLING.values()}
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": config.hidden_size, **modes, "include_prompt": True})
+    )
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    return out

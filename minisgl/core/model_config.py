@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3MoeForCausalLM": {"qkv_bias": False, "qk_norm": True, "moe": True},
 }
 MIXTRAL = "MixtralForCausalLM"
+BASE_MODELS = {name.removesuffix("ForCausalLM") + "Model": name for name in ARCHITECTURES}
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,9 @@ class ModelConfig:
         if not archs:
             raise ValueError("config.json has no 'architectures' field: cannot pick a model class")
         arch = archs[0]
+        # A base model's checkpoint (no LM head: an embedding model's, e.g. "Qwen3Model") is the
+        # same decoder: its tensors load without the "model." prefix (models/llama.py).
+        arch = BASE_MODELS.get(arch, arch)
         if arch not in ARCHITECTURES:
             raise ValueError(
                 f"unknown architecture {arch!r} in config.json; supported: {', '.join(ARCHITECTURES)}"

@@ -8,6 +8,7 @@ import torch
 
 from minisgl.core.model_config import ModelConfig
 from minisgl.core.quant_config import QUANTIZATION_CHOICES
+from minisgl.models.embedding_config import TASKS
 from minisgl.speculative.config import SpecConfig, make_spec_config
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -63,8 +64,13 @@ class EngineConfig:
     speculative_ngram_min: int = 1
     speculative_ngram_max: int = 4
     speculative_draft_table: str | None = None  # JSON: draft tokens per batch size (spec_tune.py)
+    # "embed": an embedding model (steps pool the prompt's hidden states: Engine.pool_step);
+    # "auto": what the model folder is (models/embedding_config.py).
+    task: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose from {', '.join(TASKS)}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto or one of {', '.join(DTYPES)}")
         if self.attention_backend not in ATTENTION_BACKENDS:

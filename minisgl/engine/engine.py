@@ -5,6 +5,7 @@ down; what an engine does lives beside it, by what each part is, and is mixed in
 Engine class so that callers see one object:
 - steps.py: the face, one call per step kind (step, verify_step), described in the request
   vocabulary of face.py, which is all the scheduler imports of the engine besides this class;
+  pooling.py: an embedding model's step (pool_step), the prompt's pooled hidden states;
 - forward.py: the step primitives those calls use (build_batch, forward, sample, run_batch,
   verify), which tests, benchmarks and prompt scoring also call on batches of their own;
 - graphs.py: enabling CUDA graphs (later than construction, and only when asked).
@@ -29,9 +30,11 @@ from minisgl.engine.config import EngineConfig, resolve_dtype
 from minisgl.engine.deterministic import check_deterministic
 from minisgl.engine.forward import ForwardCalls
 from minisgl.engine.graphs import GraphCapture
+from minisgl.engine.pooling import PoolCalls
 from minisgl.engine.steps import StepCalls
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.logging_setup import get_logger, log_phase, startup_phase
+from minisgl.models.embedding_config import resolve_task
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.loading import load_model, load_model_config
 from minisgl.models.source import resolve_model
@@ -49,7 +52,7 @@ _DEVICE_STATE = ("model", "pool", "allocator", "table", "token_buffer", "penalti
                  "comm", "drafter")
 
 
-class Engine(StepCalls, ForwardCalls, GraphCapture):
+class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
     def __init__(self, cfg: EngineConfig) -> None:
         started = time.perf_counter()
         self.closed = False
@@ -60,6 +63,9 @@ class Engine(StepCalls, ForwardCalls, GraphCapture):
                 raise ValueError("device 'cuda' was asked for but torch sees no CUDA GPU")
             torch.cuda.set_device(self.device)
         self.source = resolve_model(cfg.model)
+        self.task = resolve_task(self.source, cfg.task)  # "generate" | "embed"
+        if self.task == "embed" and cfg.spec is not None:
+            raise ValueError("speculative decoding is for generation: an embedding model (task embed) takes none")
         self.model_config = load_model_config(self.source)
         quant = resolve_quantization(self.model_config.quantization, cfg.quantization)
         self.model_config = dataclasses.replace(self.model_config, quantization=quant)
@@ -151,7 +157,7 @@ class Engine(StepCalls, ForwardCalls, GraphCapture):
     def _build_model(self) -> LlamaForCausalLM:
         return load_model(self.source, self.model_config, self.cfg.seed, dtype=self.dtype, device=self.device,
                           tp=self.tp, comm=self.comm, max_model_len=self.max_model_len,
-                          dummy=self.cfg.load_format == "dummy")
+                          dummy=self.cfg.load_format == "dummy", lm_head=self.task != "embed")
 
     def _draft_target(self) -> DraftTarget:
         cfg = self.cfg

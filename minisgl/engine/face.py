@@ -11,6 +11,9 @@ One call per step kind (engine/steps.py), each described in the request vocabula
   Engine.verify_step(VerifyStep) -> VerifyResult
       a speculative step: draft, verify as one extend of 1 + k tokens per request, accept on
       the device, feed the drafter. Synchronous: it returns host values.
+  Engine.pool_step(PoolStep) -> torch.Tensor
+      an embedding model's step: prompt chunks whose final hidden states are pooled per
+      request instead of sampled. Eager and synchronous: it returns host values.
 
 The scheduler never builds an engine object (batch, sampling tensors, plans, penalty state,
 drafter views): it says which requests run, with how many cached and which new tokens, and
@@ -153,3 +156,15 @@ class VerifyResult:
     logprobs: list[list[float]]  # of the raw logits
     num_accepted: list[int]
     alternatives: dict[tuple[int, int], list[tuple[int, float]]]  # (request, j) -> top (id, logprob)
+
+
+@dataclass
+class PoolStep:
+    """An embedding model's step: each request's next prompt chunk, its final hidden states (the
+    last layer's, after the final norm) pooled instead of a token sampled. Batch row i is
+    reqs[i]; engine/pooling.py says what each pooling gives for a chunk."""
+
+    reqs: Sequence[StepRequest]
+    prefix_lens: list[int]  # tokens of each already in the KV cache (its earlier chunks)
+    new_tokens: list[list[int]]
+    pooling: list[str]  # per request: "last" | "mean" | "cls"

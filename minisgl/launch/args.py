@@ -38,6 +38,7 @@ class ServerArgs:
     chat_template: str | None = None
     tool_call_parser: str = "auto"  # hermes | llama3 | mistral | auto (from the chat template) | none
     reasoning_parser: str | None = None  # qwen3
+    task: str = "auto"  # generate | embed | auto (embed for a sentence-transformers / base-model folder)
     shell: bool = False
     # overload and shutdown (server/admission.py, launch/drain.py); 0 turns a bound off
     max_queued_requests: int | None = None  # None: --max-running-requests x --dp
@@ -111,6 +112,10 @@ class ServerArgs:
 
             if self.reasoning_parser not in REASONING_PARSERS:
                 raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}")
+        if self.task not in ("auto", "generate", "embed"):
+            raise ValueError(f"--task must be auto, generate or embed, got {self.task!r}")
+        if self.task == "embed" and self.speculative_algorithm is not None:
+            raise ValueError("--speculative-algorithm is for generation: an embedding model (--task embed) takes none")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ValueError(f"chat template file {self.chat_template!r} does not exist")
         from minisgl.speculative.config import make_spec_config  # light: no torch

@@ -11,6 +11,7 @@ import dataclasses
 
 from minisgl.dp.dispatch import METHODS as LOAD_BALANCE_METHODS
 from minisgl.launch.args import ServerArgs, default_num_tokenizers
+from minisgl.speculative.config import ALGORITHMS
 
 
 def _default_device() -> str:
@@ -97,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         "auto (from the chat template, when unambiguous) or none",
     )
     add("--reasoning-parser", default=None, help="qwen3: return <think> blocks as reasoning_content")
+    add(
+        "--task", choices=("auto", "generate", "embed"), default=d.task,
+        help="generate text, or serve embeddings (POST /v1/embeddings; pooling from a sentence-transformers "
+        "folder, else the last token); auto: embed for a sentence-transformers or base-model (no LM head) folder",
+    )
     add("--shell", action="store_true", help="chat with the model in this terminal (no HTTP)")
     o = p.add_argument_group("overload and shutdown (README: Overload and draining)")
     o.add_argument(
@@ -267,16 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp = p.add_argument_group("speculative decoding (off unless --speculative-algorithm is given)")
     sp.add_argument(
-        "--speculative-algorithm",
-        choices=("ngram", "draft", "eagle3"),
-        default=None,
+        "--speculative-algorithm", choices=ALGORITHMS, default=None,
         help="ngram: drafts copied from the request's own context; draft: a small model with the target's "
         "vocabulary; eagle3: an EAGLE-3 head reading the target's hidden states",
     )
     sp.add_argument(
-        "--speculative-num-draft-tokens",
-        type=int,
-        default=d.speculative_num_draft_tokens,
+        "--speculative-num-draft-tokens", type=int, default=None,
         help="draft tokens proposed per request per step (K); each step verifies 1 + K tokens",
     )
     sp.add_argument(
@@ -285,15 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the draft model folder (draft) or the EAGLE-3 head folder (eagle3)",
     )
     sp.add_argument(
-        "--speculative-ngram-min",
-        type=int,
-        default=d.speculative_ngram_min,
+        "--speculative-ngram-min", type=int, default=None,
         help="ngram: the shortest suffix of the context that may match an earlier occurrence",
     )
     sp.add_argument(
-        "--speculative-ngram-max",
-        type=int,
-        default=d.speculative_ngram_max,
+        "--speculative-ngram-max", type=int, default=None,
         help="ngram: the longest suffix tried (longer matches win)",
     )
     sp.add_argument(
@@ -303,6 +301,23 @@ def build_parser() -> argparse.ArgumentParser:
         "K per batch size, 0 turns speculation off there; default: K at every batch size",
     )
     return p
+
+
+SPEC_FLAGS = ("num_draft_tokens", "draft_model", "ngram_min", "ngram_max", "draft_table")
+
+
+def _check_speculative(values: dict) -> None:
+    """A speculative flag without --speculative-algorithm would do nothing: refused, naming the flag
+    that turns speculation on and its values (the style of every missing capability's refusal)."""
+    given = [f"--speculative-{k.replace('_', '-')}" for k in SPEC_FLAGS if values[f"speculative_{k}"] is not None]
+    if values["speculative_algorithm"] is None and given:
+        raise ValueError(
+            f"{', '.join(given)}: speculative decoding is off on this server, so this has no effect: start it with "
+            f"--speculative-algorithm {', '.join(ALGORITHMS[:-1])} or {ALGORITHMS[-1]} as well, or drop the flag"
+        )
+    for k in SPEC_FLAGS:  # the defaults the parser left out, so that a given flag shows
+        if values[f"speculative_{k}"] is None:
+            values[f"speculative_{k}"] = getattr(ServerArgs, f"speculative_{k}")
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
@@ -323,5 +338,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         from minisgl.models.source import resolve_model
 
         values["served_model_name"] = resolve_model(values["model"]).name
+    _check_speculative(values)
     known = {f.name for f in dataclasses.fields(ServerArgs)}
     return ServerArgs(**{k: v for k, v in values.items() if k in known})

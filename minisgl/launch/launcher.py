@@ -227,13 +227,19 @@ def _queue_limits(args: ServerArgs, children: list[Child]) -> Any:
 
 
 def _server_info(args: ServerArgs, start: StartMsg, children: list[Child]) -> Any:
+    from minisgl.models.embedding_config import embedding_config, resolve_task
     from minisgl.models.sampling_defaults import describe, model_sampling_defaults
     from minisgl.models.source import resolve_model
     from minisgl.server.api import ServerInfo
     from minisgl.server.gates import default_max_request_bytes
     from minisgl.server.protocol_types import Limits
 
-    defaults = {} if args.sampling_defaults == "openai" else model_sampling_defaults(resolve_model(args.model))
+    source = resolve_model(args.model)
+    defaults = {} if args.sampling_defaults == "openai" else model_sampling_defaults(source)
+    embedding = embedding_config(source) if resolve_task(source, args.task) == "embed" else None
+    if embedding is not None:
+        log.info("task: embeddings (%s pooling, %d dimensions) on POST /v1/embeddings", embedding.pooling,
+                 embedding.dimensions)
     limit = args.max_request_bytes or default_max_request_bytes(start.max_model_len)
     bound = next((c.info.get("bytes_per_token") for c in children if "bytes_per_token" in c.info), None)
     log.info("sampling defaults (--sampling-defaults %s): %s", args.sampling_defaults, describe(defaults))
@@ -251,6 +257,7 @@ def _server_info(args: ServerArgs, start: StartMsg, children: list[Child]) -> An
         time.time(),
         lambda: all(c.process.is_alive() for c in children),
         features=chat_features(args, next(c.info for c in children if c.name == "detokenizer")),
+        embedding=embedding,
     )
 
 

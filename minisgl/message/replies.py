@@ -79,6 +79,10 @@ class UserReply:
     # Refused for load, not for its content ("queue_tokens", "queue_timeout"): the API answers
     # 503 with Retry-After (server/admission.py), not a 400.
     error_code: str | None = None
+    matched_stop: str | None = None  # the stop string that ended it (Anthropic's stop_sequence), last reply
+    # An embedding request's pooled hidden state, float32 little-endian (its one reply; the
+    # scheduler sends it to the API directly: there is nothing to detokenize).
+    embedding: bytes | None = None
 
 
 @message

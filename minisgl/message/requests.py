@@ -42,6 +42,7 @@ class TokenizeMsg:
     reasoning: str | None = None  # the reasoning parser: a grammar starts after its block
     trace: dict[str, float] | None = None  # hop timestamps when traced (message/trace.py)
     admit_by: float | None = None  # CLOCK_MONOTONIC deadline for admission (--max-queue-wait-s)
+    pooling: str | None = None  # an embedding request: how its prompt's hidden states are pooled
 
 
 @message
@@ -100,3 +101,6 @@ class UserMsg:
     trace: dict[str, float] | None = None  # hop timestamps when traced (message/trace.py)
     # Still waiting for admission at this CLOCK_MONOTONIC time: refused (scheduler/queue_bounds.py).
     admit_by: float | None = None
+    # An embedding request ("last" | "mean" | "cls"): its prompt may fill the context (it
+    # generates nothing); its one reply carries the pooled hidden state (UserReply.embedding).
+    pooling: str | None = None

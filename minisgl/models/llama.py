@@ -201,6 +201,9 @@ class LlamaForCausalLM(nn.Module):
         self._rope = rope
         # FP8 checkpoints' KV-cache scales by (layer, "k_scale" | "v_scale"); 1.0 where absent.
         self.kv_scales: dict[tuple[int, str], float] = {}
+        # False for an embedding model (its steps pool hidden states, never compute logits): an
+        # untied LM head is then neither expected nor loaded (a base model's checkpoint has none).
+        self.needs_lm_head = True
 
     def forward(
         self, batch: ForwardBatch, attn: AttentionBackend, all_positions: bool = False,
@@ -222,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         names = set()
         inverse = {(fused, part): src for src, (fused, part) in _FUSED.items()}
         for pname, _ in self.named_parameters():
-            if pname.startswith("lm_head.embedding."):
+            if pname.startswith("lm_head.embedding.") or (pname.startswith("lm_head.") and not self.needs_lm_head):
                 continue
             if pname.endswith(".weight_scale") and getattr(self.cfg.quantization, "online", False):  # computed on load
                 continue
@@ -247,7 +250,11 @@ class LlamaForCausalLM(nn.Module):
         seen: set[str] = set()
         quant = self.cfg.quantization
         for hf_name, tensor in tensors:
-            if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+            if not hf_name.startswith(("model.", "lm_head.")):  # a base model's checkpoint (Qwen3Model)
+                hf_name = "model." + hf_name
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (
+                hf_name == "lm_head.weight" and (self.cfg.tie_word_embeddings or not self.needs_lm_head)
+            ):
                 continue
             if quant is not None and self._fp8_extra(hf_name, tensor):
                 continue

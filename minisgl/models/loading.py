@@ -22,10 +22,11 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 def load_model(
     source: ModelSource, model_cfg: ModelConfig, seed: int, *, dtype: torch.dtype, device: torch.device, tp: TPInfo,
-    comm: Communicator, max_model_len: int, dummy: bool,
+    comm: Communicator, max_model_len: int, dummy: bool, lm_head: bool = True,
 ) -> LlamaForCausalLM:
     """A Llama-family model on `device` in `dtype`, sharded for TP rank `tp`, with its weights
-    (random ones of the real shapes when `dummy`): the target, or a draft model."""
+    (random ones of the real shapes when `dummy`): the target, or a draft model. `lm_head`
+    False: an embedding model's, whose LM head is never used (nor loaded)."""
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -33,6 +34,7 @@ def load_model(
             model = LlamaForCausalLM(model_cfg, tp, comm, max_model_len, device)
     finally:
         torch.set_default_dtype(default_dtype)
+    model.needs_lm_head = lm_head
     if dummy:
         fill_dummy(model, seed)
     elif source.is_gguf:

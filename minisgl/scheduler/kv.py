@@ -48,7 +48,8 @@ class RequestKV:
         return -(-tokens // self.page_size)
 
     def match(self, req: Request) -> MatchResult:
-        if req.needs_prompt_logprobs:  # every prompt position's logits must be computed
+        # Prompt logprobs need every prompt position's logits; an embedding, its hidden states.
+        if req.needs_prompt_logprobs or req.pooling is not None:
             return self.cache.match_prefix([])
         # At least one token must be computed (its logits pick the next token).
         return self.cache.match_prefix(req.tokens()[:-1])
@@ -100,7 +101,8 @@ class RequestKV:
         and frees the rest, plus its table row."""
         if req.match is None:
             return
-        computed = req.tokens()[: req.cached_len]
+        # An embedding's KV is not kept: no later request could use it (they match nothing).
+        computed = [] if req.pooling is not None else req.tokens()[: req.cached_len]
         to_free = self.cache.cache_finished_request(computed, req.pages, req.match)
         self.allocator.free(to_free)
         self.engine.table.free_row(req.row)

@@ -177,9 +177,12 @@ class SchedulerProcess:
         # (then fewer max_tokens would fit, so that is the field to blame).
         params = msg.sampling
         limit = min(len(msg.input_ids) + params.max_tokens, self.engine.max_model_len)
+        if msg.pooling is not None:  # an embedding generates nothing
+            limit = len(msg.input_ids)
         req = Request(msg.uid, list(msg.input_ids), params, msg.seed, self.eos_ids, limit)
         req.report_logprobs = bool(msg.detok.logprobs)
         req.trace = msg.trace
+        req.pooling = msg.pooling
         try:
             self.sched.add_check(req)
         except ValueError as e:
@@ -220,11 +223,17 @@ class SchedulerProcess:
         self.compiling = waiting
 
     def emit(self, stepped: list[Request]) -> None:
-        items = []
+        items, embeddings = [], []
         for req in stepped:
             uid = req.uid
             if self.reqs.get(uid) is not req:
                 continue  # aborted meanwhile
+            if req.pooling is not None:  # done: its embedding goes to the API (nothing to detokenize)
+                vector = req.pooled.numpy().astype("<f4").tobytes()
+                embeddings.append(UserReply(uid, finish_reason="stop", prompt_tokens=len(req.prompt), embedding=vector))
+                self._forget(uid)
+                self.synced.pop(uid, None)
+                continue
             start = self.sent[uid]
             logprobs = req.logprobs[start:] if req.report_logprobs else None
             init = self.inits.pop(uid, None)
@@ -252,6 +261,8 @@ class SchedulerProcess:
                 self.synced.pop(uid, None)
         if items:
             send(self.to_detok, DetokenizeMsg(items))
+        if embeddings:
+            send(self.to_api, ReplyBatch(embeddings))
 
     def expire(self) -> None:
         """Waiting requests past their admission deadline leave the queue (on every rank, with

@@ -47,6 +47,11 @@ class Request:
     grammar: Any = None
     # Hop timestamps of a traced request (message/trace.py), until its first token is sent.
     trace: dict[str, float] | None = None
+    # An embedding request ("last" | "mean" | "cls"): its prompt's final hidden states are pooled
+    # (scheduler/pooling.py) and it generates nothing; `pooled` holds the result so far (fp32
+    # [hidden] on the host), then the embedding.
+    pooling: str | None = None
+    pooled: Any = None
 
     @property
     def finished(self) -> bool:

@@ -34,6 +34,7 @@ from minisgl.scheduler import step_trace
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar_rows import GrammarRows
 from minisgl.scheduler.kv import RequestKV
+from minisgl.scheduler.pooling import run_pool_step, split_pooling
 from minisgl.scheduler.prefill import PrefillPlan, admit, finish_admitted
 from minisgl.scheduler.priority import preemption_victims, retraction_order
 from minisgl.scheduler.queues import RequestQueues
@@ -83,7 +84,7 @@ class Scheduler:
         if engine.device.type == "cuda":
             # Everything the serving path runs is compiled (and captured) before it serves (the
             # sampling kernel, and with speculation the acceptance kernel).
-            if self.cfg.cuda_graph:
+            if self.cfg.cuda_graph and engine.task != "embed":  # an embedding model's steps run eagerly
                 with startup_phase("scheduler: CUDA graphs captured"):
                     engine.enable_cuda_graphs(self.cfg.cuda_graph_max_bs, *self.graph_max_tokens)
             with startup_phase("scheduler: sampling kernels compiled"):
@@ -224,15 +225,27 @@ class Scheduler:
         plan = self._admit(self.cfg.max_prefill_tokens)
         if not plan.reqs:
             return False
-        self._launch("extend", plan.reqs, plan.prefix, plan.new, plan.samples)
-        finish_admitted(self.kv, plan)
+        plan = self._pool(plan)
+        if plan.reqs:
+            self._launch("extend", plan.reqs, plan.prefix, plan.new, plan.samples)
+            finish_admitted(self.kv, plan)
         return True
+
+    def _pool(self, plan: PrefillPlan) -> PrefillPlan:
+        """Runs the plan's embedding requests (scheduler/pooling.py); returns the rest of it."""
+        pooled, rest = split_pooling(plan)
+        if pooled.reqs:
+            self.kv.flush()
+            for req in run_pool_step(self.engine, pooled):
+                self._release(req)
+                self._pending_done.append(req)
+        return rest
 
     def _launch_mixed(self) -> bool:
         """Every decode plus a prefill chunk in one step (the decodes first: their KV slots
         are secured before the chunk's admission takes pages)."""
         decodes = self._ensure_decode_slots(self._decodable())
-        plan = self._admit(self._mixed_chunk(len(decodes)))
+        plan = self._pool(self._admit(self._mixed_chunk(len(decodes))))
         if not plan.reqs:
             return self._launch_decode(decodes)
         if not decodes:

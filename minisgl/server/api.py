@@ -18,16 +18,23 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minisgl.message import DecodeMsg
+from minisgl.models.embedding_config import EmbeddingConfig
 from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
 from minisgl.server import openapi_doc
+from minisgl.server.anthropic_api import add_anthropic_routes
+from minisgl.server.anthropic_protocol import AnthropicProtocol
 from minisgl.server.build import Builder, Job
 from minisgl.server.chat_request import ChatFeatures
+from minisgl.server.embeddings import GENERATION_PATHS, add_embedding_routes
 from minisgl.server.errors import ApiError, from_validation
 from minisgl.server.frontend import ClientGone, Frontend
 from minisgl.server.gates import ApiKeyGate, BodyLimitGate, RequestGuard
 from minisgl.server.protocol import Protocol
 from minisgl.server.protocol_types import Limits
-from minisgl.server.render import ChoiceTracker, generate_result, respond
+from minisgl.server.render import generate_result, respond
+from minisgl.server.responses_api import add_responses_routes
+from minisgl.server.responses_protocol import ResponsesProtocol
+from minisgl.server.stages import Stages
 from minisgl.server.stream import event_stream, generate_events, openai_events
 
 _CLIENT_CLOSED = 499  # nginx's code for "client closed request"; nobody reads it
@@ -51,9 +58,10 @@ class ServerInfo:
     started: float = 0.0
     workers_alive: Callable[[], bool] = field(default=lambda: True)
     features: ChatFeatures = field(default_factory=ChatFeatures)  # tool-call and reasoning parsers
+    embedding: EmbeddingConfig | None = None  # set on an embedding model's server (--task embed)
 
     def model_card(self) -> dict[str, Any]:
-        return {
+        card = {
             "id": self.model_name,
             "object": "model",
             "created": int(self.started),
@@ -61,41 +69,33 @@ class ServerInfo:
             # then reads its loads from /v1/loads (server/gateway.py), which this server serves.
             "owned_by": "sglang",
             "max_model_len": self.limits.max_model_len,
-            "sampling_defaults": {**OPENAI_DEFAULTS, **self.sampling_defaults},
+            "task": "embed" if self.embedding is not None else "generate",
         }
+        if self.embedding is None:
+            card["sampling_defaults"] = {**OPENAI_DEFAULTS, **self.sampling_defaults}
+        else:
+            card.update(pooling=self.embedding.pooling, dimensions=self.embedding.dimensions)
+        return card
 
 
 def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
     app = FastAPI(title="minisgl", version=package_version(), redoc_url=None)
-    P = Protocol(info.limits, tools=info.features.tool_format is not None)
+    tools, reasoning = info.features.tool_format is not None, info.features.reasoning is not None
+    P = Protocol(info.limits, tools=tools)
     builder = Builder(info.model_name, info.limits, info.sampling_defaults, info.features)
+    stages = Stages(frontend, builder, P.chat)
     _install_error_handlers(app)
-    openapi_doc.install(app, info.api_key is not None, package_version())
+    hidden = GENERATION_PATHS if info.embedding is not None else ()  # refused by the task (embeddings.py)
+    openapi_doc.install(app, info.api_key is not None, package_version(), hidden)
     app.add_middleware(BodyLimitGate, limit=info.max_request_bytes)
     if info.api_key is not None:
-        app.add_middleware(ApiKeyGate, expected=f"Bearer {info.api_key}".encode())
+        app.add_middleware(ApiKeyGate, key=info.api_key)
     app.add_middleware(RequestGuard)
     gen_errors = {**openapi_doc.errors(400, 404, 503)}
+    add_embedding_routes(app, stages, info.limits, info.embedding)  # first: it may refuse the generate routes
 
     async def run(job: Job, request: Request) -> Response:
-        state = request.scope["state"]
-        handle = frontend.submit(job.msgs, job.names, received=state.get("received"))  # type: ignore[arg-type]
-        first = await frontend.first_reply(handle, request)
-        rid = state["request_id"]
-        if first.trace is not None:  # RequestGuard logs it once the first chunk is written
-            state["trace"] = (
-                first.trace,
-                {
-                    "rid": rid,
-                    "uid": first.uid,
-                    "route": request.url.path,
-                    "prompt": first.prompt_tokens,
-                    "stream": job.stream,
-                },
-            )
-        tracker = ChoiceTracker(handle.uids, job.n)
-        # Streams learn of a gone client from Starlette cancelling them; others poll for it.
-        replies = frontend.replies(handle, first, None if job.stream else request)
+        replies, tracker, rid = await stages.start(job, request)
         if job.kind == "generate":
             if job.stream:
                 return event_stream(generate_events(job, replies, tracker), rid)
@@ -122,12 +122,14 @@ def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
         """SGLang-style native endpoint; streams carry the cumulative text, as SGLang's do."""
         return await run(builder.generate(req), request)
 
+    add_anthropic_routes(app, stages, AnthropicProtocol(info.limits, tools, reasoning))
+    add_responses_routes(app, stages, ResponsesProtocol(info.limits, tools, reasoning))
+
     @app.post("/tokenize", responses=openapi_doc.errors(400, 404, 503))
     async def tokenize(req: P.tokenize, request: Request) -> dict[str, Any]:  # type: ignore[valid-type]
         """vLLM's: `{count, max_model_len, tokens}` (and `token_strs` when asked)."""
         msg, names = builder.tokenize(req)
-        handle = frontend.submit([msg], names, metered=False)
-        reply = await frontend.first_reply(handle, request)
+        reply = await stages.tokenize(msg, names, request)
         body: dict[str, Any] = {
             "count": len(reply.token_ids),
             "max_model_len": info.limits.max_model_len,
@@ -174,12 +176,12 @@ def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response(path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation(list(exc.errors())).response()
+    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(list(exc.errors())).response(path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -191,7 +193,7 @@ def _install_error_handlers(app: FastAPI) -> None:
             err = ApiError("the request body is not valid UTF-8 JSON")
         else:
             err = ApiError(str(exc.detail), None, exc.status_code)
-        return err.response(dict(exc.headers or {}))
+        return err.response(dict(exc.headers or {}), request.url.path)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(_: Request, __: ClientGone) -> Response:

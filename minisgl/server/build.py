@@ -108,14 +108,9 @@ class Builder:
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
         top = (req.top_logprobs or 0) if req.logprobs else 0
         plan = self.plan(req)
-        if plan.grammar_field is not None:
-            # xgrammar parses the grammar in the scheduler's compiler (the API process stays
-            # torch-free: xgrammar imports torch); its error names the engine field.
-            (kind,) = plan.grammar
-            names[kind] = plan.grammar_field
         sampling = self.sampling(
             req, max_tokens, names, min_tokens=req.min_tokens, top_logprobs=top, prompt_logprobs=req.prompt_logprobs,
-            priority=req.priority, **plan.grammar,
+            priority=req.priority, **self.grammar_names(plan, names),
         )
         msg = TokenizeMsg(
             [0] * req.n,
@@ -131,19 +126,32 @@ class Builder:
         return Job("chat", [msg], req.n, req.stream, _usage(req), top if req.logprobs else None, None,
                    req.prompt_logprobs, names, plan.tool_format, plan.max_calls, self.features.reasoning)
 
-    def plan(self, req: ChatCompletionRequest) -> ChatPlan:
-        """The output constraint and tool handling of a chat request (400 naming the field)."""
+    def plan(self, req: ChatCompletionRequest | CompletionRequest) -> ChatPlan:
+        """The output constraint and tool handling of a chat or completions request (400 naming
+        the field)."""
 
         def dump(obj: Any) -> Any:
             return obj.model_dump(by_alias=True, exclude_none=True) if hasattr(obj, "model_dump") else obj
 
-        tools = None if req.tools is None else [dump(t) for t in req.tools]
-        parallel = req.parallel_tool_calls is not False
+        tools = getattr(req, "tools", None)
+        tools = None if tools is None else [dump(t) for t in tools]
+        parallel = getattr(req, "parallel_tool_calls", None) is not False
+        choice = dump(getattr(req, "tool_choice", None))
         try:
-            return plan_chat(dump(req.response_format), req.regex, req.ebnf, tools, dump(req.tool_choice), parallel,
-                             self.features.tool_format)
+            return plan_chat(dump(req.response_format), req.regex, req.ebnf, tools, choice, parallel,
+                             self.features.tool_format, dump(req.structured_outputs))
         except ValueError as e:
             raise ApiError(str(e), str(e).split(":", 1)[0]) from e
+
+    @staticmethod
+    def grammar_names(plan: ChatPlan, names: dict[str, str]) -> dict[str, str]:
+        """The plan's grammar field; its engine name mapped to the request's in `names`: xgrammar
+        parses the grammar in the scheduler's compiler (the API process stays torch-free:
+        xgrammar imports torch), whose error names the engine field."""
+        if plan.grammar_field is not None:
+            (kind,) = plan.grammar
+            names[kind] = plan.grammar_field
+        return plan.grammar
 
     def completion(self, req: CompletionRequest) -> Job:
         self._common(req)
@@ -153,9 +161,10 @@ class Builder:
         wanted = [p for p in (k if req.echo else None, req.prompt_logprobs) if p is not None]
         prompt_lp = max(wanted) if wanted else None
         max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+        grammar = self.grammar_names(self.plan(req), names)
         sampling = self.sampling(
             req, max_tokens, names, min_tokens=req.min_tokens, top_logprobs=k or 0, prompt_logprobs=prompt_lp,
-            priority=req.priority,
+            priority=req.priority, **grammar
         )
         msgs = [
             TokenizeMsg(
@@ -177,9 +186,14 @@ class Builder:
         names.update(max_tokens="sampling_params.max_new_tokens", min_tokens="sampling_params.min_new_tokens")
         names["prompt"] = "text" if req.text is not None else "input_ids"
         top = req.top_logprobs_num if req.return_logprob else 0
-        sampling = self.sampling(
-            sp, sp.max_new_tokens, names, min_tokens=sp.min_new_tokens, top_logprobs=top, priority=req.priority
-        )
+        grammar = {f: getattr(sp, f) for f in ("json_schema", "regex", "ebnf") if getattr(sp, f) is not None}
+        names.update({f: f"sampling_params.{f}" for f in grammar})  # one at most: the schema says so
+        if len(grammar) > 1:
+            second = list(grammar)[1]
+            raise ApiError(f"sampling_params.{second}: cannot be combined with sampling_params.{list(grammar)[0]} "
+                           "(one output constraint at most)", f"sampling_params.{second}")
+        sampling = self.sampling(sp, sp.max_new_tokens, names, min_tokens=sp.min_new_tokens, top_logprobs=top,
+                                 priority=req.priority, **grammar)
         prompt = {"text": req.text} if req.text is not None else {"input_ids": req.input_ids}
         msg = TokenizeMsg(
             [0],

@@ -1,8 +1,9 @@
 """The structured parts of a chat request, validated and turned into what the engine and the
-chat template take: `response_format` (and the SGLang-style `regex` / `ebnf` fields) into one
-grammar field of SamplingParams; `tools` / `tool_choice` / `parallel_tool_calls` into the tools
-the template renders, the grammar that enforces "required" or a named function, and the parser
-settings; assistant `tool_calls` and `role: "tool"` messages into the form templates expect.
+chat template take: `response_format` (and the SGLang-style `regex` / `ebnf` fields, vLLM's
+`structured_outputs`; completions take the same) into one grammar field of SamplingParams;
+`tools` / `tool_choice` / `parallel_tool_calls` into the tools the template renders, the grammar
+that enforces "required" or a named function, and the parser settings; assistant `tool_calls`
+and `role: "tool"` messages into the form templates expect.
 
 Every error is a ValueError("<field>: ...") (the API turns it into a 400 naming the field).
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.parsers.tool_formats import ToolFormat, tool_call_structural_tag
+from minisgl.server.capabilities import NO_TOOL_PARSER
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,22 @@ def _grammar_from_response_format(rf: dict[str, Any] | None) -> dict[str, str]:
     )
 
 
+def _grammar_from_structured_outputs(so: dict[str, Any] | None) -> tuple[str, dict[str, str]] | None:
+    """(the request field, the grammar) of vLLM's structured_outputs: its one key (protocol.py)."""
+    if not so:
+        return None
+    if "json" in so:
+        schema = so["json"]
+        return "structured_outputs.json", {"json_schema": schema if isinstance(schema, str) else json.dumps(schema)}
+    if "regex" in so:
+        return "structured_outputs.regex", {"regex": so["regex"]}
+    if "grammar" in so:
+        return "structured_outputs.grammar", {"ebnf": so["grammar"]}
+    if "choice" in so:  # one string literal per choice, JSON-escaped (EBNF reads the same escapes)
+        return "structured_outputs.choice", {"ebnf": "root ::= " + " | ".join(json.dumps(c) for c in so["choice"])}
+    raise ValueError("structured_outputs: give exactly one of json, regex, grammar, choice")
+
+
 def _check_tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list) or not tools:
         raise ValueError("tools: must be a non-empty list of function tools")
@@ -98,13 +116,14 @@ def _chosen_tools(tools: list[dict[str, Any]], choice: Any) -> tuple[str, list[d
 
 def plan_chat(
     response_format: dict[str, Any] | None, regex: str | None, ebnf: str | None, tools: Any, tool_choice: Any,
-    parallel_tool_calls: bool, tool_format: ToolFormat | None,
+    parallel_tool_calls: bool, tool_format: ToolFormat | None, structured_outputs: dict[str, Any] | None = None,
 ) -> ChatPlan:
     plan = ChatPlan()
     grammars = [(name, g) for name, g in (
         ("response_format", _grammar_from_response_format(response_format)),
         ("regex", {"regex": regex} if regex else {}),
         ("ebnf", {"ebnf": ebnf} if ebnf else {}),
+        _grammar_from_structured_outputs(structured_outputs) or ("", {}),
     ) if g]
     if tools is None:
         if tool_choice not in (None, "none"):
@@ -113,8 +132,7 @@ def plan_chat(
         mode, allowed = _chosen_tools(_check_tools(tools), tool_choice)
         if mode != "none":
             if tool_format is None:
-                raise ValueError("tools: this server has no tool-call parser for its model; start it with "
-                                 "--tool-call-parser (hermes, llama3 or mistral)")
+                raise ValueError(f"tools: {NO_TOOL_PARSER}")
             plan.template_tools, plan.tool_format = tools, tool_format
             plan.max_calls = None if parallel_tool_calls else 1
         if mode in ("required", "named"):

@@ -58,27 +58,29 @@ class RequestGuard:
         except Exception:  # noqa: BLE001 - the last resort: any bug is one request's 500
             log.exception("internal error in %s %s (request id %s)", scope.get("method"), scope.get("path"), rid)
             if not started:
-                await internal_error(rid).response()(scope, receive, send_with_id)
+                await internal_error(rid).response(path=scope.get("path"))(scope, receive, send_with_id)
 
 
 class ApiKeyGate:
-    """Every route but PUBLIC_PATHS needs `Authorization: Bearer KEY`."""
+    """Every route but PUBLIC_PATHS needs the key: `Authorization: Bearer KEY`, or `x-api-key: KEY`
+    (how Anthropic's clients send it)."""
 
-    def __init__(self, app: Any, expected: bytes) -> None:
-        self.app, self.expected = app, expected
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.bearer, self.key = app, f"Bearer {key}".encode(), key.encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope["headers"])
+            bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self.bearer)
+            if not (bearer_ok or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
                 err = ApiError(
-                    "invalid or missing API key (Authorization: Bearer KEY)",
+                    "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)",
                     None,
                     401,
                     "invalid_api_key",
                     "authentication_error",
                 )
-                await err.response({"www-authenticate": "Bearer"})(scope, receive, send)
+                await err.response({"www-authenticate": "Bearer"}, scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -107,10 +109,12 @@ class BodyLimitGate:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None:
             if not length.isdigit():
-                await ApiError("the Content-Length header is not a number").response()(scope, receive, send)
+                err = ApiError("the Content-Length header is not a number")
+                await err.response(path=scope["path"])(scope, receive, send)
                 return
             if int(length) > self.limit:
-                await self._too_large(length.decode()).response({"connection": "close"})(scope, receive, send)
+                err = self._too_large(length.decode())
+                await err.response({"connection": "close"}, scope["path"])(scope, receive, send)
                 return
         chunks, size = [], 0
         while True:
@@ -119,7 +123,8 @@ class BodyLimitGate:
                 return  # the client left while sending: nobody to answer
             size += len(message.get("body", b""))
             if size > self.limit:
-                await self._too_large(f"over {size}").response({"connection": "close"})(scope, receive, send)
+                err = self._too_large(f"over {size}")
+                await err.response({"connection": "close"}, scope["path"])(scope, receive, send)
                 return
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from minisgl.server.errors import is_anthropic
 from minisgl.server.gates import PUBLIC_PATHS
 from minisgl.server.protocol import ErrorResponse
 
@@ -47,8 +48,9 @@ def streams(description: str) -> dict[int | str, dict[str, Any]]:
     }
 
 
-def install(app: FastAPI, api_key: bool, version: str) -> None:
-    """Replaces app.openapi with the generator of the schema described above."""
+def install(app: FastAPI, api_key: bool, version: str, hidden: tuple[str, ...] = ()) -> None:
+    """Replaces app.openapi with the generator of the schema described above; `hidden` paths are
+    left out (routes this server refuses whatever the body: an embedding server's generate routes)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
@@ -60,18 +62,24 @@ def install(app: FastAPI, api_key: bool, version: str) -> None:
             '`{"error": {"message", "type", "param", "code"}}`.',
             routes=app.routes,
         )
+        for path in hidden:
+            schema.get("paths", {}).pop(path, None)
         comps = schema.setdefault("components", {})
         for name in ("HTTPValidationError", "ValidationError"):
             comps.get("schemas", {}).pop(name, None)
-        if api_key:
-            comps["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        error_content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        if api_key:  # either header: a bearer token, or Anthropic's x-api-key
+            comps["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            }
         for path, ops in schema.get("paths", {}).items():
+            shape = "AnthropicErrorResponse" if is_anthropic(path) else "ErrorResponse"
+            error_content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}
             for op in ops.values():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
                 if api_key and path not in PUBLIC_PATHS:
-                    op["security"] = [{"bearer": []}]
+                    op["security"] = [{"bearer": []}, {"apiKey": []}]
                     responses["401"] = {"description": _ERROR_TEXT[401]}
                 for code, resp in responses.items():
                     if int(code) >= 400 and path != "/health":  # errors are JSON whatever the route's 200 is

@@ -13,14 +13,17 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from minisgl.core.sampling_params import PRIORITY_MAX
+from minisgl.server.capabilities import NO_TOOL_PARSER, refused
 from minisgl.server.protocol_structured import (
+    CONSTRAINING,
     NEEDS_COMPILE,
-    ONE_CONSTRAINT,
+    TOOL_CHOICE_CONSTRAINING,
     NamedToolChoice,
-    ResponseFormat,
+    OutputConstraints,
     TemplateKwargs,
     Tool,
     ToolCall,
+    one_constraint_rule,
 )
 from minisgl.server.protocol_types import (
     MAX_LOGPROBS,
@@ -112,19 +115,13 @@ class SamplingFields(Strict):
     priority: int_in(-PRIORITY_MAX, PRIORITY_MAX) = Field(default=0, description=PRIORITY)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, OutputConstraints):
+    model_config = ConfigDict(json_schema_extra=one_constraint_rule({**CONSTRAINING,
+                                                                     "tool_choice": TOOL_CHOICE_CONSTRAINING}))
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(default=None, description="max_tokens, by its newer name")
     logprobs: bool = False
     top_logprobs: Logprobs | None = Field(default=None, description="> 0 needs logprobs: true (not expressible)")
-    response_format: ResponseFormat | None = Field(default=None, description=ONE_CONSTRAINT)
-    regex: Annotated[str, Field(min_length=1)] | None = Field(
-        default=None, description="SGLang/vLLM: the output matches this regex; " + NEEDS_COMPILE
-    )
-    ebnf: Annotated[str, Field(min_length=1)] | None = Field(
-        default=None,
-        description="SGLang/vLLM: the output follows this EBNF grammar (root rule `root`); " + NEEDS_COMPILE,
-    )
     tools: list[Tool] | None = Field(
         default=None, min_length=1, description="function tools (names unique: not expressible in the schema)"
     )
@@ -136,7 +133,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: TemplateKwargs | None = None
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, OutputConstraints):
+    model_config = ConfigDict(json_schema_extra=one_constraint_rule(CONSTRAINING))
     prompt: Any
     logprobs: Logprobs | None = Field(default=None, description="the chosen token's logprob plus this many "
                                       "alternatives per token")
@@ -165,6 +163,20 @@ class GenerateSampling(Strict):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     logit_bias: dict[int, float] | None = None
+    # SGLang's output constraints (at most one; the schema says so too)
+    json_schema: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None, description="the output is JSON following this schema (its JSON text); " + NEEDS_COMPILE
+    )
+    regex: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None, description="the output matches this regex; " + NEEDS_COMPILE
+    )
+    ebnf: Annotated[str, Field(min_length=1)] | None = Field(
+        default=None, description="the output follows this EBNF grammar (root rule `root`); " + NEEDS_COMPILE
+    )
+
+    model_config = ConfigDict(json_schema_extra=one_constraint_rule(
+        {"json_schema": {"type": "string"}, "regex": {"type": "string"}, "ebnf": {"type": "string"}}
+    ))
 
 
 _ONE_OF_TEXT_IDS = {"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]}
@@ -254,9 +266,8 @@ class Protocol:
         }
         chat_fields: dict[str, Any] = {"max_completion_tokens": (new_tokens, None)}
         if not tools:  # no tool-call parser for the served model's output
-            why = "this server has no tool-call parser (start it with --tool-call-parser): only null is accepted"
-            chat_fields["tools"] = (None, Field(default=None, description=why))
-            chat_fields["tool_choice"] = (Literal["none"] | None, Field(default=None, description=why))
+            chat_fields["tools"] = (refused(NO_TOOL_PARSER), None)
+            chat_fields["tool_choice"] = (refused(NO_TOOL_PARSER, "none"), None)
         self.chat = model("ChatCompletionRequest", ChatCompletionRequest, **chat_fields, **shared)
         self.completion = model("CompletionRequest", CompletionRequest, prompt=(completion_prompt(limits), ...),
                                 **shared)

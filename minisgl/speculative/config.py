@@ -77,7 +77,10 @@ def make_spec_config(
     """The speculative options as EngineConfig and ServerArgs name them (speculative_*)."""
     if algorithm is None:
         if draft_model is not None or draft_table is not None:
-            raise ValueError("speculative_draft_model / speculative_draft_table need speculative_algorithm")
+            raise ValueError(
+                "speculative_draft_model / speculative_draft_table need speculative_algorithm: "
+                f"{', '.join(ALGORITHMS[:-1])} or {ALGORITHMS[-1]}"
+            )
         return None
     return SpecConfig(
         algorithm, num_draft_tokens, draft_model, ngram_min, ngram_max, load_table(draft_table, num_draft_tokens)

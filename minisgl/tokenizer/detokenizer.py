@@ -78,7 +78,9 @@ class Detokenizer:
             st.finalize()
             cut = st.find_stop()
             reason = item.finish_reason
+        matched = None
         if cut is not None:
+            matched = st.text[cut : st.stop_end]
             st.text = st.text[: st.stop_end if init.include_stop_str else cut]
             reason = "stop"
             if item.finish_reason is None:  # a finished request is already gone from the scheduler
@@ -92,6 +94,7 @@ class Detokenizer:
             cached_tokens=init.cached_tokens,
             completion_tokens=len(st.ids) + stop_token,
             reasoning_open=first and init.reasoning_open,
+            matched_stop=matched,
         )
         if init.logprobs:
             reply.logprobs = list(item.logprobs or [])[: len(ids)]

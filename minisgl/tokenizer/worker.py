@@ -179,15 +179,18 @@ class TokenizeHandler:
         """The scheduler's messages for a request (tokenized inline when `ids` is None)."""
         ids = self.prompt_ids(msg) if ids is None else ids
         limit = self.max_model_len
+        embedding = msg.pooling is not None  # it generates nothing: its prompt may fill the context
         try:
-            check_prompt(ids, limit, self.vocab_size)
+            if embedding and len(ids) > limit:
+                raise ValueError(f"prompt has {len(ids)} tokens but the context is {limit} tokens")
+            check_prompt(ids, limit + embedding, self.vocab_size)
         except ValueError as e:
             raise RequestError(f"prompt: {e}", "prompt") from e
         # The API process validated the sampling fields (decoding does not rerun it): what is
         # left to check here is what needs the prompt's length.
         params = msg.sampling
         room = limit - len(ids)
-        if params.max_tokens is not None and params.max_tokens > room:
+        if not embedding and params.max_tokens is not None and params.max_tokens > room:
             raise RequestError(
                 f"max_tokens: {params.max_tokens} tokens asked for but the prompt has {len(ids)} tokens "
                 f"and the context is {limit}: at most {room} can be generated",
@@ -226,7 +229,7 @@ class TokenizeHandler:
             else:  # choices of one request must differ: offset the seed per choice
                 seed = params.seed if i == 0 else (params.seed + i) % _SEED_SPACE
             hops = None if msg.trace is None else dict(msg.trace)
-            out.append(UserMsg(uid, ids, params, seed, init, hops, msg.admit_by))
+            out.append(UserMsg(uid, ids, params, seed, init, hops, admit_by=msg.admit_by, pooling=msg.pooling))
         return out
 
 
