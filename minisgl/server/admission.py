@@ -38,11 +38,11 @@ class Overloaded(ApiError):
         super().__init__(message, None, 503, reason, "server_overloaded")
         self.reason = reason
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+    def response(self, headers: dict[str, str] | None = None, path: str | None = None) -> JSONResponse:
         extra = {"retry-after": str(RETRY_AFTER_S)}
         if self.reason == "draining":
             extra["connection"] = "close"
-        return super().response({**extra, **(headers or {})})
+        return super().response({**extra, **(headers or {})}, path)
 
 
 @dataclass(frozen=True)
