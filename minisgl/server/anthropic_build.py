@@ -16,6 +16,8 @@ request it means, which the chat stages then run (template, tools, grammar, pars
 import json
 from typing import Any
 
+from minisgl.server.protocol_types import as_json_data
+
 # chat field -> Anthropic field, for errors the chat stages and later hops name.
 NAMES = {
     "stop": "stop_sequences",
@@ -25,13 +27,6 @@ NAMES = {
     "tools": "tools",
     "chat_template_kwargs": "thinking",
 }
-
-
-def _plain(obj: Any) -> Any:
-    """A validated model (or a neutral value a capability refusal let through) as JSON data."""
-    if isinstance(obj, list):
-        return [_plain(o) for o in obj]
-    return obj.model_dump(by_alias=True, exclude_none=True) if hasattr(obj, "model_dump") else obj
 
 
 def _text(content: Any) -> str:
@@ -44,9 +39,9 @@ def chat_messages(system: Any, messages: list[Any]) -> list[dict[str, Any]]:
     """The chat messages of a Messages request (dicts in chat's request shape)."""
     out: list[dict[str, Any]] = []
     if system:
-        out.append({"role": "system", "content": _text(_plain(system))})
+        out.append({"role": "system", "content": _text(as_json_data(system))})
     for m in messages:
-        m = _plain(m)
+        m = as_json_data(m)
         role, content = m["role"], m["content"]
         if isinstance(content, str):
             out.append({"role": role, "content": content})
@@ -87,7 +82,7 @@ def _tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool | None]:
 def chat_body(req: Any, max_tokens: int | None = None) -> dict[str, Any]:
     """The chat completions body a Messages (or count_tokens) request stands for."""
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req.system, req.messages)}
-    tools = [_plain(t) for t in req.tools or []]
+    tools = [as_json_data(t) for t in req.tools or []]
     if tools:
         body["tools"] = [
             {
@@ -104,12 +99,12 @@ def chat_body(req: Any, max_tokens: int | None = None) -> dict[str, Any]:
             }
             for t in tools
         ]
-    choice, parallel = _tool_choice(_plain(req.tool_choice))
+    choice, parallel = _tool_choice(as_json_data(req.tool_choice))
     if choice is not None:  # without tools chat's planning refuses all but "none", naming tool_choice
         body["tool_choice"] = choice
     if parallel is not None:
         body["parallel_tool_calls"] = parallel
-    thinking = _plain(req.thinking)
+    thinking = as_json_data(req.thinking)
     if thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
     body["max_tokens"] = max_tokens if max_tokens is not None else getattr(req, "max_tokens", 1)

@@ -12,12 +12,12 @@ No `from __future__ import annotations`: FastAPI reads the route annotations as 
 """
 
 import base64
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BeforeValidator, Field, WithJsonSchema, create_model
+from pydantic import Field, create_model
 
 from minisgl.core.sampling_params import SamplingParams
 from minisgl.message import TokenizeMsg
@@ -26,7 +26,7 @@ from minisgl.server import openapi_doc
 from minisgl.server.build import Job
 from minisgl.server.capabilities import EMBED_ONLY, GENERATE_ONLY
 from minisgl.server.errors import ApiError
-from minisgl.server.protocol_types import Limits, Strict, int_in
+from minisgl.server.protocol_types import Limits, Strict, int_in, text_or_ids
 from minisgl.server.stages import Stages
 
 MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
@@ -35,55 +35,14 @@ MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages", "/v1/responses")
 
 
-def _is_id(t: Any) -> bool:
-    """A JSON integer, 7.0 included (JSON Schema's "integer" admits it), not a bool."""
-    return type(t) is int or (type(t) is float and t.is_integer())
-
-
 def embedding_input(limits: Limits) -> Any:
     """`input`: a string, a list of strings, a list of token ids or a list of such lists;
     normalised to a list of inputs (str or list[int]), each at most the context long."""
-
-    def one(x: Any, where: str) -> str | list[int]:
-        if isinstance(x, str) and x:
-            return x
-        if isinstance(x, list) and x and all(_is_id(t) for t in x):
-            x = [int(t) for t in x]
-            if len(x) > limits.max_model_len:
-                raise ValueError(f"{where}has {len(x)} tokens; the context is {limits.max_model_len}")
-            bad = next((t for t in x if not 0 <= t < limits.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"{where}token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
-            return x
-        raise ValueError(f"{where}must be a non-empty string or a non-empty list of token ids")
-
-    def parse(value: Any) -> list[str | list[int]]:
-        if isinstance(value, str) or (isinstance(value, list) and value and _is_id(value[0])):
-            return [one(value, "")]
-        if not isinstance(value, list) or not value:
-            raise ValueError("must be a non-empty string, list of strings, list of token ids, or list of those lists")
-        if len(value) > MAX_INPUTS:
-            raise ValueError(f"at most {MAX_INPUTS} inputs per request, got {len(value)}")
-        return [one(x, f"[{i}]: ") for i, x in enumerate(value)]
-
-    ids = {
-        "type": "array",
-        "minItems": 1,
-        "maxItems": limits.max_model_len,
-        "items": {"type": "integer", "minimum": 0, "maximum": limits.max_token_id},
-    }
-    text = {"type": "string", "minLength": 1}
-    schema = {
-        "description": "the input(s) to embed: text or token ids, one or a list; each at most the context long in "
-        "tokens (text: not expressible in the schema, else 400)",
-        "anyOf": [
-            text,
-            ids,
-            {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": text},
-            {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS, "items": ids},
-        ],
-    }
-    return Annotated[Any, BeforeValidator(parse), WithJsonSchema(schema)]
+    return text_or_ids(
+        limits, MAX_INPUTS, limits.max_model_len, "inputs",
+        "the input(s) to embed: text or token ids, one or a list; each at most the context long in tokens "
+        "(text: not expressible in the schema, else 400)",
+    )
 
 
 class EmbeddingRequest(Strict):

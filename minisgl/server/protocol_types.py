@@ -127,10 +127,10 @@ def logit_bias(limits: Limits) -> Any:
     ]
 
 
-def completion_prompt(limits: Limits) -> Any:
-    """/v1/completions `prompt`: a string, a list of strings, a list of token ids or a list of
-    such lists; normalised to a list of prompts (str or list[int]). Hand-parsed: a pydantic
-    union would report one error per branch for a single bad id."""
+def text_or_ids(limits: Limits, max_items: int, max_ids: int, noun: str, description: str) -> Any:
+    """A string, a list of strings, a list of token ids or a list of such lists (each at most
+    `max_ids` tokens, at most `max_items` of them); normalised to a list of str or list[int].
+    Hand-parsed: a pydantic union would report one error per branch for a single bad id."""
     check_ids = _token_id_checker(limits)
 
     def one(p: Any, where: str) -> str | list[int]:
@@ -140,7 +140,7 @@ def completion_prompt(limits: Limits) -> Any:
             return p
         if isinstance(p, list) and p and all(type(_integral(t)) is int for t in p):
             p = [_integral(t) for t in p]
-            if len(p) > limits.max_new_tokens:
+            if len(p) > max_ids:
                 raise ValueError(f"{where}has {len(p)} tokens; the context is {limits.max_model_len}")
             try:
                 return check_ids(p)
@@ -153,25 +153,41 @@ def completion_prompt(limits: Limits) -> Any:
             return [one(value, "")]
         if not isinstance(value, list) or not value:
             raise ValueError("must be a non-empty string, list of strings, list of token ids, or list of those lists")
-        if len(value) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+        if len(value) > max_items:
+            raise ValueError(f"at most {max_items} {noun} per request, got {len(value)}")
         return [one(p, f"[{i}]: ") for i, p in enumerate(value)]
 
     ids = {
         "type": "array",
         "minItems": 1,
-        "maxItems": limits.max_new_tokens,
+        "maxItems": max_ids,
         "items": {"type": "integer", "minimum": 0, "maximum": limits.max_token_id},
     }
     text = {"type": "string", "minLength": 1}
     schema = {
-        "description": "the prompt(s); with a list, each prompt is generated n times. Not stated by the "
-        "schema: the prompt's tokens plus max_tokens must fit the context (else 400)",
+        "description": description,
         "anyOf": [
             text,
             ids,
-            {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": text},
-            {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": ids},
+            {"type": "array", "minItems": 1, "maxItems": max_items, "items": text},
+            {"type": "array", "minItems": 1, "maxItems": max_items, "items": ids},
         ],
     }
     return Annotated[Any, BeforeValidator(parse), WithJsonSchema(schema)]
+
+
+def completion_prompt(limits: Limits) -> Any:
+    """/v1/completions `prompt`, normalised to a list of prompts (str or list[int])."""
+    return text_or_ids(
+        limits, MAX_PROMPTS, limits.max_new_tokens, "prompts",
+        "the prompt(s); with a list, each prompt is generated n times. Not stated by the schema: the prompt's "
+        "tokens plus max_tokens must fit the context (else 400)",
+    )
+
+
+def as_json_data(obj: Any) -> Any:
+    """A validated model (or a list of them, or a neutral value a capability refusal let through)
+    as plain JSON data, the way a translated request carries it to the chat stages."""
+    if isinstance(obj, list):
+        return [as_json_data(o) for o in obj]
+    return obj.model_dump(by_alias=True, exclude_none=True) if hasattr(obj, "model_dump") else obj

@@ -14,6 +14,8 @@ means, which the chat stages then run (template, tools, grammar, parsers).
 
 from typing import Any
 
+from minisgl.server.protocol_types import as_json_data
+
 NAMES = {
     "messages": "input",
     "max_tokens": "max_output_tokens",
@@ -22,12 +24,6 @@ NAMES = {
     "tools": "tools",
     "chat_template_kwargs": "reasoning",
 }
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, list):
-        return [_plain(o) for o in obj]
-    return obj.model_dump(by_alias=True, exclude_none=True) if hasattr(obj, "model_dump") else obj
 
 
 def _text(content: Any) -> str:
@@ -41,7 +37,7 @@ def chat_messages(instructions: str | None, input: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if instructions:
         out.append({"role": "system", "content": instructions})
-    items = [{"type": "message", "role": "user", "content": input}] if isinstance(input, str) else _plain(input)
+    items = [{"type": "message", "role": "user", "content": input}] if isinstance(input, str) else as_json_data(input)
     for item in items:
         kind = item.get("type", "message")
         if kind == "message":
@@ -78,21 +74,21 @@ def chat_body(req: Any) -> dict[str, Any]:
         "messages": chat_messages(req.instructions, req.input),
         "stream": req.stream,
     }
-    tools = _plain(req.tools) or []
+    tools = as_json_data(req.tools) or []
     if tools:
         body["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]
-    choice = _plain(req.tool_choice)
+    choice = as_json_data(req.tool_choice)
     if isinstance(choice, dict):
         choice = {"type": "function", "function": {"name": choice["name"]}}
     fields = {
         "tool_choice": choice,
         "parallel_tool_calls": req.parallel_tool_calls,
-        "response_format": _response_format(_plain(req.text)),
+        "response_format": _response_format(as_json_data(req.text)),
         "max_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
     }
-    reasoning = _plain(req.reasoning)
+    reasoning = as_json_data(req.reasoning)
     if reasoning and reasoning.get("effort") is not None:
         fields["chat_template_kwargs"] = {"enable_thinking": reasoning["effort"] != "none"}
     body.update({k: v for k, v in fields.items() if v is not None})
