@@ -34,6 +34,18 @@ class RequestKV:
             self.engine.write_slots([k[0] for k in keys], [k[1] for k in keys], list(self._pending.values()))
             self._pending = {}
 
+    def flush_cache(self, active: list[Request]) -> str | None:
+        """Empties the prefix cache unless an `active` request holds some of its pages; returns
+        why not, or None once flushed. (A step in flight writes only pages its requests hold,
+        or later the same stream's work does: nothing to wait for.)"""
+        held = self.cache.protected_pages
+        if held:
+            holders = sum(1 for r in active if r.match is not None and r.match.pages)
+            return (f"{held} cached pages are in use by {holders} running request(s) sharing a cached prefix; "
+                    "retry once they finish")
+        self.allocator.free(self.cache.reset())
+        return None
+
     @property
     def available_pages(self) -> int:
         """Free pages plus what eviction could free now."""

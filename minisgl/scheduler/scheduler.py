@@ -61,9 +61,8 @@ class Scheduler:
     ) -> None:
         self.engine = engine
         self.cfg = cfg or SchedulerConfig()
-        self.grammar = GrammarRows(
-            grammars, engine.model_config.vocab_size, engine.cfg.max_running_requests, engine.device
-        )
+        mc, ec = engine.model_config, engine.cfg
+        self.grammar = GrammarRows(grammars, mc.vocab_size, ec.max_running_requests, engine.device)
         self.cache = make_prefix_cache(self.cfg.cache, engine.cfg.page_size, events)  # events: KV-cache events
         self.kv = RequestKV(engine, self.cache)
         self.by_priority = self.cfg.scheduling_policy == "priority"
@@ -124,9 +123,8 @@ class Scheduler:
         sampling fields were validated where it was made: the API process, the offline LLM.)
         A priority other than 0 needs the priority policy (RequestError naming it)."""
         if req.params.priority and not self.by_priority:
-            raise RequestError(f"priority: {req.params.priority} needs the priority scheduling policy "
-                               "(--scheduling-policy priority); this server schedules first come, first served",
-                               "priority")
+            raise RequestError(f"priority: {req.params.priority} needs --scheduling-policy priority; this server "
+                               "schedules first come, first served", "priority")
         if self.kv.pages_for(req.max_total_len) > self.engine.allocator.total_pages:
             raise ValueError(
                 f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds "
@@ -168,16 +166,8 @@ class Scheduler:
         self.kv.check_integrity(self.queues.active)
 
     def flush_cache(self) -> str | None:
-        """Empties the prefix cache (POST /flush_cache) unless a request holds some of its pages;
-        returns why not, or None once flushed. (A step in flight writes only pages its requests
-        hold, or later the same stream's work does: nothing to wait for.)"""
-        held = self.cache.protected_pages
-        if held:
-            holders = sum(1 for r in self.queues.active if r.match is not None and r.match.pages)
-            return (f"{held} cached pages are in use by {holders} running request(s) sharing a cached prefix; "
-                    "retry once they finish")
-        self.engine.allocator.free(self.cache.reset())
-        return None
+        """Empties the prefix cache (POST /flush_cache); returns why not, or None once flushed."""
+        return self.kv.flush_cache(self.queues.active)
 
     # ---- one step ----
 
@@ -400,8 +390,7 @@ class Scheduler:
 
     def _drain(self) -> None:
         while self.inflight:
-            for req in self._process(self.inflight.popleft()):
-                self._pending_done.append(req)
+            self._pending_done.extend(self._process(self.inflight.popleft()))
 
     def _release(self, req: Request) -> None:
         self.queues.remove(req)
