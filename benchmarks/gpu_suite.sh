@@ -55,6 +55,27 @@ start_server() {  # PORT SERVER_FLAGS...: python -m minisgl.serve (dummy weights
 }
 stop_server() { kill "$(cat "$OUT/server_$1.pid")"; wait "$(cat "$OUT/server_$1.pid")" 2>/dev/null || true; }
 offline_rows() { grep -E "one-shot|batch-1|^\||^model"; }  # offline.py's results and the all-reduce log line
+tp_decode() {  # CONFIG TP: batch-1 decode, every all-reduce through NCCL (before), then one-shot (after)
+  for flag in --disable-custom-all-reduce ""; do
+    echo "-- TP $2 ${flag:-(one-shot all-reduce on)}"
+    python3 benchmarks/offline.py --model "benchmarks/configs/$1" --load-format dummy --tokenizer "$Q" \
+      --tp "$2" --num-requests 16 --decode-latency $flag 2>&1 | offline_rows
+  done
+}
+tp_profile() {  # CONFIG TP: profile_tp_decode.py (where the batch-1 step goes, against the floor)
+  python3 benchmarks/profile_tp_decode.py --model "benchmarks/configs/$1" --tokenizer "$Q" --tp "$2" 2>&1 \
+    | grep -v -E "it/s\]|Warn|warn"
+}
+serve_sequential() {  # "CONFIG TP" ...: served latency at concurrency 1, one server after the other
+  for run in "$@"; do
+    set -- $run
+    echo "-- serve $1 --tp $2"
+    start_server 8124 --model "benchmarks/configs/$1" --tp "$2" || continue
+    python3 benchmarks/online.py --base-url http://127.0.0.1:8124 --tokenizer "$Q" --num-prompts 8 \
+      --input-len 1024 --output-len 256 --concurrency 1 2>&1 | tail -12
+    stop_server 8124
+  done
+}
 
 # Issue 23: TP over two GPUs and the one-shot all-reduce.
 # The one-shot all-reduce kernel (also two processes on one GPU) and our collectives, one-shot on and off.
@@ -72,23 +93,9 @@ two_gpu_suite() {
 # One-shot vs our NCCL vs torch.distributed, 1 KB .. 256 MB; the threshold and block-cap data.
 two_gpu_allreduce_bench() { python3 benchmarks/kernels/allreduce.py --gpus 2; }
 # Llama-3.1-8B shapes, TP 2, batch-1 decode: every all-reduce through NCCL (before), then one-shot (after).
-two_gpu_llama8b_decode() {
-  for flag in --disable-custom-all-reduce ""; do
-    echo "-- TP 2 ${flag:-(one-shot all-reduce on)}"
-    python3 benchmarks/offline.py --model benchmarks/configs/llama-3.1-8b --load-format dummy --tokenizer "$Q" \
-      --tp 2 --num-requests 16 --decode-latency $flag 2>&1 | offline_rows
-  done
-}
+two_gpu_llama8b_decode() { tp_decode llama-3.1-8b 2; }
 # Qwen3-8B shapes served at TP 1 and TP 2: the latency benchmark sequentially (concurrency 1).
-two_gpu_serve_latency() {
-  for tp in 1 2; do
-    echo "-- serve --tp $tp"
-    start_server 8124 --model benchmarks/configs/qwen3-8b --tp $tp || continue
-    python3 benchmarks/online.py --base-url http://127.0.0.1:8124 --tokenizer "$Q" --num-prompts 8 \
-      --input-len 1024 --output-len 256 --concurrency 1 2>&1 | tail -12
-    stop_server 8124
-  done
-}
+two_gpu_serve_latency() { serve_sequential "qwen3-8b 1" "qwen3-8b 2"; }
 # Qwen3-30B-A3B shapes, TP 2, batch-1 decode against its floor (one GPU's weight bytes / read ceiling).
 two_gpu_moe_decode() {
   python3 benchmarks/offline.py --model benchmarks/configs/qwen3-30b-a3b --load-format dummy --tokenizer "$Q" \
@@ -148,12 +155,7 @@ sys.exit(not (len(ws) == 2 and all(w['is_healthy'] for w in ws)))" && break
 
 # The TP 2 batch-1 step of Llama-3.1-8B shapes per kernel family against the floor (issue 32),
 # and the same at TP 1 on GPU 0 for comparison.
-two_gpu_tp_profile() {
-  for tp in 2 1; do
-    python3 benchmarks/profile_tp_decode.py --model benchmarks/configs/llama-3.1-8b --tokenizer "$Q" --tp $tp 2>&1 \
-      | grep -v -E "it/s\]|Warn|warn"
-  done
-}
+two_gpu_tp_profile() { tp_profile llama-3.1-8b 2 && tp_profile llama-3.1-8b 1; }
 
 # ---- Four GPUs (issue 32), on nvidia-h100-x4: benchmarks/gpu_suite.sh --four-gpu [STEP ...] ----
 # The same structure: each step under its own limit, output in $OUT/four_gpu_STEP.txt.
@@ -164,26 +166,9 @@ four_gpu_tp4_tests() { $PYTEST tests/test_nccl_gpu.py -k tp4_gpu_equals_tp1; }
 # One-shot vs NCCL vs torch.distributed at world 4 (target: <= 0.5x torch's latency up to 256 KB).
 four_gpu_allreduce_bench() { python3 benchmarks/kernels/allreduce.py --gpus 4; }
 # Llama-3.1-70B shapes at TP 4, batch-1 decode against the floor, NCCL only then one-shot; the profile.
-four_gpu_llama70b_decode() {
-  for flag in --disable-custom-all-reduce ""; do
-    echo "-- TP 4 ${flag:-(one-shot all-reduce on)}"
-    python3 benchmarks/offline.py --model benchmarks/configs/llama-3.1-70b --load-format dummy --tokenizer "$Q" \
-      --tp 4 --num-requests 16 --decode-latency $flag 2>&1 | offline_rows
-  done
-  python3 benchmarks/profile_tp_decode.py --model benchmarks/configs/llama-3.1-70b --tokenizer "$Q" --tp 4 2>&1 \
-    | grep -v -E "it/s\]|Warn|warn"
-}
+four_gpu_llama70b_decode() { tp_decode llama-3.1-70b 4 && tp_profile llama-3.1-70b 4; }
 # Served latency, sequential (concurrency 1): Qwen3-8B shapes at TP 1, 2 and 4, Llama-3.1-70B at TP 4.
-four_gpu_serve_latency() {
-  for run in "qwen3-8b 1" "qwen3-8b 2" "qwen3-8b 4" "llama-3.1-70b 4"; do
-    set -- $run
-    echo "-- serve $1 --tp $2"
-    start_server 8124 --model "benchmarks/configs/$1" --tp "$2" || continue
-    python3 benchmarks/online.py --base-url http://127.0.0.1:8124 --tokenizer "$Q" --num-prompts 8 \
-      --input-len 1024 --output-len 256 --concurrency 1 2>&1 | tail -12
-    stop_server 8124
-  done
-}
+four_gpu_serve_latency() { serve_sequential "qwen3-8b 1" "qwen3-8b 2" "qwen3-8b 4" "llama-3.1-70b 4"; }
 # The same Poisson load (Qwen3-8B shapes, ${RATES:-8} req/s) against --dp 2 --tp 2, --tp 4 and one --tp 2.
 four_gpu_dp_tp_online() {
   for run in "dp2_tp2 --dp 2 --tp 2" "tp4 --tp 4" "tp2 --tp 2"; do
@@ -214,7 +199,8 @@ if [ -n "$mode" ]; then
   for step in "$@"; do
     [[ " $steps " == *" $step:"* ]] || { echo "unknown step $step; steps: $steps"; exit 1; }
   done
-  export -f wait_health start_server stop_server offline_rows $(compgen -A function "${mode}_")
+  export -f wait_health start_server stop_server offline_rows tp_decode tp_profile serve_sequential \
+    $(compgen -A function "${mode}_")
   for entry in $steps; do
     step=${entry%%:*}
     [ $# -gt 0 ] && [[ " $* " != *" $step "* ]] && continue
