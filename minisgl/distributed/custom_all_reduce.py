@@ -171,10 +171,10 @@ class CustomAllReduce:
     def takes_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the fused all-reduce + add + RMSNorm kernel takes these (the same answer on
         every rank: shapes, dtypes and layouts are the same everywhere)."""
-        rows, hidden = x.shape if x.dim() == 2 else (0, 0)
+        hidden = x.shape[-1] if x.dim() == 2 else 0
         return (
             self.takes(x) and x.dtype in (torch.float16, torch.bfloat16) and hidden % 8 == 0
-            and 0 < hidden <= self._C.CUSTOM_ALL_REDUCE_NORM_MAX_HIDDEN and rows * hidden * 2 <= self.buffer_bytes
+            and 0 < hidden <= self._C.CUSTOM_ALL_REDUCE_NORM_MAX_HIDDEN
             and residual.shape == x.shape and residual.dtype == x.dtype and weight.dtype == x.dtype
             and weight.shape == (hidden,) and all(t.is_contiguous() and t.device == self.device
                                                   and t.data_ptr() % 16 == 0 for t in (x, residual, weight))

@@ -105,7 +105,8 @@ class LlamaDecoderLayer(nn.Module):
         # With TP the row-parallel outputs (o_proj, a dense down_proj) stay unreduced partial
         # sums: the norm after each reduces them, where it can in the same kernel as its
         # residual add (RMSNorm.forward_with_residual). An MoE block reduces its own output.
-        self.mlp_partial = tp.size > 1 and isinstance(self.mlp, LlamaMLP)
+        self.attn_partial = tp.size > 1
+        self.mlp_partial = self.attn_partial and isinstance(self.mlp, LlamaMLP)
 
     def forward(
         self,
@@ -127,9 +128,9 @@ class LlamaDecoderLayer(nn.Module):
             h, residual = self.input_layernorm.forward_with_residual(x, residual, self.comm if x_partial else None)
         if aux is not None:
             aux.append(residual.clone())  # residual is updated in place by the norms below
-        partial = self.comm.tp.size > 1
-        h = self.self_attn(positions, h, batch, attn, partial=partial)
-        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual, self.comm if partial else None)
+        h = self.self_attn(positions, h, batch, attn, partial=self.attn_partial)
+        reduce = self.comm if self.attn_partial else None
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual, reduce)
         return (self.mlp(h, partial=True) if self.mlp_partial else self.mlp(h)), residual
 
 
