@@ -158,9 +158,12 @@ def test_queue_bounds_tokens() -> None:
     waiting = [req(1, 30), req(2, 20, output=10)]  # 60 tokens to prefill
     scans = []
 
-    def view() -> list[Request]:
-        scans.append(1)
-        return waiting
+    class View:  # the scheduler's waiting queue, counting the scans of it
+        def __iter__(self):  # noqa: ANN204
+            scans.append(1)
+            return iter(waiting)
+
+    view = View()
 
     assert b.refuse(view, 40, None, 0.0) is None  # 60 + 40 = 100
     code, message = b.refuse(view, 1, None, 0.0)
@@ -175,14 +178,32 @@ def test_queue_bounds_tokens() -> None:
 
 def test_queue_bounds_deadlines() -> None:
     b = QueueBounds(0)
-    assert b.refuse(lambda: [], 5, 10.0, now=10.0)[0] == QUEUE_TIMEOUT  # late already on arrival
-    assert b.refuse(lambda: [], 5, 10.0, now=9.0) is None
+    assert b.refuse([], 5, 10.0, now=10.0)[0] == QUEUE_TIMEOUT  # late already on arrival
+    assert b.refuse([], 5, 10.0, now=9.0) is None
     fresh, old, retracted, untracked = req(1, 5), req(2, 5), req(3, 5, output=2), req(4, 5)
     for r, deadline in ((fresh, 20.0), (old, 10.0), (retracted, 10.0)):
         b.track(r.uid, deadline)
     assert b.expired([fresh, old, retracted, untracked], now=15.0) == [old]
     b.forget(2)
     assert b.expired([old], now=15.0) == []
+
+
+def test_queue_bounds_scan_only_once_a_deadline_passed() -> None:
+    b, scans = QueueBounds(0), []
+    late, later = req(1, 5), req(2, 5)
+
+    class View:  # the waiting queue, counting the scans of it
+        def __iter__(self):  # noqa: ANN204
+            scans.append(1)
+            return iter([late, later])
+
+    assert b.expired(View(), now=0.0) == [] and not scans  # nothing tracked
+    b.track(1, 10.0), b.track(2, 30.0)
+    assert b.expired(View(), now=9.0) == [] and not scans  # before the earliest deadline
+    assert b.expired(View(), now=10.0) == [late] and len(scans) == 1
+    b.forget(1)
+    assert b.expired(View(), now=20.0) == [] and len(scans) == 1  # next deadline 30
+    assert b.expired(View(), now=30.0) == [later] and len(scans) == 2
 
 
 def test_scheduler_process_refuses_and_expires(tmp_path: Path) -> None:
@@ -216,7 +237,7 @@ def test_scheduler_process_refuses_and_expires(tmp_path: Path) -> None:
         waiting.append(proc.inputs.pop()[1])  # as apply_inputs does at the exchange
         proc.expire()
         assert proc.inputs == []  # not due yet
-        proc.bounds.deadlines[1] = now - 0.5
+        proc.bounds.track(1, now - 0.5)  # its deadline moved into the past
         proc.expire()
         assert proc.inputs == [("finish", 1, "abort")] and 1 not in proc.reqs
         (r1,) = decode(api.recv()).replies

@@ -189,7 +189,7 @@ class SchedulerProcess:
             param = getattr(e, "param", None) or "max_tokens"  # the KV pool's fit, unless it names its field
             send(self.to_api, ReplyBatch([UserReply(msg.uid, error=str(e), error_param=param)]))
             return
-        refused = self.bounds.refuse(lambda: self.sched.waiting, len(msg.input_ids), msg.admit_by, time.monotonic())
+        refused = self.bounds.refuse(self.sched.waiting, len(msg.input_ids), msg.admit_by, time.monotonic())
         if refused is not None:
             send(self.to_api, ReplyBatch([UserReply(msg.uid, error=refused[1], error_code=refused[0])]))
             return
@@ -267,7 +267,7 @@ class SchedulerProcess:
     def expire(self) -> None:
         """Waiting requests past their admission deadline leave the queue (on every rank, with
         the next inputs) and their clients get the 503 (scheduler/queue_bounds.py)."""
-        expired = [r for r in self.bounds.expired(self.sched.waiting, time.monotonic()) if r.uid in self.reqs]
+        expired = self.bounds.expired(self.sched.waiting, time.monotonic())  # only requests it tracks
         if not expired:
             return
         for req in expired:

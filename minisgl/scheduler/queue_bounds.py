@@ -18,7 +18,7 @@ applied before the next step on all of them alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from minisgl.scheduler.request import Request
 
@@ -38,6 +38,7 @@ class QueueBounds:
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens  # 0: no bound
         self.deadlines: dict[int, float] = {}  # uid -> admit_by, while the scheduler holds it
+        self._earliest = float("inf")  # no deadline passes before this (a lower bound: forget() keeps it)
         # The waiting tokens, counted once per batch of received messages (a scan of the queue)
         # and kept up to date by the requests accepted since (they join the queue at the next
         # exchange of inputs, after the batch).
@@ -47,15 +48,15 @@ class QueueBounds:
         self._tokens = None
 
     def refuse(
-        self, waiting: Callable[[], Iterable[Request]], prompt_len: int, admit_by: float | None, now: float
+        self, waiting: Iterable[Request], prompt_len: int, admit_by: float | None, now: float
     ) -> tuple[str, str] | None:
         """(error_code, message) when a new request must be refused, else None (it is counted).
-        `waiting`: the scheduler's waiting requests (asked for only when the count is stale)."""
+        `waiting`: the scheduler's waiting requests (scanned only when the count is stale)."""
         if admit_by is not None and now >= admit_by:  # it waited its time before reaching the queue
             return QUEUE_TIMEOUT, TIMEOUT_MESSAGE
         if self.max_tokens:
             if self._tokens is None:
-                self._tokens = waiting_tokens(waiting())
+                self._tokens = waiting_tokens(waiting)
             if self._tokens and self._tokens + prompt_len > self.max_tokens:
                 return QUEUE_TOKENS, (
                     f"the server is overloaded: {self._tokens} prompt tokens are waiting and this request's "
@@ -67,13 +68,17 @@ class QueueBounds:
     def track(self, uid: int, admit_by: float | None) -> None:
         if admit_by is not None:
             self.deadlines[uid] = admit_by
+            self._earliest = min(self._earliest, admit_by)
 
     def forget(self, uid: int) -> None:
         self.deadlines.pop(uid, None)
 
     def expired(self, waiting: Iterable[Request], now: float) -> list[Request]:
         """Waiting requests past their deadline that have produced nothing yet."""
-        if not self.deadlines:
+        if now < self._earliest:  # called every step: the queue is scanned only once a deadline passed
             return []
         get = self.deadlines.get
-        return [r for r in waiting if not r.output and get(r.uid, now + 1.0) <= now]
+        late = [r for r in waiting if not r.output and (d := get(r.uid)) is not None and d <= now]
+        late_uids = {r.uid for r in late}
+        self._earliest = min((d for u, d in self.deadlines.items() if u not in late_uids), default=float("inf"))
+        return late

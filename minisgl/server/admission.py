@@ -35,12 +35,11 @@ RETRY_AFTER_S = 1
 
 class Overloaded(ApiError):
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message, None, 503, reason, "server_overloaded")
-        self.reason = reason
+        super().__init__(message, None, 503, reason, "server_overloaded")  # code: the reason
 
     def response(self, headers: dict[str, str] | None = None, path: str | None = None) -> JSONResponse:
         extra = {"retry-after": str(RETRY_AFTER_S)}
-        if self.reason == "draining":
+        if self.code == "draining":
             extra["connection"] = "close"
         return super().response({**extra, **(headers or {})}, path)
 
@@ -56,6 +55,7 @@ class QueueLimits:
 class Admission:
     def __init__(self, limits: QueueLimits, registry: CollectorRegistry, queued: Callable[[], int]) -> None:
         self.limits = limits
+        self.queued = queued
         self.draining = False
         self.refused = Counter(
             "minisgl_requests_refused",
@@ -65,7 +65,9 @@ class Admission:
         )
         for reason in REASONS:
             self.refused.labels(reason)  # every series from the start, at 0
-        self._draining = Gauge("minisgl_draining", "1 once SIGTERM started the drain", registry=registry)
+        Gauge("minisgl_draining", "1 once SIGTERM started the drain", registry=registry).set_function(
+            lambda: float(self.draining)
+        )
         Gauge(
             "minisgl_queued_generations",
             "Generations accepted but not generating yet (tokenizing, waiting, in prefill): what --max-queued-requests "
@@ -73,8 +75,9 @@ class Admission:
             registry=registry,
         ).set_function(queued)
 
-    def check(self, queued: int, generations: int, metered: bool) -> None:
+    def check(self, generations: int, metered: bool) -> None:
         """Raises Overloaded when a new request of `generations` must be refused now."""
+        queued = self.queued()
         if self.draining:
             raise self.refuse("draining", "the server is shutting down (draining after SIGTERM); retry elsewhere")
         limit = self.limits.max_queued_requests
@@ -98,4 +101,3 @@ class Admission:
 
     def start_drain(self) -> None:
         self.draining = True
-        self._draining.set(1)

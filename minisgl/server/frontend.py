@@ -104,7 +104,7 @@ class Frontend:
         any worker serves small requests at once). `received`: when the HTTP request came in
         (the start of its hop trace, when tracing is on, and of its wait for admission).
         Raises Overloaded when admission refuses it (server/admission.py)."""
-        self.admission.check(len(self.queued), sum(len(uids) for uids in _uids_of(msgs)), metered)
+        self.admission.check(sum(len(uids) for uids in _uids_of(msgs)), metered)
         for m in msgs:
             if isinstance(m, TokenizeMsg):
                 m.uids = [next(self._next_uid) for _ in m.uids]

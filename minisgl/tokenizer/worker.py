@@ -181,9 +181,7 @@ class TokenizeHandler:
         limit = self.max_model_len
         embedding = msg.pooling is not None  # it generates nothing: its prompt may fill the context
         try:
-            if embedding and len(ids) > limit:
-                raise ValueError(f"prompt has {len(ids)} tokens but the context is {limit} tokens")
-            check_prompt(ids, limit + embedding, self.vocab_size)
+            check_prompt(ids, limit, self.vocab_size, generates=not embedding)
         except ValueError as e:
             raise RequestError(f"prompt: {e}", "prompt") from e
         # The API process validated the sampling fields (decoding does not rerun it): what is
