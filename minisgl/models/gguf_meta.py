@@ -86,12 +86,12 @@ class _Cursor:
         if elem == _STRING and count > 64:  # a vocabulary: its length is all the metadata needs
             for _ in range(count):
                 self.skip_string()
-            return _Skipped(count)
+            return Skipped(count)
         return [self.value(elem) for _ in range(count)]
 
 
 @dataclass(frozen=True)
-class _Skipped:
+class Skipped:
     """A long string array read past (the tokenizer's vocabulary and merges)."""
 
     count: int
