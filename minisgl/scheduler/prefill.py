@@ -28,12 +28,14 @@ class PrefillPlan:
         return sum(len(t) for t in self.new)
 
 
+def expected_pages(kv: RequestKV, req: Request, new_token_ratio: float) -> int:
+    """The admission estimate: the pages `req` is expected to hold when it ends."""
+    return kv.pages_for(req.seq_len + int(req.remaining_tokens * new_token_ratio))
+
+
 def reserved_pages(queues: RequestQueues, kv: RequestKV, new_token_ratio: float) -> int:
     """Pages the running requests are expected to still need (the admission estimate)."""
-    return sum(
-        max(0, kv.pages_for(r.seq_len + int(r.remaining_tokens * new_token_ratio)) - len(r.pages))
-        for r in queues.active
-    )
+    return sum(max(0, expected_pages(kv, r, new_token_ratio) - len(r.pages)) for r in queues.active)
 
 
 def admit(queues: RequestQueues, kv: RequestKV, budget: int, new_token_ratio: float,
@@ -52,8 +54,7 @@ def admit(queues: RequestQueues, kv: RequestKV, budget: int, new_token_ratio: fl
         elif waiting is not None and kv.free_rows > 0 and (logit_rows or not waiting.needs_prompt_logprobs):
             req = waiting
             match = kv.match(req)
-            tokens_needed = req.seq_len + int(req.remaining_tokens * new_token_ratio)
-            need = kv.pages_for(tokens_needed) - len(match.pages)
+            need = expected_pages(kv, req, new_token_ratio) - len(match.pages)
             alone = not queues.running and not plan.reqs
             if not alone and need + reserved > kv.available_pages:
                 break

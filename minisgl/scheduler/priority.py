@@ -16,7 +16,7 @@ Under `scheduling_policy="priority"`:
 from __future__ import annotations
 
 from minisgl.scheduler.kv import RequestKV
-from minisgl.scheduler.prefill import reserved_pages
+from minisgl.scheduler.prefill import expected_pages, reserved_pages
 from minisgl.scheduler.queues import RequestQueues
 from minisgl.scheduler.request import Request
 
@@ -47,9 +47,11 @@ def preemption_victims(queues: RequestQueues, kv: RequestKV, new_token_ratio: fl
     candidates = ([mid] if mid is not None else []) + retraction_order(lower, by_priority=True)
     if not candidates:
         return []
-    match = kv.match(head)
-    need = kv.pages_for(head.seq_len + int(head.remaining_tokens * new_token_ratio)) - len(match.pages)
     rows, reserved, available = kv.free_rows, reserved_pages(queues, kv, new_token_ratio), kv.available_pages
+    need = expected_pages(kv, head, new_token_ratio)
+    if mid is None and rows > 0 and need + reserved <= available:
+        return []  # it fits without its cached prefix: no radix walk (this runs every step)
+    need -= len(kv.match(head).pages)
 
     def fits() -> bool:
         return rows > 0 and (need + reserved <= available or len(victims) == queues.num_active)
@@ -62,7 +64,5 @@ def preemption_victims(queues: RequestQueues, kv: RequestKV, new_token_ratio: fl
         rows += 1
         own = len(victim.pages) - (len(victim.match.pages) if victim.match is not None else 0)
         available += own  # its private pages go to the cache, evictable (its match may be shared)
-        reserved -= max(
-            0, kv.pages_for(victim.seq_len + int(victim.remaining_tokens * new_token_ratio)) - len(victim.pages)
-        )
+        reserved -= max(0, expected_pages(kv, victim, new_token_ratio) - len(victim.pages))
     return victims if fits() else []

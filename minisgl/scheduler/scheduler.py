@@ -65,7 +65,6 @@ class Scheduler:
         self.grammar = GrammarRows(grammars, mc.vocab_size, ec.max_running_requests, engine.device)
         self.cache = make_prefix_cache(self.cfg.cache, engine.cfg.page_size, events)  # events: KV-cache events
         self.kv = RequestKV(engine, self.cache)
-        self.by_priority = self.cfg.scheduling_policy == "priority"
         self.queues = RequestQueues(self.cfg.scheduling_policy)
         self.inflight: deque[_InFlight] = deque()
         self.new_token_ratio = self.cfg.init_new_token_ratio
@@ -122,7 +121,7 @@ class Scheduler:
         """Raises ValueError if `req` could never run: it must fit the KV pool alone. (Its
         sampling fields were validated where it was made: the API process, the offline LLM.)
         A priority other than 0 needs the priority policy (RequestError naming it)."""
-        if req.params.priority and not self.by_priority:
+        if req.params.priority and not self.queues.by_priority:
             raise RequestError(f"priority: {req.params.priority} needs --scheduling-policy priority; this server "
                                "schedules first come, first served", "priority")
         if self.kv.pages_for(req.max_total_len) > self.engine.allocator.total_pages:
@@ -184,9 +183,10 @@ class Scheduler:
         return done
 
     def _launch_next(self) -> bool:
-        if self.by_priority and self.queues.waiting and preemption_victims(self.queues, self.kv, self.new_token_ratio):
+        q = self.queues
+        if q.by_priority and q.waiting and preemption_victims(q, self.kv, self.new_token_ratio):
             self._drain()  # retraction needs every token value on the host; some may finish here
-            for victim in preemption_victims(self.queues, self.kv, self.new_token_ratio):
+            for victim in preemption_victims(q, self.kv, self.new_token_ratio):
                 self._retract(victim)
         want_prefill = bool(self.queues.waiting or self.queues.prefilling)
         if want_prefill and self.cfg.mixed_chunk_tokens > 0 and self._decodable():
@@ -223,6 +223,8 @@ class Scheduler:
 
     def _pool(self, plan: PrefillPlan) -> PrefillPlan:
         """Runs the plan's embedding requests (scheduler/pooling.py); returns the rest of it."""
+        if all(r.pooling is None for r in plan.reqs):  # a generation server's every step: no copy
+            return plan
         pooled, rest = split_pooling(plan)
         if pooled.reqs:
             self.kv.flush()
@@ -310,7 +312,7 @@ class Scheduler:
             return reqs
         self._drain()  # retraction needs every token value on the host
         reqs = self._decodable()
-        victims = retraction_order(reqs, self.by_priority)
+        victims = retraction_order(reqs, self.queues.by_priority)
         while True:
             if all(self.kv.grow(r, r.seq_len) for r in reqs):
                 return reqs
@@ -395,5 +397,4 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.queues.remove(req)
         self.kv.release(req)
-        if self.spec is not None:
-            self.spec.release(req)
+        self.engine.release_request(req.uid)  # a drafter's state (nothing without one)

@@ -53,9 +53,6 @@ class SpecStep:
         the gate is open (it counts the steps it turns into plain ones)."""
         return self.draft_tokens(batch_size) > 0 and self.gate.open()
 
-    def release(self, req: Request) -> None:
-        self.engine.release_request(req.uid)
-
     # ---- the speculative step ----
 
     def run(self, reqs: list[Request]) -> list[Request]:
