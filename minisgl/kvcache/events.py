@@ -24,37 +24,25 @@ publishes them (message/kv_events.py holds the wire format):
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections.abc import Sequence
 from typing import Any
 
-_HEADS = ((24, ">B"), (25, ">H"), (26, ">I"), (27, ">Q"))  # (additional info, argument) of 1, 2, 4, 8 bytes
-
 
 def _head(major: int, value: int) -> bytes:
-    """A CBOR item head with its argument in the fewest bytes (canonical)."""
+    """A CBOR item head with its argument in the fewest bytes (canonical); per token of every
+    stored page, so plain branches (struct was 3x slower here)."""
+    m = major << 5
     if value < 24:
-        return bytes([(major << 5) | value])
-    for info, fmt in _HEADS:
-        if value < 1 << (8 * struct.calcsize(fmt)):
-            return bytes([(major << 5) | info]) + struct.pack(fmt, value)
+        return bytes((m | value,))
+    for info, size in ((24, 1), (25, 2), (26, 4), (27, 8)):
+        if value < 1 << (8 * size):
+            return bytes((m | info,)) + value.to_bytes(size, "big")
     raise ValueError(f"{value} does not fit a CBOR integer head")
 
 
-def cbor(obj: Any) -> bytes:
-    """Canonical CBOR of the few types the hash needs: ints, text, lists and None."""
-    if obj is None:
-        return b"\xf6"
-    if isinstance(obj, bool):
-        raise TypeError("booleans are not part of the block hash")
-    if isinstance(obj, int):
-        return _head(0, obj) if obj >= 0 else _head(1, -1 - obj)
-    if isinstance(obj, str):
-        data = obj.encode()
-        return _head(3, len(data)) + data
-    if isinstance(obj, (list, tuple)):
-        return _head(4, len(obj)) + b"".join(cbor(x) for x in obj)
-    raise TypeError(f"cannot hash a {type(obj).__name__}")
+def _text(value: str) -> bytes:
+    data = value.encode()
+    return _head(3, len(data)) + data
 
 
 def low64(data: bytes) -> int:
@@ -68,7 +56,7 @@ class CacheEvents:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
-        self.root = low64(cbor(hash_seed))
+        self.root = low64(_text(hash_seed))
         self._pending: list[tuple[Any, ...]] = []
 
     def block_hashes(self, parent: int | None, token_ids: Sequence[int]) -> list[int]:
@@ -76,10 +64,10 @@ class CacheEvents:
         (None: they start the sequence)."""
         ps = self.page_size
         out, h = [], self.root if parent is None else parent
+        triple, page = _head(4, 3), _head(4, ps)  # the list heads of [parent, [tokens...], null]
         for start in range(0, len(token_ids) - ps + 1, ps):
-            # The block's encoding by hand: [parent, [tokens...], null] (one list head each).
-            body = _head(4, 3) + cbor(h) + _head(4, ps) + b"".join(_head(0, t) for t in token_ids[start : start + ps])
-            h = low64(body + b"\xf6")
+            tokens = b"".join(_head(0, t) for t in token_ids[start : start + ps])
+            h = low64(triple + _head(0, h) + page + tokens + b"\xf6")
             out.append(h)
         return out
 

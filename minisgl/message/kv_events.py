@@ -40,6 +40,8 @@ from typing import Any
 import msgpack
 import zmq
 
+from minisgl.logging_setup import get_logger
+
 MEDIUM = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -164,13 +166,16 @@ def encode_batch(events: list[tuple[Any, ...]], block_size: int, dp_rank: int, t
     return msgpack.packb(batch, use_bin_type=True)
 
 
+log = get_logger("minisgl.kv_events")
+
+
 class KVEventPublisher:
     """The PUB socket (and the replay ROUTER), served by a thread of their own: the scheduler
     hands each batch over an inproc socket and never waits on a subscriber. The sockets are
     bound or connected here, so a taken port fails the scheduler's start."""
 
     def __init__(self, cfg: KVEventsConfig, block_size: int, dp_rank: int = 0) -> None:
-        self.cfg, self.block_size, self.dp_rank = cfg, block_size, dp_rank
+        self.block_size, self.dp_rank = block_size, dp_rank
         self.endpoint = endpoint_for(cfg.endpoint, dp_rank)
         self.replay_endpoint = None if cfg.replay_endpoint is None else endpoint_for(cfg.replay_endpoint, dp_rank)
         self._ctx = zmq.Context()
@@ -206,6 +211,9 @@ class KVEventPublisher:
             self._feed.send(encode_batch(events, self.block_size, self.dp_rank), zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1
+            if self.dropped % 1000 == 1:  # the first, then every 1000th: loud, not a flood
+                log.warning("KV events: %d batch(es) dropped so far (the publisher thread fell behind; "
+                            "subscribers see a gap in the sequence numbers and can replay)", self.dropped)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
