@@ -141,6 +141,12 @@ def test_cached_tokens(client: openai.OpenAI) -> None:
         )
     )
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // PAGE * PAGE
+    answers = [client.responses.create(model=NAME, input="asked of the Responses API", max_output_tokens=2)
+               for _ in range(2)]
+    n = answers[1].usage.input_tokens
+    # (the first shares the template's head with the chat requests above)
+    assert answers[0].usage.input_tokens_details.cached_tokens < answers[1].usage.input_tokens_details.cached_tokens
+    assert answers[1].usage.input_tokens_details.cached_tokens == (n - 1) // PAGE * PAGE
 
 
 def test_flush_cache(http: httpx.Client, client: openai.OpenAI) -> None:

@@ -18,7 +18,6 @@ from typing import Any
 from minisgl.models.source import ModelSource
 
 TASKS = ("auto", "generate", "embed")
-POOLINGS = ("last", "mean", "cls")
 _ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 _ST_UNSUPPORTED = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 

@@ -14,9 +14,7 @@ from pydantic import BaseModel, Field, create_model
 
 from minisgl.server.capabilities import NO_REASONING_PARSER, NO_TOOL_PARSER, refused
 from minisgl.server.protocol_structured import NEEDS_COMPILE, ToolName
-from minisgl.server.protocol_types import Limits, Strict, int_in
-
-NO_EFFECT = "accepted for compatibility; does not change the output"
+from minisgl.server.protocol_types import NO_EFFECT, Limits, Strict, int_in
 
 
 class CacheControl(Strict):

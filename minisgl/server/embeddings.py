@@ -26,7 +26,7 @@ from minisgl.server import openapi_doc
 from minisgl.server.build import Job
 from minisgl.server.capabilities import EMBED_ONLY, GENERATE_ONLY
 from minisgl.server.errors import ApiError
-from minisgl.server.protocol_types import Limits, Strict, int_in, text_or_ids
+from minisgl.server.protocol_types import NO_EFFECT, Limits, Strict, int_in, text_or_ids
 from minisgl.server.stages import Stages
 
 MAX_INPUTS = 2048  # OpenAI's bound on inputs per request
@@ -56,7 +56,7 @@ class EmbeddingRequest(Strict):
     )
     normalize: bool = Field(default=True, description="L2-normalise each embedding (after truncating)")
     add_special_tokens: bool = Field(default=True, description="add the tokenizer's special tokens to text inputs")
-    user: str | None = Field(default=None, description="accepted for compatibility; does not change the output")
+    user: str | None = Field(default=None, description=NO_EFFECT)
 
 
 def finish_vector(raw: bytes, dimensions: int | None, normalize: bool, encoding: str) -> Any:

@@ -28,6 +28,7 @@ from minisgl.server.protocol_structured import (
 from minisgl.server.protocol_types import (
     MAX_LOGPROBS,
     MAX_N,
+    NO_EFFECT,
     SEED_MAX,
     SEED_MIN,
     Int,
@@ -41,7 +42,6 @@ from minisgl.server.protocol_types import (
 
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 Logprobs = int_in(0, MAX_LOGPROBS)
-NO_EFFECT = "accepted for compatibility; does not change the output"
 PRIORITY = (
     "vLLM's: the request's place in the queue under --scheduling-policy priority, smaller first (ties keep "
     "arrival order); a server scheduling fcfs refuses any value but 0"

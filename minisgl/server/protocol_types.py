@@ -19,6 +19,10 @@ SEED_MIN, SEED_MAX = -(2**53 - 1), 2**53 - 1
 _CANONICAL_INT = re.compile(r"0|[1-9][0-9]*")
 
 
+# The description of a field taken only so that clients written for other servers work.
+NO_EFFECT = "accepted for compatibility; does not change the output"
+
+
 def _integral(value: Any) -> Any:
     # JSON Schema counts 1.0 as an integer; Python's json reads it as a float.
     return int(value) if type(value) is float and value.is_integer() else value

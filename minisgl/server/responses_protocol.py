@@ -15,9 +15,8 @@ from pydantic import AfterValidator, BaseModel, Discriminator, Field, Tag, creat
 
 from minisgl.server.capabilities import NO_REASONING_PARSER, NO_TOOL_PARSER, STATELESS, refused
 from minisgl.server.protocol_structured import NEEDS_COMPILE, ToolName
-from minisgl.server.protocol_types import Limits, Strict, int_in
+from minisgl.server.protocol_types import NO_EFFECT, Limits, Strict, int_in
 
-NO_EFFECT = "accepted for compatibility; does not change the output"
 Status = Literal["in_progress", "completed", "incomplete"] | None
 
 

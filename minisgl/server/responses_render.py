@@ -71,10 +71,10 @@ def finished(resp: dict[str, Any], output: list[dict[str, Any]], t: ChoiceTracke
     resp["output"] = output
     resp["status"] = "incomplete" if finish == "length" else "completed"
     resp["incomplete_details"] = {"reason": "max_output_tokens"} if finish == "length" else None
-    # Neither the prefix-cache hits nor the reasoning tokens are counted per request here: 0.
+    # The reasoning tokens are not counted per request here: 0.
     resp["usage"] = {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": t.cached_tokens[0]},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
