@@ -40,8 +40,10 @@ def gguf_tokenizer_folder(gguf: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{folder}.lock"):
         if not folder.is_dir():  # else another process converted it while we waited
-            tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)  # a conversion killed midway
+            # One name, used only under the lock: whatever a killed or timed-out conversion left
+            # there is removed by the next one (a per-process name would pile up).
+            tmp = folder.with_name(f"{folder.name}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
             _convert_in_child(gguf, tmp)
             os.replace(tmp, folder)
     return folder
