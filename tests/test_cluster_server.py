@@ -98,9 +98,10 @@ def test_vllm_profile_gauges(http: httpx.Client, client: openai.OpenAI) -> None:
 
     assert wait_for(busy, 30)
     usage = _families(http)["vllm:kv_cache_usage_perc"].samples[0].value
-    assert 0 < usage <= 1 and usage == pytest.approx(
-        metric(http, "minisgl_kv_slots_used") / metric(http, "minisgl_kv_slots_total"), abs=0.05
-    )
+    total = metric(http, "minisgl_kv_slots_total")
+    # The one running request holds its own pages (a random prompt: nothing cached): 31 to
+    # 180 tokens of them, a page ahead at most.
+    assert -(-31 // PAGE) * PAGE / total <= usage <= (-(-180 // PAGE) + 1) * PAGE / total
     stream.close()  # aborts it
 
 

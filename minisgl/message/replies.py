@@ -113,6 +113,16 @@ class StatsMsg:
     spec_accepted: int = 0
     spec_verified: int = 0
 
+    @property
+    def kv_usage(self) -> float:
+        """The share of the KV pool in use, in [0, 1]."""
+        return self.kv_used / self.kv_total if self.kv_total else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """The share of admitted prompt tokens served from the prefix cache."""
+        return self.cache_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
 
 @message
 @dataclass

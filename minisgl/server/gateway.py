@@ -49,8 +49,8 @@ def load_entries(frontend: Frontend, max_running: int, sections: set[str]) -> li
                 num_total_reqs=s.running + s.queued,
                 num_used_tokens=s.kv_used,
                 max_total_num_tokens=s.kv_total,
-                token_usage=s.kv_used / s.kv_total if s.kv_total else 0.0,
-                cache_hit_rate=s.cache_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                token_usage=s.kv_usage,
+                cache_hit_rate=s.cache_hit_rate,
                 max_running_requests=max_running,
             )
         out.append(entry)

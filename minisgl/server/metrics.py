@@ -92,7 +92,7 @@ class Metrics:
         self.queued.set(s.queued)
         self.kv_used.set(s.kv_used)
         self.kv_total.set(s.kv_total)
-        self.cache_hit_rate.set(s.cache_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
+        self.cache_hit_rate.set(s.cache_hit_rate)
         proposed, accepted = self._spec_seen
         self.spec_proposed.inc(max(0, s.spec_proposed - proposed))
         self.spec_accepted.inc(max(0, s.spec_accepted - accepted))

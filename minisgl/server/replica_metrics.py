@@ -63,7 +63,7 @@ class ReplicaStats:
             labels=["dp_rank"],
         )
         for rank, s in reports:
-            hit.add_metric([str(rank)], s.cache_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0)
+            hit.add_metric([str(rank)], s.cache_hit_rate)
         yield hit
         for name, doc, attr in _COUNTERS:
             c = CounterMetricFamily(name, doc, labels=["dp_rank"])

@@ -45,6 +45,6 @@ class VllmProfile:
             key = [self.model_name, str(rank)]
             waiting.add_metric(key, s.queued)
             running.add_metric(key, s.running)
-            usage.add_metric(key, s.kv_used / s.kv_total if s.kv_total else 0.0)
+            usage.add_metric(key, s.kv_usage)
             info.add_metric([str(rank), str(self.page_size), str(s.kv_total // self.page_size)], 1.0)
         yield from (waiting, running, usage, info)
