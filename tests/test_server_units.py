@@ -324,7 +324,7 @@ def test_scheduler_process_add_checks_only_kv_fit(tmp_path: Path, monkeypatch: p
 
     engine = SimpleNamespace(model_config=SimpleNamespace(eos_token_ids=[2]), tp=SimpleNamespace(rank=0, size=1),
                              cpu_group=None, max_model_len=64)
-    sched = SimpleNamespace(add_check=add_check, grammar=SimpleNamespace(compiler=None))
+    sched = SimpleNamespace(add_check=add_check, grammar=SimpleNamespace(compiler=None), waiting=[])
     addrs = Addresses.ipc(tmp_path, 1)
     ctx = zmq.Context()
     api = ctx.socket(zmq.PULL)
