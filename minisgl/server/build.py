@@ -25,7 +25,7 @@ from minisgl.server.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
-from minisgl.server.protocol_types import Limits
+from minisgl.server.protocol_types import Limits, as_json_data
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -129,17 +129,12 @@ class Builder:
     def plan(self, req: ChatCompletionRequest | CompletionRequest) -> ChatPlan:
         """The output constraint and tool handling of a chat or completions request (400 naming
         the field)."""
-
-        def dump(obj: Any) -> Any:
-            return obj.model_dump(by_alias=True, exclude_none=True) if hasattr(obj, "model_dump") else obj
-
-        tools = getattr(req, "tools", None)
-        tools = None if tools is None else [dump(t) for t in tools]
+        tools = as_json_data(getattr(req, "tools", None))
         parallel = getattr(req, "parallel_tool_calls", None) is not False
-        choice = dump(getattr(req, "tool_choice", None))
+        choice = as_json_data(getattr(req, "tool_choice", None))
         try:
-            return plan_chat(dump(req.response_format), req.regex, req.ebnf, tools, choice, parallel,
-                             self.features.tool_format, dump(req.structured_outputs))
+            return plan_chat(as_json_data(req.response_format), req.regex, req.ebnf, tools, choice, parallel,
+                             self.features.tool_format, as_json_data(req.structured_outputs))
         except ValueError as e:
             raise ApiError(str(e), str(e).split(":", 1)[0]) from e
 
