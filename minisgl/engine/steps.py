@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 
@@ -63,11 +64,8 @@ class StepCalls:
         st = self._sampling_tensors(reqs, v.generated)
         self._rebuild_histories(reqs, v.fresh_history)
         mask = masked = None
-        if v.mask is not None and v.masked is not None and any(v.masked):
-            first_rows, first = [], 0
-            for d in drafts:
-                first_rows.append(first)
-                first += 1 + len(d)
+        if v.mask is not None:  # (a mask comes only with a request it masks: SpecStep._grammar_mask)
+            first_rows = list(accumulate((1 + len(d) for d in drafts[:-1]), initial=0))  # each request's first row
             mask, masked = (lambda logits: v.mask(logits, first_rows)), v.masked
         plan = VerifyPlan.build([r.logits_spec for r in reqs], v.generated, drafts, rows,
                                 [r.report_logprobs for r in reqs], kmax + 1, self.device, mask, masked)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minisgl.core.model_config import BASE_MODELS
 from minisgl.models.source import ModelSource
 
 TASKS = ("auto", "generate", "embed")
@@ -47,7 +48,7 @@ def _pooling_folder(folder: Path) -> Path | None:
 
 def _is_base_model(folder: Path) -> bool:
     archs = (_read(folder / "config.json") or {}).get("architectures") or []
-    return bool(archs) and archs[0].endswith("Model") and not archs[0].endswith("ForCausalLM")
+    return bool(archs) and archs[0] in BASE_MODELS
 
 
 def resolve_task(source: ModelSource, task: str) -> str:
