@@ -244,3 +244,6 @@ def test_schema_states_the_one_constraint_rule(plain_app) -> None:  # noqa: ANN0
     for model, route, body, ok in cases:
         assert valid(model, body) is ok, body
         assert (client.post(route, json=body).status_code == 200) is ok, body
+    both = client.post("/generate", json={"text": "x", "sampling_params": {"regex": "a", "ebnf": "b"}}).json()["error"]
+    assert both["param"] == "sampling_params.ebnf", both
+    assert both["message"].startswith("sampling_params.ebnf: cannot be combined with sampling_params.regex"), both

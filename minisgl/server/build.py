@@ -15,7 +15,7 @@ from minisgl.core.sampling_params import RequestError, SamplingParams, checked_s
 from minisgl.message import TokenizeMsg
 from minisgl.models.sampling_defaults import OPENAI_DEFAULTS
 from minisgl.parsers.tool_formats import ToolFormat
-from minisgl.server.chat_request import ChatFeatures, ChatPlan, plan_chat, template_messages
+from minisgl.server.chat_request import ChatFeatures, ChatPlan, one_constraint, plan_chat, template_messages
 from minisgl.server.errors import ApiError
 from minisgl.server.protocol import (
     ChatCompletionRequest,
@@ -183,10 +183,10 @@ class Builder:
         top = req.top_logprobs_num if req.return_logprob else 0
         grammar = {f: getattr(sp, f) for f in ("json_schema", "regex", "ebnf") if getattr(sp, f) is not None}
         names.update({f: f"sampling_params.{f}" for f in grammar})  # one at most: the schema says so
-        if len(grammar) > 1:
-            second = list(grammar)[1]
-            raise ApiError(f"sampling_params.{second}: cannot be combined with sampling_params.{list(grammar)[0]} "
-                           "(one output constraint at most)", f"sampling_params.{second}")
+        try:
+            one_constraint([names[f] for f in grammar])
+        except ValueError as e:
+            raise ApiError(str(e), str(e).split(":", 1)[0]) from e
         sampling = self.sampling(sp, sp.max_new_tokens, names, min_tokens=sp.min_new_tokens, top_logprobs=top,
                                  priority=req.priority, **grammar)
         prompt = {"text": req.text} if req.text is not None else {"input_ids": req.input_ids}

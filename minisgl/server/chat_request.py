@@ -138,11 +138,16 @@ def plan_chat(
         if mode in ("required", "named"):
             tag = tool_call_structural_tag(tool_format, allowed, parallel_tool_calls and mode == "required")
             grammars.append(("tool_choice", {"structural_tag": json.dumps(tag)}))
-    if len(grammars) > 1:
-        raise ValueError(f"{grammars[1][0]}: cannot be combined with {grammars[0][0]} (one output constraint at most)")
+    one_constraint([field for field, _ in grammars])
     if grammars:
         plan.grammar_field, plan.grammar = grammars[0]
     return plan
+
+
+def one_constraint(fields: list[str]) -> None:
+    """The one-output-constraint rule: a ValueError naming the second of `fields` and the first."""
+    if len(fields) > 1:
+        raise ValueError(f"{fields[1]}: cannot be combined with {fields[0]} (one output constraint at most)")
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
