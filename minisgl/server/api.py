@@ -143,8 +143,7 @@ def build_app(frontend: Frontend, info: ServerInfo) -> FastAPI:
     async def detokenize(req: P.detokenize, request: Request) -> dict[str, str]:  # type: ignore[valid-type]
         """vLLM's: `{tokens}` -> `{prompt}` (special tokens kept)."""
         builder.check_model(req.model)
-        handle = frontend.submit([DecodeMsg(0, list(req.tokens))], metered=False)
-        return {"prompt": (await frontend.first_reply(handle, request)).text}
+        return {"prompt": (await stages.tokenize(DecodeMsg(0, list(req.tokens)), {}, request)).text}
 
     @app.get("/health", responses={503: {"description": "a server process is gone, or the server is draining"}})
     async def health() -> Response:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.message import TokenizeMsg, UserReply
+from minisgl.message import DecodeMsg, TokenizeMsg, UserReply
 from minisgl.server.build import Builder, Job
 from minisgl.server.errors import ApiError, from_validation
 from minisgl.server.frontend import Frontend
@@ -64,8 +64,9 @@ class Stages:
         tracker = ChoiceTracker(handle.uids, job.n)
         return self.frontend.replies(handle, first, None if job.stream else request), tracker, rid
 
-    async def tokenize(self, msg: TokenizeMsg, names: dict[str, str], request: Any) -> UserReply:
-        """The prompt's token ids (a `mode="tokenize"` message), unmetered."""
+    async def tokenize(self, msg: TokenizeMsg | DecodeMsg, names: dict[str, str], request: Any) -> UserReply:
+        """The prompt's token ids (a `mode="tokenize"` message), or ids' text (a DecodeMsg): one
+        reply, unmetered."""
         handle = self.frontend.submit([msg], names, metered=False)
         return await self.frontend.first_reply(handle, request)
 
