@@ -20,14 +20,10 @@ from minisgl.logging_setup import get_logger
 from minisgl.message import UserReply
 from minisgl.server.build import Job
 from minisgl.server.chat_output import ChatOutput
-from minisgl.server.errors import ApiError, internal_error
 from minisgl.server.render import ChoiceTracker
+from minisgl.server.stream import guarded_stream, sse_event
 
 log = get_logger("minisgl.server")
-
-
-def sse_event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
 
 def output_parser(job: Job, t: ChoiceTracker) -> ChatOutput:
@@ -168,14 +164,4 @@ async def message_events(
 
 
 def anthropic_stream(body: AsyncIterator[str], request_id: str) -> StreamingResponse:
-    async def guarded() -> AsyncIterator[str]:
-        try:
-            async for chunk in body:
-                yield chunk
-        except ApiError as e:
-            yield sse_event("error", {"error": e.anthropic_body()["error"]})
-        except Exception:  # noqa: BLE001 - the status is sent: report in-band, keep serving
-            log.exception("internal error while streaming (request id %s)", request_id)
-            yield sse_event("error", {"error": internal_error(request_id).anthropic_body()["error"]})
-
-    return StreamingResponse(guarded(), media_type="text/event-stream")
+    return guarded_stream(body, request_id, lambda e, _: sse_event("error", {"error": e.anthropic_body()["error"]}))

@@ -11,7 +11,6 @@ tool calls, text), as a `response` object with its output items (`reasoning`, `m
 Once the 200 is out an error can only be an `error` event (a refused request got its 4xx first).
 """
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,8 +22,9 @@ from minisgl.logging_setup import get_logger
 from minisgl.message import UserReply
 from minisgl.server.build import Job
 from minisgl.server.chat_output import ChatOutput
-from minisgl.server.errors import ApiError, internal_error
+from minisgl.server.errors import ApiError
 from minisgl.server.render import ChoiceTracker
+from minisgl.server.stream import guarded_stream, sse_event
 
 log = get_logger("minisgl.server")
 
@@ -136,9 +136,8 @@ class _Events:
         self.text = ""
 
     def event(self, kind: str, **data: Any) -> str:
-        body = {"type": kind, **data, "sequence_number": self.seq}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return sse_event(kind, {**data, "sequence_number": self.seq - 1})
 
     def _where(self) -> dict[str, Any]:
         assert self.item is not None
@@ -241,21 +240,10 @@ async def response_events(
 
 
 def responses_stream(body: AsyncIterator[str], request_id: str) -> StreamingResponse:
-    async def guarded() -> AsyncIterator[str]:
-        seq = 0
-        try:
-            async for chunk in body:
-                seq += 1
-                yield chunk
-        except ApiError as e:
-            yield _error_event(e, seq)
-        except Exception:  # noqa: BLE001 - the status is sent: report in-band, keep serving
-            log.exception("internal error while streaming (request id %s)", request_id)
-            yield _error_event(internal_error(request_id), seq)
-
-    return StreamingResponse(guarded(), media_type="text/event-stream")
+    """Each event is one chunk, so the error event's sequence number is the chunks sent."""
+    return guarded_stream(body, request_id, _error_event)
 
 
 def _error_event(e: ApiError, seq: int) -> str:
-    body = {"type": "error", "code": e.code or e.kind, "message": e.message, "param": e.param, "sequence_number": seq}
-    return f"event: error\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+    error = {"code": e.code or e.kind, "message": e.message, "param": e.param}
+    return sse_event("error", {**error, "sequence_number": seq})

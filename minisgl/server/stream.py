@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -36,19 +36,38 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def event_stream(body: AsyncIterator[str], request_id: str) -> StreamingResponse:
+def sse_event(kind: str, data: dict[str, Any]) -> str:
+    """A named SSE event whose data starts with its type (Anthropic's and Responses' streams)."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+
+def guarded_stream(
+    body: AsyncIterator[str], request_id: str, error_event: Callable[[ApiError, int], str], done: str = ""
+) -> StreamingResponse:
+    """Streams `body`. The status is sent by then, so an error is reported in-band, as the
+    route's API writes one (`error_event(error, chunks sent so far)`), and the server keeps
+    serving; `done` closes the stream either way."""
+
     async def guarded() -> AsyncIterator[str]:
+        sent = 0
         try:
             async for chunk in body:
+                sent += 1
                 yield chunk
         except ApiError as e:
-            yield sse(e.body())
+            yield error_event(e, sent)
         except Exception:  # noqa: BLE001 - the status is sent: report in-band, keep serving
             log.exception("internal error while streaming (request id %s)", request_id)
-            yield sse(internal_error(request_id).body())
-        yield SSE_DONE
+            yield error_event(internal_error(request_id), sent)
+        if done:
+            yield done
 
     return StreamingResponse(guarded(), media_type="text/event-stream")
+
+
+def event_stream(body: AsyncIterator[str], request_id: str) -> StreamingResponse:
+    """The OpenAI routes' stream: an error as a data event with the error object, then [DONE]."""
+    return guarded_stream(body, request_id, lambda e, _: sse(e.body()), SSE_DONE)
 
 
 async def openai_events(
