@@ -121,3 +121,22 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str],
         return built[name]
 
     return get
+
+
+# The in-process API over the fake backend (tests/api_fake.py), one per module (each module then
+# reads its own backend's history): plain, and with hermes tool calls and qwen3 reasoning.
+@pytest.fixture(scope="module")
+def plain_app():  # noqa: ANN201
+    from api_fake import make_client
+
+    return make_client()
+
+
+@pytest.fixture(scope="module")
+def tools_app():  # noqa: ANN201
+    from api_fake import make_client
+
+    from minisgl.parsers.tool_formats import TOOL_FORMATS
+    from minisgl.server.chat_request import ChatFeatures
+
+    return make_client(features=ChatFeatures(TOOL_FORMATS["hermes"], "qwen3"))

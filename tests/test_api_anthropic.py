@@ -11,9 +11,6 @@ import json
 import pytest
 from api_fake import REJECT, SAY, make_client
 
-from minisgl.parsers.tool_formats import TOOL_FORMATS
-from minisgl.server.chat_request import ChatFeatures
-
 MSG = "/v1/messages"
 BODY = {"model": "tiny", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
 TOOLS = [
@@ -24,16 +21,6 @@ TOOLS = [
     }
 ]
 CALL = 'plan</think>Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def tools_app():  # noqa: ANN201
-    return make_client(features=ChatFeatures(TOOL_FORMATS["hermes"], "qwen3"))
-
-
-@pytest.fixture(scope="module")
-def plain_app():  # noqa: ANN201
-    return make_client()
 
 
 def events(client, body: dict) -> list[tuple[str, dict]]:  # noqa: ANN001

@@ -8,10 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from api_fake import REJECT, SAY, make_client
-
-from minisgl.parsers.tool_formats import TOOL_FORMATS
-from minisgl.server.chat_request import ChatFeatures
+from api_fake import REJECT, SAY
 
 RESP = "/v1/responses"
 TOOLS = [
@@ -23,16 +20,6 @@ TOOLS = [
 ]
 CALL = 'plan</think>Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
-
-
-@pytest.fixture(scope="module")
-def tools_app():  # noqa: ANN201
-    return make_client(features=ChatFeatures(TOOL_FORMATS["hermes"], "qwen3"))
-
-
-@pytest.fixture(scope="module")
-def plain_app():  # noqa: ANN201
-    return make_client()
 
 
 def events(client, body: dict) -> list[dict]:  # noqa: ANN001

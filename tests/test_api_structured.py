@@ -9,11 +9,8 @@ import json
 
 import jsonschema
 import pytest
-from api_fake import REJECT, SAY, make_client
+from api_fake import REJECT, SAY
 from server_harness import sse_events
-
-from minisgl.parsers.tool_formats import TOOL_FORMATS
-from minisgl.server.chat_request import ChatFeatures
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
@@ -21,16 +18,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 CALLS = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
-
-
-@pytest.fixture(scope="module")
-def tools_app():  # noqa: ANN201
-    return make_client(features=ChatFeatures(TOOL_FORMATS["hermes"], "qwen3"))
-
-
-@pytest.fixture(scope="module")
-def plain_app():  # noqa: ANN201
-    return make_client()
 
 
 def stream(client, body: dict) -> list[dict]:  # noqa: ANN001
