@@ -37,8 +37,13 @@ def _alone(llm: LLM, prompt: list[int], max_tokens: int) -> list[int]:
     return llm.generate([prompt], params, use_tqdm=False)[0]["token_ids"]
 
 
+def _llm(model: str, **kw) -> LLM:  # noqa: ANN003
+    """A CPU LLM with small pages under the priority policy (kw overrides, e.g. the pool size)."""
+    return LLM(model, **{"device": "cpu", "dtype": "float32", "page_size": 4, "scheduling_policy": "priority", **kw})
+
+
 def test_waiting_queue_order_and_fcfs_refusal(model: str) -> None:
-    llm = LLM(model, device="cpu", dtype="float32", scheduling_policy="priority", num_pages=64, page_size=4)
+    llm = _llm(model, num_pages=64)
     sched = llm.scheduler
     reqs = [_req(llm, p, 2, prio) for p, prio in zip(_prompts(7, 6, 1), [3, 1, 3, -2, 1, 3, 0])]
     for r in reqs:
@@ -46,7 +51,7 @@ def test_waiting_queue_order_and_fcfs_refusal(model: str) -> None:
     # Equal priorities keep their arrival order.
     want = sorted(range(7), key=lambda i: (reqs[i].params.priority, i))
     assert [reqs.index(r) for r in sched.waiting] == want
-    fcfs = LLM(model, device="cpu", dtype="float32", num_pages=64, page_size=4)
+    fcfs = _llm(model, num_pages=64, scheduling_policy="fcfs")
     with pytest.raises(ValueError, match="^priority: .*--scheduling-policy priority") as e:
         fcfs.scheduler.add(_req(fcfs, [5, 6, 7], 2, 1))
     assert e.value.param == "priority"
@@ -69,16 +74,7 @@ def test_high_priority_admitted_at_the_next_step_through_a_full_pool(model: str,
     """Five low-priority (5) requests, each needing ~17 of the pool's 40 pages: two run, three
     wait. A priority-0 request is admitted by the very next step (a low one is retracted to make
     room) and finishes before any waiting low one starts; at equal priority it waits its turn."""
-    llm = LLM(
-        model,
-        device="cpu",
-        dtype="float32",
-        scheduling_policy="priority",
-        num_pages=40,
-        page_size=4,
-        max_prefill_tokens=64,
-        mixed_chunk_tokens=64,
-    )
+    llm = _llm(model, num_pages=40, max_prefill_tokens=64, mixed_chunk_tokens=64)
     sched = llm.scheduler
     lows = [_req(llm, p, 60, 5) for p in _prompts(5, 8, 2)]
     for r in lows:
@@ -108,17 +104,7 @@ def test_high_priority_admitted_at_the_next_step_through_a_full_pool(model: str,
 def test_kv_pressure_retracts_the_lowest_priority_first(model: str) -> None:
     """An admission estimate of 0 lets every request in; the decodes then outgrow the pool and
     requests are retracted: each time the lowest priority of those holding KV."""
-    llm = LLM(
-        model,
-        device="cpu",
-        dtype="float32",
-        scheduling_policy="priority",
-        num_pages=24,
-        page_size=4,
-        init_new_token_ratio=0.0,
-        min_new_token_ratio=0.0,
-        new_token_ratio_decay=0.0,
-    )
+    llm = _llm(model, num_pages=24, init_new_token_ratio=0.0, min_new_token_ratio=0.0, new_token_ratio_decay=0.0)
     sched = llm.scheduler
     reqs = [_req(llm, p, 24, prio) for p, prio in zip(_prompts(4, 8, 4), [3, 1, 7, 2])]
     victims: list[tuple[int, int]] = []
