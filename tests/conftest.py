@@ -140,3 +140,13 @@ def tools_app():  # noqa: ANN201
     from minisgl.server.chat_request import ChatFeatures
 
     return make_client(features=ChatFeatures(TOOL_FORMATS["hermes"], "qwen3"))
+
+
+@pytest.fixture(scope="session")
+def greedy_llama(tiny_model_path: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama3 model with generation_config temperature 0: requests that leave
+    temperature out decode greedily (sampling over the 49k vocabulary costs the CPU far more
+    than the tiny model itself). Built once per session."""
+    from server_harness import model_variant
+
+    return model_variant(tiny_model_path("llama3"), tmp_path_factory.mktemp("greedy") / "m", {"temperature": 0.0})

@@ -12,23 +12,18 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import Server, alive, child_pids, metric, model_variant, wait_for
+from server_harness import Server, alive, child_pids, metric, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from raw_http import Reply, request  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPTS = [f"stream {i}: tell me about the sea and the mountains" for i in range(16)]
-
-
-@pytest.fixture(scope="module")
-def greedy_model(tiny_model_path: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return model_variant(tiny_model_path("llama3"), tmp_path_factory.mktemp("greedy") / "m", {"temperature": 0.0})
 
 
 @pytest.fixture(autouse=True)
@@ -84,8 +79,8 @@ def assert_stopped_clean(s: Server, kids: set[int], folder: str, code: int) -> N
     assert not Path(folder).exists()
 
 
-def test_16_streams_finish_during_the_drain(greedy_model: Path, tmp_path: Path) -> None:
-    s = Server("--model", str(greedy_model), "--num-tokenizers", "1", cwd=tmp_path)
+def test_16_streams_finish_during_the_drain(greedy_llama: Path, tmp_path: Path) -> None:
+    s = Server("--model", str(greedy_llama), "--num-tokenizers", "1", cwd=tmp_path)
     try:
         http = httpx.Client(base_url=s.url, timeout=60)
         folder = re.search(r"IPC sockets in (\S+)", s.output).group(1)
@@ -119,10 +114,10 @@ def per_replica(http: httpx.Client, name: str) -> list[float]:
 
 
 def test_dp_replicas_drain_together_and_the_timeout_cuts_with_an_error_event(
-    greedy_model: Path, tmp_path: Path
+    greedy_llama: Path, tmp_path: Path
 ) -> None:
     s = Server(
-        "--model", str(greedy_model), "--dp", "2", "--num-tokenizers", "0", "--shutdown-timeout", "1", cwd=tmp_path
+        "--model", str(greedy_llama), "--dp", "2", "--num-tokenizers", "0", "--shutdown-timeout", "1", cwd=tmp_path
     )
     try:
         http = httpx.Client(base_url=s.url, timeout=60)
@@ -150,8 +145,8 @@ def test_dp_replicas_drain_together_and_the_timeout_cuts_with_an_error_event(
         s.stop(signal.SIGKILL)
 
 
-def test_a_second_signal_stops_at_once(greedy_model: Path, tmp_path: Path) -> None:
-    s = Server("--model", str(greedy_model), "--num-tokenizers", "0", "--shutdown-timeout", "120", cwd=tmp_path)
+def test_a_second_signal_stops_at_once(greedy_llama: Path, tmp_path: Path) -> None:
+    s = Server("--model", str(greedy_llama), "--num-tokenizers", "0", "--shutdown-timeout", "120", cwd=tmp_path)
     try:
         http = httpx.Client(base_url=s.url, timeout=60)
         folder = re.search(r"IPC sockets in (\S+)", s.output).group(1)

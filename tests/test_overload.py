@@ -13,13 +13,13 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_harness import Server, metric, model_variant, wait_for
+from server_harness import Server, metric, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import overload  # noqa: E402
@@ -32,13 +32,6 @@ POOL = ["--num-pages", "900", "--max-prefill-tokens", "512", "--num-tokenizers",
 
 
 @pytest.fixture(scope="module")
-def greedy_model(tiny_model_path: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # Greedy by default: sampling at temperature 1 over the 49k vocabulary costs the CPU far
-    # more than the tiny model itself.
-    return model_variant(tiny_model_path("llama3"), tmp_path_factory.mktemp("greedy") / "m", {"temperature": 0.0})
-
-
-@pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     # The scheduler's torch takes one core; the API server, tokenizer and clients the other.
     with pytest.MonkeyPatch.context() as mp:
@@ -46,20 +39,15 @@ def one_thread() -> Iterator[None]:
         yield
 
 
+def bounded_server(model: Path, folder: Path, max_queued: str, max_wait_s: str) -> Server:
+    """The small pool with the queue bounded by count (--max-queued-requests) or by wait."""
+    return Server("--model", str(model), *POOL, "--max-queued-requests", max_queued, "--max-queued-tokens", "0",
+                  "--max-queue-wait-s", max_wait_s, cwd=folder)
+
+
 @pytest.fixture(scope="module")
-def server(greedy_model: Path, one_thread: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(
-        "--model",
-        str(greedy_model),
-        *POOL,
-        "--max-queued-requests",
-        "20",
-        "--max-queued-tokens",
-        "0",
-        "--max-queue-wait-s",
-        "0",
-        cwd=tmp_path_factory.mktemp("overload"),
-    )
+def server(greedy_llama: Path, one_thread: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = bounded_server(greedy_llama, tmp_path_factory.mktemp("overload"), "20", "0")
     yield s
     s.stop()
 
@@ -144,19 +132,8 @@ def test_soak_1000_requests_with_cancellations(server: Server) -> None:
 
 
 @pytest.fixture(scope="module")
-def waiting_server(greedy_model: Path, one_thread: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(
-        "--model",
-        str(greedy_model),
-        *POOL,
-        "--max-queued-requests",
-        "0",
-        "--max-queued-tokens",
-        "0",
-        "--max-queue-wait-s",
-        "5",
-        cwd=tmp_path_factory.mktemp("wait"),
-    )
+def waiting_server(greedy_llama: Path, one_thread: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = bounded_server(greedy_llama, tmp_path_factory.mktemp("wait"), "0", "5")
     yield s
     s.stop()
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import tiny_models
-from server_harness import Server, model_variant
+from server_harness import Server
 
 pytestmark = pytest.mark.slow
 KEY = "sk-fuzz"
@@ -53,14 +52,8 @@ def run_schemathesis(url: str, model: Path, *, seed: int | None, max_examples: i
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=TESTS.parent)
 
 
-def greedy_model(src: Path, dst: Path) -> Path:
-    """The model with generation_config temperature 0: requests that leave temperature out
-    (most fuzzed ones) decode greedily, which costs the CPU a fraction of sampling."""
-    return model_variant(src, dst, {"temperature": 0.0})
-
-
-def test_fuzzing_finds_no_failure(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
-    model = greedy_model(tiny_model_path("llama3"), tmp_path / "llama3")
+def test_fuzzing_finds_no_failure(greedy_llama: Path, tmp_path: Path) -> None:
+    model = greedy_llama  # requests that leave temperature out (most fuzzed ones) decode greedily
     server = Server(*server_args(model), cwd=tmp_path)
     try:
         # The coverage phase (every boundary of every field: ~1200 requests, not bounded by
