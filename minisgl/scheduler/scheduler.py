@@ -40,7 +40,7 @@ from minisgl.scheduler.priority import preemption_victims, retraction_order
 from minisgl.scheduler.queues import RequestQueues
 from minisgl.scheduler.request import Request
 from minisgl.scheduler.spec_step import SpecStep
-from minisgl.scheduler.step_sampling import PromptSpan, add_prompt_logprobs, fresh_histories, prompt_logprob_targets
+from minisgl.scheduler.step_sampling import add_prompt_logprobs, fresh_histories, prompt_logprob_targets
 
 log = get_logger("minisgl.scheduler")
 
@@ -50,7 +50,7 @@ class _InFlight:
     reqs: list[Request]
     samples: list[bool]  # False for a prefill chunk that samples nothing
     step: StepResult  # its output's host copies (filled asynchronously on CUDA)
-    prompt_spans: list[PromptSpan]  # which prompt-logprob entries belong to which request
+    prompt_targets: dict[int, list[int]]  # rows whose prompt logprobs the step computes (in row order)
     trace: step_trace.StepTrace | None = None  # timing, when tracing (MINISGL_TRACE_REQUESTS)
 
 
@@ -346,7 +346,7 @@ class Scheduler:
             start.record()
         self.kv.flush()
         mask = self.grammar.step_mask(reqs, samples, self._drain)
-        targets, spans = prompt_logprob_targets(reqs, prefix, new)
+        targets = prompt_logprob_targets(reqs, prefix, new)
         generated = [len(r.output) + r.num_pending for r in reqs]  # exact under overlap: values unknown
         launched = eng.step(Step(mode, reqs, prefix, new, samples, generated, targets, fresh_histories(reqs), mask,
                                  traced is not None))
@@ -360,14 +360,14 @@ class Scheduler:
         if traced is not None:
             decodes = len(reqs) if new is None else sum(t is None for t in new)
             step_trace.launched(traced, launched, reqs, samples, decodes)
-        self.inflight.append(_InFlight(reqs, samples, launched, spans, traced))
+        self.inflight.append(_InFlight(reqs, samples, launched, targets, traced))
 
     def _process(self, item: _InFlight) -> list[Request]:
         item.step.wait()
         if item.trace is not None:
             step_trace.ready(item.trace, item.reqs, item.samples)
         out = item.step.read()
-        add_prompt_logprobs(item.reqs, item.prompt_spans, out)
+        add_prompt_logprobs(item.reqs, item.prompt_targets, out)
         tops = out.alternatives
         done = []
         constrained: list[Request] = []  # still running with a grammar: it takes the token

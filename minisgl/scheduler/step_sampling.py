@@ -10,10 +10,6 @@ from collections.abc import Sequence
 from minisgl.engine.face import StepTokens
 from minisgl.scheduler.request import Request
 
-# (batch row, first prompt-logprob entry, count): which entries of a step's output belong to
-# which request.
-PromptSpan = tuple[int, int, int]
-
 
 def fresh_histories(reqs: Sequence[Request]) -> list[int]:
     """Batch rows whose request tracks token counts and is new on its table row (fresh, or back
@@ -29,15 +25,13 @@ def fresh_histories(reqs: Sequence[Request]) -> list[int]:
 
 def prompt_logprob_targets(
     reqs: Sequence[Request], prefix: list[int], new: list[list[int] | None] | None,
-) -> tuple[dict[int, list[int]], list[PromptSpan]]:
-    """For the step's rows that still need prompt logprobs: batch row -> the prompt token each
-    of its first new tokens predicts (what the engine computes logits for), and the spans the
-    results come back in (add_prompt_logprobs)."""
+) -> dict[int, list[int]]:
+    """For the step's rows that still need prompt logprobs, in row order: batch row -> the
+    prompt token each of its first new tokens predicts (what the engine computes logits for;
+    its results come back in this order, add_prompt_logprobs)."""
     targets: dict[int, list[int]] = {}
-    spans: list[PromptSpan] = []
     if new is None:
-        return targets, spans
-    first = 0
+        return targets
     for i, (req, start, toks) in enumerate(zip(reqs, prefix, new)):
         if toks is None or not req.needs_prompt_logprobs:  # a mixed step's decode: one token, from the token buffer
             continue
@@ -46,20 +40,21 @@ def prompt_logprob_targets(
         # Logits at position p give the logprob of prompt[p + 1].
         n = max(0, min(start + len(toks), len(req.prompt) - 1) - start)
         if n:
-            spans.append((i, first, n))
             targets[i] = req.prompt[start + 1 : start + 1 + n]
-            first += n
-    return targets, spans
+    return targets
 
 
-def add_prompt_logprobs(reqs: list[Request], spans: list[PromptSpan], out: StepTokens) -> None:
-    """Appends this step's prompt-logprob entries to the requests' lists, in position order."""
-    if not spans:
+def add_prompt_logprobs(reqs: list[Request], targets: dict[int, list[int]], out: StepTokens) -> None:
+    """Appends this step's prompt-logprob entries to the requests' lists, in position order
+    (the entries of the rows of `targets`, one after the other in row order)."""
+    if not targets:
         return
     lps, ids, top_lps = out.prompt_logprobs, out.prompt_top_ids, out.prompt_top_logprobs
     assert lps is not None and ids is not None and top_lps is not None
-    for i, start, n in spans:
-        req = reqs[i]
+    first = 0
+    for i, want in targets.items():
+        start, n, req = first, len(want), reqs[i]
+        first += n
         if req.finished or req.prompt_logprobs is None:
             continue
         k = req.params.prompt_logprobs or 0
