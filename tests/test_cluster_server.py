@@ -13,10 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import msgpack
 import openai
 import pytest
 import zmq
+from kv_events_harness import receive, replay
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import Server, metric, wait_for
 
@@ -212,15 +212,6 @@ def test_priority_overtakes_a_burst(server: Server, http: httpx.Client) -> None:
     assert wait_for(lambda: http.get("/v1/loads").json()["loads"][0]["num_total_reqs"] == 0, 30)
 
 
-def _drain(sub: zmq.Socket, got: dict[int, list], quiet_ms: int = 100) -> None:
-    """What arrives until none has for `quiet_ms` (a request's batch is published before its
-    reply leaves the scheduler)."""
-    while sub.poll(quiet_ms):
-        topic, seq, payload = sub.recv_multipart()
-        assert topic == b"kv"
-        got[int.from_bytes(seq, "big")] = msgpack.unpackb(payload)
-
-
 def test_kv_events_match_the_radix_cache(http: httpx.Client, client: openai.OpenAI, events_dir: Path) -> None:
     """Every batch since the start (the replay socket, then the live stream) rebuilds the cached
     blocks; for each probe, the longest run of its whole pages among them is what the server
@@ -230,23 +221,13 @@ def test_kv_events_match_the_radix_cache(http: httpx.Client, client: openai.Open
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     sub.connect(f"ipc://{events_dir}/pub")
     time.sleep(0.3)
-    got: dict[int, list] = {}
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(f"ipc://{events_dir}/replay")
-    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-    while True:
-        assert dealer.poll(10_000)
-        _, seq, payload = dealer.recv_multipart()
-        if int.from_bytes(seq, "big", signed=True) == -1:
-            break
-        got[int.from_bytes(seq, "big")] = msgpack.unpackb(payload)
-    dealer.close(0)
+    got = replay(f"ipc://{events_dir}/replay")
     blocks: dict[int, tuple] = {}  # hash -> its whole prefix
     applied = -1
 
     def apply() -> None:
         nonlocal applied
-        _drain(sub, got)
+        receive(sub, got, b"kv")  # a request's batch is published before its reply leaves
         assert sorted(got) == list(range(len(got))), "a batch is missing"
         for seq in range(applied + 1, len(got)):
             ts, batch, dp_rank = got[seq]

@@ -16,6 +16,7 @@ import httpx
 import msgpack
 import pytest
 import zmq
+from kv_events_harness import replay
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import Server, alive, child_pids, greedy, metric, wait_for
 
@@ -126,21 +127,6 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(server: Serv
     assert hits[home] >= 4 * len(shared) and hits[1 - home] == 0, hits  # requests 2..5 reused the prefix
 
 
-def _replay(endpoint: str) -> list[list]:
-    """Every batch the replica has published, from its replay socket."""
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.connect(endpoint)
-    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-    out = []
-    while True:
-        assert dealer.poll(10_000), f"no answer from {endpoint}"
-        _, seq, payload = dealer.recv_multipart()
-        if int.from_bytes(seq, "big", signed=True) == -1:
-            dealer.close(0)
-            return out
-        out.append(msgpack.unpackb(payload))
-
-
 def test_cluster_views_are_per_replica(http: httpx.Client, workdir: Path) -> None:
     """llm-d's gauges and SMG's /v1/loads carry one entry per replica; each replica publishes its
     KV events on its own sockets (ipc path + "_dp<r>") with its dp_rank; a flush reaches both."""
@@ -152,7 +138,7 @@ def test_cluster_views_are_per_replica(http: httpx.Client, workdir: Path) -> Non
     assert loads["dp_rank_count"] == 2 and [e["dp_rank"] for e in loads["loads"]] == [0, 1]
     subs = []
     for r, suffix in enumerate(("", "_dp1")):
-        batches = _replay(f"ipc://{workdir}/replay{suffix}")  # the earlier tests' traffic reached both
+        batches = list(replay(f"ipc://{workdir}/replay{suffix}").values())  # the earlier tests' traffic reached both
         assert batches and {b[2] for b in batches} == {r}
         assert any(ev[0] == "BlockStored" for b in batches for ev in b[1])
         sub = zmq.Context.instance().socket(zmq.SUB)

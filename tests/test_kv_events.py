@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import msgpack
 import pytest
 import zmq
+from kv_events_harness import receive, replay
 
 from minisgl import LLM, SamplingParams
 from minisgl.kvcache.events import CacheEvents
@@ -31,6 +31,7 @@ from minisgl.scheduler.config import scheduler_config
 from minisgl.scheduler.scheduler import Scheduler
 
 SEED = "42"
+TOPIC = b"kv@pod@tiny"  # the publisher's topic in the 500-request test
 
 
 def reference_hash(parent: int, tokens: list[int]) -> int:
@@ -204,31 +205,6 @@ def test_radix_cache_events_mirror_the_tree() -> None:
         cache.check_integrity()
 
 
-def _receive(sub: zmq.Socket, got: dict[int, list], timeout_ms: int) -> None:
-    while sub.poll(timeout_ms):
-        topic, seq, payload = sub.recv_multipart()
-        assert topic == b"kv@pod@tiny"
-        got[int.from_bytes(seq, "big")] = msgpack.unpackb(payload)
-        timeout_ms = 0
-
-
-def _replay(endpoint: str, start: int, got: dict[int, list]) -> None:
-    ctx = zmq.Context.instance()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    dealer.send_multipart([b"", start.to_bytes(8, "big")])
-    while True:
-        assert dealer.poll(10_000), "no answer from the replay socket"
-        empty, seq, payload = dealer.recv_multipart()
-        n = int.from_bytes(seq, "big", signed=True)
-        if n == -1:
-            assert payload == b""
-            break
-        got[n] = msgpack.unpackb(payload)
-    dealer.close()
-
-
 def test_events_of_500_requests_rebuild_the_radix_cache(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
     page, pool = 4, 48  # 192 token slots: the prompts below evict each other all the time
     llm = LLM(str(tiny_model_path("llama3")), device="cpu", dtype="float32", page_size=page, num_pages=pool)
@@ -237,7 +213,7 @@ def test_events_of_500_requests_rebuild_the_radix_cache(tiny_model_path: Callabl
     sched = Scheduler(llm.engine, scheduler_config(opts, llm.engine.attn.name, "cpu"), None, events)
     cfg = parse_kv_events_config(
         f'{{"endpoint": "ipc://{tmp_path}/kv", "replay_endpoint": "ipc://{tmp_path}/replay", '
-        f'"topic": "kv@pod@tiny", "hash_seed": "{SEED}"}}'
+        f'"topic": "{TOPIC.decode()}", "hash_seed": "{SEED}"}}'
     )
     publisher = KVEventPublisher(cfg, page, dp_rank=0)
     sub = zmq.Context.instance().socket(zmq.SUB)
@@ -273,12 +249,12 @@ def test_events_of_500_requests_rebuild_the_radix_cache(tiny_model_path: Callabl
             step()
             if pending <= 400 and not sub.get(zmq.LAST_ENDPOINT):  # joins late: replay brings the start
                 sub.connect(publisher.endpoint)
-            _receive(sub, got, 0)
+            receive(sub, got, TOPIC, quiet_ms=0)
         publisher.publish(events.drain())
         time.sleep(0.2)
-        _receive(sub, got, 500)
+        receive(sub, got, TOPIC, quiet_ms=500)
         assert got and min(got) > 0, "the subscriber should have missed the first batches"
-        _replay(publisher.replay_endpoint, 0, got)
+        got.update(replay(publisher.replay_endpoint))
     finally:
         sub.close()
         publisher.close()
