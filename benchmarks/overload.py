@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from raw_http import percentile, request, tree_rss_mb
+from raw_http import request, spread, tree_rss_mb
 
 
 async def run(
@@ -79,20 +79,17 @@ def summarize(
     answered = [r.t_end for r in replies if r.status == 200]
     refused = [r.t_end for r in replies if r.status == 503]
 
-    def stats(xs: list[float]) -> dict[str, float]:
-        return {"p50": percentile(xs, 50), "p99": percentile(xs, 99), "max": max(xs, default=float("nan"))}
-
     return {
         "clients": len(replies),
         "duration_s": duration,
         "status": {str(k): v for k, v in sorted(statuses.items())},
         "refusal_codes": dict(codes),
         "errors": [r.error for r in replies if r.error][:5],
-        "answered_s": stats(answered),
-        "refused_s": stats(refused),
+        "answered_s": spread(answered),
+        "refused_s": spread(refused),
         "retry_after": sorted({r.headers.get("retry-after", "-") for r in replies if r.status == 503}),
         "health_ms": {
-            **{k: v * 1000 for k, v in stats([t for _, t in health]).items()},
+            **{k: v * 1000 for k, v in spread([t for _, t in health]).items()},
             "polls": len(health),
             "not_200": sum(s != 200 for s, _ in health),
         },

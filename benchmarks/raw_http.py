@@ -150,6 +150,11 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
+def spread(xs: list[float]) -> dict[str, float]:
+    """p50, p99 and max of `xs` (NaN for none)."""
+    return {"p50": percentile(xs, 50), "p99": percentile(xs, 99), "max": max(xs, default=float("nan"))}
+
+
 def tree_rss_mb(pid: int) -> float:
     """Resident memory (MB) of `pid` and every descendant, from /proc (Linux)."""
     from pathlib import Path

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from raw_http import Reply, percentile, request, tree_rss_mb
+from raw_http import Reply, percentile, request, spread, tree_rss_mb
 
 WORDS = (
     "the river runs past an old mill where seven cats sleep in the warm light of a slow autumn "
@@ -166,15 +166,9 @@ def summarize(
         "first_unexpected": (unexpected + stream_errors)[0].body.decode(errors="replace")[:300]
         if unexpected or stream_errors
         else None,
-        "e2e_s": {
-            "p50": percentile([r.t_end for r in whole if r.status == 200], 50),
-            "p99": percentile([r.t_end for r in whole if r.status == 200], 99),
-        },
+        "e2e_s": spread([r.t_end for r in whole if r.status == 200]),
         # Streams only: a stream's first event is its first token (the status line may come first).
-        "ttft_s": {
-            "p50": percentile([r.t_first_event for r in whole if r.status == 200 and r.t_first_event], 50),
-            "p99": percentile([r.t_first_event for r in whole if r.status == 200 and r.t_first_event], 99),
-        },
+        "ttft_s": spread([r.t_first_event for r in whole if r.status == 200 and r.t_first_event]),
         "after": after,
         "rss_mb": rss,
     }
