@@ -21,20 +21,31 @@ class AttentionBackend(ABC):
     # however it is batched, chunked or split into prefix and extend (see each backend).
     deterministic: bool = False
 
-    def __init__(self, pool: KVPool, num_q_heads: int, scale: float, q_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, pool: KVPool, num_q_heads: int, scale: float, q_dtype: torch.dtype | None = None,
+        windows: tuple[int, ...] = (),
+    ) -> None:
         self.pool = pool
         self.num_q_heads = num_q_heads
         self.scale = scale
         self.q_dtype = q_dtype or pool.dtype  # the model's dtype (an FP8 pool's differs from it)
+        # Per layer: 0 = full attention, W > 0 = a sliding window of W keys (ModelConfig).
+        self.windows = tuple(windows)
+
+    def window_of(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Build `batch.attn_metadata` once per step (default: nothing needed)."""
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim] for the step's new tokens
         (row strides may be anything: they are slices of the fused qkv output).
         Stores k, v at `batch.out_slots` of layer `layer`, then returns attention of each new
-        token over its request's context (causal), [T, q_heads, head_dim], q's dtype."""
+        token over its request's context (causal; within `window_of(layer)` keys where that is
+        > 0), [T, q_heads, head_dim], q's dtype. sinks: fp32 [q_heads], one learned logit per
+        head added to every softmax denominator (GPT-OSS; not multiplied by `scale`)."""

@@ -25,8 +25,11 @@ class CudaAttentionBackend(TritonAttentionBackend):
 
     name = "cuda"
 
-    def __init__(self, pool: KVPool, num_q_heads: int, scale: float, q_dtype: torch.dtype | None = None) -> None:
-        super().__init__(pool, num_q_heads, scale, q_dtype)
+    def __init__(
+        self, pool: KVPool, num_q_heads: int, scale: float, q_dtype: torch.dtype | None = None,
+        windows: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__(pool, num_q_heads, scale, q_dtype, windows)
         # Refuse at startup what the kernel cannot run, rather than at the first decode step.
         if pool.dtype not in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):
             raise ValueError(

@@ -10,9 +10,11 @@ from minisgl.kvcache.pool import KVPool
 
 
 def make_backend(
-    name: str, pool: KVPool, num_q_heads: int, scale: float, device: torch.device, q_dtype: torch.dtype | None = None
+    name: str, pool: KVPool, num_q_heads: int, scale: float, device: torch.device, q_dtype: torch.dtype | None = None,
+    windows: tuple[int, ...] = (),
 ) -> AttentionBackend:
-    """q_dtype: the model's dtype (default: the pool's; an FP8 pool's differs)."""
+    """q_dtype: the model's dtype (default: the pool's; an FP8 pool's differs). windows: per
+    layer, 0 = full attention, W > 0 = sliding window (ModelConfig.attention_windows)."""
     q_dtype = q_dtype or pool.dtype
     if name == "auto":
         # GPU: our CUDA decode kernel + Triton extend where _C has CUDA, else all-Triton (both
@@ -32,13 +34,13 @@ def make_backend(
     if name == "torch":
         from minisgl.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend(pool, num_q_heads, scale, q_dtype)
+        return TorchAttentionBackend(pool, num_q_heads, scale, q_dtype, windows)
     if device.type != "cuda":
         raise ValueError(f"attention_backend {name!r} needs a CUDA device; use 'torch' on {device}")
     if name == "triton":
         from minisgl.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(pool, num_q_heads, scale, q_dtype)
+        return TritonAttentionBackend(pool, num_q_heads, scale, q_dtype, windows)
     from minisgl.attention.cuda_backend import CudaAttentionBackend
 
-    return CudaAttentionBackend(pool, num_q_heads, scale, q_dtype)
+    return CudaAttentionBackend(pool, num_q_heads, scale, q_dtype, windows)

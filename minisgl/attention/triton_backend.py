@@ -35,8 +35,11 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None or self.window_of(layer):
+            raise NotImplementedError(f"attention backend {self.name!r}: sliding windows and sinks are not built yet")
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
         ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]  # FP8 cache: K / ks, V / vs
         ops.store_kv(k_cache, v_cache, k, v, batch.out_slots, ks, vs)

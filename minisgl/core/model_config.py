@@ -67,9 +67,20 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str | None = None
     sliding_window: int | None = None
+    # Per layer: 0 = full attention; W > 0 = sliding-window attention over W tokens (a query at
+    # position p sees keys p - W + 1 .. p, transformers' rule). () = every layer full.
+    attention_windows: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     moe: MoEConfig | None = None
     quantization: QuantConfig | None = None  # FP8 linear layers (models/quant_config.py); None: 16-bit
+
+    def window_of(self, layer: int) -> int:
+        """Layer `layer`'s attention window in tokens; 0: full attention."""
+        return self.attention_windows[layer] if self.attention_windows else 0
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(self.attention_windows)
 
     def is_sparse_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
