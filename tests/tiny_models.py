@@ -123,6 +123,27 @@ SPECS: dict[str, TinySpec] = {
             legacy_rope=True,
             seed=5,
         ),
+        # Sliding windows of 16 tokens (prompts and generations run several windows long):
+        # Mistral's on every layer; Qwen2's on the layers from max_window_layers on.
+        TinySpec(
+            "mistral_swa",
+            "mistral",
+            "smollm2",
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "sliding_window": 16},
+            seed=9,
+        ),
+        TinySpec(
+            "qwen2_swa",
+            "qwen2",
+            "qwen3",
+            {
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+                "use_sliding_window": True,
+                "sliding_window": 16,
+                "max_window_layers": 1,  # layer 0 full, layer 1 sliding
+            },
+            seed=10,
+        ),
         # MoE: several experts, top-k 2 and 4, norm_topk_prob both ways, dense layers picked by
         # mlp_only_layers and by decoder_sparse_step, E not a power of two.
         TinySpec(

@@ -35,6 +35,11 @@ class AttentionBackend(ABC):
     def window_of(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
 
+    def tables(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(request table, out slots) through which layer `layer` stores and reads its K/V.
+        Every backend takes both from here, so a layer's pool group picks them in one place."""
+        return batch.req_to_slot, batch.out_slots
+
     def prepare(self, batch: ForwardBatch) -> None:
         """Build `batch.attn_metadata` once per step (default: nothing needed)."""
 

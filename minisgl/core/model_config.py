@@ -162,6 +162,7 @@ class ModelConfig:
             qk_norm=ARCHITECTURES[arch]["qk_norm"],
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             sliding_window=int(sliding) if sliding else None,
+            attention_windows=_attention_windows(arch, cfg, int(need("num_hidden_layers"))),
             eos_token_ids=tuple(dict.fromkeys([*eos_ids, *extra_eos])),
             moe=_moe(arch, cfg, int(need("num_hidden_layers")), need) if ARCHITECTURES[arch]["moe"] else None,
             quantization=from_hf(cfg.get("quantization_config")),
@@ -204,6 +205,32 @@ def _moe(arch: str, cfg: dict[str, Any], num_layers: int, need: Callable[[str], 
     shared = int(need("shared_expert_intermediate_size")) if arch == "Qwen2MoeForCausalLM" else 0
     return MoEConfig(experts, top_k, int(need("moe_intermediate_size")), bool(cfg.get("norm_topk_prob", False)),
                      sparse, shared)
+
+
+def _attention_windows(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple[int, ...]:
+    """Per layer 0 (full) or the sliding window, as transformers builds the masks: `layer_types`
+    where the config has them (Qwen2/Qwen3 with use_sliding_window, newer configs), else
+    Mistral's one `sliding_window` for every layer, else (an older Qwen2 config)
+    use_sliding_window for the layers from max_window_layers on. () = every layer full."""
+    window = int(cfg.get("sliding_window") or 0)
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"config.json has {len(types)} layer_types for {num_layers} layers")
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"unsupported layer_types {unknown} (supported: full_attention, sliding_attention)")
+        if "sliding_attention" in types and window <= 0:
+            raise ValueError("config.json has sliding_attention layers but no sliding_window size")
+        windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    elif arch == "MistralForCausalLM":
+        windows = (window,) * num_layers
+    elif cfg.get("use_sliding_window") and window:
+        first = int(cfg.get("max_window_layers", num_layers))
+        windows = tuple(window if i >= first else 0 for i in range(num_layers))
+    else:
+        windows = ()
+    return windows if any(windows) else ()
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:

@@ -142,12 +142,7 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         return startup_phase(f"engine{rank}: {what}")
 
     def _context_length(self, mc: ModelConfig) -> int:
-        limit = mc.max_position_embeddings
-        if mc.sliding_window is not None and mc.sliding_window < limit:
-            # Within the window, sliding-window attention equals full attention: capping the
-            # context there is exact, rather than silently attending past the window.
-            log.warning("capping the context at the sliding window (%d tokens)", mc.sliding_window)
-            limit = mc.sliding_window
+        limit = mc.max_position_embeddings  # sliding windows are exact (attention backends)
         if self.cfg.max_model_len is None:
             return limit
         if self.cfg.max_model_len > limit:

@@ -1,0 +1,59 @@
+"""The 4-bit weight layouts every 4-bit kernel reads, and their torch references (fp32).
+
+Each checkpoint format (AutoAWQ, GPTQ v1/v2, compressed-tensors pack-quantized, GPT-OSS MXFP4)
+is repacked once at load into one of two layouts, so kernels know two layouts, not five:
+
+- INT4 (AWQ, GPTQ, W4A16): `qweight` int32 [N, K // 8], column k's unsigned value q (0..15) in
+  bits 4 * (k % 8) .. 4 * (k % 8) + 3 of word [n, k // 8] (K-contiguous, like a 16-bit weight's
+  rows: a 16-byte load is 32 consecutive K values of one row); `scales` and `zeros`
+  [N, K // group] in the activation dtype: w[n, k] = (q - zeros[n, k // group]) * scales[n, k // group]
+  (symmetric formats: zeros = 8). group divides K (per-channel: group = K). GPTQ's act-order
+  (g_idx) is undone at load by permuting K (the layer permutes x's columns the same way).
+- MXFP4 (OCP microscaling): `blocks` uint8 [N, K // 2], byte j holding e2m1 values of columns
+  2j (low nibble) and 2j + 1 (high nibble); `scales` uint8 [N, K // 32], e8m0 exponents:
+  w[n, k] = e2m1(nibble) * 2 ** (scales[n, k // 32] - 127).
+
+Expert weights stack these on a leading [E] dimension.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# e2m1: sign, 2 exponent bits, 1 mantissa bit
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [..., K // 8] -> int64 [..., K] values 0..15 (K-contiguous nibbles, lowest first)."""
+    shifts = torch.arange(0, 32, 4, device=qweight.device)
+    q = (qweight.to(torch.int64)[..., None] >> shifts) & 0xF
+    return q.reshape(*qweight.shape[:-1], qweight.shape[-1] * 8)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int [..., K] values 0..15 -> int32 [..., K // 8]: the inverse of unpack_int4."""
+    if q.shape[-1] % 8:
+        raise ValueError(f"int4 packing needs K divisible by 8, got {q.shape[-1]}")
+    q = q.to(torch.int64).reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
+    shifts = torch.arange(0, 32, 4, device=q.device)
+    word = (q << shifts).sum(dim=-1)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def dequant_int4_reference(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., N, K] from the INT4 layout; the group size is K // scales.shape[-1]."""
+    q = unpack_int4(qweight).float()
+    group = q.shape[-1] // scales.shape[-1]
+    s = scales.float().repeat_interleave(group, dim=-1)
+    z = zeros.float().repeat_interleave(group, dim=-1)
+    return (q - z) * s
+
+
+def dequant_mxfp4_reference(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., N, K] from the MXFP4 layout (blocks uint8 [..., N, K // 2], scales uint8 [..., N, K // 32])."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
+    b = blocks.to(torch.int64)
+    vals = torch.stack([lut[b & 0xF], lut[b >> 4]], dim=-1).reshape(*blocks.shape[:-1], blocks.shape[-1] * 2)
+    exp = torch.exp2(scales.float() - 127.0).repeat_interleave(32, dim=-1)
+    return vals * exp
