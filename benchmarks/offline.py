@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     ap.add_argument("--decode-latency", action="store_true",
                     help="also time batch-1 decode: ms/token end to end, per-step host and GPU time")
+    ap.add_argument("--decode-context", type=int, default=32,
+                    help="the batch-1 decode's prompt length (its floor counts the KV each step reads)")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="TP: every all-reduce through NCCL (the before of the one-shot all-reduce)")
     ap.add_argument("--json", default=None, help="also write the summary row to this file")
@@ -171,23 +173,27 @@ def main() -> None:
                   f"{bw / 1e9:,.0f} GB/s read ceiling (this run) = {w / bw * 1e3:.2f} ms/step; "
                   f"measured {gb['decode_ms'] / max(1, gb['decode_steps']):.2f} ms/step (KV reads excluded)")
     if args.decode_latency:
-        ms = decode_latency(llm)
+        ms, gpu_ms = decode_latency(llm, context=args.decode_context)
         if llm.engine.device.type == "cuda":
-            from weight_floor import decode_weight_bytes, read_bandwidth
+            from weight_floor import decode_kv_bytes, decode_weight_bytes, read_bandwidth
 
             # With TP every rank reads its own shard at once: the floor is one rank's bytes.
             w, bw = decode_weight_bytes(llm.engine.model, 1), read_bandwidth(llm.engine.device)
-            print(f"batch-1 floor: {w / 1e9:.2f} GB of weights per GPU (TP {args.tp}) / {bw / 1e9:,.0f} GB/s read "
-                  f"ceiling = {w / bw * 1e3:.2f} ms/token; measured {ms / (w / bw * 1e3):.2f}x the floor "
-                  "(KV reads excluded)")
+            kv = decode_kv_bytes(llm.engine, args.decode_context)
+            floor = (w + kv) / bw * 1e3
+            print(f"batch-1 floor: {w / 1e9:.2f} GB of weights + {kv / 1e9:.3f} GB of KV per GPU (TP {args.tp}, "
+                  f"context {args.decode_context}) / {bw / 1e9:,.0f} GB/s read ceiling = {floor:.2f} ms/token; "
+                  f"measured {ms / floor:.2f}x the floor end to end, {gpu_ms / floor:.2f}x by the GPU's ms/step")
     llm.shutdown()
 
 
-def decode_latency(llm: LLM, n: int = 256) -> float:
+def decode_latency(llm: LLM, n: int = 256, context: int = 32) -> tuple[float, float]:
     """Batch-1 decode, end to end through the scheduler, beside its GPU time: per step the
     device time (CUDA events), the host's own work (scheduling + building + launching step
     N+1; reading step N's token) and the time the host waits for the GPU. With the host work
-    overlapped, end-to-end ms/token equals the GPU's ms/step (target: within 3%)."""
+    overlapped, end-to-end ms/token equals the GPU's ms/step (target: within 3%). `context`: the
+    prompt's length (its prefill is in the end-to-end time). Returns (end-to-end ms/token, the
+    GPU's median ms per decode step; the end-to-end figure where there is no GPU timeline)."""
     sched = llm.scheduler
     launch_ms: list[float] = []
     work_ms: list[float] = []
@@ -215,23 +221,25 @@ def decode_latency(llm: LLM, n: int = 256) -> float:
     sched.gpu_timeline = [] if torch.cuda.is_available() else None
     launch_ms.clear(), work_ms.clear(), wait_ms.clear()
     t0 = time.perf_counter()
-    llm.generate([[2] * 32], params, use_tqdm=False)
+    llm.generate([[2 + i % 1000 for i in range(context)]], params, use_tqdm=False)
     e2e = (time.perf_counter() - t0) * 1e3
+    gpu = e2e / n
     sched._launch_next, sched._process = launch_next, process
     med = statistics.median
     steady = slice(8, -2)  # decode steps past the prefill and the first tokens, before the tail
-    line = (f"batch-1 decode, {n} tokens: end to end {e2e / n:.2f} ms/token (incl. a 32-token prefill); "
+    line = (f"batch-1 decode, {n} tokens: end to end {e2e / n:.2f} ms/token (incl. a {context}-token prefill); "
             f"host per step: launch {med(launch_ms[steady]):.3f} ms + read token {med(work_ms[steady]):.3f} ms, "
             f"waiting for the GPU {med(wait_ms[steady]):.3f} ms")
     if sched.gpu_timeline:
         sched.gpu_timeline[-1][3].synchronize()
         dec = [s.elapsed_time(e) for mode, _, s, e in sched.gpu_timeline if mode == "decode"]
+        gpu = med(dec)
         span = sched.gpu_timeline[8][2].elapsed_time(sched.gpu_timeline[-1][3]) / (len(sched.gpu_timeline) - 8)
         line += (f"; GPU {med(dec):.3f} ms/step (events), steady span {span:.3f} ms/step = "
                  f"{span / med(dec) * 100:.1f}% of the GPU time")
         sched.gpu_timeline = None
     print(line)
-    return e2e / n
+    return e2e / n, gpu
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def main() -> None:
         custom_all_reduce=not args.disable_custom_all_reduce,
     )
     try:
-        e2e_ms = decode_latency(llm)
+        e2e_ms, _ = decode_latency(llm)
         dev = llm.engine.device
         w, bw = decode_weight_bytes(llm.engine.model, 1), read_bandwidth(dev)
         floor = w / bw * 1e3
