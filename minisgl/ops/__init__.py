@@ -1,7 +1,7 @@
 """The one place that picks an implementation per op: minisgl._C (CUDA), Triton, or the
 torch reference. Each wrapper checks its arguments (ValueError naming the argument) first."""
 
-from minisgl.ops.activation import silu_and_mul
+from minisgl.ops.activation import gelu_tanh_and_mul, silu_and_mul
 from minisgl.ops.attention import (
     decode_attention_triton,
     extend_attention,
@@ -38,6 +38,7 @@ __all__ = [
     "fused_add_rmsnorm",
     "fused_experts",
     "fused_moe",
+    "gelu_tanh_and_mul",
     "is_deterministic",
     "linear",
     "logsumexp_rows",
