@@ -12,6 +12,7 @@ from minisgl import env
 from minisgl.kernels import fused_moe as _gemm
 from minisgl.kernels import moe_align as _align
 from minisgl.kernels import moe_routing as _route
+from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.kernels.fused_moe_config import MoeTileConfig, get_config, use_config_file
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
@@ -84,11 +85,27 @@ def _check_experts(x: object, w13: object, w2: object, shared: object, shared_ga
     check_same_device(x=x, w13=w13, w2=w2)
 
 
+def _check_biases(w13: torch.Tensor, w2: torch.Tensor, b13: object, b2: object, act: object) -> None:
+    if (b13 is None) != (b2 is None):
+        raise ValueError("b13 and b2 go together: give both or neither")
+    if b13 is not None:
+        check_tensor("b13", b13, dtype=w13.dtype, ndim=2)
+        check_shape("b13", b13, tuple(w13.shape[:2]))
+        check_contiguous("b13", b13)
+        check_tensor("b2", b2, dtype=w2.dtype, ndim=2)
+        check_shape("b2", b2, tuple(w2.shape[:2]))
+        check_contiguous("b2", b2)
+        check_same_device(w13=w13, b13=b13, b2=b2)
+    if act is not None and (not isinstance(act, ExpertAct) or act.kind not in ("silu", "gpt_oss")):
+        raise ValueError(f"act must be an ExpertAct of kind 'silu' or 'gpt_oss', got {act!r}")
+
+
 def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, sorted_ids: torch.Tensor,
              expert_ids: torch.Tensor, top_k: int, cfg: MoeTileConfig, shared: torch.Tensor | None,
-             shared_gate: torch.Tensor | None) -> torch.Tensor:
-    inter = _gemm.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up)
-    y = _gemm.down_gemm(inter, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down)
+             shared_gate: torch.Tensor | None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+             act: ExpertAct | None = None) -> torch.Tensor:
+    inter = _gemm.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, b13, act)
+    y = _gemm.down_gemm(inter, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, b2)
     return _gemm.moe_sum(y, top_k, shared, shared_gate)
 
 
@@ -124,19 +141,22 @@ def fused_experts(
 def fused_moe(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     renormalize: bool, scoring: str = "softmax", shared: torch.Tensor | None = None,
-    shared_gate: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+    act: ExpertAct | None = None,
 ) -> torch.Tensor:
     """A whole MoE layer's experts: routing (moe_route) then fused_experts. Nothing is read back
     to the host and every size depends on T only, so CUDA graphs capture it; a decode-sized
-    batch routes and aligns in one kernel."""
+    batch routes and aligns in one kernel. b13 [E, 2I], b2 [E, H]: expert biases; act: the
+    gated activation (default SiLU; GPT-OSS's clamped SwiGLU)."""
     _check_experts(x, w13, w2, shared, shared_gate)
+    _check_biases(w13, w2, b13, b2, act)
     _check_routing(router_logits, top_k, scoring)
     check_shape("router_logits", router_logits, (x.shape[0], w13.shape[0]))
     check_same_device(x=x, router_logits=router_logits)
     if not use_triton("fused_moe", x):
         log_cpu_reference_once("fused_moe")
         weights, ids = _route.route_reference(router_logits, top_k, renormalize, scoring)
-        return _gemm.fused_experts_reference(x, w13, w2, weights, ids, shared, shared_gate)
+        return _gemm.fused_experts_reference(x, w13, w2, weights, ids, shared, shared_gate, b13, b2, act)
     cfg = _config(x, w13, top_k)
     num_experts = w13.shape[0]
     if _align.small_route_align_fits(x.shape[0], num_experts, top_k):
@@ -146,4 +166,4 @@ def fused_moe(
     else:
         weights, ids = _route.route(router_logits, top_k, renormalize, scoring)
         sorted_ids, expert_ids = _align.align(ids, num_experts, cfg.block_m)
-    return _experts(x, w13, w2, weights, sorted_ids, expert_ids, top_k, cfg, shared, shared_gate)
+    return _experts(x, w13, w2, weights, sorted_ids, expert_ids, top_k, cfg, shared, shared_gate, b13, b2, act)
