@@ -122,7 +122,7 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         # Per-row token history for penalties (allocated when a request first needs it).
         self.penalties = PenaltyState(cfg.max_running_requests + 1, mc.vocab_size, self.device)
         self.graphs = None  # CudaGraphRunner once enable_cuda_graphs() ran
-        self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device,
+        self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.attention_scale, self.device,
                                  self.dtype, mc.attention_windows)
         self.attn.deterministic = cfg.deterministic
         block_m = getattr(self.attn, "tile_block_m", None)  # backends that take the extend tile map

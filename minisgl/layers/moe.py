@@ -1,5 +1,8 @@
-"""The sparse MLP block of MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral): a router, the routed
-experts stacked into two tensors for the fused kernels, and Qwen2-MoE's shared expert.
+"""The sparse MLP block of MoE models (Qwen2-MoE, Qwen3-MoE, Mixtral, GPT-OSS): a router, the
+routed experts stacked into two tensors for the fused kernels, and Qwen2-MoE's shared expert.
+GPT-OSS adds biases (router and experts) and its clamped SwiGLU; its checkpoint stacks the
+experts transposed ([E, H, 2I] and [E, I, H]) with gate and up columns interleaved, which the
+loader turns into our (gate | up) rows.
 
 Tensor parallelism shards every expert's intermediate dimension (as the dense MLP's): each
 rank holds all E experts' slices, computes a partial sum of the block's output, and one
@@ -16,30 +19,37 @@ from torch import nn
 from minisgl import ops
 from minisgl.core.model_config import ModelConfig
 from minisgl.distributed.info import Communicator, TPInfo
+from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _check_shape
 
 
 class ReplicatedLinear(nn.Module):
     """A small projection every rank holds whole: the router [E, H], the shared-expert gate [1, H]."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class FusedExperts(nn.Module):
     """All routed experts, stacked: w13 [E, 2 * I/tp, H] holds each expert's (gate | up) rows of
     this rank's shard, w2 [E, H, I/tp] its down-projection columns."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPInfo) -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, tp: TPInfo, gpt_oss: bool = False) -> None:
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.start, self.local = tp.shard(inter, "the expert intermediate size")
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+        # GPT-OSS: b13 [E, 2 I/tp] (gate | up), b2 [E, H]; b2 is added to a partial sum that the
+        # block all-reduces, so only rank 0 holds it (the others zeros).
+        self.gpt_oss, self.rank = gpt_oss, tp.rank
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * self.local), requires_grad=False) if gpt_oss else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False) if gpt_oss else None
 
     def _rows(self, proj: str) -> slice:
         return slice(0, self.local) if proj == "gate_proj" else slice(self.local, 2 * self.local)
@@ -58,7 +68,10 @@ class FusedExperts(nn.Module):
 
     def load_stacked(self, name: str, proj: str, full: torch.Tensor) -> None:
         """All experts in one tensor (transformers 5's in-memory form): gate_up_proj [E, 2I, H]
-        with rows (gate | up), or down_proj [E, H, I]."""
+        with rows (gate | up), or down_proj [E, H, I]; GPT-OSS's layout (and biases) below."""
+        if self.gpt_oss:
+            self._load_gpt_oss(name, proj, full)
+            return
         e, i, h = self.num_experts, self.inter, self.hidden
         shard = slice(self.start, self.start + self.local)
         if proj == "down_proj":
@@ -68,6 +81,27 @@ class FusedExperts(nn.Module):
         _check_shape(name, full.shape, (e, 2 * i, h))
         self.w13.data[:, : self.local].copy_(full[:, shard])
         self.w13.data[:, self.local :].copy_(full[:, i + self.start : i + self.start + self.local])
+
+
+    def _load_gpt_oss(self, name: str, proj: str, full: torch.Tensor) -> None:
+        """gate_up_proj [E, H, 2I] (columns gate0, up0, gate1, up1, ...), gate_up_proj_bias
+        [E, 2I] (the same order), down_proj [E, I, H], down_proj_bias [E, H]."""
+        e, i, h = self.num_experts, self.inter, self.hidden
+        shard = slice(self.start, self.start + self.local)
+        if proj == "gate_up_proj":
+            _check_shape(name, full.shape, (e, h, 2 * i))
+            self.w13.data[:, : self.local].copy_(full[:, :, 0::2][:, :, shard].transpose(1, 2))
+            self.w13.data[:, self.local :].copy_(full[:, :, 1::2][:, :, shard].transpose(1, 2))
+        elif proj == "gate_up_proj_bias":
+            _check_shape(name, full.shape, (e, 2 * i))
+            self.b13.data[:, : self.local].copy_(full[:, 0::2][:, shard])
+            self.b13.data[:, self.local :].copy_(full[:, 1::2][:, shard])
+        elif proj == "down_proj":
+            _check_shape(name, full.shape, (e, i, h))
+            self.w2.data.copy_(full[:, shard].transpose(1, 2))
+        else:
+            _check_shape(name, full.shape, (e, h))
+            self.b2.data.copy_(full if self.rank == 0 else torch.zeros_like(full))
 
 
 class SharedExpert(nn.Module):
@@ -90,8 +124,10 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"{cfg.architecture} has no MoE configuration")
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
         self.comm = comm
-        self.gate = ReplicatedLinear(cfg.hidden_size, moe.num_experts)
-        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp)
+        self.gate = ReplicatedLinear(cfg.hidden_size, moe.num_experts, bias=moe.biases)
+        gpt_oss = moe.activation == "gpt_oss"
+        self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp, gpt_oss)
+        self.act = ExpertAct(moe.activation, moe.swiglu_alpha, moe.swiglu_limit) if gpt_oss else None
         self.has_shared = moe.shared_expert_intermediate_size > 0
         if self.has_shared:
             self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_expert_intermediate_size, tp, comm)
@@ -103,6 +139,6 @@ class SparseMoeBlock(nn.Module):
             shared, shared_gate = self.shared_expert(x), self.shared_expert_gate(x)
         out = ops.fused_moe(
             x, self.gate(x), self.experts.w13, self.experts.w2, self.top_k, self.renormalize,
-            shared=shared, shared_gate=shared_gate,
+            shared=shared, shared_gate=shared_gate, b13=self.experts.b13, b2=self.experts.b2, act=self.act,
         )
         return self.comm.all_reduce(out)
