@@ -12,7 +12,7 @@ from minisgl import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-MODELS = ["llama3", "llama_tied", "qwen2", "qwen3", "mistral"]
+MODELS = ["llama3", "llama_tied", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "gemma3", "gpt_oss"]
 PROMPTS = [[5, 6, 7, 8, 9] * 7, list(range(300, 317)), [42], list(range(1000, 1100))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -8,7 +8,7 @@ paths, each including the per-token activation quantization it needs:
     python benchmarks/kernels/fp8_gemm.py [--quick]
 
 The second table (M <= 32, batch-1..32 decode) sets the weight-only FP8 skinny GEMM (ours,
-csrc/skinny_fp8.cuh; x stays bf16) with per-channel and with 128 x 128 block scales against our
+csrc/skinny_weights.cuh (Fp8W); x stays bf16) with per-channel and with 128 x 128 block scales against our
 bf16 skinny GEMM, bf16 cuBLAS and the best FP8 path above, all in this run; each skinny column
 is the fastest of the candidate configurations the engine times at start (its config named).
 "floor" is the FP8 bytes (W 1 byte/element + block scales 4 bytes per row and 128 K + x + y) at

@@ -1,6 +1,6 @@
 """Weight-only FP8 skinny GEMM: y = x dequantize(W, S)^T (+ bias) for 1..32 rows of x, W e4m3
 and S its fp32 scales in the layer layout of ops/fp8.py ([N, 1] per channel, or [N, ceil(K/128)]:
-128 x 128 block scales expanded to rows). csrc/skinny_fp8.cuh reads W once (half the bytes of
+128 x 128 block scales expanded to rows). csrc/skinny_weights.cuh (Fp8W) reads W once (half the bytes of
 bf16) and dequantizes in registers; x stays 16-bit (no activation quantization).
 
 `skinny_gemm_fp8` is the checked op (tests, benchmarks); `fp8_skinny_linear` is the layers'
