@@ -82,7 +82,8 @@ def causal_conv1d_decode(x, weight, bias, conv_states, slots, silu: bool = True)
     log_cpu_reference_once("causal_conv1d_decode")
     n = x.shape[0]
     cu = torch.arange(n + 1, dtype=torch.int32, device=x.device)
-    return _conv.causal_conv1d_reference(x, weight, bias, conv_states, slots, cu, torch.ones(n, dtype=torch.bool), silu)
+    ones = torch.ones(n, dtype=torch.bool, device=x.device)
+    return _conv.causal_conv1d_reference(x, weight, bias, conv_states, slots, cu, ones, silu)
 
 
 def _check_gdr(q, k, v, g, beta, states) -> None:
