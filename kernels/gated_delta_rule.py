@@ -74,51 +74,129 @@ def _gdr_decode_kernel(
     tl.store(ptrs, s, mask=m2)
 
 
+# The prep kernel inverts (I + L) in 16-row blocks: forward substitution on each 16 x 16
+# diagonal block (cheap: 15 steps over 256 elements), then the off-diagonal blocks by
+# X_ij = -X_ii sum_{j<=m<i} L_im X_mj (tensor-core dots). A 64-step substitution over the
+# whole 64 x 64 tile costs ~4x more serial reductions; a product-of-powers inverse would be
+# all dots but loses accuracy when keys repeat (the powers of L grow and cancel).
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _sub_load(K, G, Beta, tok0, end, hk, h, sk_t, sk_h, sg_t, sb_t, carry,
+              DK: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
+    """One 16-token block: l2-normed keys, cumulative log decay (continuing `carry`), beta."""
+    tok = tok0 + tl.arange(0, 16)
+    mt = tok < end
+    tok64 = tok.to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    k = tl.load(K + tok64[:, None] * sk_t + hk * sk_h + offs_k[None, :], mask=mt[:, None] & (offs_k < DK)[None, :],
+                other=0.0).to(tl.float32)
+    k = _l2norm_rows(k, L2NORM)
+    g = tl.load(G + tok64 * sg_t + h, mask=mt, other=0.0).to(tl.float32)
+    beta = tl.load(Beta + tok64 * sb_t + h, mask=mt, other=0.0).to(tl.float32)
+    return k, tl.cumsum(g, axis=0) + carry, beta, carry + tl.sum(g, axis=0)
+
+
+@triton.jit
+def _lblock(ki, gi, bi, kj, gj, DIAG: tl.constexpr):
+    """Block (i, j) of L = beta_i (k_i . k_j) exp(c_i - c_j), strictly lower on the diagonal."""
+    r, c = tl.arange(0, 16)[:, None], tl.arange(0, 16)[None, :]
+    m = (r > c) if DIAG else (r >= 0)
+    # exp only where the row is after the column (c_i - c_j <= 0): elsewhere it could overflow
+    d = tl.exp(tl.where(m, gi[:, None] - gj[None, :], float("-inf")))
+    return tl.where(m, bi[:, None] * _mm(ki, tl.trans(kj)) * d, 0.0)
+
+
+@triton.jit
+def _inv16(L):
+    """(I + L)^-1 for a strictly lower 16 x 16 L: row i is e_i - sum_{j<i} L_ij X_j."""
+    r, c = tl.arange(0, 16)[:, None], tl.arange(0, 16)[None, :]
+    X = tl.where(r == c, 1.0, 0.0)
+    for i in range(1, 16):
+        l_i = tl.sum(tl.where(r == i, L, 0.0), axis=0)  # row i of L, laid out along the columns
+        X = X - tl.where(r == i, tl.sum(l_i[:, None] * X, axis=0)[None, :], 0.0)
+    return X
+
+
+@triton.jit
+def _store_rows(P, x, tok0, end, h, HV, DIM: tl.constexpr, BD: tl.constexpr):
+    tok = tok0 + tl.arange(0, 16)
+    offs = tl.arange(0, BD)
+    tl.store(P + (tok.to(tl.int64) * HV + h)[:, None] * DIM + offs[None, :], x,
+             mask=(tok < end)[:, None] & (offs < DIM)[None, :])
+
+
+@triton.jit
+def _store_gc(GC, gc, tok0, end, h, HV):
+    tok = tok0 + tl.arange(0, 16)
+    tl.store(GC + tok.to(tl.int64) * HV + h, gc, mask=tok < end)
+
+
+@triton.jit
+def _load_vb(V, tok0, end, h, sv_t, sv_h, beta, DV: tl.constexpr, BVF: tl.constexpr):
+    tok = tok0 + tl.arange(0, 16)
+    offs = tl.arange(0, BVF)
+    v = tl.load(V + tok.to(tl.int64)[:, None] * sv_t + h * sv_h + offs[None, :],
+                mask=(tok < end)[:, None] & (offs < DV)[None, :], other=0.0).to(tl.float32)
+    return v * beta[:, None]
+
+
 @triton.jit
 def _gdr_prep_kernel(
     K, V, G, Beta, Cu, ChunkSeq, ChunkStart, GC, W, U,
     sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, HV,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
-    BT: tl.constexpr, L2NORM: tl.constexpr,
+    L2NORM: tl.constexpr,
 ):
+    """Per (chunk of 64, v-head): the cumulative decays c, and W = X (beta k exp(c)), U = X (beta v)."""
     c, h = tl.program_id(0), tl.program_id(1)
     seq = tl.load(ChunkSeq + c)
     if seq < 0:
         return
-    start = tl.load(ChunkStart + c)
+    s0 = tl.load(ChunkStart + c)
     end = tl.load(Cu + seq + 1)
     hk = h // GROUP
-    tok = start + tl.arange(0, BT)
-    mt = tok < end
-    tok64 = tok.to(tl.int64)
-    offs_k, offs_v = tl.arange(0, BK), tl.arange(0, BVF)
-    mk, mv = offs_k < DK, offs_v < DV
-    k = tl.load(K + tok64[:, None] * sk_t + hk * sk_h + offs_k[None, :], mask=mt[:, None] & mk[None, :],
-                other=0.0).to(tl.float32)
-    k = _l2norm_rows(k, L2NORM)
-    v = tl.load(V + tok64[:, None] * sv_t + h * sv_h + offs_v[None, :], mask=mt[:, None] & mv[None, :],
-                other=0.0).to(tl.float32)
-    g = tl.load(G + tok64 * sg_t + h, mask=mt, other=0.0).to(tl.float32)
-    beta = tl.load(Beta + tok64 * sb_t + h, mask=mt, other=0.0).to(tl.float32)
-    gc = tl.cumsum(g, axis=0)
-    tl.store(GC + tok64 * HV + h, gc, mask=mt)
-    rows, cols = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
-    lower = rows > cols
-    # exp only where i > j (c_i - c_j <= 0 there): the upper half could overflow
-    decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
-    kk = tl.dot(k, tl.trans(k), input_precision="ieee")
-    L = tl.where(lower, beta[:, None] * kk * decay, 0.0)
-    # X = (I + L)^-1 by forward substitution: row i of X is e_i - sum_{j<i} L_ij X_j
-    X = tl.where(rows == cols, 1.0, 0.0)
-    for i in range(1, BT):
-        l_i = tl.sum(tl.where(rows == i, L, 0.0), axis=0)  # row i of L, laid out along the columns
-        upd = tl.sum(l_i[:, None] * X, axis=0)
-        X = X - tl.where(rows == i, upd[None, :], 0.0)
-    kb = k * (beta * tl.exp(gc))[:, None]
-    w = tl.dot(X, kb, input_precision="ieee")
-    u = tl.dot(X, v * beta[:, None], input_precision="ieee")
-    tl.store(W + (tok64 * HV + h)[:, None] * DK + offs_k[None, :], w, mask=mt[:, None] & mk[None, :])
-    tl.store(U + (tok64 * HV + h)[:, None] * DV + offs_v[None, :], u, mask=mt[:, None] & mv[None, :])
+    s1, s2, s3 = s0 + 16, s0 + 32, s0 + 48
+    k0, g0, b0, cy = _sub_load(K, G, Beta, s0, end, hk, h, sk_t, sk_h, sg_t, sb_t, 0.0, DK, BK, L2NORM)
+    k1, g1, b1, cy = _sub_load(K, G, Beta, s1, end, hk, h, sk_t, sk_h, sg_t, sb_t, cy, DK, BK, L2NORM)
+    k2, g2, b2, cy = _sub_load(K, G, Beta, s2, end, hk, h, sk_t, sk_h, sg_t, sb_t, cy, DK, BK, L2NORM)
+    k3, g3, b3, cy = _sub_load(K, G, Beta, s3, end, hk, h, sk_t, sk_h, sg_t, sb_t, cy, DK, BK, L2NORM)
+    _store_gc(GC, g0, s0, end, h, HV)
+    _store_gc(GC, g1, s1, end, h, HV)
+    _store_gc(GC, g2, s2, end, h, HV)
+    _store_gc(GC, g3, s3, end, h, HV)
+    X00 = _inv16(_lblock(k0, g0, b0, k0, g0, True))
+    X11 = _inv16(_lblock(k1, g1, b1, k1, g1, True))
+    X22 = _inv16(_lblock(k2, g2, b2, k2, g2, True))
+    X33 = _inv16(_lblock(k3, g3, b3, k3, g3, True))
+    L10 = _lblock(k1, g1, b1, k0, g0, False)
+    L20, L21 = _lblock(k2, g2, b2, k0, g0, False), _lblock(k2, g2, b2, k1, g1, False)
+    L30, L31 = _lblock(k3, g3, b3, k0, g0, False), _lblock(k3, g3, b3, k1, g1, False)
+    L32 = _lblock(k3, g3, b3, k2, g2, False)
+    X10 = -_mm(X11, _mm(L10, X00))
+    X21 = -_mm(X22, _mm(L21, X11))
+    X20 = -_mm(X22, _mm(L20, X00) + _mm(L21, X10))
+    X32 = -_mm(X33, _mm(L32, X22))
+    X31 = -_mm(X33, _mm(L31, X11) + _mm(L32, X21))
+    X30 = -_mm(X33, _mm(L30, X00) + _mm(L31, X10) + _mm(L32, X20))
+    kb0, kb1 = k0 * (b0 * tl.exp(g0))[:, None], k1 * (b1 * tl.exp(g1))[:, None]
+    kb2, kb3 = k2 * (b2 * tl.exp(g2))[:, None], k3 * (b3 * tl.exp(g3))[:, None]
+    _store_rows(W, _mm(X00, kb0), s0, end, h, HV, DK, BK)
+    _store_rows(W, _mm(X10, kb0) + _mm(X11, kb1), s1, end, h, HV, DK, BK)
+    _store_rows(W, _mm(X20, kb0) + _mm(X21, kb1) + _mm(X22, kb2), s2, end, h, HV, DK, BK)
+    _store_rows(W, _mm(X30, kb0) + _mm(X31, kb1) + _mm(X32, kb2) + _mm(X33, kb3), s3, end, h, HV, DK, BK)
+    # v is loaded only now, so the keys' and the values' tiles are not all live at once
+    vb0 = _load_vb(V, s0, end, h, sv_t, sv_h, b0, DV, BVF)
+    vb1 = _load_vb(V, s1, end, h, sv_t, sv_h, b1, DV, BVF)
+    vb2 = _load_vb(V, s2, end, h, sv_t, sv_h, b2, DV, BVF)
+    vb3 = _load_vb(V, s3, end, h, sv_t, sv_h, b3, DV, BVF)
+    _store_rows(U, _mm(X00, vb0), s0, end, h, HV, DV, BVF)
+    _store_rows(U, _mm(X10, vb0) + _mm(X11, vb1), s1, end, h, HV, DV, BVF)
+    _store_rows(U, _mm(X20, vb0) + _mm(X21, vb1) + _mm(X22, vb2), s2, end, h, HV, DV, BVF)
+    _store_rows(U, _mm(X30, vb0) + _mm(X31, vb1) + _mm(X32, vb2) + _mm(X33, vb3), s3, end, h, HV, DV, BVF)
 
 
 @triton.jit
@@ -228,8 +306,8 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
         _gdr_prep_kernel[(chunk_seq.numel(), hv)](
             k, v, g, beta, cu_seqlens, chunk_seq, chunk_start, gc, w, u,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), hv,
-            GROUP=group, DK=dk, DV=dv, BK=bk, BVF=triton.next_power_of_2(max(dv, 16)), BT=CHUNK, L2NORM=l2norm,
-            num_warps=4,
+            GROUP=group, DK=dk, DV=dv, BK=bk, BVF=triton.next_power_of_2(max(dv, 16)), L2NORM=l2norm,
+            num_warps=8,
         )
     bv = min(64, triton.next_power_of_2(max(dv, 16)))
     _gdr_scan_kernel[(n, hv, triton.cdiv(dv, bv))](
