@@ -26,6 +26,8 @@ Dots run in fp32 ("ieee") for fp32 inputs; with 16-bit inputs kernel 2 feeds the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -104,7 +106,10 @@ def _sub_load(K, G, Beta, tok0, end, hk, h, sk_t, sk_h, sg_t, sb_t, carry,
 def _lblock(ki, gi, bi, kj, gj, DIAG: tl.constexpr):
     """Block (i, j) of L = beta_i (k_i . k_j) exp(c_i - c_j), strictly lower on the diagonal."""
     r, c = tl.arange(0, 16)[:, None], tl.arange(0, 16)[None, :]
-    m = (r > c) if DIAG else (r >= 0)
+    if DIAG:
+        m = r > c
+    else:
+        m = (r >= 0) & (c >= 0)
     # exp only where the row is after the column (c_i - c_j <= 0): elsewhere it could overflow
     d = tl.exp(tl.where(m, gi[:, None] - gj[None, :], float("-inf")))
     return tl.where(m, bi[:, None] * _mm(ki, tl.trans(kj)) * d, 0.0)
@@ -272,6 +277,11 @@ def gated_delta_rule_decode(q, k, v, g, beta, states, slots, l2norm: bool = True
     return o
 
 
+@functools.cache
+def _sm_count(dev: torch.device) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
 def _chunk_table(cu_seqlens: torch.Tensor, t: int, bt: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence, first token) of every chunk, -1 past the last; sized by an upper bound
     (sum of ceil(len / bt) <= t // bt + N) so no host value is read."""
@@ -310,6 +320,10 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
             num_warps=8,
         )
     bv = min(64, triton.next_power_of_2(max(dv, 16)))
+    # The scan is serial over chunks: split the v columns finer when (sequences x heads) alone
+    # would leave SMs idle (one long prompt); each split recomputes only the small Q K^T tile.
+    if dev.type == "cuda" and bv > 32 and n * hv * triton.cdiv(dv, bv) < _sm_count(dev):
+        bv = 32
     _gdr_scan_kernel[(n, hv, triton.cdiv(dv, bv))](
         q, k, gc, w, u, states, slots, has_state.to(torch.int32), cu_seqlens, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),

@@ -108,6 +108,25 @@ def test_prefill_odd_head_dims():
 
 
 @pytest.mark.triton
+def test_prefill_repeated_keys():
+    """Near-identical keys, beta near 1 and almost no decay: the worst case for the chunk's
+    (I + L)^-1 (its entries alternate in sign and do not shrink). Must still match."""
+    dev = _dev()
+    gen = torch.Generator().manual_seed(9)
+    t, hk, hv, dk, dv = 128, 1, 2, 16, 16
+    q, _, v, _, _ = _inputs(t, hk, hv, dk, dv, torch.float32, gen, dev)
+    k = (torch.randn(1, hk, dk, generator=gen) + 0.01 * torch.randn(t, hk, dk, generator=gen)).to(dev)
+    g = torch.full((t, hv), -1e-3, device=dev)
+    beta = torch.full((t, hv), 0.99, device=dev)
+    slot, no = torch.tensor([0], dtype=torch.int32, device=dev), torch.tensor([False], device=dev)
+    a, b = _pool(1, hv, dk, dv, [], gen, dev), _pool(1, hv, dk, dv, [], gen, dev)
+    o = LA.gated_delta_rule_prefill(q, k, v, g, beta, a, slot, _cu([t], dev), no)
+    want = K.gated_delta_rule_reference(q, k, v, g, beta, b, slot, _cu([t], dev), no)
+    torch.testing.assert_close(o, want, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.triton
 @pytest.mark.parametrize("split", [1, 64, 70])
 def test_prefill_split_in_two_calls(split):
     """A 130-token sequence in two calls (state carried through the pool) equals one call."""
