@@ -277,6 +277,16 @@ def gated_delta_rule_decode(q, k, v, g, beta, states, slots, l2norm: bool = True
     return o
 
 
+PREP_LAUNCH_OPTIONS = {"num_warps": 8}
+
+
+def scan_launch_options(half: bool) -> dict:
+    # Pipelining the chunk loop's loads 3 deep (Triton's default) needs 149 KB of shared memory
+    # with 16-bit inputs and 329 KB with fp32, over the H100's 227 KB (sm_90 compile, d 128);
+    # 2 and 1 deep need 99 KB and 102 KB. tests/test_gated_delta_rule.py compiles them to check.
+    return {"num_warps": 4, "num_stages": 2 if half else 1}
+
+
 @functools.cache
 def _sm_count(dev: torch.device) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
@@ -317,12 +327,9 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
             k, v, g, beta, cu_seqlens, chunk_seq, chunk_start, gc, w, u,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), hv,
             GROUP=group, DK=dk, DV=dv, BK=bk, BVF=triton.next_power_of_2(max(dv, 16)), L2NORM=l2norm,
-            num_warps=8,
+            **PREP_LAUNCH_OPTIONS,
         )
     bv = min(64, triton.next_power_of_2(max(dv, 16)))
-    # Pipelining the chunk loop's loads 3 deep needs 149 KB of shared memory with 16-bit inputs
-    # and 329 KB with fp32 (over the H100's 227 KB), by Triton's sm_90 compile: 2 and 1 deep
-    # need 99 KB and 102 KB.
     half = q.dtype != torch.float32
     # The scan is serial over chunks: split the v columns finer when (sequences x heads) alone
     # would leave SMs idle (one long prompt); each split recomputes only the small Q K^T tile.
@@ -333,7 +340,7 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
         states.stride(0), states.stride(1), hv, dk ** -0.5,
         GROUP=group, DK=dk, DV=dv, BK=bk, BV=bv, BT=CHUNK, L2NORM=l2norm, HALF=half,
-        num_warps=4, num_stages=2 if half else 1,
+        **scan_launch_options(half),
     )
     return o
 

@@ -210,6 +210,39 @@ def test_decode_real_shapes_gpu():
     torch.testing.assert_close(states, ref, atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
+# --- the kernels fit an H100 (compiled for sm_90 on the CPU, no GPU needed) ------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("half", [True, False])
+def test_kernels_compile_for_sm90_within_shared_memory(half):
+    """Compiles the three kernels at Qwen3-Next's shapes with the launch options the wrappers
+    use; a tile or pipelining change that overflows the H100's 227 KB of shared memory per
+    block would otherwise first fail at launch on a GPU."""
+    from minisgl import env
+
+    if env.TRITON_INTERPRET:
+        pytest.skip("under TRITON_INTERPRET the kernels are interpreted functions, not compilable")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    dt = "bf16" if half else "fp32"
+    types = {n: f"*{dt}" for n in ("Q", "K", "V", "Beta", "O")}
+    types.update({n: "*fp32" for n in ("G", "S", "GC", "W", "U")})
+    types.update({n: "*i32" for n in ("Slots", "HasState", "Cu", "ChunkSeq", "ChunkStart")}, scale="fp32")
+    kernels = [
+        (K._gdr_prep_kernel, dict(GROUP=2, DK=128, DV=128, BK=128, BVF=128, L2NORM=True), K.PREP_LAUNCH_OPTIONS),
+        (K._gdr_scan_kernel, dict(GROUP=2, DK=128, DV=128, BK=128, BV=64, BT=64, L2NORM=True, HALF=half),
+         K.scan_launch_options(half)),
+        (K._gdr_decode_kernel, dict(GROUP=2, DK=128, DV=128, BK=128, BV=64, L2NORM=True), {"num_warps": 4}),
+    ]
+    for fn, consts, opts in kernels:
+        sig = {n: types.get(n, "i32") for n in fn.arg_names} | {c: "constexpr" for c in consts}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        assert compiled.metadata.shared <= 227 * 1024, (fn.__name__, compiled.metadata.shared)
+
+
 # --- bad input ------------------------------------------------------------------------
 
 def test_bad_input_names_the_argument():
