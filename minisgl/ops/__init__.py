@@ -13,6 +13,12 @@ from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_at
 from minisgl.ops.deterministic import is_deterministic, logsumexp_rows, set_deterministic
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
 from minisgl.ops.linear import linear
+from minisgl.ops.linear_attention import (
+    causal_conv1d_decode,
+    causal_conv1d_prefill,
+    gated_delta_rule_decode,
+    gated_delta_rule_prefill,
+)
 from minisgl.ops.logprobs import top_logprobs
 from minisgl.ops.moe import fused_experts, fused_moe, moe_align, moe_route
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
@@ -28,6 +34,8 @@ __all__ = [
     "apply_penalties",
     "apply_token_bitmask",
     "apply_rope",
+    "causal_conv1d_decode",
+    "causal_conv1d_prefill",
     "decode_attention_triton",
     "embedding_lookup",
     "embedding_lookup_reference",
@@ -38,6 +46,8 @@ __all__ = [
     "fused_add_rmsnorm",
     "fused_experts",
     "fused_moe",
+    "gated_delta_rule_decode",
+    "gated_delta_rule_prefill",
     "gelu_tanh_and_mul",
     "is_deterministic",
     "linear",
