@@ -16,7 +16,7 @@ from minisgl import LLM
 from minisgl.core.quant_config import from_hf, resolve
 from minisgl.distributed.info import TPInfo
 from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minisgl.ops.fp8 import FP8, check_fp8_device, dequantize, quantize_blocks, quantize_rows
+from minisgl.ops.gemm.fp8 import FP8, check_fp8_device, dequantize, quantize_blocks, quantize_rows
 
 
 def test_formats_parse() -> None:

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from _bench import ceilings, num_sets, print_ceilings, print_table, time_calls
 
 from minisgl.ops import silu_and_mul
-from minisgl.ops.gemm_table import CANDIDATE_PAIRS, candidate_configs, split_counts
-from minisgl.ops.skinny_gemm import SkinnyConfig, launch, skinny_gemm_reference, tile_shapes
+from minisgl.ops.gemm.reference import skinny_gemm_reference
+from minisgl.ops.gemm.skinny import SkinnyConfig, launch, tile_shapes
+from minisgl.ops.gemm.table import CANDIDATE_PAIRS, candidate_configs, split_counts
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MODELS = ("llama-3.1-8b", "qwen3-8b", "qwen3-0.6b")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.core.quant_config import BLOCK, QuantConfig
-from minisgl.ops.fp8 import FP8, expand_block_scale
+from minisgl.ops.gemm.fp8 import FP8, expand_block_scale
 
 
 def layer_quant(cfg: QuantConfig | None, modules: list[str]) -> QuantConfig | None:

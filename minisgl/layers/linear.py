@@ -3,13 +3,14 @@ copies that shard out of the full checkpoint tensor on load (so no rank keeps a 
 
 Column-parallel: the output features are split across ranks (q/k/v, gate/up).
 Row-parallel: the input features are split; partial outputs are summed by all-reduce (o, down).
-The GEMMs go through ops.linear (our skinny kernel or cuBLAS, per measured shape and M);
-`gemm_calls` lists them for the engine, which measures that choice at start.
+The GEMMs go through ops.linear, one entry for every weight format (ops/gemm/dispatch.py: our
+skinny kernel or the large-batch path, per format, measured shape and M); `gemm_calls` lists
+them for the engine, which measures that choice at start.
 
 With `quant` (a QuantConfig) a layer is FP8: weight e4m3 [N, K] and fp32 weight_scale
 [N, ceil(K / block_k)] (ops/fp8.py has the layout), loaded from an FP8 checkpoint's weight and
 scale tensors (any order), or quantized per output channel on load from a 16-bit weight
-(`--quantization fp8`); its GEMM is ops.fp8_linear.
+(`--quantization fp8`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from minisgl import ops
 from minisgl.core.quant_config import BLOCK, QuantConfig
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.layers.fp8_load import check_weight_dtype, scale_rows
-from minisgl.ops.fp8 import FP8, quantize_rows
-from minisgl.ops.linear import fp8_linear
+from minisgl.ops.gemm import DENSE, FP8_FORMAT
+from minisgl.ops.gemm.fp8 import FP8, quantize_rows
+from minisgl.ops.gemm.table import GemmCall
 
 
 def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
@@ -33,8 +35,11 @@ def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
 class _Fp8Mixin(nn.Module):
     """The FP8 state shared by both layer kinds: `quant`, `block_k`, `weight_scale` (or None)."""
 
+    silu_and_mul = False
+
     def _make_weight(self, out: int, k: int, quant: QuantConfig | None) -> None:
         self.quant = quant
+        self.fmt = FP8_FORMAT if quant else DENSE
         self.block_k = 0
         self.weight = nn.Parameter(torch.empty(out, k, dtype=FP8 if quant else None), requires_grad=False)
         if quant is None:
@@ -68,9 +73,10 @@ class _Fp8Mixin(nn.Module):
         self.weight_scale.data[rows].copy_(expanded)
 
     def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
-        if self.weight_scale is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, self.block_k, bias, silu)
-        return ops.linear(x, self.weight, bias, silu=silu)
+        return ops.linear(x, self.weight, bias, silu, fmt=self.fmt, scale=self.weight_scale, block_k=self.block_k)
+
+    def gemm_calls(self) -> list[GemmCall]:
+        return [GemmCall(self.weight, bool(self.silu_and_mul), self.fmt, self.weight_scale, self.block_k)]
 
 
 class MergedColumnParallelLinear(_Fp8Mixin):
@@ -81,8 +87,6 @@ class MergedColumnParallelLinear(_Fp8Mixin):
     `silu_and_mul` (two equal parts: gate, up): the output is silu(gate) * up [T, inter], the
     activation fused into the GEMM's epilogue where our kernel runs.
     """
-
-    silu_and_mul = False
 
     def __init__(
         self, in_features: int, out_sizes: list[int], bias: bool, tp: TPInfo, silu_and_mul: bool = False,
@@ -124,9 +128,6 @@ class MergedColumnParallelLinear(_Fp8Mixin):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._gemm(x, self.bias, self.silu_and_mul)
-
-    def gemm_calls(self) -> list[tuple[torch.Tensor, bool]]:
-        return [(self.weight, self.silu_and_mul)]
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -212,20 +213,8 @@ class RowParallelLinear(_Fp8Mixin):
             raise ValueError("a row-parallel layer with a bias adds it after its own all-reduce: call it whole")
         return self._gemm(x, None, False)
 
-    def gemm_calls(self) -> list[tuple[torch.Tensor, bool]]:
-        return [(self.weight, False)]
 
-
-def gemm_calls(model: nn.Module) -> list[tuple[torch.Tensor, bool]]:
-    """(weight, silu) of every GEMM the model runs through ops.linear, one per layer call (FP8
-    layers' e4m3 weights among them are skipped by the 16-bit tuning: see fp8_gemm_calls)."""
+def gemm_calls(model: nn.Module) -> list[GemmCall]:
+    """Every GEMM the model runs through ops.linear, one per layer call, in its weight format
+    (ops/gemm/tuning.py times those the skinny template takes)."""
     return [call for mod in model.modules() if hasattr(mod, "gemm_calls") for call in mod.gemm_calls()]
-
-
-def fp8_gemm_calls(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, int, bool]]:
-    """(weight e4m3, weight_scale, block_k, silu) of every FP8 layer (ops.fp8_tuning times them)."""
-    return [
-        (mod.weight, mod.weight_scale, mod.block_k, bool(getattr(mod, "silu_and_mul", False)))
-        for mod in model.modules()
-        if isinstance(mod, _Fp8Mixin) and mod.weight_scale is not None
-    ]

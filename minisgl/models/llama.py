@@ -28,7 +28,7 @@ from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.logging_setup import log_once
-from minisgl.ops.fp8 import FP8
+from minisgl.ops.gemm.fp8 import FP8
 
 
 class LlamaAttention(nn.Module):
