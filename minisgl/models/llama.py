@@ -232,15 +232,22 @@ class LlamaForCausalLM(nn.Module):
                 continue
             mod, _, kind = pname.rpartition(".")
             head, _, last = mod.rpartition(".")
+            ckpt = getattr(self.get_submodule(mod), "checkpoint_kinds", None)
+            if ckpt is not None:  # a 4-bit layer: its parameters are repacked from these tensors
+                if kind not in ("weight", "bias"):
+                    continue
+                kinds = ckpt if kind == "weight" else ("bias",)
+            else:
+                kinds = (kind,)
             if last == "experts":  # the stacked w13 / w2 of a MoE block
                 projs = ("gate_proj", "up_proj") if kind == "w13" else ("down_proj",)
                 names.update(_expert_names(mod, self.get_submodule(mod).num_experts, projs))
                 continue
             parts = 3 if last == "qkv_proj" else 2 if last == "gate_up_proj" else 0
             if parts:
-                names.update(f"{head}.{inverse[(last, p)]}.{kind}" for p in range(parts))
+                names.update(f"{head}.{inverse[(last, p)]}.{k}" for p in range(parts) for k in kinds)
             else:
-                names.add(pname)
+                names.update(f"{mod}.{k}" for k in kinds)
         return names
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -260,11 +267,13 @@ class LlamaForCausalLM(nn.Module):
             if quant is not None and self._fp8_extra(hf_name, tensor):
                 continue
             name = canonical_name(hf_name)
-            if quant is not None and name.endswith(f".{quant.scale_name}"):  # our parameter's name
+            if quant is not None and quant.scale_name and name.endswith(f".{quant.scale_name}"):  # our name
                 name = name.removesuffix(f".{quant.scale_name}") + ".weight_scale"
             if tensor.dtype == FP8 and (_EXPERT.match(name) or ".experts." in name):
                 raise ValueError(f"tensor {hf_name}: FP8 MoE experts are not supported (only dense linear layers)")
             expert = _EXPERT.match(name)
+            if ".experts." in name and quant is not None and quant.fmt != "fp8" and not name.endswith(".weight"):
+                raise ValueError(f"tensor {hf_name}: 4-bit MoE experts are not supported yet (dense layers only)")
             covers = [name]
             if expert and expert[4]:  # stacked: stands for every expert's tensors of its projections
                 projs = ("gate_proj", "up_proj") if expert[4] == "gate_up_proj" else ("down_proj",)
@@ -298,7 +307,7 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
                 param.data.copy_(tensor)
         missing = sorted(expected - seen)
-        if missing and quant is not None:  # name scales as the checkpoint does
+        if missing and quant is not None and quant.scale_name:  # name scales as the checkpoint does
             missing = [m.removesuffix(".weight_scale") + f".{quant.scale_name}" if m.endswith(".weight_scale") else m
                        for m in missing]
         if missing:

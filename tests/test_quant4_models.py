@@ -1,0 +1,88 @@
+"""4-bit checkpoints on the CPU: a tiny random Llama quantised in the test (round-to-nearest into
+each format's exact packing: tests/quant4_checkpoints.py) and loaded by minisgl, against
+transformers on the same weights dequantized to fp32. On the CPU the 4-bit layers dequantize
+through the fp32 reference and multiply in fp32, so greedy tokens are equal and prefill logits
+within 1e-4 relative. Dims are multiples of 128 so every group size divides every K; q/k/v parts
+of 256/64/64 rows; one case keeps layer 1's MLP in fp32 through the format's ignore list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import quant4_checkpoints as ck
+import tiny_models
+import torch
+
+from minisgl import LLM, SamplingParams
+
+SPEC = tiny_models.TinySpec(
+    "int4_llama", "llama", "smollm2",
+    {"hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 8, "num_key_value_heads": 2,
+     "head_dim": 32, "num_hidden_layers": 2, "tie_word_embeddings": False,
+     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    seed=13,
+)
+PROMPTS = [[5, 6, 7, 8, 9] * 3, list(range(300, 311)), [42]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+# (format, group (-1: per channel), symmetric, act-order)
+CASES = [
+    ("awq", 128, False, False), ("awq", -1, False, False),
+    ("gptq", 32, True, False), ("gptq", 128, False, False), ("gptq_v2", 64, False, False),
+    ("gptq", 64, True, True), ("gptq_v2", 32, False, True),
+    ("compressed-tensors", 128, True, False), ("compressed-tensors", 32, False, False),
+    ("compressed-tensors", -1, True, False), ("compressed-tensors", -1, False, False),
+]
+
+
+@pytest.fixture(scope="module")
+def src(tiny_model_path: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("int4")
+    return tiny_models.build_tiny_model(SPEC, root / "src", tiny_model_path("llama3"))
+
+
+def _check_against(llm: LLM, reference: Path) -> None:
+    from test_models_hf import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want_logits = [hf(torch.tensor([p])).logits[0].float() for p in PROMPTS]
+    want_tokens = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    got = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert got == want_tokens
+    for ours, ref in zip(llm.engine.score(PROMPTS), want_logits, strict=True):
+        rel = (ours.cpu() - ref).abs().max() / ref.abs().max()
+        assert rel <= 1e-4, f"rel err {rel:.2e}"
+
+
+@pytest.mark.parametrize(("fmt", "group", "sym", "desc_act"), CASES)
+def test_int4_checkpoint_matches_transformers_on_dequantized_weights(
+    src: Path, tmp_path: Path, fmt: str, group: int, sym: bool, desc_act: bool
+) -> None:
+    q, deq = ck.write_quant4(src, tmp_path / "q", tmp_path / "deq", fmt, group, sym, desc_act, seed=group)
+    llm = LLM(str(q), device="cpu", dtype="float32")
+    layer = llm.engine.model.model.layers[0]
+    assert layer.mlp.gate_up_proj.weight.dtype == torch.int32 and layer.self_attn.qkv_proj.fmt == "int4"
+    assert (layer.self_attn.qkv_proj.act_perm is not None) == desc_act
+    _check_against(llm, deq)
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "compressed-tensors"])
+def test_ignored_modules_stay_16_bit(src: Path, tmp_path: Path, fmt: str) -> None:
+    names = ["model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"]
+    q, deq = ck.write_quant4(src, tmp_path / "q", tmp_path / "deq", fmt, 64, False, ignored=("layers.1.mlp",),
+                             ignore=names)
+    llm = LLM(str(q), device="cpu", dtype="float32")
+    layers = llm.engine.model.model.layers
+    assert layers[0].mlp.down_proj.fmt == "int4" and layers[1].mlp.down_proj.weight.dtype == torch.float32
+    _check_against(llm, deq)
+
+
+def test_fused_parts_half_ignored_are_refused(src: Path, tmp_path: Path) -> None:
+    q, _ = ck.write_quant4(src, tmp_path / "q", tmp_path / "deq", "awq", 64, False, ignored=("layers.1.mlp.up",),
+                           ignore=["model.layers.1.mlp.up_proj"])
+    with pytest.raises(ValueError, match="must be all quantized or all 16-bit"):
+        LLM(str(q), device="cpu", dtype="float32")
