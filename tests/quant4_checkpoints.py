@@ -119,6 +119,18 @@ def write_quant4(src: Path, out: Path, deq_out: Path, fmt: str, group: int, sym:
     gen = torch.Generator().manual_seed(seed)
     perms: dict[int, torch.Tensor] = {}  # one act-order per K: modules sharing their input share it
     for name, t in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):  # stacked experts [E, N, K]
+            projs = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+            halves = [w.chunk(len(projs)) for w in t]
+            deq_e = []
+            for e, ws in enumerate(halves):
+                for proj, w in zip(projs, ws, strict=True):
+                    parts, d = _module(fmt, w, group, sym, None)
+                    deq_e.append(d)
+                    base = f"{name.rpartition('.')[0]}.{e}.{proj}"
+                    written.update({f"{base}.{kind}": v for kind, v in parts.items()})
+            deq[name] = torch.cat(deq_e).reshape(t.shape)
+            continue
         if not is_linear(name) or any(i in name for i in ignored):
             written[name] = deq[name] = t
             continue

@@ -86,3 +86,15 @@ def test_fused_parts_half_ignored_are_refused(src: Path, tmp_path: Path) -> None
                            ignore=["model.layers.1.mlp.up_proj"])
     with pytest.raises(ValueError, match="must be all quantized or all 16-bit"):
         LLM(str(q), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize(("fmt", "sym"), [("awq", False), ("gptq", True), ("compressed-tensors", False)])
+def test_int4_moe_experts_match_transformers(tiny_model_path: Callable[[str], Path], tmp_path: Path, fmt: str,
+                                             sym: bool) -> None:
+    """Qwen3-MoE with 4-bit experts (stacked [E, ...] INT4 in minisgl, dequantized on the CPU) and
+    4-bit attention and dense MLP; group 16 divides every K (hidden 64, expert intermediate 48)."""
+    q, deq = ck.write_quant4(tiny_model_path("qwen3_moe"), tmp_path / "q", tmp_path / "deq", fmt, 16, sym)
+    llm = LLM(str(q), device="cpu", dtype="float32")
+    experts = llm.engine.model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.int32 and experts.w13.shape == (8, 96, 8)
+    _check_against(llm, deq)

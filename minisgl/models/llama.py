@@ -95,8 +95,9 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, tp, comm, rope)
-        if cfg.is_sparse_layer(layer_id):  # 16-bit only (FP8 experts are not built)
-            self.mlp = SparseMoeBlock(cfg, tp, comm)
+        if cfg.is_sparse_layer(layer_id):  # 16-bit or INT4 experts (FP8 experts are not built)
+            quant = layer_quant(cfg.quantization, [f"model.layers.{layer_id}.mlp.experts"])
+            self.mlp = SparseMoeBlock(cfg, tp, comm, quant)
         else:
             self.mlp = LlamaMLP(cfg, tp, comm, f"model.layers.{layer_id}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -176,7 +177,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.)?(k_scale|v_scale|kv_scale)$")
 # Routed experts: one tensor per expert and projection, or (transformers 5's in-memory form)
 # all experts stacked per projection. Names as canonical_name() gives them.
-_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$")
+_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)|(gate_up_proj|down_proj))$")
 _MIXTRAL_EXPERT = re.compile(r"^(.+\.mlp\.experts\.\d+)\.(w1|w2|w3)\.weight$")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
@@ -188,8 +189,8 @@ def canonical_name(name: str) -> str:
     return f"{m[1]}.{_MIXTRAL_PROJ[m[2]]}.weight" if m else name
 
 
-def _expert_names(experts: str, num_experts: int, projs: tuple[str, ...]) -> list[str]:
-    return [f"{experts}.{e}.{p}.weight" for e in range(num_experts) for p in projs]
+def _expert_names(experts: str, num_experts: int, projs: tuple[str, ...], kinds=("weight",)) -> list[str]:
+    return [f"{experts}.{e}.{p}.{k}" for e in range(num_experts) for p in projs for k in kinds]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -232,6 +233,13 @@ class LlamaForCausalLM(nn.Module):
                 continue
             mod, _, kind = pname.rpartition(".")
             head, _, last = mod.rpartition(".")
+            if last == "experts":  # the stacked w13 / w2 of a MoE block (4-bit: and their scales, zeros)
+                if kind in ("w13", "w2"):
+                    projs = ("gate_proj", "up_proj") if kind == "w13" else ("down_proj",)
+                    experts = self.get_submodule(mod)
+                    kinds = experts.checkpoint_kinds or ("weight",)
+                    names.update(_expert_names(mod, experts.num_experts, projs, kinds))
+                continue
             ckpt = getattr(self.get_submodule(mod), "checkpoint_kinds", None)
             if ckpt is not None:  # a 4-bit layer: its parameters are repacked from these tensors
                 if kind not in ("weight", "bias"):
@@ -239,10 +247,6 @@ class LlamaForCausalLM(nn.Module):
                 kinds = ckpt if kind == "weight" else ("bias",)
             else:
                 kinds = (kind,)
-            if last == "experts":  # the stacked w13 / w2 of a MoE block
-                projs = ("gate_proj", "up_proj") if kind == "w13" else ("down_proj",)
-                names.update(_expert_names(mod, self.get_submodule(mod).num_experts, projs))
-                continue
             parts = 3 if last == "qkv_proj" else 2 if last == "gate_up_proj" else 0
             if parts:
                 names.update(f"{head}.{inverse[(last, p)]}.{k}" for p in range(parts) for k in kinds)
@@ -272,11 +276,9 @@ class LlamaForCausalLM(nn.Module):
             if tensor.dtype == FP8 and (_EXPERT.match(name) or ".experts." in name):
                 raise ValueError(f"tensor {hf_name}: FP8 MoE experts are not supported (only dense linear layers)")
             expert = _EXPERT.match(name)
-            if ".experts." in name and quant is not None and quant.fmt != "fp8" and not name.endswith(".weight"):
-                raise ValueError(f"tensor {hf_name}: 4-bit MoE experts are not supported yet (dense layers only)")
             covers = [name]
-            if expert and expert[4]:  # stacked: stands for every expert's tensors of its projections
-                projs = ("gate_proj", "up_proj") if expert[4] == "gate_up_proj" else ("down_proj",)
+            if expert and expert[5]:  # stacked: stands for every expert's tensors of its projections
+                projs = ("gate_proj", "up_proj") if expert[5] == "gate_up_proj" else ("down_proj",)
                 covers = _expert_names(expert[1], getattr(modules.get(expert[1]), "num_experts", 0), projs)
             if not covers or any(c not in expected for c in covers):
                 raise ValueError(f"unexpected tensor {hf_name} in the checkpoint")
@@ -286,11 +288,11 @@ class LlamaForCausalLM(nn.Module):
             if any(c in seen for c in covers):
                 raise ValueError(f"tensor {hf_name} appears twice in the checkpoint")
             seen.update(covers)
-            if expert and expert[4]:
-                modules[expert[1]].load_stacked(hf_name, expert[4], tensor)
+            if expert and expert[5]:
+                modules[expert[1]].load_stacked(hf_name, expert[5], tensor)
                 continue
             if expert:
-                modules[expert[1]].load_expert(hf_name, int(expert[2]), expert[3], tensor)
+                modules[expert[1]].load_expert(hf_name, int(expert[2]), expert[3], tensor, expert[4])
                 continue
             mod_name, _, kind = name.rpartition(".")
             head, _, last = mod_name.rpartition(".")
