@@ -8,25 +8,23 @@ of 256/64/64 rows; one case keeps layer 1's MLP in fp32 through the format's ign
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import quant4_checkpoints as ck
+import test_fp8_models as fp8_models
 import tiny_models
 import torch
+from test_fp8_models import _check_against
 
-from minisgl import LLM, SamplingParams
+from minisgl import LLM
 
-SPEC = tiny_models.TinySpec(
-    "int4_llama", "llama", "smollm2",
-    {"hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 8, "num_key_value_heads": 2,
-     "head_dim": 32, "num_hidden_layers": 2, "tie_word_embeddings": False,
-     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-    seed=13,
+SPEC = dataclasses.replace(  # fp8's tiny Llama with every dim a multiple of 128
+    fp8_models.SPEC, name="int4_llama", seed=13,
+    overrides={**fp8_models.SPEC.overrides, "hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 8},
 )
-PROMPTS = [[5, 6, 7, 8, 9] * 3, list(range(300, 311)), [42]]
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 # (format, group (-1: per channel), symmetric, act-order)
 CASES = [
     ("awq", 128, False, False), ("awq", -1, False, False),
@@ -41,21 +39,6 @@ CASES = [
 def src(tiny_model_path: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("int4")
     return tiny_models.build_tiny_model(SPEC, root / "src", tiny_model_path("llama3"))
-
-
-def _check_against(llm: LLM, reference: Path) -> None:
-    from test_models_hf import hf_greedy
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32).eval()
-    with torch.no_grad():
-        want_logits = [hf(torch.tensor([p])).logits[0].float() for p in PROMPTS]
-    want_tokens = [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
-    got = [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    assert got == want_tokens
-    for ours, ref in zip(llm.engine.score(PROMPTS), want_logits, strict=True):
-        rel = (ours.cpu() - ref).abs().max() / ref.abs().max()
-        assert rel <= 1e-4, f"rel err {rel:.2e}"
 
 
 @pytest.mark.parametrize(("fmt", "group", "sym", "desc_act"), CASES)
