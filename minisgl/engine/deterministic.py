@@ -14,7 +14,7 @@ def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
     if mc.moe is not None:
         raise ValueError("deterministic mode does not cover MoE models yet (the grouped GEMM's tiles depend on M)")
     if cfg.quantization is not None or mc.quantization is not None:
-        # The FP8 GEMMs (ops/fp8_gemm.py, the FP8 skinny kernel) choose their tiles and splits by M.
+        # The FP8 GEMMs (ops/gemm/fp8.py, the FP8 skinny loader) choose their tiles and splits by M.
         raise ValueError("deterministic mode does not cover FP8 weights yet: leave out --quantization "
                          "(quantization=) or use a 16-bit checkpoint")
     if cfg.spec is not None:

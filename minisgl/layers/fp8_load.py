@@ -1,4 +1,4 @@
-"""Loading FP8 linear weights: checkpoint scales -> our layout (ops/fp8.py), and the choice of
+"""Loading FP8 linear weights: checkpoint scales -> our layout (ops/gemm/fp8.py), and the choice of
 which fused layers are FP8 (a fused layer's parts must all be, or none)."""
 
 from __future__ import annotations
