@@ -17,7 +17,7 @@ import quant4_checkpoints as ck
 import test_fp8_models as fp8_models
 import tiny_models
 import torch
-from test_fp8_models import _check_against
+from test_fp8_models import GREEDY, _check_against
 
 from minisgl import LLM
 
@@ -71,13 +71,28 @@ def test_fused_parts_half_ignored_are_refused(src: Path, tmp_path: Path) -> None
         LLM(str(q), device="cpu", dtype="float32")
 
 
-@pytest.mark.parametrize(("fmt", "sym"), [("awq", False), ("gptq", True), ("compressed-tensors", False)])
-def test_int4_moe_experts_match_transformers(tiny_model_path: Callable[[str], Path], tmp_path: Path, fmt: str,
-                                             sym: bool) -> None:
-    """Qwen3-MoE with 4-bit experts (stacked [E, ...] INT4 in minisgl, dequantized on the CPU) and
-    4-bit attention and dense MLP; group 16 divides every K (hidden 64, expert intermediate 48)."""
-    q, deq = ck.write_quant4(tiny_model_path("qwen3_moe"), tmp_path / "q", tmp_path / "deq", fmt, 16, sym)
+@pytest.mark.parametrize(("name", "fmt", "sym"), [
+    ("qwen3_moe", "awq", False), ("qwen3_moe", "gptq", True), ("qwen3_moe", "compressed-tensors", False),
+    ("qwen2_moe", "awq", False),
+])
+def test_int4_moe_experts_match_transformers(tiny_model_path: Callable[[str], Path], tmp_path: Path, name: str,
+                                             fmt: str, sym: bool) -> None:
+    """MoE models with 4-bit experts (stacked [E, ...] INT4 in minisgl, dequantized on the CPU),
+    4-bit attention, dense MLPs and Qwen2-MoE's shared expert (with q/k/v biases); group 16
+    divides every K (hidden 64, expert intermediate 48 or 32, shared 96)."""
+    q, deq = ck.write_quant4(tiny_model_path(name), tmp_path / "q", tmp_path / "deq", fmt, 16, sym)
     llm = LLM(str(q), device="cpu", dtype="float32")
-    experts = llm.engine.model.model.layers[0].mlp.experts
-    assert experts.w13.dtype == torch.int32 and experts.w13.shape == (8, 96, 8)
+    mlp = llm.engine.model.model.layers[1 if name == "qwen2_moe" else 0].mlp
+    assert mlp.experts.w13.dtype == torch.int32 and mlp.experts.w13.shape[2] == 8
+    if name == "qwen2_moe":
+        assert mlp.shared_expert.down_proj.fmt == "int4"
     _check_against(llm, deq)
+
+
+def test_dummy_int4_weights_have_the_real_shapes(src: Path, tmp_path: Path) -> None:
+    q, _ = ck.write_quant4(src, tmp_path / "q", tmp_path / "deq", "gptq", 128, True)
+    llm = LLM(str(q), device="cpu", dtype="float32", load_format="dummy")
+    layer = llm.engine.model.model.layers[1].mlp.down_proj
+    assert layer.weight.shape == (256, 384 // 8) and layer.weight_scale.shape == (256, 3)
+    assert bool((layer.weight_zero == 8).all()) and layer.weight.unique().numel() > 100
+    assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == GREEDY.max_tokens

@@ -148,17 +148,20 @@ class FusedExperts(nn.Module):
 class SharedExpert(nn.Module):
     """A dense gated MLP whose down projection is left unreduced (the block reduces once)."""
 
-    def __init__(self, hidden: int, inter: int, tp: TPInfo, comm: Communicator) -> None:
+    def __init__(self, hidden: int, inter: int, tp: TPInfo, comm: Communicator, quant: QuantConfig | None = None,
+                 ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, tp)
-        self.down_proj = RowParallelLinear(inter, hidden, False, tp, comm, reduce=False)
+        quant = quant if quant is not None and quant.fmt == "int4" else None  # FP8: 16-bit, as before
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, tp, quant=quant)
+        self.down_proj = RowParallelLinear(inter, hidden, False, tp, comm, reduce=False, quant=quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator, quant: QuantConfig | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator, quant: QuantConfig | None = None,
+                 shared_quant: QuantConfig | None = None) -> None:
         super().__init__()
         moe = cfg.moe
         if moe is None:
@@ -169,7 +172,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp, quant)
         self.has_shared = moe.shared_expert_intermediate_size > 0
         if self.has_shared:
-            self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_expert_intermediate_size, tp, comm)
+            self.shared_expert = SharedExpert(cfg.hidden_size, moe.shared_expert_intermediate_size, tp, comm,
+                                              shared_quant)
             self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

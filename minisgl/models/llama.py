@@ -96,8 +96,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, tp, comm, rope)
         if cfg.is_sparse_layer(layer_id):  # 16-bit or INT4 experts (FP8 experts are not built)
-            quant = layer_quant(cfg.quantization, [f"model.layers.{layer_id}.mlp.experts"])
-            self.mlp = SparseMoeBlock(cfg, tp, comm, quant)
+            p, q = f"model.layers.{layer_id}.mlp", cfg.quantization
+            shared = [f"{p}.shared_expert.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+            self.mlp = SparseMoeBlock(cfg, tp, comm, layer_quant(q, [f"{p}.experts"]), layer_quant(q, shared))
         else:
             self.mlp = LlamaMLP(cfg, tp, comm, f"model.layers.{layer_id}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
