@@ -37,6 +37,7 @@ def test_configs_parse_and_refuse_by_name() -> None:
         ({"quant_method": "gptq", "bits": 8}, "8-bit"),
         ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "'marlin'"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size 100"),
+        ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*down": {}}}, "'dynamic'"),
         ({"quant_method": "bitsandbytes"}, "'bitsandbytes'"),
         (ct({**w, "strategy": "group", "group_size": 128, "actorder": "group"}), "actorder"),
         (ct({**w, "strategy": "tensor"}), "strategy 'tensor'"),

@@ -136,6 +136,8 @@ def _gptq(qc: dict[str, Any]) -> QuantConfig:
     fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"gptq: checkpoint_format {fmt!r} is not supported ('gptq' or 'gptq_v2')")
+    if qc.get("dynamic"):
+        raise ValueError("gptq: per-module 'dynamic' overrides are not supported (one bits / group_size for all)")
     ignore = tuple(qc.get("modules_to_not_convert") or ())
     return QuantConfig("gptq", "int4", "", ignore, packing=fmt, group=_group(qc, "group_size", "gptq"),
                        sym=bool(qc.get("sym", True)), desc_act=bool(qc.get("desc_act", False)))
