@@ -101,8 +101,8 @@ def main() -> None:
 def time_with_cublas_only(eng, batch, max_bs: int) -> float:
     """Graph time of `batch` with an empty dispatch table (every GEMM on cuBLAS), then the
     measured table and the graphs are restored."""
-    from minisgl.ops.gemm_table import GemmTable
-    from minisgl.ops.linear import install_table, table_for
+    from minisgl.ops.gemm.dispatch import install_table, table_for
+    from minisgl.ops.gemm.table import GemmTable
 
     tuned = table_for(eng.device)
     install_table(eng.device, GemmTable())

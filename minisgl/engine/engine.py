@@ -38,7 +38,7 @@ from minisgl.models.embedding_config import resolve_task
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.loading import load_model, load_model_config
 from minisgl.models.source import resolve_model
-from minisgl.ops.fp8 import check_fp8_device
+from minisgl.ops.gemm.fp8 import check_fp8_device
 from minisgl.ops.transfer import host_to_device
 from minisgl.sampling.penalty_state import PenaltyState
 from minisgl.speculative.drafter import Drafter, DraftTarget
@@ -174,15 +174,13 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
 
     def _tune_gemms(self) -> None:
         """Measures (or loads from the cache) where the skinny GEMM beats cuBLAS for this
-        rank's linear layers at each decode batch size up to 32 (ops.gemm_tuning), and for FP8
-        layers where the FP8 skinny kernel beats the FP8 GEMM (ops.fp8_tuning)."""
-        from minisgl.layers.linear import fp8_gemm_calls, gemm_calls
-        from minisgl.ops.fp8_tuning import tune_fp8_gemms
-        from minisgl.ops.gemm_tuning import tune_gemms
+        rank's linear layers at each decode batch size up to 32, and for FP8 layers where the
+        skinny template's FP8 loader beats the FP8 GEMM: one table, one tuner (ops/gemm/tuning.py)."""
+        from minisgl.layers.linear import gemm_calls
+        from minisgl.ops.gemm.tuning import tune_gemms
 
         ms = batch_size_ladder(min(32, self.cfg.max_running_requests))
-        tune_gemms(gemm_calls(self.model), self.device, ms)
-        tune_fp8_gemms(fp8_gemm_calls(self.model), self.device, ms, self.dtype)  # FP8 layers: skinny vs FP8 GEMM
+        tune_gemms(gemm_calls(self.model), self.device, ms, self.dtype)
         torch.cuda.empty_cache()  # the timing buffers must not shrink the KV pool sized next
 
     def _default_num_pages(self, kv_heads: int) -> int:

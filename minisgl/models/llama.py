@@ -29,7 +29,7 @@ from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.logging_setup import log_once
-from minisgl.ops.fp8 import FP8
+from minisgl.ops.gemm.fp8 import FP8
 
 
 class LlamaAttention(nn.Module):
@@ -114,8 +114,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, tp, comm, rope)
-        if cfg.is_sparse_layer(layer_id):  # 16-bit only (FP8 experts are not built)
-            self.mlp = SparseMoeBlock(cfg, tp, comm)
+        if cfg.is_sparse_layer(layer_id):  # 16-bit or INT4 experts (FP8 experts are not built)
+            p, q = f"model.layers.{layer_id}.mlp", cfg.quantization
+            shared = [f"{p}.shared_expert.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+            self.mlp = SparseMoeBlock(cfg, tp, comm, layer_quant(q, [f"{p}.experts"]), layer_quant(q, shared))
         else:
             self.mlp = LlamaMLP(cfg, tp, comm, f"model.layers.{layer_id}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -198,7 +200,7 @@ _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.
 # Routed experts: one tensor per expert and projection, or (transformers 5's in-memory form)
 # all experts stacked per projection. Names as canonical_name() gives them.
 _EXPERT = re.compile(
-    r"^(.+\.mlp\.experts)\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj)(_bias)?)$"
+    r"^(.+\.mlp\.experts)\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)|(gate_up_proj|down_proj)(_bias)?)$"
 )
 _MIXTRAL_EXPERT = re.compile(r"^(.+\.mlp\.experts\.\d+)\.(w1|w2|w3)\.weight$")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -211,8 +213,8 @@ def canonical_name(name: str) -> str:
     return f"{m[1]}.{_MIXTRAL_PROJ[m[2]]}.weight" if m else name
 
 
-def _expert_names(experts: str, num_experts: int, projs: tuple[str, ...]) -> list[str]:
-    return [f"{experts}.{e}.{p}.weight" for e in range(num_experts) for p in projs]
+def _expert_names(experts: str, num_experts: int, projs: tuple[str, ...], kinds=("weight",)) -> list[str]:
+    return [f"{experts}.{e}.{p}.{k}" for e in range(num_experts) for p in projs for k in kinds]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -261,15 +263,25 @@ class LlamaForCausalLM(nn.Module):
             if last == "experts" and kind in ("b13", "b2"):  # GPT-OSS's expert biases
                 names.add(f"{mod}.{'gate_up_proj_bias' if kind == 'b13' else 'down_proj_bias'}")
                 continue
-            if last == "experts":  # the stacked w13 / w2 of a MoE block
-                projs = ("gate_proj", "up_proj") if kind == "w13" else ("down_proj",)
-                names.update(_expert_names(mod, self.get_submodule(mod).num_experts, projs))
+            if last == "experts":  # the stacked w13 / w2 of a MoE block (4-bit: and their scales, zeros)
+                if kind in ("w13", "w2"):
+                    projs = ("gate_proj", "up_proj") if kind == "w13" else ("down_proj",)
+                    experts = self.get_submodule(mod)
+                    kinds = experts.checkpoint_kinds or ("weight",)
+                    names.update(_expert_names(mod, experts.num_experts, projs, kinds))
                 continue
+            ckpt = getattr(self.get_submodule(mod), "checkpoint_kinds", None)
+            if ckpt is not None:  # a 4-bit layer: its parameters are repacked from these tensors
+                if kind not in ("weight", "bias"):
+                    continue
+                kinds = ckpt if kind == "weight" else ("bias",)
+            else:
+                kinds = (kind,)
             parts = 3 if last == "qkv_proj" else 2 if last == "gate_up_proj" else 0
             if parts:
-                names.update(f"{head}.{inverse[(last, p)]}.{kind}" for p in range(parts))
+                names.update(f"{head}.{inverse[(last, p)]}.{k}" for p in range(parts) for k in kinds)
             else:
-                names.add(pname)
+                names.update(f"{mod}.{k}" for k in kinds)
         return names
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -289,16 +301,16 @@ class LlamaForCausalLM(nn.Module):
             if quant is not None and self._fp8_extra(hf_name, tensor):
                 continue
             name = canonical_name(hf_name)
-            if quant is not None and name.endswith(f".{quant.scale_name}"):  # our parameter's name
+            if quant is not None and quant.scale_name and name.endswith(f".{quant.scale_name}"):  # our name
                 name = name.removesuffix(f".{quant.scale_name}") + ".weight_scale"
             if tensor.dtype == FP8 and (_EXPERT.match(name) or ".experts." in name):
                 raise ValueError(f"tensor {hf_name}: FP8 MoE experts are not supported (only dense linear layers)")
             expert = _EXPERT.match(name)
             covers = [name]
-            if expert and expert[5]:  # a stacked bias (GPT-OSS) stands for itself
+            if expert and expert[6]:  # a stacked bias (GPT-OSS) stands for itself
                 pass
-            elif expert and expert[4]:  # stacked: stands for every expert's tensors of its projections
-                projs = ("gate_proj", "up_proj") if expert[4] == "gate_up_proj" else ("down_proj",)
+            elif expert and expert[5]:  # stacked: stands for every expert's tensors of its projections
+                projs = ("gate_proj", "up_proj") if expert[5] == "gate_up_proj" else ("down_proj",)
                 covers = _expert_names(expert[1], getattr(modules.get(expert[1]), "num_experts", 0), projs)
             if not covers or any(c not in expected for c in covers):
                 raise ValueError(f"unexpected tensor {hf_name} in the checkpoint")
@@ -308,14 +320,14 @@ class LlamaForCausalLM(nn.Module):
             if any(c in seen for c in covers):
                 raise ValueError(f"tensor {hf_name} appears twice in the checkpoint")
             seen.update(covers)
-            if expert and expert[4]:
-                modules[expert[1]].load_stacked(hf_name, expert[4] + (expert[5] or ""), tensor)
+            if expert and expert[5]:
+                modules[expert[1]].load_stacked(hf_name, expert[5] + (expert[6] or ""), tensor)
                 continue
             if name.endswith(".self_attn.sinks"):
                 modules[name.removesuffix(".sinks")].load_sinks(hf_name, tensor)
                 continue
             if expert:
-                modules[expert[1]].load_expert(hf_name, int(expert[2]), expert[3], tensor)
+                modules[expert[1]].load_expert(hf_name, int(expert[2]), expert[3], tensor, expert[4])
                 continue
             mod_name, _, kind = name.rpartition(".")
             head, _, last = mod_name.rpartition(".")
@@ -332,7 +344,7 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
                 param.data.copy_(tensor)
         missing = sorted(expected - seen)
-        if missing and quant is not None:  # name scales as the checkpoint does
+        if missing and quant is not None and quant.scale_name:  # name scales as the checkpoint does
             missing = [m.removesuffix(".weight_scale") + f".{quant.scale_name}" if m.endswith(".weight_scale") else m
                        for m in missing]
         if missing:

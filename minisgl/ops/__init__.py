@@ -12,7 +12,7 @@ from minisgl.ops.attention import (
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.deterministic import is_deterministic, logsumexp_rows, set_deterministic
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
-from minisgl.ops.linear import linear
+from minisgl.ops.gemm import linear, skinny_gemm, skinny_gemm_reference
 from minisgl.ops.linear_attention import (
     causal_conv1d_decode,
     causal_conv1d_prefill,
@@ -25,7 +25,6 @@ from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
 from minisgl.ops.penalties import apply_penalties
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
-from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
 from minisgl.ops.spec_accept import spec_accept
 from minisgl.ops.store import store_kv, store_kv_reference
 from minisgl.ops.token_bitmask import apply_token_bitmask
