@@ -1,0 +1,163 @@
+"""4-bit weight GEMMs and 4-bit-expert MoE: the checks and the dispatch by device and M.
+
+Weights are in kernels/quant4.py's layouts (the loaders repack every checkpoint format into
+them once). GPU: the Triton GEMM of kernels/w4a16_gemm.py for every M (the skinny CUDA template
+has no 4-bit loader built yet, logged once for M <= 32); CPU: dequantise to fp32 through the
+reference and matmul in fp32 (the path the model tests hold to transformers).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from minisgl.kernels import fused_moe as _moe
+from minisgl.kernels import moe_align as _align
+from minisgl.kernels import w4a16_gemm as _w4
+from minisgl.kernels.fused_moe_config import get_config
+from minisgl.logging_setup import log_once
+from minisgl.ops._backend import log_cpu_reference_once, use_triton
+from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FORMATS = {"int4": _w4.INT4, "mxfp4": _w4.MXFP4}
+SKINNY_MAX_M = 32
+
+
+def _check_x(x: object) -> None:
+    check_tensor("x", x, dtype=_DTYPES)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (its last is K)")
+    check_inner_contiguous("x", x)
+
+
+def _check_weight(fmt: int, w: object, scales: object, zeros: object, k: int, dtype: torch.dtype,
+                  lead: tuple[int, ...] = ()) -> tuple[int, int]:
+    """The layout's tensors for K = k -> (rows N, group). `lead` is the expert dimension."""
+    nd = len(lead) + 2
+    if fmt == _w4.INT4:
+        check_tensor("qweight", w, dtype=torch.int32, ndim=nd)
+        if k % 8:
+            raise ValueError(f"INT4 weights need K divisible by 8 (8 nibbles per int32), got K = {k}")
+        n = w.shape[-2]
+        check_shape("qweight", w, (*lead, n, k // 8))
+        check_tensor("scales", scales, dtype=dtype, ndim=nd)
+        groups = scales.shape[-1]
+        if groups < 1 or k % groups:
+            raise ValueError(f"scales' last dimension ({groups}) must divide K = {k} (K // group scale columns)")
+        check_shape("scales", scales, (*lead, n, groups))
+        check_tensor("zeros", zeros, dtype=dtype, ndim=nd)
+        check_shape("zeros", zeros, (*lead, n, groups))
+        check_contiguous("zeros", zeros)
+        names = ("qweight", "scales")
+    else:
+        check_tensor("blocks", w, dtype=torch.uint8, ndim=nd)
+        if k % 32:
+            raise ValueError(f"MXFP4 weights need K divisible by 32 (one e8m0 scale per 32), got K = {k}")
+        n = w.shape[-2]
+        check_shape("blocks", w, (*lead, n, k // 2))
+        check_tensor("scales", scales, dtype=torch.uint8, ndim=nd)
+        check_shape("scales", scales, (*lead, n, k // 32))
+        groups = k // 32
+        names = ("blocks", "scales")
+    check_contiguous(names[0], w)
+    check_contiguous(names[1], scales)
+    return n, k // groups
+
+
+def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+            bias: torch.Tensor | None, silu_and_mul: bool) -> torch.Tensor:
+    _check_x(x)
+    k = x.shape[-1]
+    n, _ = _check_weight(fmt, w, scales, zeros, k, x.dtype if fmt == _w4.INT4 else torch.uint8)
+    if silu_and_mul and n % 2:
+        raise ValueError(f"silu_and_mul needs (gate | up) rows: an even N, got {n}")
+    if bias is not None:
+        check_tensor("bias", bias, dtype=x.dtype, ndim=1)
+        check_shape("bias", bias, (n,))
+        check_contiguous("bias", bias)
+    check_same_device(x=x, weight=w, scales=scales, **({} if zeros is None else {"zeros": zeros}),
+                      **({} if bias is None else {"bias": bias}))
+    x2 = x.reshape(-1, k)
+    if use_triton("w4_linear", x):
+        if x2.shape[0] <= SKINNY_MAX_M and x.device.type == "cuda":
+            log_once("w4-no-skinny", "4-bit linear: no skinny CUDA kernel with a 4-bit loader is built; "
+                     "M <= 32 runs the Triton W4A16 GEMM")
+        y = _w4.w4_gemm(x2, w, scales, zeros, fmt, bias, silu_and_mul)
+    else:
+        log_cpu_reference_once("w4_linear")
+        y = _w4.w4_gemm_reference(x2, w, scales, zeros, fmt, bias, silu_and_mul)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+    """x [..., K] @ W^T with W in the INT4 layout (qweight int32 [N, K/8], scales / zeros [N, K/group]
+    in x's dtype) (+ bias [N]); silu_and_mul: W is (gate | up), y [..., N/2] = silu(gate) * up."""
+    return _linear(_w4.INT4, x, qweight, scales, zeros, bias, silu_and_mul)
+
+
+def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 silu_and_mul: bool = False) -> torch.Tensor:
+    """x [..., K] @ W^T with W in the MXFP4 layout (blocks uint8 [N, K/2], e8m0 scales uint8 [N, K/32])."""
+    return _linear(_w4.MXFP4, x, blocks, scales, None, bias, silu_and_mul)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def fused_moe_w4(
+    x: torch.Tensor, fmt: str, w13: torch.Tensor, w13_scales: torch.Tensor, w13_zeros: torch.Tensor | None,
+    w2: torch.Tensor, w2_scales: torch.Tensor, w2_zeros: torch.Tensor | None,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ops.fused_experts with 4-bit experts: fmt "int4" (w13 int32 [E, 2I, H/8], scales / zeros
+    [E, 2I, H/group]; w2 [E, H, I/8], [E, H, I/group]) or "mxfp4" (w13 uint8 [E, 2I, H/2], scales
+    [E, 2I, H/32]; zeros None). Same routing arguments and result as ops.fused_experts."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {tuple(FORMATS)}, got {fmt!r}")
+    f = FORMATS[fmt]
+    check_tensor("x", x, dtype=_DTYPES, ndim=2)
+    check_inner_contiguous("x", x)
+    sdt = x.dtype if f == _w4.INT4 else torch.uint8
+    if f == _w4.MXFP4 and (w13_zeros is not None or w2_zeros is not None):
+        raise ValueError("MXFP4 experts have no zero points: pass w13_zeros = w2_zeros = None")
+    e = w13.shape[0] if isinstance(w13, torch.Tensor) and w13.dim() == 3 else 0
+    two_i, _ = _check_weight(f, w13, w13_scales, w13_zeros, x.shape[1], sdt, (e,))
+    if two_i % 2:
+        raise ValueError(f"w13 must have (gate | up) rows: an even 2I, got {two_i}")
+    h, _ = _check_weight(f, w2, w2_scales, w2_zeros, two_i // 2, sdt, (e,))
+    if h != x.shape[1]:
+        raise ValueError(f"w2 must have H = {x.shape[1]} rows (x's width), got {h}")
+    check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
+    check_shape("topk_ids", topk_ids, (x.shape[0], None))
+    check_contiguous("topk_ids", topk_ids)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2)
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+    check_contiguous("topk_weights", topk_weights)
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("shared and shared_gate go together: give both or neither")
+    if shared is not None:
+        check_tensor("shared", shared, dtype=x.dtype, ndim=2)
+        check_shape("shared", shared, tuple(x.shape))
+        check_tensor("shared_gate", shared_gate, dtype=_DTYPES, ndim=2)
+        check_shape("shared_gate", shared_gate, (x.shape[0], 1))
+    check_same_device(x=x, w13=w13, w13_scales=w13_scales, w2=w2, w2_scales=w2_scales, topk_ids=topk_ids,
+                      topk_weights=topk_weights)
+    if not use_triton("fused_moe_w4", x):
+        log_cpu_reference_once("fused_moe_w4")
+        w13_d = _w4.dequant_reference(w13, w13_scales, w13_zeros, f).to(x.dtype)
+        w2_d = _w4.dequant_reference(w2, w2_scales, w2_zeros, f).to(x.dtype)
+        return _moe.fused_experts_reference(x, w13_d, w2_d, topk_weights, topk_ids, shared, shared_gate)
+    top_k = topk_ids.shape[1]
+    cfg = get_config(e, top_k, two_i // 2, h, x.shape[0], x.dtype, _device_name(x.device))
+    sorted_ids, expert_ids = _align.align(topk_ids, e, cfg.block_m)
+    inter = _moe.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up,
+                         _moe.W4(w13_scales, w13_zeros, f))
+    y = _moe.down_gemm(inter, w2, topk_weights, sorted_ids, expert_ids, cfg.block_m, cfg.down,
+                       _moe.W4(w2_scales, w2_zeros, f))
+    return _moe.moe_sum(y, top_k, shared, shared_gate)
