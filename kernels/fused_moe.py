@@ -33,7 +33,7 @@ from minisgl.kernels.w4a16_gemm import dequant_tile
 @triton.jit(do_not_specialize=["num_valid", "num_blocks"])
 def _moe_gemm_kernel(
     A, W, C, TopkWeights, SortedIds, ExpertIds, S, Z,
-    num_valid, N, K, num_blocks, group,
+    num_valid, N, K, num_blocks, q_group,
     stride_am, stride_we, stride_wn, stride_wk, stride_cm, stride_se, stride_sn,
     A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -70,7 +70,7 @@ def _moe_gemm_kernel(
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wmask = k_ok[:, None] & n_ok[None, :]
-            w = dequant_tile(wq, sq, zq, k0 + offs_k, offs_n, wmask, stride_wn, stride_sn, group, W_FMT,
+            w = dequant_tile(wq, sq, zq, k0 + offs_k, offs_n, wmask, stride_wn, stride_sn, q_group, W_FMT,
                              A.dtype.element_ty)
         elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
@@ -83,7 +83,7 @@ def _moe_gemm_kernel(
         if GATED:  # the up rows sit N rows below the gate rows
             if W_FMT != 0:
                 u = dequant_tile(wq + N * stride_wn, sq + N * stride_sn, zq + N * stride_sn, k0 + offs_k, offs_n,
-                                 wmask, stride_wn, stride_sn, group, W_FMT, A.dtype.element_ty)
+                                 wmask, stride_wn, stride_sn, q_group, W_FMT, A.dtype.element_ty)
             elif EVEN_K:
                 u = tl.load(w_ptrs + N * stride_wn, mask=n_ok[None, :], other=0.0)
             else:
