@@ -1,5 +1,6 @@
-"""4-bit weight kernels (kernels/w4a16_gemm.py, the 4-bit experts of kernels/fused_moe.py, through
-ops/gemm/w4.py) against the dequantise-then-matmul reference on fresh random data. The weights
+"""4-bit weight kernels (the skinny CUDA template's Int4W / Mxfp4W loaders at M <= 32,
+kernels/w4a16_gemm.py, the 4-bit experts of kernels/fused_moe.py, all through ops/gemm/w4.py)
+against the dequantise-then-matmul reference on fresh random data. The weights
 are built here from random nibbles, scales and zeros and dequantised here (not through
 kernels/quant4.py), then packed: the references' unpacking is under test too. Every group size,
 odd N and K not a multiple of the tile, M = 1 .. 4096 (GPU), bias and SiLU-and-mul on and off."""
@@ -168,8 +169,12 @@ def test_fused_moe_w4(fmt: str, t: int) -> None:
 @pytest.mark.parametrize("group", [32, 64, 128, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int4_gpu(m: int, group: int, dtype: torch.dtype) -> None:
-    _run_int4(m, 1030, 4096, group, dtype, bias=m % 2 == 1, silu=False)
+    """M <= 32: the skinny template (split-K where default_config splits: N = 1031 at K 4096 does,
+    N = 8198 at K 1024 does not), else the Triton GEMM; odd N, partial row tiles."""
+    _run_int4(m, 1031, 4096, group, dtype, bias=m % 2 == 1, silu=False)
     _run_int4(m, 2 * 700, 4096 + group if group < 4096 else 4096, group, dtype, bias=False, silu=True)
+    g = min(group, 1024)
+    _run_int4(m, 8198, 1024, g, dtype, bias=True, silu=False, sym=True)
 
 
 @gpu
@@ -177,7 +182,8 @@ def test_int4_gpu(m: int, group: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("m", [1, 16, 32, 100, 4096])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_mxfp4_gpu(m: int, dtype: torch.dtype) -> None:
-    _run_mxfp4(m, 2878, 2880, dtype, bias=True, silu=False)
+    _run_mxfp4(m, 2877, 2880, dtype, bias=True, silu=False)
+    _run_mxfp4(m, 8198, 1024, dtype, bias=False, silu=False)
     _run_mxfp4(m, 2 * 1445, 2880, dtype, bias=True, silu=True)
 
 

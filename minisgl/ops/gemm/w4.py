@@ -1,9 +1,10 @@
 """4-bit weight GEMMs and 4-bit-expert MoE: the checks and the dispatch by device and M.
 
 Weights are in kernels/quant4.py's layouts (the loaders repack every checkpoint format into
-them once). GPU: the Triton GEMM of kernels/w4a16_gemm.py for every M (the skinny CUDA template
-has no 4-bit loader built yet, logged once for M <= 32); CPU: dequantise to fp32 through the
-reference and matmul in fp32 (the path the model tests hold to transformers).
+them once). GPU: M <= 32 the skinny CUDA template with the Int4W / Mxfp4W loader
+(csrc/skinny_weights.cuh; default_config's launch, not yet a measured table), else, or where
+its conditions fail (logged once), the Triton GEMM of kernels/w4a16_gemm.py; CPU: dequantise
+to fp32 through the reference and matmul in fp32 (the path the model tests hold to transformers).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from minisgl.kernels import moe_align as _align
 from minisgl.kernels import w4a16_gemm as _w4
 from minisgl.kernels.fused_moe_config import get_config
 from minisgl.logging_setup import log_once
-from minisgl.ops._backend import log_cpu_reference_once, use_triton
+from minisgl.ops import skinny_gemm as _sk
+from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_once, use_cuda_kernel, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -80,15 +82,73 @@ def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
     check_same_device(x=x, weight=w, scales=scales, **({} if zeros is None else {"zeros": zeros}),
                       **({} if bias is None else {"bias": bias}))
     x2 = x.reshape(-1, k)
-    if use_triton("w4_linear", x):
-        if x2.shape[0] <= SKINNY_MAX_M and x.device.type == "cuda":
-            log_once("w4-no-skinny", "4-bit linear: no skinny CUDA kernel with a 4-bit loader is built; "
-                     "M <= 32 runs the Triton W4A16 GEMM")
+    if x2.shape[0] <= SKINNY_MAX_M and _skinny_fits(x2, w, scales, fmt):
+        y = _skinny(x2, w, scales, zeros, fmt, bias, silu_and_mul)
+    elif use_triton("w4_linear", x):
         y = _w4.w4_gemm(x2, w, scales, zeros, fmt, bias, silu_and_mul)
     else:
         log_cpu_reference_once("w4_linear")
         y = _w4.w4_gemm_reference(x2, w, scales, zeros, fmt, bias, silu_and_mul)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@functools.cache
+def skinny_w4_shapes() -> tuple[tuple[int, int, int], ...]:
+    """(row tiles, 128-K chunks per warp group, largest M) of each compiled 4-bit skinny tile."""
+    ext = compiled()
+    if ext is None or not ext.has_cuda or not hasattr(ext, "skinny_gemm_w4"):
+        return ()
+    return tuple(tuple(t) for t in ext.skinny_gemm_w4_configs())
+
+
+def _skinny_fits(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: int) -> bool:
+    if x.shape[0] == 0 or not use_cuda_kernel("w4_linear", x):
+        return False
+    k = x.shape[1]
+    why = None
+    if not skinny_w4_shapes():
+        why = "minisgl._C has no 4-bit skinny kernel (rebuild the extension)"
+    elif x.dtype not in (torch.float16, torch.bfloat16):
+        why = f"{x.dtype} activations (the kernel takes fp16/bf16)"
+    elif k % 32 or (fmt == _w4.INT4 and (k // scales.shape[1]) % 32):
+        why = f"K = {k}, group {k // scales.shape[1]} (the kernel needs multiples of 32)"
+    elif x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 8) or w.data_ptr() % 16:
+        why = "x / the weight not 16-byte aligned"
+    if why is not None:
+        log_once(f"w4-skinny:{why}", f"4-bit linear at M <= {SKINNY_MAX_M}: {why}; the Triton GEMM instead")
+        return False
+    return True
+
+
+def _skinny(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: int,
+            bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """The skinny CUDA template's 4-bit launch (split-K workspace and counters as ops.skinny_gemm's)."""
+    m, k = x.shape
+    n_w = scales.shape[0]
+    n_out = n_w // 2 if silu else n_w
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    shapes = skinny_w4_shapes()
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    cfg = _sk.default_config(m, n_out, k, silu, sms, shapes)
+    splits, ws, ctr = cfg.splits, None, None
+    tiles = _sk.num_tiles(n_out, silu, cfg.tile, shapes)
+    if splits > 1 and tiles <= _sk._NUM_COUNTERS:
+        ctr = _sk.counters(x.device)
+        ws = torch.empty(2 * tiles * splits * shapes[cfg.tile][0] * (-(-m // 8)) * 2 * 32, dtype=torch.float32,
+                         device=x.device)
+    else:
+        splits = 1
+    # fmt: off
+    compiled().skinny_gemm_w4(
+        x.data_ptr(), w.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), scales.stride(0),
+        k // scales.shape[1] if fmt == _w4.INT4 else 32, fmt, 0 if bias is None else bias.data_ptr(),
+        out.data_ptr(), 0 if ws is None else ws.data_ptr(), 0 if ws is None else ws.numel() * 4,
+        0 if ctr is None else ctr.data_ptr(), 0 if ctr is None else ctr.numel(), m, n_out, k,
+        x.stride(0) if m > 1 else k, w.stride(0), out.stride(0) if m > 1 else n_out, silu,
+        _sk._KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, splits, _sk.PDL, current_stream(x.device),
+    )
+    # fmt: on
+    return out
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
