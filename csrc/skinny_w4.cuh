@@ -79,72 +79,83 @@ struct Int4Magic<__nv_bfloat16> {
   }
 };
 
-// Shared by the two 4-bit loaders: 32 elements (16 bytes) per load, one scale set per load.
-template <typename TT, typename Elem>
+// Shared by the two 4-bit loaders (CRTP: D is the loader): 32 elements (16 bytes) per load, one
+// scale set per load and row (D::load_scales), the W pairs of a load from D::pairs.
+template <typename D, typename TT, typename Elem>
 struct W4Base {
   using T = TT;
   static constexpr int kPerThread = 32, kChunk = 128;
+  static constexpr int kPerElem = 2 * sizeof(Elem);  // K elements per Elem: 8 per int32, 2 per byte
   static constexpr bool kChannelScale = false;
   template <int RT>
-  struct Rows : RowFlags<RT> {
-    const Elem* lo[RT];  // INT4: int32 words (8 elements), MXFP4: bytes (2 elements)
-    const Elem* hi[RT];
+  struct Rows : WRows<Elem, RT> {
     int64_t s_lo[RT], s_hi[RT];  // this row's first scale (element offset into qscale / qzero)
   };
   template <int RT>
   static __device__ __forceinline__ void set_row(Rows<RT>& rows, const Params& p, int r, int lo, int hi, bool lo_ok,
                                                  bool hi_ok) {
-    const Elem* w = static_cast<const Elem*>(p.w);
-    rows.lo_ok[r] = lo_ok;
-    rows.hi_ok[r] = hi_ok;
-    rows.lo[r] = w + static_cast<int64_t>(lo) * p.w_stride;
-    rows.hi[r] = w + static_cast<int64_t>(hi) * p.w_stride;
+    rows.set(p, r, lo, hi, lo_ok, hi_ok);
     rows.s_lo[r] = static_cast<int64_t>(lo) * p.q_stride;
     rows.s_hi[r] = static_cast<int64_t>(hi) * p.q_stride;
+  }
+
+  template <int RT, typename R>
+  static __device__ __forceinline__ void load_w(R& g, const Rows<RT>& rows, const Params& p, int k0, int k_end,
+                                                int quad) {
+    constexpr int U = sizeof(g.lo[0]) / sizeof(uint4);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kk = k0 + u * kChunk + kPerThread * quad;
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        const bool lo_ok = kk < k_end && rows.lo_ok[r], hi_ok = kk < k_end && rows.hi_ok[r];
+        g.lo[r][u] = skinny::load_w(rows.lo[r] + kk / kPerElem, lo_ok);
+        g.hi[r][u] = skinny::load_w(rows.hi[r] + kk / kPerElem, hi_ok);
+        D::load_scales(g, p, rows.s_lo[r], rows.s_hi[r], r, u, kk, lo_ok, hi_ok);
+      }
+    }
+  }
+
+  template <int MT, int RT, int U, typename R>
+  static __device__ __forceinline__ void mma(float (&acc)[RT][MT][4], const R& g, const uint4 (&x)[MT][U][4]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        uint32_t a[16], b[16];
+        D::pairs(g, r, u, a, b);
+#pragma unroll
+        for (int t = 0; t < MT; ++t) mma_pairs<T, 4>(acc[r][t], a, b, x[t][u]);
+      }
   }
 };
 
 // INT4 (kernels/quant4.py): word k / 8 of a row holds elements k..k+7 as nibbles, lowest first;
 // a thread's 32 elements lie in one group (q_group % 32 == 0, the host checks).
 template <typename TT>
-struct Int4W : W4Base<TT, uint32_t> {
+struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
   using T = TT;
-  using Base = W4Base<TT, uint32_t>;
-  using Base::kChunk;
-  using Base::kPerThread;
-  template <int RT>
-  using Rows = typename Base::template Rows<RT>;
   template <int RT, int U>
   struct Regs {
     uint4 lo[RT][U], hi[RT][U];
     uint32_t off_lo[RT][U], off_hi[RT][U], sc_lo[RT][U], sc_hi[RT][U];  // T pairs (magic + z), s
   };
 
-  template <int RT, int U>
-  static __device__ __forceinline__ void load_w(Regs<RT, U>& g, const Rows<RT>& rows, const Params& p, int k0,
-                                                int k_end, int quad) {
+  // Rows and K ranges that are off get scale 0: their (zero) words then give W = 0.
+  template <typename R>
+  static __device__ __forceinline__ void load_scales(R& g, const Params& p, int64_t s_lo, int64_t s_hi, int r, int u,
+                                                     int kk, bool lo_ok, bool hi_ok) {
     const unsigned short* sc = static_cast<const unsigned short*>(p.qscale);
     const unsigned short* zr = static_cast<const unsigned short*>(p.qzero);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kk = k0 + u * kChunk + kPerThread * quad;
-      const int grp = kk / p.q_group;
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        const bool lo_ok = kk < k_end && rows.lo_ok[r], hi_ok = kk < k_end && rows.hi_ok[r];
-        g.lo[r][u] = skinny::load_w(rows.lo[r] + kk / 8, lo_ok);
-        g.hi[r][u] = skinny::load_w(rows.hi[r] + kk / 8, hi_ok);
-        // Rows and K ranges that are off get scale 0: their (zero) words then give W = 0.
-        const float s_lo = lo_ok ? bits_to_float<T>(__ldg(sc + rows.s_lo[r] + grp)) : 0.0f;
-        const float s_hi = hi_ok ? bits_to_float<T>(__ldg(sc + rows.s_hi[r] + grp)) : 0.0f;
-        const float z_lo = lo_ok ? bits_to_float<T>(__ldg(zr + rows.s_lo[r] + grp)) : 0.0f;
-        const float z_hi = hi_ok ? bits_to_float<T>(__ldg(zr + rows.s_hi[r] + grp)) : 0.0f;
-        g.sc_lo[r][u] = splat2<T>(s_lo);
-        g.sc_hi[r][u] = splat2<T>(s_hi);
-        g.off_lo[r][u] = splat2<T>(Int4Magic<T>::kValue + z_lo);
-        g.off_hi[r][u] = splat2<T>(Int4Magic<T>::kValue + z_hi);
-      }
-    }
+    const int grp = kk / p.q_group;
+    const float sl = lo_ok ? bits_to_float<T>(__ldg(sc + s_lo + grp)) : 0.0f;
+    const float sh = hi_ok ? bits_to_float<T>(__ldg(sc + s_hi + grp)) : 0.0f;
+    const float zl = lo_ok ? bits_to_float<T>(__ldg(zr + s_lo + grp)) : 0.0f;
+    const float zh = hi_ok ? bits_to_float<T>(__ldg(zr + s_hi + grp)) : 0.0f;
+    g.sc_lo[r][u] = splat2<T>(sl);
+    g.sc_hi[r][u] = splat2<T>(sh);
+    g.off_lo[r][u] = splat2<T>(Int4Magic<T>::kValue + zl);
+    g.off_hi[r][u] = splat2<T>(Int4Magic<T>::kValue + zh);
   }
 
   // Pair p = elements 2p, 2p + 1 = nibbles 2j, 2j + 1 of word p / 4 (j = p % 4).
@@ -160,19 +171,10 @@ struct Int4W : W4Base<TT, uint32_t> {
       }
   }
 
-  template <int MT, int RT, int U>
-  static __device__ __forceinline__ void mma(float (&acc)[RT][MT][4], const Regs<RT, U>& g,
-                                             const uint4 (&x)[MT][U][4]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        uint32_t a[16], b[16];
-        to_pairs(g.lo[r][u], g.off_lo[r][u], g.sc_lo[r][u], a);
-        to_pairs(g.hi[r][u], g.off_hi[r][u], g.sc_hi[r][u], b);
-#pragma unroll
-        for (int t = 0; t < MT; ++t) mma_pairs<T, 4>(acc[r][t], a, b, x[t][u]);
-      }
+  template <typename R>
+  static __device__ __forceinline__ void pairs(const R& g, int r, int u, uint32_t (&a)[16], uint32_t (&b)[16]) {
+    to_pairs(g.lo[r][u], g.off_lo[r][u], g.sc_lo[r][u], a);
+    to_pairs(g.hi[r][u], g.off_hi[r][u], g.sc_hi[r][u], b);
   }
 };
 
@@ -187,35 +189,20 @@ __device__ __forceinline__ float e2m1_scaled(uint32_t nib, int s) {
 // MXFP4 (kernels/quant4.py): byte j of a row holds elements 2j (low nibble) and 2j + 1; one
 // e8m0 scale per 32 elements, i.e. exactly one per thread per load.
 template <typename TT>
-struct Mxfp4W : W4Base<TT, uint8_t> {
+struct Mxfp4W : W4Base<Mxfp4W<TT>, TT, uint8_t> {
   using T = TT;
-  using Base = W4Base<TT, uint8_t>;
-  using Base::kChunk;
-  using Base::kPerThread;
-  template <int RT>
-  using Rows = typename Base::template Rows<RT>;
   template <int RT, int U>
   struct Regs {
     uint4 lo[RT][U], hi[RT][U];
     int s_lo[RT][U], s_hi[RT][U];
   };
 
-  template <int RT, int U>
-  static __device__ __forceinline__ void load_w(Regs<RT, U>& g, const Rows<RT>& rows, const Params& p, int k0,
-                                                int k_end, int quad) {
+  template <typename R>
+  static __device__ __forceinline__ void load_scales(R& g, const Params& p, int64_t s_lo, int64_t s_hi, int r, int u,
+                                                     int kk, bool lo_ok, bool hi_ok) {
     const uint8_t* sc = static_cast<const uint8_t*>(p.qscale);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kk = k0 + u * kChunk + kPerThread * quad;
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        const bool lo_ok = kk < k_end && rows.lo_ok[r], hi_ok = kk < k_end && rows.hi_ok[r];
-        g.lo[r][u] = skinny::load_w(rows.lo[r] + kk / 2, lo_ok);
-        g.hi[r][u] = skinny::load_w(rows.hi[r] + kk / 2, hi_ok);
-        g.s_lo[r][u] = lo_ok ? min(max(static_cast<int>(__ldg(sc + rows.s_lo[r] + kk / 32)), 1), 253) : 1;
-        g.s_hi[r][u] = hi_ok ? min(max(static_cast<int>(__ldg(sc + rows.s_hi[r] + kk / 32)), 1), 253) : 1;
-      }
-    }
+    g.s_lo[r][u] = lo_ok ? min(max(static_cast<int>(__ldg(sc + s_lo + kk / 32)), 1), 253) : 1;
+    g.s_hi[r][u] = hi_ok ? min(max(static_cast<int>(__ldg(sc + s_hi + kk / 32)), 1), 253) : 1;
   }
 
   // Pair p = byte p: its low nibble is element 2p, its high nibble 2p + 1.
@@ -230,19 +217,10 @@ struct Mxfp4W : W4Base<TT, uint8_t> {
       }
   }
 
-  template <int MT, int RT, int U>
-  static __device__ __forceinline__ void mma(float (&acc)[RT][MT][4], const Regs<RT, U>& g,
-                                             const uint4 (&x)[MT][U][4]) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        uint32_t a[16], b[16];
-        to_pairs(g.lo[r][u], g.s_lo[r][u], a);
-        to_pairs(g.hi[r][u], g.s_hi[r][u], b);
-#pragma unroll
-        for (int t = 0; t < MT; ++t) mma_pairs<T, 4>(acc[r][t], a, b, x[t][u]);
-      }
+  template <typename R>
+  static __device__ __forceinline__ void pairs(const R& g, int r, int u, uint32_t (&a)[16], uint32_t (&b)[16]) {
+    to_pairs(g.lo[r][u], g.s_lo[r][u], a);
+    to_pairs(g.hi[r][u], g.s_hi[r][u], b);
   }
 };
 

@@ -19,10 +19,37 @@
 namespace minisgl {
 namespace skinny {
 
-template <int RT>
-struct RowFlags {
+// This thread's W rows of a warp group (lo rows g, hi rows g + 8 of each row tile; rows past the
+// end keep row 0's address with their loads predicated off).
+template <typename Elem, int RT>
+struct WRows {
   bool lo_ok[RT], hi_ok[RT];
+  const Elem* lo[RT];
+  const Elem* hi[RT];
+  __device__ __forceinline__ void set(const Params& p, int r, int lo_row, int hi_row, bool lo_okay, bool hi_okay) {
+    const Elem* w = static_cast<const Elem*>(p.w);
+    lo_ok[r] = lo_okay;
+    hi_ok[r] = hi_okay;
+    lo[r] = w + static_cast<int64_t>(lo_row) * p.w_stride;
+    hi[r] = w + static_cast<int64_t>(hi_row) * p.w_stride;
+  }
 };
+
+// A warp group's W loads of the 16-bit and FP8 loaders: U chunks of RT row tiles, one 16-byte
+// load of kPerThread elements per (chunk, row) and thread.
+template <int kChunk, int kPerThread, typename Elem, int RT, int U>
+__device__ __forceinline__ void load_rows(uint4 (&lo)[RT][U], uint4 (&hi)[RT][U], const WRows<Elem, RT>& rows, int k0,
+                                          int k_end, int quad) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int kk = k0 + u * kChunk + kPerThread * quad;
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      lo[r][u] = skinny::load_w(rows.lo[r] + kk, kk < k_end && rows.lo_ok[r]);
+      hi[r][u] = skinny::load_w(rows.hi[r] + kk, kk < k_end && rows.hi_ok[r]);
+    }
+  }
+}
 
 // 16-bit W: 8 elements per load, two MMAs per chunk.
 template <typename TT>
@@ -31,10 +58,7 @@ struct Bf16W {
   static constexpr int kPerThread = 8, kChunk = 32;
   static constexpr bool kChannelScale = false;
   template <int RT>
-  struct Rows : RowFlags<RT> {
-    const T* lo[RT];
-    const T* hi[RT];
-  };
+  using Rows = WRows<T, RT>;
   template <int RT, int U>
   struct Regs {
     uint4 lo[RT][U], hi[RT][U];
@@ -43,25 +67,13 @@ struct Bf16W {
   template <int RT>
   static __device__ __forceinline__ void set_row(Rows<RT>& rows, const Params& p, int r, int lo, int hi, bool lo_ok,
                                                  bool hi_ok) {
-    const T* w = static_cast<const T*>(p.w);
-    rows.lo_ok[r] = lo_ok;
-    rows.hi_ok[r] = hi_ok;
-    rows.lo[r] = w + static_cast<int64_t>(lo) * p.w_stride;
-    rows.hi[r] = w + static_cast<int64_t>(hi) * p.w_stride;
+    rows.set(p, r, lo, hi, lo_ok, hi_ok);
   }
 
   template <int RT, int U>
   static __device__ __forceinline__ void load_w(Regs<RT, U>& g, const Rows<RT>& rows, const Params&, int k0, int k_end,
                                                 int quad) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kk = k0 + u * kChunk + kPerThread * quad;
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        g.lo[r][u] = skinny::load_w(rows.lo[r] + kk, kk < k_end && rows.lo_ok[r]);
-        g.hi[r][u] = skinny::load_w(rows.hi[r] + kk, kk < k_end && rows.hi_ok[r]);
-      }
-    }
+    load_rows<kChunk, kPerThread>(g.lo, g.hi, rows, k0, k_end, quad);
   }
 
   template <int MT, int RT, int U>
@@ -92,9 +104,7 @@ struct Fp8W {
   static constexpr int kPerThread = 16, kChunk = 64, kSpan = 128;
   static constexpr bool kChannelScale = true;
   template <int RT>
-  struct Rows : RowFlags<RT> {
-    const uint8_t* lo[RT];
-    const uint8_t* hi[RT];
+  struct Rows : WRows<uint8_t, RT> {
     const float* s_lo[RT];  // this row's scales (row 0's for rows past the end)
     const float* s_hi[RT];
   };
@@ -107,11 +117,7 @@ struct Fp8W {
   template <int RT>
   static __device__ __forceinline__ void set_row(Rows<RT>& rows, const Params& p, int r, int lo, int hi, bool lo_ok,
                                                  bool hi_ok) {
-    const uint8_t* w = static_cast<const uint8_t*>(p.w);
-    rows.lo_ok[r] = lo_ok;
-    rows.hi_ok[r] = hi_ok;
-    rows.lo[r] = w + static_cast<int64_t>(lo) * p.w_stride;
-    rows.hi[r] = w + static_cast<int64_t>(hi) * p.w_stride;
+    rows.set(p, r, lo, hi, lo_ok, hi_ok);
     rows.s_lo[r] = p.scale + static_cast<int64_t>(lo) * p.s_stride;
     rows.s_hi[r] = p.scale + static_cast<int64_t>(hi) * p.s_stride;
   }
@@ -120,15 +126,7 @@ struct Fp8W {
   static __device__ __forceinline__ void load_w(Regs<RT, U>& g, const Rows<RT>& rows, const Params& p, int k0,
                                                 int k_end, int quad) {
     static_assert(U % 2 == 0, "a warp group must be whole 128-K spans");
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kk = k0 + u * kChunk + kPerThread * quad;
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        g.lo[r][u] = skinny::load_w(rows.lo[r] + kk, kk < k_end && rows.lo_ok[r]);
-        g.hi[r][u] = skinny::load_w(rows.hi[r] + kk, kk < k_end && rows.hi_ok[r]);
-      }
-    }
+    load_rows<kChunk, kPerThread>(g.lo, g.hi, rows, k0, k_end, quad);
     const int block_scales = p.block_scales;
 #pragma unroll
     for (int j = 0; j < U / 2; ++j) {

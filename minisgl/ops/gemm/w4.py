@@ -21,6 +21,7 @@ from minisgl.logging_setup import log_once
 from minisgl.ops import skinny_gemm as _sk
 from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_once, use_cuda_kernel, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
+from minisgl.ops.moe import check_shared, check_topk
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMATS = {"int4": _w4.INT4, "mxfp4": _w4.MXFP4}
@@ -193,21 +194,9 @@ def fused_moe_w4(
     h, _ = _check_weight(f, w2, w2_scales, w2_zeros, two_i // 2, sdt, (e,))
     if h != x.shape[1]:
         raise ValueError(f"w2 must have H = {x.shape[1]} rows (x's width), got {h}")
-    check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
-    check_shape("topk_ids", topk_ids, (x.shape[0], None))
-    check_contiguous("topk_ids", topk_ids)
-    check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2)
-    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
-    check_contiguous("topk_weights", topk_weights)
-    if (shared is None) != (shared_gate is None):
-        raise ValueError("shared and shared_gate go together: give both or neither")
-    if shared is not None:
-        check_tensor("shared", shared, dtype=x.dtype, ndim=2)
-        check_shape("shared", shared, tuple(x.shape))
-        check_tensor("shared_gate", shared_gate, dtype=_DTYPES, ndim=2)
-        check_shape("shared_gate", shared_gate, (x.shape[0], 1))
-    check_same_device(x=x, w13=w13, w13_scales=w13_scales, w2=w2, w2_scales=w2_scales, topk_ids=topk_ids,
-                      topk_weights=topk_weights)
+    check_topk(x, topk_weights, topk_ids)
+    check_shared(x, shared, shared_gate)
+    check_same_device(x=x, w13=w13, w13_scales=w13_scales, w2=w2, w2_scales=w2_scales)
     if not use_triton("fused_moe_w4", x):
         log_cpu_reference_once("fused_moe_w4")
         w13_d = _w4.dequant_reference(w13, w13_scales, w13_zeros, f).to(x.dtype)
