@@ -62,6 +62,30 @@ def _device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
+def check_shared(x: torch.Tensor, shared: object, shared_gate: object) -> None:
+    """Qwen2-MoE's shared expert output [T, H] and its gate logit [T, 1], or neither."""
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("shared and shared_gate go together: give both or neither")
+    if shared is not None:
+        check_tensor("shared", shared, dtype=x.dtype, ndim=2)
+        check_shape("shared", shared, tuple(x.shape))
+        check_contiguous("shared", shared)
+        check_tensor("shared_gate", shared_gate, dtype=_DTYPES, ndim=2)
+        check_shape("shared_gate", shared_gate, (x.shape[0], 1))
+        check_same_device(x=x, shared=shared, shared_gate=shared_gate)
+
+
+def check_topk(x: torch.Tensor, topk_weights: object, topk_ids: object) -> None:
+    """A given routing: topk_ids int32 [T, k], topk_weights fp32 [T, k], both contiguous."""
+    check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
+    check_shape("topk_ids", topk_ids, (x.shape[0], None))
+    check_contiguous("topk_ids", topk_ids)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2)
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+    check_contiguous("topk_weights", topk_weights)
+    check_same_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+
+
 def _check_experts(x: object, w13: object, w2: object, shared: object, shared_gate: object) -> None:
     check_tensor("x", x, dtype=_DTYPES, ndim=2)
     check_inner_contiguous("x", x)
@@ -73,15 +97,7 @@ def _check_experts(x: object, w13: object, w2: object, shared: object, shared_ga
     check_shape("w2", w2, (e, h, two_i // 2))
     check_contiguous("w13", w13)
     check_contiguous("w2", w2)
-    if (shared is None) != (shared_gate is None):
-        raise ValueError("shared and shared_gate go together: give both or neither")
-    if shared is not None:
-        check_tensor("shared", shared, dtype=x.dtype, ndim=2)
-        check_shape("shared", shared, tuple(x.shape))
-        check_contiguous("shared", shared)
-        check_tensor("shared_gate", shared_gate, dtype=_DTYPES, ndim=2)
-        check_shape("shared_gate", shared_gate, (x.shape[0], 1))
-        check_same_device(x=x, shared=shared, shared_gate=shared_gate)
+    check_shared(x, shared, shared_gate)
     check_same_device(x=x, w13=w13, w2=w2)
 
 
@@ -104,8 +120,8 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
              expert_ids: torch.Tensor, top_k: int, cfg: MoeTileConfig, shared: torch.Tensor | None,
              shared_gate: torch.Tensor | None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
              act: ExpertAct | None = None) -> torch.Tensor:
-    inter = _gemm.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, b13, act)
-    y = _gemm.down_gemm(inter, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, b2)
+    inter = _gemm.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, b13=b13, act=act)
+    y = _gemm.down_gemm(inter, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, b2=b2)
     return _gemm.moe_sum(y, top_k, shared, shared_gate)
 
 
@@ -122,13 +138,7 @@ def fused_experts(
     topk_weights [T, k] fp32, topk_ids [T, k] int32 -> [T, H] = sum_j weight_j * expert_j(x)
     (+ sigmoid(shared_gate [T, 1]) * shared [T, H], Qwen2-MoE's shared expert)."""
     _check_experts(x, w13, w2, shared, shared_gate)
-    check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
-    check_shape("topk_ids", topk_ids, (x.shape[0], None))
-    check_contiguous("topk_ids", topk_ids)
-    check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2)
-    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
-    check_contiguous("topk_weights", topk_weights)
-    check_same_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+    check_topk(x, topk_weights, topk_ids)
     if use_triton("fused_moe", x):
         top_k = topk_ids.shape[1]
         cfg = _config(x, w13, top_k)

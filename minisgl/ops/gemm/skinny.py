@@ -73,6 +73,8 @@ def tile_shapes(fmt: str = DENSE) -> tuple[tuple[int, int, int], ...]:
         return ()
     if fmt == FP8_FORMAT:
         return tuple((rt, 2 * u, max_m) for rt, u, max_m in ext.skinny_gemm_configs(fp8=True))
+    if fmt in ("int4", "mxfp4"):  # the 4-bit loaders' own tile table (ops/gemm/w4.py launches them)
+        return tuple(tuple(t) for t in ext.skinny_gemm_w4_configs()) if hasattr(ext, "skinny_gemm_w4") else ()
     return tuple(tuple(t) for t in ext.skinny_gemm_configs())
 
 
