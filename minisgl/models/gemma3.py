@@ -11,6 +11,7 @@ engine takes it from ModelConfig.attention_scale) and optional final-logit soft-
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Iterator
 
@@ -74,13 +75,19 @@ class Gemma3Model(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        # transformers multiplies by the scale rounded to the weights' dtype.
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        # transformers multiplies by the scale rounded to the weights' dtype (a host float here:
+        # a tensor made per step would be a host-to-device copy inside CUDA-graph capture).
+        x = x * _rounded(self.embed_scale, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(batch.positions, x, residual, batch, attn)
         out, _ = self.norm.forward_with_residual(x, residual)
         return out
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=dtype))
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
