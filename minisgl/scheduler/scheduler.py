@@ -63,7 +63,7 @@ class Scheduler:
         self.cfg = cfg or SchedulerConfig()
         mc, ec = engine.model_config, engine.cfg
         self.grammar = GrammarRows(grammars, mc.vocab_size, ec.max_running_requests, engine.device)
-        self.cache = make_prefix_cache(self.cfg.cache, engine.cfg.page_size, events)  # events: KV-cache events
+        self.cache = make_prefix_cache(self.cfg.cache, ec.page_size, events, getattr(engine, "swa_window", 0))
         self.kv = RequestKV(engine, self.cache)
         self.queues = RequestQueues(self.cfg.scheduling_policy)
         self.inflight: deque[_InFlight] = deque()
@@ -157,7 +157,7 @@ class Scheduler:
             "kv_slots_total": total,
             "kv_slots_used": total - free - self.cache.evictable_pages * self.engine.cfg.page_size,
             "kv_slots_cached": self.cache.cached_pages * self.engine.cfg.page_size,
-            "retractions": self.num_retractions,
+            **self.kv.swa_stats(), "retractions": self.num_retractions,
             **(self.spec.stats() if self.spec is not None else {}),
         }
 
