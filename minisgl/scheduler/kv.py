@@ -172,6 +172,7 @@ class RequestKV:
             if short > self.cache.evictable_pages:
                 return False
             self.allocator.free(self.cache.evict(short))
+            self._free_swa([])  # the evicted prefixes' sliding pages
         return self.allocator.free_pages >= pages
 
     def release(self, req: Request) -> None:
