@@ -13,6 +13,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.kvcache.pool import KVPool, split_kv_budget, swa_tokens_needed
 
 W = 16
+N_REQ = 1000
 
 
 def _llm(path, page_size: int, chunk: int, **kw) -> LLM:
@@ -118,9 +119,9 @@ def test_no_leak_after_1000_random_requests(tiny_model_path, cache: str, page_si
     rng = random.Random(page_size)
     shared = [rng.randrange(10, 900) for _ in range(48)]
     n, live, steps = 0, [], 0
-    while n < 1000 or sched.has_work:
+    while n < N_REQ or sched.has_work:
         for _ in range(rng.choice([0, 1, 2, 3])):
-            if n < 1000:
+            if n < N_REQ:
                 own = [rng.randrange(10, 900) for _ in range(rng.choice([1, 3, 9, 14]))]
                 prompt = shared[: rng.choice([0, 8, 20, 48])] + own
                 req = llm._make_request(prompt, SamplingParams(max_tokens=rng.choice([1, 2, 4, 20]),
