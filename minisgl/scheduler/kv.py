@@ -82,6 +82,23 @@ class RequestKV:
         """Request-table rows free for new requests."""
         return self.engine.table.free_rows
 
+    def check_fits(self, req: Request, step_tokens: int) -> None:
+        """Raises ValueError if `req` could not run alone: all its tokens in the full pool, and
+        its window plus one step's new tokens (two partial pages) in the sliding pool."""
+        if self.pages_for(req.max_total_len) > self.allocator.total_pages:
+            raise ValueError(
+                f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds "
+                f"{self.allocator.total_pages * self.page_size}"
+            )
+        if self.swa is not None:
+            need = self.pages_for(min(req.max_total_len, self.window + step_tokens)) + 2
+            if need > self.swa.total_pages:
+                raise ValueError(
+                    f"request needs up to {need * self.page_size} sliding-window KV slots (window {self.window} + "
+                    f"a {step_tokens}-token step) but that pool holds {self.swa.total_pages * self.page_size}; "
+                    "raise --swa-full-tokens-ratio or lower --max-prefill-tokens"
+                )
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

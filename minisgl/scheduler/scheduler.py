@@ -124,11 +124,7 @@ class Scheduler:
         if req.params.priority and not self.queues.by_priority:
             raise RequestError(f"priority: {req.params.priority} needs --scheduling-policy priority; this server "
                                "schedules first come, first served", "priority")
-        if self.kv.pages_for(req.max_total_len) > self.engine.allocator.total_pages:
-            raise ValueError(
-                f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds "
-                f"{self.engine.allocator.total_pages * self.engine.cfg.page_size}"
-            )
+        self.kv.check_fits(req, self.cfg.max_prefill_tokens)
 
     def add(self, req: Request) -> None:
         self.add_check(req)
