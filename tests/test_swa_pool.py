@@ -146,3 +146,47 @@ def test_no_leak_after_1000_random_requests(tiny_model_path, cache: str, page_si
     if cache == "radix" and page_size == 4:
         assert sched.num_retractions > 0, "the tight pools should have forced a retraction"
     llm.shutdown()
+
+
+def test_radix_window_rule_tombstones_and_trim() -> None:
+    """The radix cache's sliding pages: a hit only as far as the window's sliding KV exists,
+    tombstones filled by a later insert, trim_swa frees what no reader's window reaches, and
+    eviction frees both kinds."""
+    from minisgl.kvcache.radix_cache import RadixCache
+
+    c = RadixCache(2, window=4)  # pages of 2 tokens, W = 4
+    ids = list(range(100, 112))  # 6 pages
+    assert c.insert(ids, [1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 15, 16]) == 0
+    c.check_integrity()
+    assert c.match_prefix(ids).matched_tokens == 12  # window [9, 12): pages 4, 5 held
+    assert c.match_prefix(ids[:10]).matched_tokens == 0  # [7, 10) needs page 3: a tombstone
+    assert c.match_prefix(ids[:10], whole=True).matched_tokens == 10
+    # A second request computed the first 8 tokens: its sliding pages fill the tombstones
+    # (its full pages are duplicates: the cache keeps its own).
+    assert c.insert(ids[:8], [7, 8, 9, 10], [21, 22, 23, 24]) == 8
+    assert c.swa_taken == frozenset({21, 22, 23, 24})
+    assert c.match_prefix(ids[:10]).matched_tokens == 10
+    c.check_integrity()
+    # A sole reader with 12 tokens cached: sliding pages below 12 - 4 + 1 = 9 go (pages 0..3).
+    m = c.match_prefix(ids)
+    c.lock(m.handle)
+    c.trim_swa(m.handle, 12)
+    assert sorted(c.take_freed_swa()) == [21, 22, 23, 24]
+    assert c.match_prefix(ids, whole=True).swa_pages == [0, 0, 0, 0, 15, 16]
+    # A second reader that matched only 8 tokens: nothing it reads may go.
+    c.insert(ids[:8], [7, 8, 9, 10], [31, 32, 33, 34])
+    c.take_freed_swa()
+    short = c.match_prefix(ids[:8])
+    assert short.matched_tokens == 8
+    c.lock(short.handle)
+    c.trim_swa(m.handle, 12)
+    assert sorted(c.take_freed_swa()) == [31, 32]  # below 8 - 4 + 1 = 5 only
+    assert c.match_prefix(ids[:8], whole=True).swa_pages == [0, 0, 33, 34]  # [5, 8) still held
+    c.check_integrity()
+    c.unlock(short.handle)
+    c.unlock(m.handle)
+    assert c.cached_swa_pages == c.evictable_swa_pages
+    held = set(c.cached_swa_page_ids())
+    assert sorted(c.evict(100)) == [1, 2, 3, 4, 5, 6]
+    assert set(c.take_freed_swa()) == held and c.cached_swa_pages == 0
+    c.check_integrity()
