@@ -56,6 +56,7 @@ class ServerArgs:
     seed: int = 0
     gpu_memory_fraction: float = 0.85
     cpu_kv_cache_gb: float = 1.0
+    swa_full_tokens_ratio: float | None = None
     deterministic: bool = False
     # scheduler (None / False = the scheduler's own default)
     max_prefill_tokens: int | None = None

@@ -179,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV-cache size on the CPU when --num-pages is not given",
     )
     g.add_argument(
+        "--swa-full-tokens-ratio",
+        type=float,
+        default=d.swa_full_tokens_ratio,
+        help="models with sliding-window layers: the sliding layers' KV pool holds this x the full pool's tokens "
+        "(default: every running request's window plus one prefill step, at most half the KV memory)",
+    )
+    g.add_argument(
         "--deterministic",
         action="store_true",
         help="batch-invariant kernels: a request's tokens and logprobs do not depend on its batch (README)",

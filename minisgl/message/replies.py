@@ -112,6 +112,10 @@ class StatsMsg:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_verified: int = 0
+    # The sliding-window KV group (models with sliding layers; 0 without one): slots in use
+    # (held by requests; evictable cached ones count as free) and in all.
+    kv_swa_used: int = 0
+    kv_swa_total: int = 0
 
     @property
     def kv_usage(self) -> float:
