@@ -124,23 +124,22 @@ def test_detection() -> None:
 
 def test_structural_tag_matches_what_the_parser_reads() -> None:
     xgr = pytest.importorskip("xgrammar")
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-    tag = tool_call_structural_tag(GPT, tools, parallel=True)
     from minisgl.grammar.spec import structural_tag_json
-    grammar = xgr.Grammar.from_structural_tag(structural_tag_json(json.dumps(tag)))
-    text = str(grammar)
-    assert "commentary to=functions.get_weather <|constrain|>json<|message|>" in text or "get_weather" in text
-    good = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "P"}<|call|>'
-            '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
-            '{"city": "Q"}<|call|>')
-    bad = '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"city": "P"}<|call|>'
-    assert _accepts(xgr, grammar, good) and not _accepts(xgr, grammar, bad)
-    msg, _, _ = run(good, 2)
-    assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [{"city": "P"}, {"city": "Q"}]
-    one = tool_call_structural_tag(GPT, tools, parallel=False)
-    g1 = xgr.Grammar.from_structural_tag(structural_tag_json(json.dumps(one)))
-    assert _accepts(xgr, g1, good.split("<|start|>")[0]) and not _accepts(xgr, g1, good)
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        for n in ("get_weather", "get_time")]
+    head = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>"
+    good = head.format("get_weather") + '{"city": "P"}'
+    for parallel in (True, False):  # harmony: one call a turn either way (<|call|> is a stop token)
+        tag = tool_call_structural_tag(GPT, tools, parallel=parallel)
+        grammar = xgr.Grammar.from_structural_tag(structural_tag_json(json.dumps(tag)))
+        assert _accepts(xgr, grammar, good) and _accepts(xgr, grammar, head.format("get_time") + '{"city":"Q"}')
+        assert not _accepts(xgr, grammar, head.format("get_date") + '{"city": "P"}')  # not a tool
+        assert not _accepts(xgr, grammar, head.format("get_weather") + '{"town": "P"}')  # schema
+        assert not _accepts(xgr, grammar, good + good) and not _accepts(xgr, grammar, "Sure. " + good)
+    msg, _, _ = run(good, 2)  # the stop token <|call|> is not in the text: the output just ends
+    assert [json.loads(c["function"]["arguments"]) for c in msg["tool_calls"]] == [{"city": "P"}]
 
 
 def _accepts(xgr, grammar, text: str) -> bool:

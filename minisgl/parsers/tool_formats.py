@@ -91,7 +91,7 @@ def tool_call_structural_tag(fmt: ToolFormat, tools: list[dict[str, Any]], paral
     calls to `tools` (OpenAI function tools) and nothing else: tool_choice "required", or a named
     function with `tools` holding just that one. The arguments follow each tool's JSON schema."""
     if fmt.name == "gpt-oss":
-        return _harmony_calls(tools, parallel)
+        return _harmony_calls(tools)
     tags = [_call_tag(fmt, t["function"]["name"], t["function"].get("parameters")) for t in tools]
     sep = {"hermes": "\n", "llama3": "; ", "mistral": ", "}[fmt.name]
     calls: dict[str, Any] = {
@@ -104,9 +104,11 @@ def tool_call_structural_tag(fmt: ToolFormat, tools: list[dict[str, Any]], paral
     return {"type": "structural_tag", "format": calls}
 
 
-def _harmony_calls(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """Harmony calls: each a message of its own. After `<|call|>` the turn has ended (a stop
-    token), so parallel calls are further messages, `<|start|>assistant` before each."""
+def _harmony_calls(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """One harmony call: header, JSON arguments, then nothing but a stop token. `<|call|>` ends
+    the turn and is a stop token (GPT-OSS's generation config), so the grammar leaves it to the
+    stop: a grammar that spelled it out would only be met by plain-text pieces of it. One call a
+    turn is harmony's way (the next comes after the tool's result), so parallel is not offered."""
     def tag(t: dict[str, Any]) -> dict[str, Any]:
         schema = t["function"].get("parameters")
         return {
@@ -114,8 +116,8 @@ def _harmony_calls(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any
             "begin": f"<|channel|>commentary to=functions.{t['function']['name']} <|constrain|>json<|message|>",
             "content": {"type": "json_schema", "json_schema": schema if schema is not None else True,
                         "max_whitespace_cnt": 1},
-            "end": "<|call|>",
+            "end": "",
         }
     return {"type": "structural_tag", "format": {
-        "type": "tags_with_separator", "tags": [tag(t) for t in tools], "separator": "<|start|>assistant",
-        "at_least_one": True, "stop_after_first": not parallel}}
+        "type": "tags_with_separator", "tags": [tag(t) for t in tools], "separator": "",
+        "at_least_one": True, "stop_after_first": True}}
