@@ -105,8 +105,19 @@ def client(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> openai.
     s.stop()
 
 
-def _both(client: openai.OpenAI, **kw):
+@pytest.fixture(scope="module")
+def bias(model_dir: Path) -> dict[str, int]:
+    """logit_bias that makes a grammar spell each marker with its special token (else a random
+    model may write "<|channel|>" in plain pieces, which would not test the kept special tokens)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return {str(tok.convert_tokens_to_ids(t)): 100 for t in SPECIAL}
+
+
+def _both(client: openai.OpenAI, bias: dict[str, int], **kw):
     """(message, streamed (reasoning, content, calls)) of the same forced request."""
+    kw["logit_bias"] = bias
     msg = client.chat.completions.create(model="tiny", max_tokens=80, **kw).choices[0]
     reasoning, content, calls, finish = "", "", {}, None
     for chunk in client.chat.completions.create(model="tiny", max_tokens=80, stream=True, **kw):
@@ -122,20 +133,20 @@ def _both(client: openai.OpenAI, **kw):
     return msg, (reasoning, content, calls, finish)
 
 
-def test_analysis_then_final(client: openai.OpenAI) -> None:
+def test_analysis_then_final(client: openai.OpenAI, bias: dict[str, int]) -> None:
     ebnf = ('root ::= "<|channel|>analysis<|message|>" "thinking it over" "<|end|>" '
             '"<|start|>assistant<|channel|>final<|message|>" ("It is noon." | "It is late.")')
-    msg, (r, c, calls, finish) = _both(client, messages=ASK, extra_body={"ebnf": ebnf})
+    msg, (r, c, calls, finish) = _both(client, bias, messages=ASK, extra_body={"ebnf": ebnf})
     m = msg.message.model_dump()
     assert m["reasoning_content"] == "thinking it over" and m["content"] in ("It is noon.", "It is late.")
     assert not m.get("tool_calls") and msg.finish_reason == "stop"
     assert (r, c, calls, finish) == (m["reasoning_content"], m["content"], {}, "stop")
 
 
-def test_preamble_is_content_and_call_is_a_tool_call(client: openai.OpenAI) -> None:
+def test_preamble_is_content_and_call_is_a_tool_call(client: openai.OpenAI, bias: dict[str, int]) -> None:
     ebnf = ('root ::= "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant'
             + CALL.replace('"', '\\"') + '" "{\\"tz\\": \\"CET\\"}"')
-    msg, (r, c, calls, finish) = _both(client, messages=ASK, tools=TOOLS, extra_body={"ebnf": ebnf})
+    msg, (r, c, calls, finish) = _both(client, bias, messages=ASK, tools=TOOLS, extra_body={"ebnf": ebnf})
     m = msg.message
     assert m.content == "Checking." and [(t.function.name, json.loads(t.function.arguments))
                                          for t in m.tool_calls] == [("get_time", {"tz": "CET"})]
@@ -144,10 +155,10 @@ def test_preamble_is_content_and_call_is_a_tool_call(client: openai.OpenAI) -> N
         "Checking.", {0: ("get_time", {"tz": "CET"})}, "tool_calls")
 
 
-def test_tool_choice_required_by_structural_tag(client: openai.OpenAI) -> None:
+def test_tool_choice_required_by_structural_tag(client: openai.OpenAI, bias: dict[str, int]) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
     for choice in ("required", named):
-        msg, (_, c, calls, finish) = _both(client, messages=ASK, tools=TOOLS, tool_choice=choice,
+        msg, (_, c, calls, finish) = _both(client, bias, messages=ASK, tools=TOOLS, tool_choice=choice,
                                            parallel_tool_calls=False, extra_body={"reasoning_effort": "low"})
         t = msg.message.tool_calls
         assert len(t) == 1 and t[0].function.name == "get_time" and msg.finish_reason == "tool_calls"
