@@ -94,10 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--tool-call-parser",
         default=d.tool_call_parser,
-        help="format of tool calls in the output: hermes (Qwen2.5/Qwen3/Hermes), llama3, mistral, "
+        help="format of tool calls in the output: hermes (Qwen2.5/Qwen3/Hermes), llama3, mistral, gpt-oss (harmony), "
         "auto (from the chat template, when unambiguous) or none",
     )
-    add("--reasoning-parser", default=None, help="qwen3: return <think> blocks as reasoning_content")
+    add("--reasoning-parser", default=None,
+        help="qwen3: return <think> blocks as reasoning_content; gpt-oss: harmony's analysis channel; "
+        "auto: gpt-oss when the chat template is harmony")
     add(
         "--task", choices=("auto", "generate", "embed"), default=d.task,
         help="generate text, or serve embeddings (POST /v1/embeddings; pooling from a sentence-transformers "

@@ -206,7 +206,16 @@ def chat_features(args: ServerArgs, tok_info: dict[str, Any]) -> Any:
     if args.tool_call_parser == "auto":
         log.info("tool-call parser: %s (from the chat template)", name or "none found")
     fmt = tool_format(name) if name and name != "none" else None
-    return ChatFeatures(fmt, args.reasoning_parser)
+    reasoning = args.reasoning_parser
+    if reasoning == "auto":
+        reasoning = "gpt-oss" if tok_info.get("tool_format") == "gpt-oss" else None
+        log.info("reasoning parser: %s (from the chat template)", reasoning or "none")
+    elif reasoning is None and fmt is not None and fmt.name == "gpt-oss":
+        # Harmony output is channels all through: parsing calls alone would leave the analysis
+        # channel's markers in content, so the gpt-oss parser takes the reasoning too.
+        reasoning = "gpt-oss"
+        log.info("reasoning parser: gpt-oss (harmony output, with --tool-call-parser gpt-oss)")
+    return ChatFeatures(fmt, reasoning)
 
 
 def _queue_limits(args: ServerArgs, children: list[Child]) -> Any:
