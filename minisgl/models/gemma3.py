@@ -72,6 +72,7 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.embed_scale = math.sqrt(cfg.hidden_size)
         self.aux_layers = None  # no EAGLE-3 heads for Gemma
+        self.aux_hidden = None
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
