@@ -131,3 +131,20 @@ def test_mxfp4_gpt_oss_is_refused_by_name() -> None:
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
     with pytest.raises(ValueError, match="MXFP4"):
         ModelConfig.from_dict(cfg)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss"])
+@pytest.mark.parametrize("algo", ["ngram", "draft-self"])
+def test_speculative_decoding_with_windows(name: str, algo: str, tiny_model_path: Callable[[str], Path],
+                                           hf_models: dict[str, object]) -> None:
+    """n-gram and draft-model speculation (the model its own draft: the draft's window-sized
+    pool follows the target's) give transformers' greedy tokens past several windows."""
+    path = tiny_model_path(name)
+    spec = ({"speculative_algorithm": "ngram", "speculative_ngram_min": 2} if algo == "ngram" else
+            {"speculative_algorithm": "draft", "speculative_draft_model": str(path)})
+    llm = LLM(str(path), device="cpu", dtype="float32", speculative_num_draft_tokens=3, **spec)
+    prompts = [[5, 6, 7, 8] * 6, _prompts(21, (30,))[0]]  # a repeating prompt gives n-gram drafts
+    outs = llm.generate(prompts, greedy(40), use_tqdm=False)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o["token_ids"] == hf_greedy(_hf(path, hf_models), p, 40), f"{name} {algo}: {len(p)} tokens"
+    assert llm.scheduler.stats().get("spec_verified", 0) > 0, "no verify step ran"
