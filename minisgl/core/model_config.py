@@ -95,7 +95,6 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     torch_dtype: str | None = None
-    sliding_window: int | None = None
     # Per layer: 0 = full attention; W > 0 = sliding-window attention over W tokens (a query at
     # position p sees keys p - W + 1 .. p, transformers' rule). () = every layer full.
     attention_windows: tuple[int, ...] = ()
@@ -205,7 +204,6 @@ class ModelConfig:
                              "use a bf16 checkpoint of the model (e.g. one dequantized to bfloat16)")
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         return ModelConfig(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
@@ -224,7 +222,6 @@ class ModelConfig:
             qkv_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", ARCHITECTURES[arch]["qkv_bias"]))),
             qk_norm=ARCHITECTURES[arch]["qk_norm"],
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-            sliding_window=int(sliding) if sliding else None,
             attention_windows=_attention_windows(arch, cfg, int(need("num_hidden_layers"))),
             eos_token_ids=tuple(dict.fromkeys([*eos_ids, *extra_eos])),
             moe=_moe(arch, cfg, int(need("num_hidden_layers")), need) if ARCHITECTURES[arch]["moe"] else None,
@@ -347,7 +344,7 @@ def _gemma3_text(cfg: dict[str, Any]) -> dict[str, Any]:
     text = cfg.get("text_config")
     base = {**cfg, **text} if isinstance(text, dict) else dict(cfg)
     base["architectures"] = cfg["architectures"]
-    return {**_GEMMA3_DEFAULTS, **{k: v for k, v in base.items() if v is not None or k in ("final_logit_softcapping",)}}
+    return {**_GEMMA3_DEFAULTS, **{k: v for k, v in base.items() if v is not None}}
 
 
 def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling, float, RopeScaling]:
