@@ -67,13 +67,13 @@ PYBIND11_MODULE(_C, m) {
          std::uintptr_t part_lse, int batch, int kv_heads, int group, int head_dim, int dtype,
          int64_t q_stride_b, int64_t out_stride_b, int64_t cache_stride_s, int64_t table_stride,
          int max_context, int num_splits, float scale, int device, std::uintptr_t stream, bool kv_fp8,
-         float k_scale, float v_scale) {
+         float k_scale, float v_scale, int window, std::uintptr_t sinks) {
         check(minisgl::paged_decode_attention(
                   ptr<const void>(q), ptr<const void>(k_cache), ptr<const void>(v_cache),
                   ptr<const int32_t>(req_to_slot), ptr<const int32_t>(req_rows), ptr<const int32_t>(seq_lens),
                   ptr(out), ptr<float>(part_o), ptr<float>(part_lse), batch, kv_heads, group, head_dim, dtype,
                   kv_fp8 ? 1 : 0, q_stride_b, out_stride_b, cache_stride_s, table_stride, max_context, num_splits,
-                  scale, k_scale, v_scale, device, ptr(stream)),
+                  scale, k_scale, v_scale, device, ptr(stream), window, ptr<const float>(sinks)),
               "paged_decode_attention");
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("req_to_slot"), py::arg("req_rows"),
@@ -81,7 +81,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("kv_heads"), py::arg("group"), py::arg("head_dim"), py::arg("dtype"), py::arg("q_stride_b"),
       py::arg("out_stride_b"), py::arg("cache_stride_s"), py::arg("table_stride"), py::arg("max_context"),
       py::arg("num_splits"), py::arg("scale"), py::arg("device"), py::arg("stream"), py::arg("kv_fp8") = false,
-      py::arg("k_scale") = 1.0f, py::arg("v_scale") = 1.0f);
+      py::arg("k_scale") = 1.0f, py::arg("v_scale") = 1.0f, py::arg("window") = 0, py::arg("sinks") = 0);
   m.def(
       "embedding_lookup",
       [](std::uintptr_t out, std::uintptr_t weight, std::uintptr_t ids, bool ids_are_int64, int64_t n,

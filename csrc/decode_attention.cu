@@ -117,9 +117,10 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
                            int batch, int kv_heads, int group, int head_dim, int dtype, int kv_fp8,
                            int64_t q_stride_b, int64_t out_stride_b, int64_t cache_stride_s,
                            int64_t table_stride, int max_context, int num_splits, float scale,
-                           float k_scale, float v_scale, int device, void* stream_ptr) {
+                           float k_scale, float v_scale, int device, void* stream_ptr, int window,
+                           const float* sinks) {
   const Instance inst = pick(dtype, kv_fp8, head_dim, group);
-  if (inst.split == nullptr || num_splits < 1 || num_splits > decode::kMaxSplits || kv_heads < 1 ||
+  if (inst.split == nullptr || window < 0 || num_splits < 1 || num_splits > decode::kMaxSplits || kv_heads < 1 ||
       batch > 65535 || kv_heads > 65535 || (num_splits > 1 && (part_o == nullptr || part_lse == nullptr)))
     return static_cast<int>(cudaErrorInvalidValue);
   if (batch <= 0) return 0;
@@ -128,7 +129,8 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
   const float unit = kv_fp8 ? 256.0f : 1.0f;
   Params p{q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, out, part_o, part_lse,
            q_stride_b, out_stride_b, cache_stride_s, table_stride, kv_heads, group,
-           max_context, num_splits, inst.tile, scale * k_scale * unit * 1.4426950408889634f, v_scale * unit};
+           max_context, num_splits, inst.tile, scale * k_scale * unit * 1.4426950408889634f, v_scale * unit,
+           window < 0 ? 0 : window, sinks};
   inst.split<<<dim3(num_splits, kv_heads, batch), decode::kThreads, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || num_splits == 1) return static_cast<int>(err);

@@ -95,8 +95,9 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
   }
   const int len = request_len(p, b);
   const int row = load_int_now(p.req_rows + b);
-  const int chunk = split_chunk(len, p.num_splits, kTile);
-  const int start = split * chunk;
+  const int lo = window_start(p, len);  // the splits cover keys lo .. len - 1 only
+  const int chunk = split_chunk(len - lo, p.num_splits, kTile);
+  const int start = lo + split * chunk;
   if (p.num_splits > 1 && start >= len) return;  // uniform across the block: no barrier skipped
   const int end = min(len, start + chunk);
 
@@ -257,8 +258,11 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) o[j] = fmaf(w, mg.acc[i][h][d + j], o[j]);
     }
-    const float total = mg.fin[1][h];
-    const float inv = total > 0.f ? p.v_scale / total : 0.f;  // len == 0 (padding) -> zeros
+    float total = mg.fin[1][h];
+    // One split writes the final output: the sink joins its denominator here (with splits, the
+    // merge kernel adds it); len == 0 (padding) -> zeros.
+    const float c = p.num_splits == 1 && total > 0.f ? fold_sink(p, hq0 + h, mg.fin[0][h], total) : 1.f;
+    const float inv = total > 0.f ? p.v_scale * c / total : 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j] *= inv;
     if (p.num_splits == 1) {

@@ -38,6 +38,8 @@ struct Params {
   int tile;  // tokens per block iteration of the split kernel; chunks are multiples of it
   float scale_log2;  // softmax scale * log2(e) (* the K scale with an FP8 cache): log2-domain scores
   float v_scale;     // output multiplier: 1, or the V scale with an FP8 cache
+  int window;          // W > 0: only the last W keys are read (a sliding layer); 0: all
+  const float* sinks;  // nullable [Hq] fp32: a logit per head joining the softmax denominator
 };
 
 // Loads the compiler must issue where they are written: plain loads whose values are first
@@ -59,6 +61,23 @@ __device__ __forceinline__ uint4 load_vec_now(const void* ptr) {
 
 __device__ __forceinline__ int request_len(const Params& p, int b) {
   return min(max(load_int_now(p.seq_lens + b), 0), p.max_context);
+}
+
+// First key position read: max(0, len - W) under a window W > 0 (older slots may be freed).
+__device__ __forceinline__ int window_start(const Params& p, int len) {
+  return p.window > 0 ? max(0, len - p.window) : 0;
+}
+
+// Folds head hq's sink (natural-log logit, moved to the log2 domain) into a finished softmax
+// state (max mx, sum total, both log2 domain): returns the factor c for the accumulator and
+// updates total, so that out = acc * c / total. No sinks: c = 1, total unchanged.
+__device__ __forceinline__ float fold_sink(const Params& p, int hq, float mx, float& total) {
+  if (p.sinks == nullptr) return 1.f;
+  const float s = p.sinks[hq] * 1.4426950408889634f;
+  const float m2 = fmaxf(mx, s);
+  const float c = exp2f(mx - m2);
+  total = total * c + exp2f(s - m2);
+  return c;
 }
 
 // Tokens per split for a request of `len` tokens (>= one tile, a multiple of it).

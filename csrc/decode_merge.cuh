@@ -37,8 +37,9 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const Params p) {
     o_r[k] = load_f4_l2(o_src + static_cast<int64_t>(s) * kVecs);
   }
   const int len = request_len(p, b);
-  const int chunk = split_chunk(len, p.num_splits, p.tile);
-  const int n = len > 0 ? (len + chunk - 1) / chunk : 0;  // splits that had tokens
+  const int win = len - window_start(p, len);  // keys the splits covered
+  const int chunk = split_chunk(win, p.num_splits, p.tile);
+  const int n = win > 0 ? (win + chunk - 1) / chunk : 0;  // splits that had tokens
 
   float m = kNegBig, w = 0.f;
   float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -85,7 +86,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const Params p) {
     r.z = fmaf(o.z, c, r.z);
     r.w = fmaf(o.w, c, r.w);
   }
-  const float inv = total > 0.f ? 1.f / total : 0.f;  // no valid split (length 0) -> zeros
+  const float c = total > 0.f ? fold_sink(p, hq, mx, total) : 1.f;  // the sink: denominator only
+  const float inv = total > 0.f ? c / total : 0.f;  // no valid split (length 0) -> zeros
   T* dst = static_cast<T*>(p.out) + b * p.out_stride_b + static_cast<int64_t>(hq) * D + vec * 4;
   *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(r.x * inv, r.y * inv), pack2<T>(r.z * inv, r.w * inv));
 }

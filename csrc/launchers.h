@@ -24,7 +24,8 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
                            int batch, int kv_heads, int group, int head_dim, int dtype, int kv_fp8,
                            int64_t q_stride_b, int64_t out_stride_b, int64_t cache_stride_s,
                            int64_t table_stride, int max_context, int num_splits, float scale,
-                           float k_scale, float v_scale, int device, void* stream);
+                           float k_scale, float v_scale, int device, void* stream, int window = 0,
+                           const float* sinks = nullptr);
 
 // Embedding rows for token ids (csrc/embedding.cuh); ids outside [start, end) give zeros.
 int embedding_lookup(void* out, const void* weight, const void* ids, int ids_are_int64, int64_t n,

@@ -61,9 +61,10 @@ def _decode_split_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         slots = tl.load(slot_base + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(k_base + slots[None, :] * stride_kt + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0).to(q.dtype)  # [D, BLOCK_N]; FP8: exact
-        qk = tl.dot(q, k, input_precision=DOT_PREC) * qk_scale
+        # [BLOCK_N, D], rows along the contiguous D (16-byte loads), transposed in the dot; FP8: exact
+        k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -116,22 +117,27 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough (batch x kv-head x split) programs to fill the GPU twice, each slice >= 128 keys."""
+def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.device, head_dim: int = 128) -> int:
+    """Enough (batch x kv-head x split) programs to fill the GPU twice, each slice >= 128 keys.
+    Heads of 64 dims (GPT-OSS: 8 q heads per KV head) want four waves and up to 64 splits: the
+    launch sweep (benchmarks/kernels/decode_attention.py --triton-sweep, H100) took 30.5 us at
+    64 splits of 128-key blocks for a 32k context against 41 us for the CUDA kernel."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
-    want = triton.cdiv(2 * sms, max(1, batch * kv_heads))
-    return max(1, min(32, want, triton.cdiv(max_seq_len, 128)))
+    waves, cap = (4, 64) if head_dim <= 64 else (2, 32)
+    want = triton.cdiv(waves * sms, max(1, batch * kv_heads))
+    return max(1, min(cap, want, triton.cdiv(max_seq_len, 128)))
 
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
     out: torch.Tensor | None = None, num_splits: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-    window: int = 0, sinks: torch.Tensor | None = None,
+    window: int = 0, sinks: torch.Tensor | None = None, launch: dict | None = None,
 ) -> torch.Tensor:
     """Shapes as in the module docstring; returns out [B, Hq, D] in q's dtype. An FP8 cache
     holds K / k_scale and V / v_scale (per-tensor scales: K's folds into the score scale).
-    `window` > 0: a sliding window of that many keys; `sinks` fp32 [Hq]: sink logits."""
+    `window` > 0: a sliding window of that many keys; `sinks` fp32 [Hq]: sink logits.
+    `launch` overrides block_n / num_warps / num_stages (the benchmark's sweep)."""
     b, hq, d = q.shape
     kv_heads = k_cache.shape[1]
     group = hq // kv_heads
@@ -140,19 +146,20 @@ def decode_attention(
     if b == 0:
         return out
     keys = min(max_seq_len, window) if window > 0 else max_seq_len  # the most keys a token reads
-    splits = num_splits or num_splits_for(b, kv_heads, keys, q.device)
+    splits = num_splits or num_splits_for(b, kv_heads, keys, q.device, d)
     block_d = triton.next_power_of_2(d)
     mid = torch.empty((b, hq, splits, block_d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
     block_h = max(16, triton.next_power_of_2(group))
-    block_n = 64 if d <= 128 else 32
+    block_n = 128 if d <= 64 else (64 if d <= 128 else 32)  # 128 at d 64: the sweep's best
+    cfg = {"block_n": block_n, "num_warps": 4, "num_stages": 2} | (launch or {})
     _decode_split_kernel[(b, kv_heads, splits)](
         q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, mid, lse, scale * k_scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), req_to_slot.stride(0), mid.stride(0), mid.stride(1), mid.stride(2),
         lse.stride(0), lse.stride(1), window if window > 0 else 1 << 30,
-        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
-        NUM_SPLITS=splits, DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
+        GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=cfg["block_n"],
+        NUM_SPLITS=splits, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     _decode_merge_kernel[(b, hq)](
         mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),

@@ -14,7 +14,9 @@ from minisgl.kernels import moe_routing
 DEV = "cuda"
 BF16 = torch.bfloat16
 # name -> (experts, top_k, hidden, expert intermediate size)
-SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}
+SHAPES = {
+    "qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336), "gpt-oss-20b": (32, 4, 2880, 2880),
+}
 M_LIST = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "kernels" / "fused_moe_configs.json"
 

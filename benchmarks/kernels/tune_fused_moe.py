@@ -6,7 +6,7 @@ and write them under this GPU's name into the JSON that kernels/fused_moe_config
     python benchmarks/kernels/tune_fused_moe.py [--shapes ...] [--tp 1 2] [--m 1 64 ...] [--out PATH]
 
 --out defaults to the repository's kernels/fused_moe_configs.json (entries of other GPUs and
-shapes are kept); it is rewritten after each shape, so a cut-short run keeps what it finished.
+shapes are kept); it is rewritten after each M, so a cut-short run keeps what it finished.
 Until the package is reinstalled, MINISGL_FUSED_MOE_CONFIGS=PATH makes the runtime use the file
 (benchmarks/kernels/fused_moe.py reads the repository's file by default). Compiles dominate the
 first shape's time; they are shared by the others (the row counts are not specialized on).
@@ -113,7 +113,7 @@ def main() -> None:
                 entry[str(m)] = cfg.to_dict()
                 rows.append([str(m), str(cfg.block_m), _fmt(cfg.up), _fmt(cfg.down), f"{us:.1f}", f"{default_us:.1f}",
                              f"{default_us / us:.2f}x", f"{time.perf_counter() - start:.0f}"])
-            args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+                args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")  # a cut run keeps each M
             print_table(f"{name} TP={tp} (E={e}, top-{k}, H={h}, I/tp={i // tp}) on {device}: up + down GEMM "
                         "time, tuned vs default tiles", ["M", "BLOCK_M", "up tile", "down tile", "tuned us",
                                                          "default us", "gain", "elapsed s"], rows)

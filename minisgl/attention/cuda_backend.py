@@ -2,8 +2,9 @@
 extend steps (prefill, chunked prefill, prefix hits) run the Triton extend kernel
 (ops.extend_attention, which falls back to its torch reference where Triton cannot run).
 Both read a 16-bit or an FP8 e4m3 cache (per-layer K/V scales, dequantized in registers).
-Layers with a sliding window or sinks (Gemma 3, GPT-OSS) decode through the Triton split kernel,
-which takes both; the CUDA kernel reads whole contexts and has no sink term.
+Layers with a sliding window or sinks (Gemma 3, GPT-OSS) decode through the same CUDA kernel:
+its splits cover the last W keys only and a head's sink joins the final softmax denominator.
+Models with 8 q heads per KV head decode through the Triton split kernel (TRITON_DECODE_GROUP).
 
 Decode is CUDA-graph safe: the store and the kernel read slots, rows and lengths from the
 batch's device tensors, and the kernel's launch shape depends only on the batch size, the
@@ -22,6 +23,12 @@ from minisgl.ops.decode_attention import _HEAD_DIMS
 
 SUPPORTED_HEAD_DIMS = _HEAD_DIMS
 log = get_logger(__name__)
+# From this many q heads per KV head, decode runs the Triton split kernel (tensor-core dots):
+# our CUDA kernel does its dot products on the CUDA cores, and at 8 heads per 64-dim KV row
+# (GPT-OSS) that is compute-bound: 54% of the read ceiling at a 32k context against 73% for the
+# Triton kernel (benchmarks/kernels/decode_attention.py --triton-sweep, H100). Llama's 4 heads
+# per 128-dim row are at parity or better with ours.
+TRITON_DECODE_GROUP = 8
 
 
 class CudaAttentionBackend(TritonAttentionBackend):
@@ -44,10 +51,10 @@ class CudaAttentionBackend(TritonAttentionBackend):
             raise ValueError(f"attention backend 'cuda' needs a float16 or bfloat16 model, got {self.q_dtype}")
         if pool.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(f"attention backend 'cuda' supports head_dim {SUPPORTED_HEAD_DIMS}, got {pool.head_dim}")
-        if any(self.windows):
-            log.info("attention backend 'cuda': the sliding-window layers decode through the Triton split kernel "
-                     "(window bound per layer); the full layers through minisgl._C's kernel")
-        group = num_q_heads // pool.kv_heads
+        group = self.group = num_q_heads // pool.kv_heads
+        if group >= TRITON_DECODE_GROUP:
+            log.info(f"attention backend 'cuda': {group} q heads per KV head decode through the Triton split "
+                     "kernel (tensor-core dots; our kernel is compute-bound there)")
         if num_q_heads % pool.kv_heads != 0 or not 1 <= group <= 8:
             raise ValueError(
                 f"attention backend 'cuda' supports 1..8 query heads per KV head, got {num_q_heads} / {pool.kv_heads}"
@@ -59,8 +66,8 @@ class CudaAttentionBackend(TritonAttentionBackend):
         k_scale: float = 1.0, v_scale: float = 1.0,  # an FP8 pool's per-layer scales (1.0 for 16-bit)
         window: int = 0, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if window or sinks is not None:  # our CUDA kernel reads whole contexts, without sinks
+        if self.group >= TRITON_DECODE_GROUP:
             return super()._decode(q, k_cache, v_cache, req_to_slot, rows, seq_lens, max_seq_len, out,
                                    k_scale, v_scale, window, sinks)
         return ops.paged_decode_attention(q, k_cache, v_cache, req_to_slot, rows, seq_lens, self.scale, max_seq_len,
-                                          out=out, k_scale=k_scale, v_scale=v_scale)
+                                          out=out, k_scale=k_scale, v_scale=v_scale, window=window, sinks=sinks)

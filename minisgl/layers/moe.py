@@ -19,7 +19,6 @@ to the 16-bit path's tensors through the fp32 reference; the GPU needs the 4-bit
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minisgl import ops
@@ -30,6 +29,7 @@ from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.kernels.quant4 import dequant_int4_reference
 from minisgl.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _check_shape
 from minisgl.layers.quant4_load import checkpoint_kinds, to_int4
+from minisgl.ops.gemm.table import GemmCall
 
 
 class ReplicatedLinear(nn.Module):
@@ -41,7 +41,12 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        # ops.linear, not F.linear: at decode batch sizes the tuned table may pick the skinny
+        # kernel (cuBLAS's split-K GEMM plus its reduce cost ~3 us per router call).
+        return ops.linear(x, self.weight, self.bias)
+
+    def gemm_calls(self) -> list[GemmCall]:
+        return [GemmCall(self.weight, False)]
 
 
 class FusedExperts(nn.Module):

@@ -85,3 +85,14 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     for name, t in items[1:]:
         if t.device != first.device:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+
+
+def check_window_sinks(q: torch.Tensor, window: int, sinks: object) -> None:
+    """window: an int >= 0 (0 = full attention); sinks: None or fp32 contiguous [Hq] on q's device."""
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0 = full attention), got {window!r}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtype=torch.float32, ndim=1)
+        check_shape("sinks", sinks, (q.shape[1],))
+        check_contiguous("sinks", sinks)
+        check_same_device(q=q, sinks=sinks)

@@ -22,6 +22,7 @@ from minisgl.ops._checks import (
     check_same_device,
     check_shape,
     check_tensor,
+    check_window_sinks,
 )
 
 _KERNEL_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
@@ -40,6 +41,8 @@ def paged_decode_attention_reference(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fp32 math, one request at a time over its gathered K/V (the reference beside the
     Triton decode kernel); returns q's dtype [B, Hq, D]. A length-0 row (padding) gives zeros.
@@ -47,7 +50,7 @@ def paged_decode_attention_reference(
     from minisgl.kernels.decode_attention import decode_attention_reference
 
     ref = decode_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens.clamp(min=0),
-                                     scale * k_scale)
+                                     scale * k_scale, window=window, sinks=sinks)
     return (ref * v_scale).to(q.dtype)
 
 
@@ -134,6 +137,8 @@ def paged_decode_attention(
     num_splits: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (heads packed, batch stride free); k_cache, v_cache [S, Hkv, D];
     req_to_slot int32 [R, L]; req_rows, seq_lens int32 [B] (0 < seq_lens <= L, on the device);
@@ -141,9 +146,12 @@ def paged_decode_attention(
     should pass the same bound (e.g. the context length) on every replay.
     Returns out [B, Hq, D] in q's dtype (written into `out` if given). `num_splits`
     overrides the split policy (1..256; for tuning and tests). k_cache/v_cache may be FP8 e4m3
-    holding K / k_scale and V / v_scale (scales positive and finite)."""
+    holding K / k_scale and V / v_scale (scales positive and finite). `window` W > 0: only the
+    last W keys are read (older slots may be freed); `sinks` fp32 [Hq] on the device: a raw
+    logit per head joining every softmax denominator."""
     if _checks.enabled():
         _check(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, out)
+        check_window_sinks(q, window, sinks)
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1 (a bound on seq_lens), got {max_seq_len}")
         for name, v in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -151,7 +159,7 @@ def paged_decode_attention(
                 raise ValueError(f"{name} must be positive and finite, got {v}")
     if not use_cuda_kernel("paged_decode_attention", q):
         ref = paged_decode_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, scale,
-                                               k_scale, v_scale)
+                                               k_scale, v_scale, window, sinks)
         if out is None:
             return ref
         out.copy_(ref)
@@ -168,7 +176,8 @@ def paged_decode_attention(
     dtype = _KERNEL_DTYPES[q.dtype]
     kv_fp8 = k_cache.dtype == _FP8
     if num_splits is None:
-        bound = int(max_seq_len)
+        # A sliding layer's splits cover its last W keys only: size them by the window.
+        bound = min(int(max_seq_len), window) if window else int(max_seq_len)
         splits = _num_splits(q.device.index or 0, batch, kv_heads, group, dim, dtype, bound, kv_fp8)
     elif not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be in 1..256, got {num_splits}")
@@ -186,7 +195,8 @@ def paged_decode_attention(
         0 if part_o is None else part_o.data_ptr(), 0 if part_lse is None else part_lse.data_ptr(),
         batch, kv_heads, group, dim, dtype, q.stride(0), out.stride(0), k_cache.stride(0),
         req_to_slot.stride(0), req_to_slot.size(1), splits, float(scale), q.device.index or 0,
-        current_stream(q.device), kv_fp8, float(k_scale), float(v_scale),
+        current_stream(q.device), kv_fp8, float(k_scale), float(v_scale), int(window),
+        0 if sinks is None else sinks.data_ptr(),
     )
     # fmt: on
     return out
