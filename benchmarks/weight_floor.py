@@ -23,7 +23,7 @@ def decode_weight_bytes(model: torch.nn.Module, batch: float) -> float:
     total = 0.0
     for name, p in model.named_parameters():
         size = p.numel() * p.element_size()
-        if name.endswith((".experts.w13", ".experts.w2")):
+        if ".experts." in name:  # every per-expert tensor: weights, 4-bit scales and zeros, biases
             total += size / cfg.moe.num_experts * expected_experts_hit(cfg.moe.num_experts, cfg.moe.top_k, batch)
         elif name == "model.embed_tokens.weight" and not cfg.tie_word_embeddings:
             total += min(batch, p.shape[0]) * p[0].numel() * p.element_size()

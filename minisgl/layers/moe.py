@@ -30,6 +30,7 @@ from minisgl.kernels.quant4 import dequant_int4_reference
 from minisgl.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _check_shape
 from minisgl.layers.quant4_load import checkpoint_kinds, to_int4
 from minisgl.ops.gemm.table import GemmCall
+from minisgl.ops.gemm.w4 import fused_moe_w4
 
 
 class ReplicatedLinear(nn.Module):
@@ -91,13 +92,21 @@ class FusedExperts(nn.Module):
         self.w2_scale = param(e, hidden, loc // (g or loc))
         self.w2_zero = param(e, hidden, loc // (g or loc))
 
+    def int4_on_gpu(self, x: torch.Tensor) -> bool:
+        return self.quant is not None and x.device.type == "cuda"
+
+    def int4_experts(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
+                     shared: torch.Tensor | None, shared_gate: torch.Tensor | None) -> torch.Tensor:
+        """On the GPU: the 4-bit fused MoE (INT4 tiles dequantized in the GEMMs) after the routing."""
+        weights, ids = ops.moe_route(logits, top_k, renormalize)
+        return fused_moe_w4(x, "int4", self.w13, self.w13_scale, self.w13_zero, self.w2, self.w2_scale, self.w2_zero,
+                            weights, ids, shared, shared_gate)
+
     def weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) for the 16-bit fused MoE: the parameters, or the 4-bit ones dequantized (CPU)."""
+        """(w13, w2) for the 16-bit fused MoE: the parameters, or the 4-bit ones dequantized (the
+        CPU; on the GPU 4-bit experts go through int4_experts)."""
         if self.quant is None:
             return self.w13, self.w2
-        if x.device.type == "cuda":
-            raise ValueError("4-bit MoE experts on the GPU need the 4-bit fused MoE kernel (issue 35's kernels), "
-                             "not in this build")
         w13 = dequant_int4_reference(self.w13, self.w13_scale, self.w13_zero).to(x.dtype)
         return w13, dequant_int4_reference(self.w2, self.w2_scale, self.w2_zero).to(x.dtype)
 
@@ -222,6 +231,9 @@ class SparseMoeBlock(nn.Module):
         shared = shared_gate = None
         if self.has_shared:
             shared, shared_gate = self.shared_expert(x), self.shared_expert_gate(x)
+        if self.experts.int4_on_gpu(x):
+            out = self.experts.int4_experts(x, self.gate(x), self.top_k, self.renormalize, shared, shared_gate)
+            return self.comm.all_reduce(out)
         w13, w2 = self.experts.weights(x)
         out = ops.fused_moe(
             x, self.gate(x), w13, w2, self.top_k, self.renormalize,

@@ -25,6 +25,7 @@ from minisgl import env
 from minisgl.logging_setup import log_once
 from minisgl.ops.activation import silu_and_mul
 from minisgl.ops.deterministic import batch_invariant_linear, is_deterministic
+from minisgl.ops.gemm import w4 as _w4
 from minisgl.ops.gemm.fp8 import fp8_gemm
 from minisgl.ops.gemm.reference import fp8_linear_reference, int4_linear_reference, mxfp4_linear_reference
 from minisgl.ops.gemm.skinny import DENSE, FP8_FORMAT, MAX_M, counters, cublas_linear, fp8_fits, launch, vector_aligned
@@ -78,20 +79,12 @@ def linear(
     if fmt == INT4:
         if x.device.type != "cuda":
             return int4_linear_reference(x, weight, scale, zeros, bias, silu)
-        return _w4().int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu)
+        return _w4.int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu)
     if fmt == MXFP4:
         if x.device.type != "cuda":
             return mxfp4_linear_reference(x, weight, scale, bias, silu)
-        return _w4().mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu)
+        return _w4.mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu)
     raise ValueError(f"linear: weight format {fmt!r} is not one of {FORMATS}")
-
-
-def _w4():
-    """ops/gemm/w4.py, the 4-bit kernels' wrappers (their own branch: imported by name at the first
-    4-bit GEMM on a GPU, so this file does not depend on it before it lands)."""
-    import importlib
-
-    return importlib.import_module("minisgl.ops.gemm.w4")
 
 
 def _lookup(x: torch.Tensor, shape: GemmShape):
