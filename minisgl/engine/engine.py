@@ -143,7 +143,7 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         log.info(
             "engine ready: %s (%s) on %s, %s%s, context %d, KV pool %d tokens in pages of %d, attention %s",
             self.source.name, mc.architecture, self.device, str(self.dtype).removeprefix("torch."),
-            "" if quant is None else f", FP8 weights ({quant.method}, {quant.weights} scales)",
+            "" if quant is None else f", {quant.fmt.upper()} weights ({quant.method}, {_scales(quant)} scales)",
             self.max_model_len, self.pool.num_slots - cfg.page_size, cfg.page_size, self.attn.name,
         )
 
@@ -320,3 +320,10 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
 
     def check_prompt(self, ids: list[int]) -> None:
         check_prompt(ids, self.max_model_len, self.model_config.vocab_size)
+
+
+def _scales(quant: object) -> str:
+    """The startup log's scale granularity: FP8's tensor/channel/block, 4-bit's group size."""
+    if quant.fmt == "fp8":
+        return quant.weights
+    return f"group {quant.group}" if quant.group else "per-channel"

@@ -16,7 +16,7 @@ import torch
 from minisgl.kernels import fused_moe as _moe
 from minisgl.kernels import moe_align as _align
 from minisgl.kernels import w4a16_gemm as _w4
-from minisgl.kernels.fused_moe_config import get_config
+from minisgl.kernels.fused_moe_config import default_config
 from minisgl.logging_setup import log_once
 from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_once, use_cuda_kernel, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
@@ -166,11 +166,6 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bi
     return _linear(_w4.MXFP4, x, blocks, scales, None, bias, silu_and_mul)
 
 
-@functools.cache
-def _device_name(device: torch.device) -> str | None:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
-
-
 def fused_moe_w4(
     x: torch.Tensor, fmt: str, w13: torch.Tensor, w13_scales: torch.Tensor, w13_zeros: torch.Tensor | None,
     w2: torch.Tensor, w2_scales: torch.Tensor, w2_zeros: torch.Tensor | None,
@@ -204,7 +199,11 @@ def fused_moe_w4(
         w2_d = _w4.dequant_reference(w2, w2_scales, w2_zeros, f).to(x.dtype)
         return _moe.fused_experts_reference(x, w13_d, w2_d, topk_weights, topk_ids, shared, shared_gate)
     top_k = topk_ids.shape[1]
-    cfg = get_config(e, top_k, two_i // 2, h, x.shape[0], x.dtype, _device_name(x.device))
+    # The tuned table holds 16-bit experts' tiles: with 4-bit dequantization in the loop their
+    # deepest pipelines overflow shared memory (Qwen3-30B-A3B's tuned tiles asked 288 KB of an
+    # H100's 227 KB while capturing graphs), so 4-bit experts take the untuned default tiles
+    # (<= ~100 KB) until they are tuned.
+    cfg = default_config(e, top_k, x.shape[0], x.dtype)
     sorted_ids, expert_ids = _align.align(topk_ids, e, cfg.block_m)
     inter = _moe.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up,
                          _moe.W4(w13_scales, w13_zeros, f))
