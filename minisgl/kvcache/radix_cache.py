@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from minisgl.kvcache.events import CacheEvents
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
@@ -53,6 +53,9 @@ class RadixCache(PrefixCache):
         self.page_size = page_size
         self.events = events
         self.heap_pops = 0  # eviction work counter (tests and metrics)
+        # Called with (the evicted leaf's whole prefix, its pages) before they are freed: the
+        # host KV tier (kvcache/host_tier.py) keeps a copy there.
+        self.on_evict: Callable[[tuple[int, ...], list[int]], None] | None = None
         self._clear()
 
     def _clear(self) -> None:
@@ -199,6 +202,8 @@ class RadixCache(PrefixCache):
             if stamp < node.last_access:
                 self._push(node)  # touched since pushed: requeue at its real time
                 continue
+            if self.on_evict is not None:
+                self.on_evict(self._prefix_of(node), node.pages)
             del parent.children[node.key[: self.page_size]]
             node.parent = None
             freed.extend(node.pages)
@@ -209,6 +214,14 @@ class RadixCache(PrefixCache):
             if parent is not self._root and not parent.children and parent.ref == 0:
                 self._push(parent)
         return freed
+
+    def _prefix_of(self, node: _Node) -> tuple[int, ...]:
+        keys: list[tuple[int, ...]] = []
+        n: _Node | None = node
+        while n is not None and n is not self._root:
+            keys.append(n.key)
+            n = n.parent
+        return tuple(t for k in reversed(keys) for t in k)
 
     # ---- accounting ----------------------------------------------------------------------
 

@@ -7,15 +7,41 @@ allocator's free list, the prefix cache, or the private pages of one active requ
 
 from __future__ import annotations
 
+import logging
+
 from minisgl.engine.engine import Engine
+from minisgl.kvcache.host_tier import HostKVTier
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
+from minisgl.kvcache.radix_cache import RadixCache
 from minisgl.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def make_host_tier(engine: Engine, cache: PrefixCache, gb: float) -> HostKVTier | None:
+    """The host KV tier of `--host-kv-cache-gb` (None when 0), refusing what it cannot serve."""
+    if gb <= 0:
+        return None
+    if not isinstance(cache, RadixCache):
+        raise ValueError("--host-kv-cache-gb needs the radix prefix cache; drop --cache naive")
+    if engine.model_config.has_sliding_layers:
+        raise ValueError("--host-kv-cache-gb does not support models with sliding-window layers yet "
+                         "(their window pool has no host tier); run without it")
+    if engine.drafter is not None and engine.cfg.speculative_algorithm != "ngram":
+        raise ValueError("--host-kv-cache-gb does not restore a draft model's KV yet; use it without "
+                         f"--speculative-algorithm {engine.cfg.speculative_algorithm}")
+    tier = HostKVTier(engine.pool, gb)
+    cache.on_evict = tier.on_evict
+    logger.info("host KV tier: %.3f GiB, %d pages of %d tokens (%s host memory)", tier.capacity_bytes / 2**30,
+                tier.num_pages, tier.page_size, "pinned" if engine.pool.device.type == "cuda" else "plain")
+    return tier
 
 
 class RequestKV:
-    def __init__(self, engine: Engine, cache: PrefixCache) -> None:
+    def __init__(self, engine: Engine, cache: PrefixCache, host_kv_cache_gb: float = 0.0) -> None:
         self.engine = engine
         self.cache = cache
+        self.tier = make_host_tier(engine, cache, host_kv_cache_gb)
         self.page_size = engine.cfg.page_size
         self.allocator = engine.allocator
         # Request-table writes wait here and go to the device in one copy (flush) per step.
@@ -44,6 +70,8 @@ class RequestKV:
             return (f"{held} cached pages are in use by {holders} running request(s) sharing a cached prefix; "
                     "retry once they finish")
         self.allocator.free(self.cache.reset())
+        if self.tier is not None:
+            self.tier.reset()
         return None
 
     @property
@@ -65,6 +93,30 @@ class RequestKV:
             return self.cache.match_prefix([])
         # At least one token must be computed (its logits pick the next token).
         return self.cache.match_prefix(req.tokens()[:-1])
+
+    def match_and_load(self, req: Request) -> MatchResult:
+        """`match`, extended by the host tier: host pages continuing the GPU match are copied
+        into fresh GPU pages and inserted into the prefix cache (when the pool has room)."""
+        match = self.match(req)
+        if self.tier is None or req.needs_prompt_logprobs or req.pooling is not None:
+            return match
+        tokens = req.tokens()[:-1]
+        nodes = self.tier.lookup(tokens, len(match.pages))
+        if not nodes:
+            return match
+        self.cache.lock(match.handle)  # the GPU part must survive the eviction reserve() may do
+        self.tier.pin(nodes)  # and the host part the host eviction that eviction may cause
+        try:
+            if not self.reserve(len(nodes)):
+                return match
+            pages = self.allocator.allocate(len(nodes))
+            self.tier.load(nodes, pages)
+            end = (len(match.pages) + len(nodes)) * self.page_size
+            self.cache.insert(tokens[:end], list(match.pages) + pages)
+        finally:
+            self.tier.unpin(nodes)
+            self.cache.unlock(match.handle)
+        return self.match(req)
 
     def attach(self, req: Request, match: MatchResult) -> None:
         """Gives a new (or requeued) request its table row and its cached prefix, locked."""
@@ -136,6 +188,8 @@ class RequestKV:
 
     def check_integrity(self, active: list[Request]) -> None:
         self.cache.check_integrity()
+        if self.tier is not None:
+            self.tier.check_integrity()
         private: list[int] = []
         for r in active:
             if r.match is not None:
