@@ -149,3 +149,27 @@ def test_multi_turn_greedy_tokens_identical_with_tier(tiny_model_path) -> None:
     assert [t for t, _ in outs[0.0]] == [t for t, _ in outs[0.01]]
     torch.testing.assert_close(torch.tensor([lp for _, lp in outs[0.01]]), torch.tensor([lp for _, lp in outs[0.0]]),
                                rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_slots_matches_indexing(device, dtype) -> None:
+    """Both directions (device -> host, host -> device) against plain torch indexing, on fresh
+    random data with scattered, unsorted slots; untouched destination slots stay NaN."""
+    from minisgl.ops.kv_copy import copy_slots
+
+    g = torch.Generator().manual_seed(0)
+    shape = (3, 64, 2, 8)
+    dev_k, dev_v = (torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(2))
+    host_k, host_v = (torch.full(shape, float("nan"), dtype=dtype) for _ in range(2))
+    src = torch.randperm(64, generator=g)[:20].tolist()
+    dst = torch.randperm(64, generator=g)[:20].tolist()
+    copy_slots(dev_k, dev_v, src, host_k, host_v, dst)
+    assert torch.equal(host_k[:, dst], dev_k[:, src].cpu()) and torch.equal(host_v[:, dst], dev_v[:, src].cpu())
+    rest = sorted(set(range(64)) - set(dst))
+    assert host_k[:, rest].isnan().all()
+    back_k, back_v = (torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(2))
+    copy_slots(host_k, host_v, dst, back_k, back_v, src)
+    assert torch.equal(back_k[:, src], dev_k[:, src]) and torch.equal(back_v[:, src], dev_v[:, src])
+    with pytest.raises(ValueError, match="source slots"):
+        copy_slots(dev_k, dev_v, src, host_k, host_v, dst[:-1])
