@@ -173,3 +173,18 @@ def test_copy_slots_matches_indexing(device, dtype) -> None:
     assert torch.equal(back_k[:, src], dev_k[:, src]) and torch.equal(back_v[:, src], dev_v[:, src])
     with pytest.raises(ValueError, match="source slots"):
         copy_slots(dev_k, dev_v, src, host_k, host_v, dst[:-1])
+
+
+def test_metrics_export_host_tier_over_replicas() -> None:
+    from minisgl.message import StatsMsg, decode, encode
+    from minisgl.server.metrics import Metrics
+
+    m = Metrics()
+    for rank in (0, 1):
+        msg = StatsMsg(1, 0, 10, 100, 50, 20, dp_rank=rank, host_kv_bytes=1000 + rank, host_kv_hits=3,
+                       host_kv_tokens_loaded=70, host_kv_load_s=0.25)
+        m.on_stats(decode(encode(msg)))  # the fields survive the wire
+    text = m.render().decode()
+    for line in ("minisgl_host_kv_bytes_used 2001.0", "minisgl_host_kv_hits 6.0",
+                 "minisgl_host_kv_tokens_loaded 140.0", "minisgl_host_kv_load_seconds 0.5"):
+        assert line in text, line

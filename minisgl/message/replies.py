@@ -112,6 +112,12 @@ class StatsMsg:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_verified: int = 0
+    # The host KV tier (--host-kv-cache-gb): bytes held now; cumulative prefix hits served from
+    # it, tokens loaded back and the seconds those loads took.
+    host_kv_bytes: int = 0
+    host_kv_hits: int = 0
+    host_kv_tokens_loaded: int = 0
+    host_kv_load_s: float = 0.0
 
     @property
     def kv_usage(self) -> float:
