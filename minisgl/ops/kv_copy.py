@@ -6,6 +6,9 @@ destination: three operations per tensor however scattered the slots, instead of
 cudaMemcpyAsync per page (page size 1 today), which cannot reach PCIe speed. A device-to-host
 copy is synchronous (the source slots are freed right after); a host-to-device copy goes
 through pinned memory and is stream ordered before later work on the current stream.
+Measured (H200, 2.4 GB of scattered bf16 KV): 1.1 GB/s down, 1.4 GB/s up, against 55 GB/s for
+one pinned copy: the CPU-side gather/scatter dominates. Correct, not yet fast: the planned
+replacement is a GPU kernel that reads and writes the pinned host pool directly (mapped memory).
 """
 
 from __future__ import annotations
