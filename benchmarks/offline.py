@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     ap.add_argument("--decode-latency", action="store_true",
                     help="also time batch-1 decode: ms/token end to end, per-step host and GPU time")
+    ap.add_argument("--max-model-len", type=int, default=None, help="cap the context (default: the model's)")
     ap.add_argument("--decode-context", type=int, default=32,
                     help="the batch-1 decode's prompt length (its floor counts the KV each step reads)")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -113,7 +114,7 @@ def main() -> None:
         disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp,
         custom_all_reduce=not args.disable_custom_all_reduce, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, **spec,
+        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, **spec,
         **({} if args.mixed_chunk_tokens is None else {"mixed_chunk_tokens": args.mixed_chunk_tokens}),
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)

@@ -16,10 +16,9 @@ import time
 from collections.abc import Callable
 
 import torch
-from weight_floor import decode_weight_bytes
+from weight_floor import decode_kv_bytes, decode_weight_bytes
 
 from minisgl import LLM
-from minisgl.kvcache.pool import KVPool
 
 
 def time_ms(fn: Callable[[], object], reps: int = 20) -> float:
@@ -70,9 +69,7 @@ def main() -> None:
     batch = eng.build_batch("decode", rows, [args.context - 1] * args.batch, None)
     graph_ms = time_ms(lambda: eng.forward(batch))
     eager_ms = time_ms(lambda: eng.forward_eager(batch))
-    mc = eng.model_config
-    per_token = KVPool.bytes_per_token_for(mc.num_layers, mc.num_kv_heads, mc.head_dim, eng.dtype)
-    kv_bytes = args.batch * args.context * per_token
+    kv_bytes = args.batch * decode_kv_bytes(eng, args.context)  # a sliding layer reads its window only
     w_bytes = decode_weight_bytes(eng.model, args.batch)
     big = torch.empty(1 << 28, dtype=torch.float32, device=eng.device)
     copy_ms = time_ms(lambda: big.clone(), reps=10)
@@ -101,8 +98,8 @@ def main() -> None:
 def time_with_cublas_only(eng, batch, max_bs: int) -> float:
     """Graph time of `batch` with an empty dispatch table (every GEMM on cuBLAS), then the
     measured table and the graphs are restored."""
-    from minisgl.ops.gemm_table import GemmTable
-    from minisgl.ops.linear import install_table, table_for
+    from minisgl.ops.gemm.dispatch import install_table, table_for
+    from minisgl.ops.gemm.table import GemmTable
 
     tuned = table_for(eng.device)
     install_table(eng.device, GemmTable())

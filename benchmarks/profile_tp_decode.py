@@ -29,7 +29,7 @@ from weight_floor import decode_weight_bytes, read_bandwidth
 from minisgl import LLM, SamplingParams
 from minisgl.layers.linear import gemm_calls
 from minisgl.ops import linear
-from minisgl.ops.gemm_tuning import time_graph
+from minisgl.ops.gemm.tuning import time_graph
 
 # Kernel families by name (lower case, first match wins); the rest under their own names.
 FAMILIES = [
@@ -89,7 +89,7 @@ def kernel_profile(llm: LLM, tokens: int, step_ms: float) -> None:
 def gemm_alone(llm: LLM, bw: float) -> float:
     """Each GEMM shape alone at M = 1 (table's choice), graph replays over its weights."""
     by_shape: dict[tuple[int, int, bool], list[torch.Tensor]] = collections.defaultdict(list)
-    for w, silu in gemm_calls(llm.engine.model):
+    for w, silu, *_ in gemm_calls(llm.engine.model):
         by_shape[(w.size(0), w.size(1), silu)].append(w)
     dev = llm.engine.device
     print(f"\nrank 0 GEMMs alone at M = 1 (read ceiling {bw / 1e9:,.0f} GB/s, measured in this run):")

@@ -35,10 +35,11 @@ def decode_weight_bytes(model: torch.nn.Module, batch: float) -> float:
 def decode_kv_bytes(engine: object, context: int) -> float:
     """This rank's KV bytes one batch-1 decode step reads at `context` tokens: every full layer's
     K and V of the whole context, a sliding layer's of its window alone."""
+    from minisgl.kvcache.pool import KVPool
+
     cfg, pool = engine.model_config, engine.pool
-    per_layer_token = 2 * pool.kv_heads * pool.head_dim * torch.empty((), dtype=pool.dtype).element_size()
-    return float(sum(per_layer_token * (min(context, cfg.window_of(i)) if cfg.window_of(i) else context)
-                     for i in range(cfg.num_layers)))
+    per_layer_token = KVPool.bytes_per_token_for(1, pool.kv_heads, pool.head_dim, pool.dtype)
+    return float(sum(per_layer_token * min(context, cfg.window_of(i) or context) for i in range(cfg.num_layers)))
 
 
 def read_bandwidth(device: torch.device, reps: int = 10) -> float:

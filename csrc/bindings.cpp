@@ -191,6 +191,37 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("fp8") = false);
   m.def(
+      "skinny_gemm_w4_configs",
+      []() {
+        py::list out;
+        for (int c = 0; c < minisgl::skinny_gemm_num_configs(2); ++c) {
+          int rt = 0, u = 0, max_m = 0;
+          check(minisgl::skinny_gemm_config(2, c, &rt, &u, &max_m), "skinny_gemm_w4_configs");
+          out.append(py::make_tuple(rt, u, max_m));
+        }
+        return out;
+      });
+  // 4-bit weights (fmt 1 INT4, 2 MXFP4; kernels/quant4.py layouts); zeros 0 for MXFP4.
+  m.def(
+      "skinny_gemm_w4",
+      [](std::uintptr_t x, std::uintptr_t w, std::uintptr_t scales, std::uintptr_t zeros, int64_t q_stride,
+         int q_group, int fmt, std::uintptr_t bias, std::uintptr_t y, std::uintptr_t workspace,
+         int64_t workspace_bytes, std::uintptr_t counters, int64_t num_counters, int m, int n, int k,
+         int64_t x_stride, int64_t w_stride, int64_t y_stride, bool silu, int dtype, int cfg, int warps,
+         int num_splits, bool pdl, std::uintptr_t stream) {
+        check(minisgl::skinny_gemm_w4(ptr<const void>(x), ptr<const void>(w), ptr<const void>(scales),
+                                      ptr<const void>(zeros), q_stride, q_group, fmt, ptr<const void>(bias), ptr(y),
+                                      ptr<float>(workspace), workspace_bytes, ptr<int>(counters), num_counters, m, n,
+                                      k, x_stride, w_stride, y_stride, silu ? 1 : 0, dtype, cfg, warps, num_splits,
+                                      pdl ? 1 : 0, ptr(stream)),
+              "skinny_gemm_w4");
+      },
+      py::arg("x"), py::arg("w"), py::arg("scales"), py::arg("zeros"), py::arg("q_stride"), py::arg("q_group"),
+      py::arg("fmt"), py::arg("bias"), py::arg("y"), py::arg("workspace"), py::arg("workspace_bytes"),
+      py::arg("counters"), py::arg("num_counters"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"),
+      py::arg("w_stride"), py::arg("y_stride"), py::arg("silu"), py::arg("dtype"), py::arg("cfg"), py::arg("warps"),
+      py::arg("num_splits"), py::arg("pdl"), py::arg("stream"));
+  m.def(
       "skinny_gemm_fp8",
       [](std::uintptr_t x, std::uintptr_t w, std::uintptr_t scale, int64_t s_stride, bool block_scales,
          std::uintptr_t bias, std::uintptr_t y, std::uintptr_t workspace, int64_t workspace_bytes,

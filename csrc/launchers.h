@@ -65,14 +65,15 @@ int custom_all_reduce_rmsnorm(void* const* bases, int world, int rank, const voi
 // tiles, chunks per warp group, and the largest m it takes); warps 1..8 per block; num_splits 1..64 K splits,
 // with num_splits > 1 an fp32 workspace and `tiles` zeroed int counters (left zeroed).
 // pdl: launch as a programmatic dependent of the previous kernel on the stream (sm_90+).
-// fp8 = 1: the FP8-weight kernel's configurations (chunks of 64 K elements instead of 32).
+// fp8 = 1: the FP8-weight kernel's configurations (chunks of 64 K elements instead of 32); 2: the
+// 4-bit kernels' (chunks of 128).
 int skinny_gemm_num_configs(int fp8);
 int skinny_gemm_config(int fp8, int cfg, int* row_tiles, int* chunks, int* max_m);
 int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* workspace,
                 int64_t workspace_bytes, int* counters, int64_t num_counters, int m, int n, int k,
                 int64_t x_stride, int64_t w_stride, int64_t y_stride, int silu, int dtype, int cfg,
                 int warps, int num_splits, int pdl, void* stream);
-// The same with e4m3 weights (csrc/skinny_fp8.cuh): w [n_w, k] bytes (w_stride in bytes, % 16),
+// The same with e4m3 weights (csrc/skinny_weights.cuh (Fp8W)): w [n_w, k] bytes (w_stride in bytes, % 16),
 // scale fp32 [n_w, KB] (s_stride elements): block_scales 0: KB = 1 per-channel; 1: one per 128-K
 // block of each row. k % 16 == 0. x, bias, y in `dtype`.
 int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_stride, int block_scales,
@@ -80,6 +81,15 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
                     int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
                     int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl,
                     void* stream);
+// The same with 4-bit weights in kernels/quant4.py's layouts: fmt 1 = INT4 (w int32 [n_w, k / 8],
+// w_stride in words % 4; qscale / qzero [n_w, k / q_group] in `dtype`, q_group % 32 == 0), fmt 2 =
+// MXFP4 (w uint8 [n_w, k / 2], w_stride in bytes % 16; qscale e8m0 bytes [n_w, k / 32], q_group
+// 32, qzero null). q_stride: scale row stride in elements. k % 32 == 0. skinny_gemm_config's
+// table 2 lists its tiles.
+int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void* qzero, int64_t q_stride,
+                   int q_group, int fmt, const void* bias, void* y, float* workspace, int64_t workspace_bytes,
+                   int* counters, int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
+                   int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl, void* stream);
 
 const char* cuda_error_string(int code);
 

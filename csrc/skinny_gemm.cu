@@ -1,10 +1,11 @@
-// Launcher of the skinny GEMM (csrc/skinny_gemm.cuh): the table of tile configurations
-// (template instances, chosen at run time by index so that a sweep needs no recompile), the
-// argument checks the kernel's vector loads rely on, and the launch.
+// Launcher of the skinny GEMM (csrc/skinny_gemm.cuh, weight loaders in skinny_weights.cuh): per
+// weight format the table of tile configurations (template instances, chosen at run time by
+// index so that a sweep needs no recompile), the argument checks the kernel's vector loads rely
+// on, and the launch.
 #include <cstdint>
 
 #include "launchers.h"
-#include "skinny_fp8.cuh"
+#include "skinny_w4.cuh"
 
 namespace minisgl {
 
@@ -26,11 +27,11 @@ constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
 template <typename T, int MT>
 KernelFn pick_config(int cfg) {
   switch (cfg) {
-    case 0: return skinny::skinny_gemm_kernel<T, MT, 1, 2>;
-    case 1: return skinny::skinny_gemm_kernel<T, MT, 1, 4>;
-    case 2: return skinny::skinny_gemm_kernel<T, MT, 2, 2>;
+    case 0: return skinny::skinny_kernel<skinny::Bf16W<T>, MT, 1, 2>;
+    case 1: return skinny::skinny_kernel<skinny::Bf16W<T>, MT, 1, 4>;
+    case 2: return skinny::skinny_kernel<skinny::Bf16W<T>, MT, 2, 2>;
     case 3:
-      if constexpr (MT <= kConfigs[3].max_mt) return skinny::skinny_gemm_kernel<T, MT, 2, 4>;
+      if constexpr (MT <= kConfigs[3].max_mt) return skinny::skinny_kernel<skinny::Bf16W<T>, MT, 2, 4>;
       return nullptr;
     default: return nullptr;
   }
@@ -48,7 +49,7 @@ KernelFn pick_m(int m, int cfg) {
   }
 }
 
-// FP8 weights (skinny_fp8.cuh): U counts 64-element chunks (16 e4m3 per 16-byte load) and is
+// FP8 weights (skinny_weights.cuh Fp8W): U counts 64-element chunks (16 e4m3 per 16-byte load) and is
 // even (whole 128-K scale spans); max_mt where a group's registers (W 16 * RT * U + x 16 * MT * U
 // bytes per thread, twice for the pipeline) stay near the bf16 tiles'. Append, never reorder.
 constexpr TileConfig kFp8Configs[] = {{1, 2, 4}, {2, 2, 4}, {1, 4, 2}, {2, 4, 1}};
@@ -57,13 +58,13 @@ constexpr int kNumFp8Configs = sizeof(kFp8Configs) / sizeof(kFp8Configs[0]);
 template <typename T, int MT>
 KernelFn pick_fp8_config(int cfg) {
   switch (cfg) {
-    case 0: return skinny::skinny_fp8_kernel<T, MT, 1, 2>;
-    case 1: return skinny::skinny_fp8_kernel<T, MT, 2, 2>;
+    case 0: return skinny::skinny_kernel<skinny::Fp8W<T>, MT, 1, 2>;
+    case 1: return skinny::skinny_kernel<skinny::Fp8W<T>, MT, 2, 2>;
     case 2:
-      if constexpr (MT <= kFp8Configs[2].max_mt) return skinny::skinny_fp8_kernel<T, MT, 1, 4>;
+      if constexpr (MT <= kFp8Configs[2].max_mt) return skinny::skinny_kernel<skinny::Fp8W<T>, MT, 1, 4>;
       return nullptr;
     case 3:
-      if constexpr (MT <= kFp8Configs[3].max_mt) return skinny::skinny_fp8_kernel<T, MT, 2, 4>;
+      if constexpr (MT <= kFp8Configs[3].max_mt) return skinny::skinny_kernel<skinny::Fp8W<T>, MT, 2, 4>;
       return nullptr;
     default: return nullptr;
   }
@@ -81,6 +82,44 @@ KernelFn pick_fp8_m(int m, int cfg) {
   }
 }
 
+// 4-bit weights (Int4W / Mxfp4W): U counts 128-element chunks (32 nibbles per 16-byte load);
+// x takes 4 pieces per chunk, so max_mt is lower than the 16-bit tiles' for the same U. Not yet
+// swept on a GPU: a first table. Append, never reorder.
+constexpr TileConfig kW4Configs[] = {{1, 1, 4}, {2, 1, 4}, {1, 2, 2}, {2, 2, 1}};
+constexpr int kNumW4Configs = sizeof(kW4Configs) / sizeof(kW4Configs[0]);
+
+template <template <typename> class W, typename T, int MT>
+KernelFn pick_w4_config(int cfg) {
+  switch (cfg) {
+    case 0: return skinny::skinny_kernel<W<T>, MT, 1, 1>;
+    case 1: return skinny::skinny_kernel<W<T>, MT, 2, 1>;
+    case 2:
+      if constexpr (MT <= kW4Configs[2].max_mt) return skinny::skinny_kernel<W<T>, MT, 1, 2>;
+      return nullptr;
+    case 3:
+      if constexpr (MT <= kW4Configs[3].max_mt) return skinny::skinny_kernel<W<T>, MT, 2, 2>;
+      return nullptr;
+    default: return nullptr;
+  }
+}
+static_assert(kNumW4Configs == 4, "pick_w4_config must list every configuration");
+
+template <template <typename> class W, typename T>
+KernelFn pick_w4_m(int m, int cfg) {
+  switch ((m + 7) / 8) {
+    case 1: return pick_w4_config<W, T, 1>(cfg);
+    case 2: return pick_w4_config<W, T, 2>(cfg);
+    case 3: return pick_w4_config<W, T, 3>(cfg);
+    case 4: return pick_w4_config<W, T, 4>(cfg);
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+KernelFn pick_w4(int fmt, int m, int cfg) {
+  return fmt == 1 ? pick_w4_m<skinny::Int4W, T>(m, cfg) : fmt == 2 ? pick_w4_m<skinny::Mxfp4W, T>(m, cfg) : nullptr;
+}
+
 // Bounds the workspace and keeps split * k_split within int.
 constexpr int kMaxSplits = 64;
 
@@ -88,10 +127,10 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 }  // namespace
 
-int skinny_gemm_num_configs(int fp8) { return fp8 ? kNumFp8Configs : kNumConfigs; }
+int skinny_gemm_num_configs(int fp8) { return fp8 == 2 ? kNumW4Configs : fp8 ? kNumFp8Configs : kNumConfigs; }
 
 int skinny_gemm_config(int fp8, int cfg, int* row_tiles, int* chunks, int* max_m) {
-  const TileConfig* table = fp8 ? kFp8Configs : kConfigs;
+  const TileConfig* table = fp8 == 2 ? kW4Configs : fp8 ? kFp8Configs : kConfigs;
   if (cfg < 0 || cfg >= skinny_gemm_num_configs(fp8)) return static_cast<int>(cudaErrorInvalidValue);
   *row_tiles = table[cfg].rt;
   *chunks = table[cfg].u;
@@ -161,8 +200,9 @@ int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* 
     return static_cast<int>(cudaErrorInvalidValue);
   KernelFn fn = dtype == 0 ? pick_m<__half>(m, cfg) : dtype == 1 ? pick_m<__nv_bfloat16>(m, cfg) : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
-  Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0};
-  return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::kChunk, warps,
+  Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
+           nullptr, nullptr, 0, 0};
+  return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk, warps,
                        num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
 
@@ -178,8 +218,27 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
   KernelFn fn = dtype == 0 ? pick_fp8_m<__half>(m, cfg) : dtype == 1 ? pick_fp8_m<__nv_bfloat16>(m, cfg) : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0,
-           scale, s_stride, block_scales};
-  return launch_kernel(fn, p, kFp8Configs[cfg].rt, static_cast<int64_t>(kFp8Configs[cfg].u) * skinny::kFp8Chunk,
+           scale, s_stride, block_scales, nullptr, nullptr, 0, 0};
+  return launch_kernel(fn, p, kFp8Configs[cfg].rt, static_cast<int64_t>(kFp8Configs[cfg].u) * skinny::Fp8W<__half>::kChunk,
+                       warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
+}
+
+int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void* qzero, int64_t q_stride,
+                   int q_group, int fmt, const void* bias, void* y, float* workspace, int64_t workspace_bytes,
+                   int* counters, int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
+                   int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl, void* stream) {
+  // W's row stride is in words (INT4) or bytes (MXFP4), and must keep 16-byte loads aligned.
+  const int64_t w_align = fmt == 1 ? 4 : 16;
+  if (cfg < 0 || cfg >= kNumW4Configs || k % 32 != 0 || w_stride % w_align != 0 || qscale == nullptr ||
+      q_stride < 1 || (fmt == 1 && (qzero == nullptr || q_group < 32 || q_group % 32 != 0 || k % q_group != 0)) ||
+      (fmt == 2 && q_group != 32) || (fmt != 1 && fmt != 2) ||
+      !common_args_ok(m, kW4Configs[cfg].max_mt * 8, n, k, warps, num_splits, x_stride, x, w, silu))
+    return static_cast<int>(cudaErrorInvalidValue);
+  KernelFn fn = dtype == 0 ? pick_w4<__half>(fmt, m, cfg) : dtype == 1 ? pick_w4<__nv_bfloat16>(fmt, m, cfg) : nullptr;
+  if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
+           qscale, qzero, q_stride, q_group};
+  return launch_kernel(fn, p, kW4Configs[cfg].rt, static_cast<int64_t>(kW4Configs[cfg].u) * skinny::Int4W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
 

@@ -35,9 +35,13 @@
 // Memory traffic: W once (N_w * K * 2 bytes), x once per block from L2/L1, y written once;
 // with splits, 2 * tiles * splits * RT * MT * 512 bytes of fp32 partials through L2.
 //
-// Weight-only FP8 (csrc/skinny_fp8.cuh) reuses this file's loads, MMAs, warp reduction,
-// split-K and epilogue: its Params carry the fp32 weight scales (`scale`), applied here in the
-// epilogue for per-channel scales, or by that kernel per 128-K span for block scales.
+// One template for every weight format: the weight loader is a policy (csrc/skinny_weights.cuh:
+// Bf16W for 16-bit W, Fp8W for e4m3 with per-channel / 128-K block scales, Int4W for the INT4
+// layout with group scales and zero points, Mxfp4W for e2m1 with e8m0 scales per 32). A policy
+// fixes how many K elements one thread's 16-byte W load carries (kPerThread: 8, 16, 32, 32; a
+// chunk is 4 * kPerThread), holds its W registers and row pointers, loads a warp group of W
+// (and its scales), and runs the group's MMAs after turning W into 16-bit pairs in registers.
+// x's loads, the pipeline, the warp reduction, split-K and the epilogue are this file's, shared.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -49,7 +53,6 @@ namespace minisgl {
 namespace skinny {
 
 constexpr int kMaxWarps = 8;
-constexpr int kChunk = 32;  // K elements per MMA pair (4 threads x 8 elements)
 
 struct Params {
   const void* x;
@@ -72,6 +75,12 @@ struct Params {
   const float* scale;
   int64_t s_stride;
   int block_scales;
+  // 4-bit weights only (kernels/quant4.py layouts): INT4 scales / zeros [N_w, K / q_group] in x's
+  // dtype, MXFP4 e8m0 bytes [N_w, K / 32] (q_group 32, qzero null); row stride q_stride elements.
+  const void* qscale;
+  const void* qzero;
+  int64_t q_stride;
+  int q_group;
 };
 
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
@@ -142,72 +151,6 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
-// One warp group's registers: U chunks of RT row tiles (lo rows g, hi rows g + 8) and MT x tiles.
-template <int MT, int RT, int U>
-struct Group {
-  uint4 lo[RT][U], hi[RT][U], x[MT][U];
-};
-
-// W and x rows of this thread, fixed for the whole K loop.
-template <typename T, int MT, int RT>
-struct Rows {
-  const T* lo[RT];
-  const T* hi[RT];
-  bool lo_ok[RT], hi_ok[RT];
-  const T* x[MT];
-  bool x_ok[MT];
-};
-
-// k_end and the offsets are multiples of 8: a thread's 8-element piece is all in or all out.
-template <typename T, int MT, int RT, int U>
-__device__ __forceinline__ void load_group_w(Group<MT, RT, U>& grp, const Rows<T, MT, RT>& rows, int k0, int k_end,
-                                             int quad) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int kk = k0 + u * kChunk + 8 * quad;
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      grp.lo[r][u] = load_w(rows.lo[r] + kk, kk < k_end && rows.lo_ok[r]);
-      grp.hi[r][u] = load_w(rows.hi[r] + kk, kk < k_end && rows.hi_ok[r]);
-    }
-  }
-}
-
-template <typename T, int MT, int RT, int U>
-__device__ __forceinline__ void load_group_x(Group<MT, RT, U>& grp, const Rows<T, MT, RT>& rows, int k0, int k_end,
-                                             int quad) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int kk = k0 + u * kChunk + 8 * quad;
-#pragma unroll
-    for (int t = 0; t < MT; ++t) grp.x[t][u] = load_x(rows.x[t] + kk, kk < k_end && rows.x_ok[t]);
-  }
-}
-
-template <typename T, int MT, int RT, int U>
-__device__ __forceinline__ void load_group(Group<MT, RT, U>& grp, const Rows<T, MT, RT>& rows, int k0, int k_end,
-                                           int quad) {
-  load_group_w<T, MT, RT, U>(grp, rows, k0, k_end, quad);
-  load_group_x<T, MT, RT, U>(grp, rows, k0, k_end, quad);
-}
-
-template <typename T, int MT, int RT, int U>
-__device__ __forceinline__ void mma_group(float (&acc)[RT][MT][4], const Group<MT, RT, U>& grp) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      const uint4 a = grp.lo[r][u], b = grp.hi[r][u];
-#pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        const uint4 xv = grp.x[t][u];
-        mma16816<T>(acc[r][t], a.x, b.x, a.y, b.y, xv.x, xv.y);  // elements 8q + 0..3
-        mma16816<T>(acc[r][t], a.z, b.z, a.w, b.w, xv.z, xv.w);  // elements 8q + 4..7
-      }
-    }
-  }
-}
-
 // Accumulator pair `item` of a block tile: (row tile r, x tile t, q) holds rows (g, g + 8) of
 // the row tile at x row 8t + 2 * quad + q, i.e. accumulators c[q] and c[q + 2].
 template <int MT, int RT>
@@ -216,8 +159,8 @@ struct Tile {
   static constexpr int kItems = kPairs * 32;  // per warp (and per block after the reduction)
 };
 
-// kFp8: the FP8 kernel's epilogue (per-channel scales when p.block_scales == 0); the 16-bit
-// kernel's is built without that code (it kept the bf16 kernel's registers as they were).
+// kFp8: the FP8 epilogue (per-channel scales when p.block_scales == 0); the other formats are
+// built without that code (it kept the bf16 kernel's registers as they were).
 template <typename T, bool kFp8>
 __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r, int t, int q, int lane, float lo,
                                            float hi) {
@@ -315,8 +258,41 @@ __device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)
   }
 }
 
-template <typename T, int MT, int RT, int U>
-__global__ void __launch_bounds__(kMaxWarps * 32) skinny_gemm_kernel(const Params p) {
+
+// x rows of this thread, fixed for the whole K loop (rows past M keep row 0's address, loads off).
+template <typename T, int MT>
+struct XRows {
+  const T* x[MT];
+  bool ok[MT];
+};
+
+// One warp group's registers: the policy's W (U chunks of RT row tiles) and MT x tiles, each
+// thread's kPerThread x elements as 16-byte pieces of 8.
+template <typename W, int MT, int RT, int U>
+struct Group {
+  typename W::template Regs<RT, U> w;
+  uint4 x[MT][U][W::kPerThread / 8];
+};
+
+// k_end and the offsets are multiples of kPerThread: a thread's piece is all in or all out.
+template <typename W, typename T, int MT, int RT, int U>
+__device__ __forceinline__ void load_group_x(Group<W, MT, RT, U>& grp, const XRows<T, MT>& xr, int k0, int k_end,
+                                             int quad) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int kk = k0 + u * W::kChunk + W::kPerThread * quad;
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      const bool ok = kk < k_end && xr.ok[t];
+#pragma unroll
+      for (int j = 0; j < W::kPerThread / 8; ++j) grp.x[t][u][j] = load_x(xr.x[t] + kk + 8 * j, ok);
+    }
+  }
+}
+
+template <typename W, int MT, int RT, int U>
+__global__ void __launch_bounds__(kMaxWarps * 32) skinny_kernel(const Params p) {
+  using T = typename W::T;
   extern __shared__ float red[];  // [warps][kPairs * 2][32]: the warps' accumulators
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, quad = lane & 3;
@@ -324,31 +300,31 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gemm_kernel(const Param
   // First output column of the tile: 16 W rows per row tile, or 8 (gate, up) pairs in SiLU mode.
   const int tile_row0 = tile * RT * (p.silu ? 8 : 16);
 
-  Rows<T, MT, RT> rows;
-  const T* w = static_cast<const T*>(p.w);
+  typename W::template Rows<RT> rows;
 #pragma unroll
   for (int r = 0; r < RT; ++r) {
     int lo, hi;
+    bool lo_ok, hi_ok;
     if (p.silu) {
       lo = tile_row0 + 8 * r + g;
       hi = p.n + lo;
-      rows.lo_ok[r] = rows.hi_ok[r] = lo < p.n;
+      lo_ok = hi_ok = lo < p.n;
     } else {
       lo = tile_row0 + 16 * r + g;
       hi = lo + 8;
-      rows.lo_ok[r] = lo < p.n;
-      rows.hi_ok[r] = hi < p.n;
+      lo_ok = lo < p.n;
+      hi_ok = hi < p.n;
     }
     // Rows past the end keep an in-bounds address (row 0): their loads are predicated off.
-    rows.lo[r] = w + static_cast<int64_t>(rows.lo_ok[r] ? lo : 0) * p.w_stride;
-    rows.hi[r] = w + static_cast<int64_t>(rows.hi_ok[r] ? hi : 0) * p.w_stride;
+    W::set_row(rows, p, r, lo_ok ? lo : 0, hi_ok ? hi : 0, lo_ok, hi_ok);
   }
+  XRows<T, MT> xr;
   const T* x = static_cast<const T*>(p.x);
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
     const int m = 8 * t + g;
-    rows.x_ok[t] = m < p.m;
-    rows.x[t] = x + static_cast<int64_t>(rows.x_ok[t] ? m : 0) * p.x_stride;
+    xr.ok[t] = m < p.m;
+    xr.x[t] = x + static_cast<int64_t>(xr.ok[t] ? m : 0) * p.x_stride;
   }
 
   float acc[RT][MT][4];
@@ -361,17 +337,17 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gemm_kernel(const Param
 
   const int k_begin = split * p.k_split;
   const int k_end = min(p.k, k_begin + p.k_split);
-  constexpr int kGroup = U * kChunk;
+  constexpr int kGroup = U * W::kChunk;
   const int stride = warps * kGroup;
   int k0 = k_begin + warp * kGroup;
   // Programmatic dependent launch (sm_90, when the launch asks for it): the previous kernel
-  // on the stream may still be running here. W is never written during inference, so the
-  // first group of W is loaded before griddepcontrol.wait; x, and every global write (y, the
-  // workspace, the counters), only after it. And this grid lets the next one launch as its
-  // blocks retire. Without the launch attribute both instructions are no-ops.
+  // on the stream may still be running here. W and its scales are never written during
+  // inference, so the first group of W is loaded before griddepcontrol.wait; x, and every
+  // global write (y, the workspace, the counters), only after it. And this grid lets the next
+  // one launch as its blocks retire. Without the launch attribute both instructions are no-ops.
   const bool has_work = k0 < k_end;
-  Group<MT, RT, U> cur, nxt;
-  if (has_work) load_group_w<T, MT, RT, U>(cur, rows, k0, k_end, quad);
+  Group<W, MT, RT, U> cur, nxt;
+  if (has_work) W::load_w(cur.w, rows, p, k0, k_end, quad);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -380,16 +356,17 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_gemm_kernel(const Param
   // thread always has a whole group in flight. (Without it, ptxas moved each load down to
   // its MMA: 3 loads in flight per thread instead of RT * 2 * U + MT * U.)
   if (has_work) {
-    load_group_x<T, MT, RT, U>(cur, rows, k0, k_end, quad);
+    load_group_x<W, T, MT, RT, U>(cur, xr, k0, k_end, quad);
     for (; k0 + stride < k_end; k0 += stride) {
-      load_group<T, MT, RT, U>(nxt, rows, k0 + stride, k_end, quad);
-      mma_group<T, MT, RT, U>(acc, cur);
+      W::load_w(nxt.w, rows, p, k0 + stride, k_end, quad);
+      load_group_x<W, T, MT, RT, U>(nxt, xr, k0 + stride, k_end, quad);
+      W::mma(acc, cur.w, cur.x);
       cur = nxt;
     }
-    mma_group<T, MT, RT, U>(acc, cur);
+    W::mma(acc, cur.w, cur.x);
   }
 
-  reduce_store<T, false, MT, RT>(p, acc, red, tile, split, tile_row0);
+  reduce_store<T, W::kChannelScale, MT, RT>(p, acc, red, tile, split, tile_row0);
 }
 
 }  // namespace skinny

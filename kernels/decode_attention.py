@@ -7,6 +7,8 @@ Stage 1, grid (B, kv_heads, NUM_SPLITS): each program takes all q heads of one K
 (padded to BLOCK_H >= 16 rows so the scores are one tensor-core dot) and one contiguous
 slice of the request's keys, so every K/V row is read once per group. It writes the slice's
 normalized partial output and its log2-sum-exp to fp32 scratch.
+With a sliding window W the splits cover positions max(0, seq - W) .. seq - 1 only (older slots
+may be freed: never read); a sink logit per head joins stage 2's denominator.
 Stage 2, grid (B, Hq): merges the splits. NUM_SPLITS is a function of the host-side bound
 max_seq_len only (the per-row slice length comes from seq_lens on the device), so a captured
 CUDA graph stays valid for any lengths up to that bound.
@@ -28,7 +30,7 @@ from minisgl.kernels.extend_attention import dot_precision
 def _decode_split_kernel(
     Q, KCache, VCache, ReqToSlot, ReqRows, SeqLens, Mid, MidLse, qk_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -37,8 +39,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq = tl.load(SeqLens + b)
     row = tl.load(ReqRows + b).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    lo = tl.maximum(seq - window, 0)  # the first key the token sees (window: 2^30 for none)
+    per_split = tl.cdiv(tl.cdiv(seq - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, seq)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -82,8 +85,9 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    Mid, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    Mid, MidLse, Out, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh, Sinks,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -93,8 +97,14 @@ def _decode_merge_kernel(
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(MidLse + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
     top = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
-    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    if HAS_SINKS:  # a split of weight 2^(sink log2 e) and no value
+        sink = tl.load(Sinks + h).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
+        w = w / (tl.sum(w, 0) + tl.exp2(sink - top))
+    else:
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - top), 0.0)
+        w = w / tl.maximum(tl.sum(w, 0), 1e-30)
     part = tl.load(Mid + b * stride_mb + h * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :],
                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
     out = tl.sum(part * w[:, None], 0)
@@ -117,9 +127,11 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
     out: torch.Tensor | None = None, num_splits: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Shapes as in the module docstring; returns out [B, Hq, D] in q's dtype. An FP8 cache
-    holds K / k_scale and V / v_scale (per-tensor scales: K's folds into the score scale)."""
+    holds K / k_scale and V / v_scale (per-tensor scales: K's folds into the score scale).
+    `window` > 0: a sliding window of that many keys; `sinks` fp32 [Hq]: sink logits."""
     b, hq, d = q.shape
     kv_heads = k_cache.shape[1]
     group = hq // kv_heads
@@ -127,7 +139,8 @@ def decode_attention(
         out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    splits = num_splits or num_splits_for(b, kv_heads, max_seq_len, q.device)
+    keys = min(max_seq_len, window) if window > 0 else max_seq_len  # the most keys a token reads
+    splits = num_splits or num_splits_for(b, kv_heads, keys, q.device)
     block_d = triton.next_power_of_2(d)
     mid = torch.empty((b, hq, splits, block_d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
@@ -137,14 +150,14 @@ def decode_attention(
         q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, mid, lse, scale * k_scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), req_to_slot.stride(0), mid.stride(0), mid.stride(1), mid.stride(2),
-        lse.stride(0), lse.stride(1),
+        lse.stride(0), lse.stride(1), window if window > 0 else 1 << 30,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
         NUM_SPLITS=splits, DOT_PREC=dot_precision(q.dtype), num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(b, hq)](
         mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d, NUM_SPLITS=splits,
-        BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        out.stride(0), out.stride(1), lse if sinks is None else sinks, HEAD_DIM=d, BLOCK_D=block_d,
+        NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=sinks is not None, num_warps=4,
     )
     if v_scale != 1.0:
         out.mul_(v_scale)
@@ -154,19 +167,25 @@ def decode_attention(
 def decode_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-    compute_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype = torch.float32, window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per request: softmax(q K^T * scale) V over its seq_len keys, matmuls in compute_dtype,
-    softmax in fp32 (fp64 for the gold answer). Returns [B, Hq, D] in compute_dtype."""
+    """Per request: softmax(q K^T * scale) V over its seq_len keys (the last `window` of them
+    when > 0; a sink logit per head in the denominator), matmuls in compute_dtype, softmax in
+    fp32 (fp64 for the gold answer). Returns [B, Hq, D] in compute_dtype."""
     b, hq, d = q.shape
     group = hq // k_cache.shape[1]
     out = torch.empty((b, hq, d), dtype=compute_dtype, device=q.device)
     soft_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
     for i, (row, seq) in enumerate(zip(req_rows.tolist(), seq_lens.tolist())):
-        slots = req_to_slot[row, :seq].long()
+        slots = req_to_slot[row, max(0, seq - window) if window > 0 else 0 : seq].long()
         k = k_cache[slots].to(compute_dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v_cache[slots].to(compute_dtype).repeat_interleave(group, dim=1)
         s = torch.einsum("hd,lhd->hl", q[i].to(compute_dtype), k) * scale
-        p = torch.softmax(s.to(soft_dtype), dim=-1).to(compute_dtype)
+        s = s.to(soft_dtype)
+        if sinks is not None:
+            p = torch.softmax(torch.cat([s, sinks.to(soft_dtype)[:, None]], dim=-1), dim=-1)[:, :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
+        p = p.to(compute_dtype)
         out[i] = torch.einsum("hl,lhd->hd", p, v)
     return out

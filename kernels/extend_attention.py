@@ -16,6 +16,13 @@ group's keys are read once per tile and a decode (one token) fills HEADS rows, n
 axis 0 then runs over head groups (Hq / HEADS) and tiles count TOKENS tokens. Each row's
 arithmetic is the same compiled code whatever the row holds.
 
+Sliding windows and sinks (`window` > 0, `sinks`; not in deterministic mode): a query at p sees
+keys p - W + 1 .. p only. A tile's key loop then starts at the block holding its first query's
+first key (blocks wholly before every query's window are not read), every block is masked on
+both sides, and no K/V outside the tile's key range is loaded (those slots may be freed). A
+row with nothing visible yet keeps m = -inf without NaNs (the subtraction uses 0 for -inf).
+A sink logit s per head joins the final normaliser: l += 2^(s log2 e - m).
+
 Tile-map mode (CUDA graphs): the grid is (q_heads, capacity), a bound that depends only on
 the token bucket (`tile_capacity`), and program (h, t) reads its (request, first query) from
 `tiles[t]` (int32 [capacity, 2], built on the host by `tile_map`, longest work first); rows
@@ -34,9 +41,13 @@ import triton.language as tl
 @triton.jit
 def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end,
                  q_pos, stride_kt, stride_vt, qk_scale, offs_d, mask_d,
-                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                 MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                 kv_lo=0, window=0, WINDOWED: tl.constexpr = False):
     offs_n = start + tl.arange(0, BLOCK_N)
-    if MASKED:
+    if WINDOWED:  # (always MASKED) keys below the tile's first window start are never loaded
+        mask_n = (offs_n < kv_end) & (offs_n >= kv_lo)
+        slots = tl.load(slot_base + offs_n, mask=mask_n, other=0).to(tl.int64)
+    elif MASKED:
         mask_n = offs_n < kv_end
         slots = tl.load(slot_base + offs_n, mask=mask_n, other=0).to(tl.int64)
     else:
@@ -59,13 +70,21 @@ def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     qk = tl.dot(q, k, input_precision=DOT_PREC)
-    if MASKED:
+    if WINDOWED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window) & mask_n[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+    elif MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))
     # log2 domain; the scale folds into one FMA with the max subtraction (qk_scale > 0).
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    if WINDOWED:  # a row that has seen no key yet stays at m = -inf, acc = l = 0 (no NaN)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(qk * qk_scale - m_sub[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
@@ -110,10 +129,11 @@ def fold_split(acc, m_i, l_i, acc_p, m_p, l_p):
 def _extend_attn_kernel(
     Q, KCache, VCache, Out, ReqToSlot, ReqRows, PrefixLens, CuSeqlensQ, Tiles, qk_scale, v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_rt, PartAcc, PartML, num_splits,
+    stride_rt, PartAcc, PartML, num_splits, window, Sinks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, TILED: tl.constexpr,
-    HEADS: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr,
+    HEADS: tl.constexpr, SPLIT: tl.constexpr, PARTIAL: tl.constexpr, WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     TOKENS: tl.constexpr = BLOCK_M // HEADS
     head0 = tl.program_id(0) * HEADS
@@ -162,7 +182,14 @@ def _extend_attn_kernel(
     # Keys below prefix + m_start are visible to every query of the tile: no masks there.
     full_end = ((prefix + m_start) // BLOCK_N) * BLOCK_N
     kv_end = prefix + tl.minimum(m_start + TOKENS, ext)
-    if SPLIT == 0:
+    if WINDOWED:  # (SPLIT == 0) every block masked; from the tile's first query's window on
+        kv_lo = tl.maximum(prefix + m_start - window + 1, 0)
+        for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
+                stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC,
+                kv_lo, window, True)
+    elif SPLIT == 0:
         for start in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
@@ -191,6 +218,12 @@ def _extend_attn_kernel(
                                              stride_vt, qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D,
                                              BLOCK_N, DOT_PREC)
             acc, m_i, l_i = fold_split(acc, m_i, l_i, acc_p, m_p, l_p)
+    if HAS_SINKS:  # the sink joins the denominator only (log2 domain, unscaled logit)
+        sink = tl.load(Sinks + heads).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        corr = tl.exp2(m_i - m_fin)
+        l_i = l_i * corr + tl.exp2(sink - m_fin)
+        acc = acc * corr[:, None]
     out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1.0 for 16-bit caches)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -238,9 +271,11 @@ def extend_attention(
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
     max_extend_len: int, scale: float, out: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None, tiles: torch.Tensor | None = None, heads_per_tile: int = 1,
-    split: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
+    split: int = 0, k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype. With `tiles`
+    """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype. `window` > 0: a
+    sliding window of that many keys; `sinks` fp32 [Hq]: a logit per head in every denominator
+    (neither with `split`). With `tiles`
     (int32 [capacity, 2] from `tile_map` with this config's BLOCK_M), the grid is
     (Hq, capacity) and `max_extend_len` is not used: the launch is fixed for a CUDA graph.
     Query rows that no tile covers (padding tokens) are left unwritten. `heads_per_tile` > 1:
@@ -261,12 +296,14 @@ def extend_attention(
         raise ValueError(f"heads_per_tile {heads_per_tile} must divide the GQA group ({group}) and fit BLOCK_M")
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of BLOCK_N ({block_n})")
+    if split and (window or sinks is not None):
+        raise ValueError("fixed key splits (deterministic mode) take no window or sinks")
     if tiles is None:
         grid = (hq // heads_per_tile, triton.cdiv(max_extend_len, block_m // heads_per_tile), b)
     else:
         grid = (hq // heads_per_tile, tiles.shape[0], 1)
     launch(grid, q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens, cu_seqlens_q, tiles, scale,
-           (block_m, block_n, num_warps, num_stages), heads_per_tile, split, None, k_scale, v_scale)
+           (block_m, block_n, num_warps, num_stages), heads_per_tile, split, None, k_scale, v_scale, window, sinks)
     return out
 
 
@@ -274,7 +311,7 @@ def launch(grid: tuple[int, int, int], q: torch.Tensor, k_cache: torch.Tensor, v
            out: torch.Tensor, req_to_slot: torch.Tensor, req_rows: torch.Tensor, prefix_lens: torch.Tensor,
            cu_seqlens_q: torch.Tensor, tiles: torch.Tensor | None, scale: float, config: tuple[int, ...],
            heads: int, split: int, partial: tuple[torch.Tensor, torch.Tensor] | None, k_scale: float = 1.0,
-           v_scale: float = 1.0) -> None:
+           v_scale: float = 1.0, window: int = 0, sinks: torch.Tensor | None = None) -> None:
     """The kernel launch; `partial` (acc [T, Hq, S, BLOCK_D], (m, l) [T, Hq, S, 2], fp32): the
     programs of grid axis 2 share the splits and write each split's partial there."""
     block_m, block_n, num_warps, num_stages = config
@@ -285,10 +322,10 @@ def launch(grid: tuple[int, int, int], q: torch.Tensor, k_cache: torch.Tensor, v
         cu_seqlens_q if tiles is None else tiles, scale * k_scale * math.log2(math.e), v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), req_to_slot.stride(0), part_acc, part_ml,
-        part_acc.shape[2] if partial is not None else 0,
+        part_acc.shape[2] if partial is not None else 0, window, q if sinks is None else sinks,
         GROUP=q.shape[1] // k_cache.shape[1], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_PREC=dot_precision(q.dtype), TILED=tiles is not None,
-        HEADS=heads, SPLIT=split, PARTIAL=partial is not None,
+        HEADS=heads, SPLIT=split, PARTIAL=partial is not None, WINDOWED=window > 0, HAS_SINKS=sinks is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -296,10 +333,11 @@ def launch(grid: tuple[int, int, int], q: torch.Tensor, k_cache: torch.Tensor, v
 def extend_attention_reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, scale: float,
-    compute_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype = torch.float32, window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain math per request in `compute_dtype` (fp64 for the gold answer, q's dtype for the
-    same-dtype torch baseline of FA3's error rule); returns [T, Hq, D] in compute_dtype."""
+    same-dtype torch baseline of FA3's error rule); returns [T, Hq, D] in compute_dtype. Reads
+    only the keys some query sees (a sliding window's older slots may be freed)."""
     t, hq, d = q.shape
     group = hq // k_cache.shape[1]
     out = torch.empty((t, hq, d), dtype=compute_dtype, device=q.device)
@@ -309,16 +347,25 @@ def extend_attention_reference(
         if hi == lo:
             continue
         seq = prefix + hi - lo
-        slots = req_to_slot[row, :seq].long()
+        first = max(0, prefix - window + 1) if window > 0 else 0
+        slots = req_to_slot[row, first:seq].long()
         k = k_cache[slots].to(compute_dtype).repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v_cache[slots].to(compute_dtype).repeat_interleave(group, dim=1)
         qq = q[lo:hi].to(compute_dtype).transpose(0, 1)  # [Hq, n, D]
         s = torch.matmul(qq, k.permute(1, 2, 0)) * scale  # [Hq, n, L]
         q_pos = torch.arange(prefix, seq, device=q.device)
-        mask = torch.arange(seq, device=q.device)[None, :] > q_pos[:, None]
+        key_pos = torch.arange(first, seq, device=q.device)
+        mask = key_pos[None, :] > q_pos[:, None]
+        if window > 0:
+            mask |= key_pos[None, :] <= q_pos[:, None] - window
         s = s.masked_fill(mask[None], float("-inf"))
         # Softmax in fp32 (fp64 for the gold answer), matmuls in compute_dtype: FA3's baseline.
         soft_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
-        p = torch.softmax(s.to(soft_dtype), dim=-1).to(compute_dtype)
+        s = s.to(soft_dtype)
+        if sinks is not None:  # the sink's column joins the softmax, then is dropped
+            s = torch.cat([s, sinks.to(soft_dtype)[:, None, None].expand(-1, s.shape[1], 1)], dim=-1)
+            p = torch.softmax(s, dim=-1)[..., :-1].to(compute_dtype)
+        else:
+            p = torch.softmax(s, dim=-1).to(compute_dtype)
         out[lo:hi] = torch.matmul(p, v.transpose(0, 1)).transpose(0, 1)
     return out

@@ -1,5 +1,5 @@
 """FP8 (e4m3) GEMM for the linear layers (Triton): per-token activation quantization and the
-scaled FP8 x FP8 GEMM. Torch references: minisgl/ops/fp8.py (quantize_activations, dequantize).
+scaled FP8 x FP8 GEMM. Torch references: minisgl/ops/gemm/fp8.py (quantize_activations, dequantize).
 
 quantize_tokens: x [M, K] 16/32-bit -> (e4m3 [M, K], fp32 scales [M, ceil(K / G)]), one scale per
 row and G-wide K group (G = 128 for block-scaled weights, K for per-channel ones): scale =
@@ -35,7 +35,7 @@ def _quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s, G, BLOCK: tl.constex
         x = tl.load(X + row * stride_x + k0 + offs, mask=k0 + offs < end, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
     # IEEE-rounded divisions (`/` is approximate in compiled Triton): the scales and the e4m3
-    # values then equal ops.fp8.quantize_activations' bit for bit.
+    # values then equal ops.gemm.fp8.quantize_activations' bit for bit.
     scale = tl.maximum(tl.fdiv(tl.max(amax, axis=0), FP8_MAX, ieee_rounding=True), MIN_SCALE)
     for k0 in range(start, end, BLOCK):
         mask = k0 + offs < end

@@ -8,29 +8,41 @@ For the N = T * top_k assignments a = t * top_k + j, grouped by expert into BLOC
            the SiLU-and-mul in its epilogue; inter is [N, I] in x's dtype.
   2. down: y[a] = weight[a] * (inter[a] @ w2_e^T)             -- the router weight in the epilogue.
   3. sum:  out[t] = sum_j y[t * top_k + j] (+ sigmoid(shared_gate[t]) * shared[t]), fp32, one rounding.
+GPT-OSS: b13 [E, 2I] (gate | up) and b2 [E, H] biases join the products before the activation
+and before the router weight; its activation (`act` "gpt_oss") is (clamp(up, -L, L) + 1) *
+g * sigmoid(alpha g), g = min(gate, L).
 Products accumulate in fp32 (fp32 inputs: exact "ieee" dots). Each program owns a BLOCK_M x
 BLOCK_N output tile of one expert; blocks whose expert is -1 (past the routed rows) exit at once.
 Traffic at small T: the hit experts' weights, read once; at large T, tensor-core bound.
+
+4-bit experts (W_FMT = kernels/w4a16_gemm.INT4 or MXFP4): W is the quant4 layout stacked on [E]
+(w13 [E, 2I, H/8] int32 or [E, 2I, H/2] uint8, scales / zeros [E, 2I, H/group]), each weight tile
+dequantised in registers by w4a16_gemm.dequant_tile; everything else is the 16-bit kernel's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from minisgl.kernels.fused_moe_config import GemmTile
+from minisgl.kernels.w4a16_gemm import dequant_tile
 
 
 # The row counts vary with every batch size: not specializing on them keeps one compile per tile.
 @triton.jit(do_not_specialize=["num_valid", "num_blocks"])
 def _moe_gemm_kernel(
-    A, W, C, TopkWeights, SortedIds, ExpertIds,
-    num_valid, N, K, num_blocks,
-    stride_am, stride_we, stride_wn, stride_wk, stride_cm,
-    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    A, W, C, TopkWeights, SortedIds, ExpertIds, S, Z, Bias,
+    num_valid, N, K, num_blocks, q_group,
+    stride_am, stride_we, stride_wn, stride_wk, stride_cm, stride_se, stride_sn, stride_be, alpha, limit,
+    A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GPT_OSS_ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, W_FMT: tl.constexpr,
 ):
     # Grouped order: GROUP_M consecutive row blocks (mostly one expert) sweep the N tiles
     # together, so an expert's weight tiles are reused from L2 at large T.
@@ -54,8 +66,18 @@ def _moe_gemm_kernel(
     w_ptrs = W + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if W_FMT != 0:  # this expert's packed weight, scales and zeros (same strides as the scales)
+        wq = W + expert * stride_we
+        sq = S + expert * stride_se
+        zq = Z + expert * stride_se
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if W_FMT != 0:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wmask = k_ok[:, None] & n_ok[None, :]
+            w = dequant_tile(wq, sq, zq, k0 + offs_k, offs_n, wmask, stride_wn, stride_sn, q_group, W_FMT,
+                             A.dtype.element_ty)
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
         else:
@@ -64,15 +86,28 @@ def _moe_gemm_kernel(
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         if GATED:  # the up rows sit N rows below the gate rows
-            if EVEN_K:
+            if W_FMT != 0:
+                u = dequant_tile(wq + N * stride_wn, sq + N * stride_sn, zq + N * stride_sn, k0 + offs_k, offs_n,
+                                 wmask, stride_wn, stride_sn, q_group, W_FMT, A.dtype.element_ty)
+            elif EVEN_K:
                 u = tl.load(w_ptrs + N * stride_wn, mask=n_ok[None, :], other=0.0)
             else:
                 u = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:  # (gate | up) rows of the bias as of the weight
+        b_ptrs = Bias + expert * stride_be + offs_n
+        acc += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(b_ptrs + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if GPT_OSS_ACT:
+            g = tl.minimum(acc, limit)
+            u = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+        else:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
         acc = acc * tl.load(TopkWeights + sid, mask=row_ok, other=0.0)[:, None]
     c_ptrs = C + sid.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -96,33 +131,67 @@ def _moe_sum_kernel(Y, Out, Shared, SharedGate, H, stride_sg, TOP_K: tl.constexp
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
           sorted_ids: torch.Tensor, expert_ids: torch.Tensor, n_out: int, a_row_div: int, gated: bool,
-          block_m: int, tile: GemmTile) -> None:
-    k = w.shape[2]
+          block_m: int, tile: GemmTile, w4: W4 | None = None, bias: torch.Tensor | None = None,
+          act: ExpertAct | None = None) -> None:
+    k = a.shape[1]
     blocks = expert_ids.numel()
     grid = (blocks * triton.cdiv(n_out, tile.block_n),)
+    s = w4.scales if w4 is not None else w
+    z = w4.zeros if w4 is not None and w4.zeros is not None else s
+    gpt_oss = act is not None and act.kind == "gpt_oss"
     _moe_gemm_kernel[grid](
-        a, w, c, topk_weights, sorted_ids, expert_ids, c.shape[0], n_out, k, blocks,
+        a, w, c, topk_weights, sorted_ids, expert_ids, s, z, w if bias is None else bias, c.shape[0], n_out, k,
+        blocks, k // s.shape[2] if w4 is not None else 1,
         a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
-        A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
+        s.stride(0) if w4 is not None else 0, s.stride(1) if w4 is not None else 0,
+        0 if bias is None else bias.stride(0), act.alpha if gpt_oss else 1.0, act.limit if gpt_oss else 0.0,
+        A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated, HAS_BIAS=bias is not None, GPT_OSS_ACT=gpt_oss,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=k % tile.block_k == 0, DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
+        W_FMT=w4.fmt if w4 is not None else 0,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 
 
+@dataclass(frozen=True)
+class ExpertAct:
+    """The experts' gated activation: "silu" (silu(gate) * up) or GPT-OSS's clamped SwiGLU."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """fp32 reference."""
+        if self.kind == "silu":
+            return torch.nn.functional.silu(gate) * up
+        g = gate.clamp(max=self.limit)
+        return g * torch.sigmoid(g * self.alpha) * (up.clamp(-self.limit, self.limit) + 1)
+
+
+class W4(NamedTuple):
+    """A 4-bit expert weight's scales (and INT4 zeros) and its format (w4a16_gemm.INT4 / MXFP4)."""
+
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    fmt: int
+
+
 def up_gemm(x: torch.Tensor, w13: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
-            top_k: int, block_m: int, tile: GemmTile) -> torch.Tensor:
+            top_k: int, block_m: int, tile: GemmTile, w4: W4 | None = None, b13: torch.Tensor | None = None,
+            act: ExpertAct | None = None) -> torch.Tensor:
     """Step 1: x [T, H] -> inter [T * top_k, I]."""
     inter = torch.empty(x.shape[0] * top_k, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, inter, inter, sorted_ids, expert_ids, inter.shape[1], top_k, True, block_m, tile)
+    _gemm(x, w13, inter, inter, sorted_ids, expert_ids, inter.shape[1], top_k, True, block_m, tile, w4, b13, act)
     return inter
 
 
 def down_gemm(inter: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
-              expert_ids: torch.Tensor, block_m: int, tile: GemmTile) -> torch.Tensor:
+              expert_ids: torch.Tensor, block_m: int, tile: GemmTile, w4: W4 | None = None,
+              b2: torch.Tensor | None = None) -> torch.Tensor:
     """Step 2: inter [N, I] -> router-weighted y [N, H]."""
     y = torch.empty(inter.shape[0], w2.shape[1], dtype=inter.dtype, device=inter.device)
-    _gemm(inter, w2, y, topk_weights, sorted_ids, expert_ids, y.shape[1], 1, False, block_m, tile)
+    _gemm(inter, w2, y, topk_weights, sorted_ids, expert_ids, y.shape[1], 1, False, block_m, tile, w4, b2)
     return y
 
 
@@ -146,6 +215,7 @@ def moe_sum(y: torch.Tensor, top_k: int, shared: torch.Tensor | None = None,
 def fused_experts_reference(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: ExpertAct | None = None,
 ) -> torch.Tensor:
     """Grouped torch reference in x's dtype (transformers' expert loop): per expert hit, its
     tokens' rows through gate_up, SiLU-and-mul, down, times the router weight, summed in fp32.
@@ -164,8 +234,13 @@ def fused_experts_reference(
         start += c
         tok = rows // top_k
         gate_up = x[tok] @ w13[e].t()
-        act = (torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
-        y = (act @ w2[e].t()).float() * topk_weights.reshape(-1)[rows, None].float()
+        if b13 is not None:
+            gate_up = gate_up + b13[e]
+        h = (act or ExpertAct())(gate_up[:, :inter].float(), gate_up[:, inter:].float()).to(x.dtype)
+        y = h @ w2[e].t()
+        if b2 is not None:
+            y = y + b2[e]
+        y = y.float() * topk_weights.reshape(-1)[rows, None].float()
         out.index_add_(0, tok, y.to(x.dtype).float())
     if shared is not None:
         out += torch.sigmoid(shared_gate.float()) * shared.float()

@@ -26,7 +26,7 @@ def _bytes_or_none(name: str) -> int | None:
 DEBUG_CHECKS: bool = _flag("MINISGL_DEBUG")
 # Force the torch reference for every op, even on CUDA (to bisect a kernel bug).
 DISABLE_KERNELS: bool = _flag("MINISGL_DISABLE_KERNELS")
-# Linear layers use cuBLAS only, never the skinny GEMM kernel (see minisgl/ops/linear.py).
+# Linear layers use cuBLAS only, never the skinny GEMM kernel (see minisgl/ops/gemm/dispatch.py).
 DISABLE_SKINNY_GEMM: bool = _flag("MINISGL_DISABLE_SKINNY_GEMM")
 # Where measured tables (the skinny GEMM dispatch table: skinny_gemm.json) and the fetched
 # built-in model (models/) are cached.

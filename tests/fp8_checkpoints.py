@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from minisgl.ops.fp8 import FP8_MAX, MIN_SCALE, dequantize, expand_block_scale, quantize_blocks, quantize_rows
+from minisgl.ops.gemm.fp8 import FP8_MAX, MIN_SCALE, dequantize, expand_block_scale, quantize_blocks, quantize_rows
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -144,7 +144,7 @@ def test_function_calls_and_reasoning_whole_and_streamed(tools_app) -> None:  # 
         ({"store": True}, "store", "stateless"),
         ({"previous_response_id": "resp_1"}, "previous_response_id", "stateless"),
         ({"tools": TOOLS}, "tools", "--tool-call-parser"),
-        ({"reasoning": {"effort": "high"}}, "reasoning", "--reasoning-parser qwen3"),
+        ({"reasoning": {"effort": "high"}}, "reasoning", "--reasoning-parser gpt-oss or qwen3"),
         ({"max_output_tokens": 64}, "max_output_tokens", "less than or equal to 63"),
         ({"input": []}, "input", ""),
         (

@@ -12,7 +12,7 @@ from minisgl import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
-MODELS = ["llama3", "llama_tied", "qwen2", "qwen3", "mistral"]
+MODELS = ["llama3", "llama_tied", "qwen2", "qwen3", "mistral", "mistral_swa", "qwen2_swa", "gemma3", "gpt_oss"]
 PROMPTS = [[5, 6, 7, 8, 9] * 7, list(range(300, 317)), [42], list(range(1000, 1100))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -60,7 +60,11 @@ def test_torch_backend_gpu_fp32_equals_cpu(tiny_model_path, cpu_tokens, name: st
     assert greedy(llm) == cpu_tokens[name]
 
 
-@pytest.mark.parametrize("name", MODELS)
+# Not GPT-OSS: a MoE's bf16 routing may pick other experts for a token (a near-tie of router
+# logits), which moves its logits by far more than rounding. Not Gemma 3: its (1 + w) norm
+# weights are folded and rounded to bf16 on load (transformers adds 1 in fp32 at every call)
+# and sqrt(hidden) scales the embedding (H100: 2.2e-2). The token test above holds both.
+@pytest.mark.parametrize("name", [m for m in MODELS if m not in ("gpt_oss", "gemma3")])
 def test_torch_backend_gpu_bf16_close_to_cpu(tiny_model_path, name: str) -> None:
     path = str(tiny_model_path(name))
     ref = LLM(path, device="cpu", dtype="float32").engine.score(PROMPTS)

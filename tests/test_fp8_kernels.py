@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from minisgl import env
-from minisgl.ops.fp8 import FP8, dequantize, quantize_activations, quantize_blocks, quantize_rows
+from minisgl.ops.gemm.fp8 import FP8, dequantize, quantize_activations, quantize_blocks, quantize_rows
 
 # Tiles small enough for the interpreter; BLOCK_K 64 divides the 128-wide scale groups.
 SMALL_TILES = (16, 32, 64, 4, 1)
@@ -94,7 +94,7 @@ def test_scaled_mm_kernel(m: int, n: int, k: int, block: bool) -> None:
     (1, 4096, 4096, False), (16, 12288, 4096, False), (300, 4096, 1024, False), (2048, 1024, 4096, False),
 ])
 def test_fp8_gemm_gpu(backend: str, m: int, n: int, k: int, block: bool) -> None:
-    from minisgl.ops.fp8_gemm import fp8_gemm
+    from minisgl.ops.gemm.fp8 import fp8_gemm
 
     if backend == "auto" and block:
         pytest.skip("block scales always take the Triton GEMM")

@@ -16,7 +16,7 @@ from minisgl import LLM
 from minisgl.core.quant_config import from_hf, resolve
 from minisgl.distributed.info import TPInfo
 from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minisgl.ops.fp8 import FP8, check_fp8_device, dequantize, quantize_blocks, quantize_rows
+from minisgl.ops.gemm.fp8 import FP8, check_fp8_device, dequantize, quantize_blocks, quantize_rows
 
 
 def test_formats_parse() -> None:
@@ -34,12 +34,12 @@ def test_formats_parse() -> None:
 @pytest.mark.parametrize(
     ("qc", "match"),
     [
-        ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
+        ({"quant_method": "hqq", "bits": 4}, "'hqq' is not supported"),
         ({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"weight_block_size \[64, 64\]"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "'e5m2'"),
         ({"quant_method": "compressed-tensors", "config_groups": {"g": {
-            "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}},
-         "4-bit 'int'"),
+            "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
+         "8-bit 'int'"),
     ],
 )
 def test_unsupported_configs_are_refused(qc: dict, match: str) -> None:
@@ -74,8 +74,8 @@ def test_missing_scale_is_named(block_folder: Path, tmp_path: Path) -> None:
 
 
 def test_unknown_method_at_load(block_folder: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'awq' is not supported"):
-        LLM(str(_edit(block_folder, tmp_path / "f", config={"quant_method": "awq"})), device="cpu")
+    with pytest.raises(ValueError, match="'bitsandbytes' is not supported"):
+        LLM(str(_edit(block_folder, tmp_path / "f", config={"quant_method": "bitsandbytes"})), device="cpu")
 
 
 def test_fp8_tensor_in_an_ignored_module(block_folder: Path, tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_fp8_tensor_in_an_ignored_module(block_folder: Path, tmp_path: Path) -> 
 
 def test_ignore_list_splitting_a_fused_layer(block_folder: Path, tmp_path: Path) -> None:
     cfg = ck.quant_config("block", ["model.layers.0.self_attn.k_proj"])
-    with pytest.raises(ValueError, match="all FP8 or all 16-bit"):
+    with pytest.raises(ValueError, match="all quantized or all 16-bit"):
         LLM(str(_edit(block_folder, tmp_path / "f", config=cfg)), device="cpu", dtype="float32")
 
 

@@ -18,7 +18,7 @@ import tiny_models
 import torch
 
 from minisgl import LLM, SamplingParams
-from minisgl.ops.fp8 import FP8
+from minisgl.ops.gemm.fp8 import FP8
 
 SPEC = tiny_models.TinySpec(
     "fp8_llama", "llama", "smollm2",

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from minisgl import env, ops
 from minisgl.distributed.info import TPInfo
 from minisgl.layers.linear import MergedColumnParallelLinear
-from minisgl.ops import gemm_table as gt
-from minisgl.ops.gemm_table import CUBLAS, GemmShape, GemmTable, candidate_configs, choose, split_counts
-from minisgl.ops.gemm_tuning import build_table
-from minisgl.ops.linear import install_table, skinny_enabled
-from minisgl.ops.skinny_gemm import SkinnyConfig
+from minisgl.ops.gemm import table as gt
+from minisgl.ops.gemm.dispatch import install_table, skinny_enabled
+from minisgl.ops.gemm.skinny import SkinnyConfig
+from minisgl.ops.gemm.table import CUBLAS, GemmShape, GemmTable, candidate_configs, choose, split_counts
+from minisgl.ops.gemm.tuning import build_table
 
 _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 SHAPES = ((1, 2, 32), (1, 4, 32), (2, 2, 32), (2, 4, 16))  # tile_shapes() of the current build
@@ -153,10 +153,10 @@ def test_layers_list_their_gemms_with_the_silu_epilogue() -> None:
     comm, _ = make_communicator(tp, torch.device("cpu"), None, False)
     model = LlamaForCausalLM(cfg, tp, comm, 64, torch.device("cpu"))
     calls = gemm_calls(model)
-    shapes = sorted((tuple(w.shape), silu) for w, silu in calls)
+    shapes = sorted((tuple(w.shape), silu) for w, silu, *_ in calls)
     assert shapes == sorted([((128, 64), False), ((64, 64), False), ((192, 64), True), ((64, 96), False)] * 2
                             + [((100, 64), False)])
-    assert any(w is model.model.embed_tokens.weight for w, _ in calls)  # tied LM head
+    assert any(c.weight is model.model.embed_tokens.weight for c in calls)  # tied LM head
     x = torch.randn(3, 64)
     mlp = model.model.layers[0].mlp
     mlp.gate_up_proj.weight.data.normal_()
@@ -180,7 +180,7 @@ def test_cpu_linear_is_torch_and_the_switch(monkeypatch) -> None:
 
 @gpu
 def test_linear_follows_the_table_and_graphs_keep_the_choice(monkeypatch) -> None:
-    from minisgl.ops.linear import table_for
+    from minisgl.ops.gemm.dispatch import table_for
 
     dev = torch.device("cuda", torch.cuda.current_device())
     saved = table_for(dev)
@@ -208,7 +208,7 @@ def test_linear_follows_the_table_and_graphs_keep_the_choice(monkeypatch) -> Non
 
 @gpu
 def test_tune_gemms_measures_then_reads_the_cache(monkeypatch, tmp_path, caplog) -> None:
-    from minisgl.ops import gemm_tuning
+    from minisgl.ops.gemm import tuning as gemm_tuning
 
     monkeypatch.setattr(env, "CACHE_DIR", str(tmp_path))
     dev = torch.device("cuda", torch.cuda.current_device())

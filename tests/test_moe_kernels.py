@@ -203,6 +203,36 @@ def test_fused_moe_routes_then_runs_the_experts(t: int) -> None:
     assert_experts_rule(out, x, w13, w2, weights, ids, extra)
 
 
+@needs_triton
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_gpt_oss_experts_biases_and_clamped_swiglu(t: int) -> None:
+    """GPT-OSS's experts: biases before the activation and before the router weight, the
+    clamped SwiGLU; gate / up outputs large enough that the clamp at `limit` engages."""
+    gen = torch.Generator().manual_seed(100 + t)
+    e, k, h, i = 8, 4, 32, 16
+    x, w13, w2, _, _, _ = experts_case(t, e, k, h, i, torch.float32, seed=t + 50)
+    w13 *= 6.0  # pre-activations up to ~+-20: past limit = 2.5
+    b13 = torch.randn(e, 2 * i, generator=gen).to(DEV)
+    b2 = torch.randn(e, h, generator=gen).to(DEV)
+    act = G.ExpertAct("gpt_oss", alpha=1.702, limit=2.5)
+    logits = distinct_logits(t, e, gen)
+    out = ops.fused_moe(x, logits, w13, w2, k, renormalize=True, b13=b13, b2=b2, act=act)
+    weights, ids = R.route_reference(logits, k, True)
+    ref = G.fused_experts_reference(x, w13, w2, weights, ids, b13=b13, b2=b2, act=act)
+    plain = G.fused_experts_reference(x, w13, w2, weights, ids)
+    assert (ref - plain).abs().max() > 1.0  # the biases and the activation matter here
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # The reference itself: transformers' GPT-OSS expert maths, written out per token.
+    for tok in range(t):
+        acc = torch.zeros(h, device=DEV)
+        for j in range(k):
+            ex = int(ids[tok, j])
+            gu = w13[ex] @ x[tok] + b13[ex]
+            gate, up = gu[:i].clamp(max=2.5), gu[i:].clamp(-2.5, 2.5)
+            acc += weights[tok, j] * (w2[ex] @ ((up + 1) * gate * torch.sigmoid(1.702 * gate)) + b2[ex])
+        torch.testing.assert_close(ref[tok], acc, rtol=1e-4, atol=1e-4)
+
+
 # ---- argument checks (no kernel runs) ------------------------------------------------------
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.ops.fp8 import FP8, expand_block_scale, fp8_linear_reference
-from minisgl.ops.gemm_table import GemmShape
-from minisgl.ops.skinny_fp8 import skinny_gemm_fp8, table_dtype
-from minisgl.ops.skinny_gemm import SkinnyConfig
+from minisgl.ops.gemm.fp8 import FP8, expand_block_scale
+from minisgl.ops.gemm.reference import fp8_linear_reference
+from minisgl.ops.gemm.skinny import FP8_FORMAT, SkinnyConfig, skinny_gemm_fp8
+from minisgl.ops.gemm.table import GemmShape, table_dtype
 
 _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -72,9 +72,9 @@ def assert_rule(out: torch.Tensor, c: dict, silu: bool, what: object = "") -> No
 
 
 def configs(m: int) -> list[SkinnyConfig]:
-    from minisgl.ops.skinny_fp8 import fp8_tile_shapes
+    from minisgl.ops.gemm.skinny import tile_shapes
 
-    return [SkinnyConfig(t, w, s) for t, (_, _, max_m) in enumerate(fp8_tile_shapes()) if m <= max_m
+    return [SkinnyConfig(t, w, s) for t, (_, _, max_m) in enumerate(tile_shapes(FP8_FORMAT)) if m <= max_m
             for w in (1, 4, 8) for s in (1, 3, 8)]
 
 
@@ -135,19 +135,20 @@ def test_cuda_graph_replay_with_new_inputs() -> None:
 
 @gpu
 def test_dispatch_follows_the_measured_table() -> None:
-    """tune_fp8_gemms measures and installs a table; fp8_linear then gives our kernel's result
+    """tune_gemms measures and installs a table; the FP8 linear then gives our kernel's result
     where the table chose ours and the FP8 GEMM's otherwise, both within the rule."""
-    from minisgl.ops.fp8_tuning import tune_fp8_gemms
-    from minisgl.ops.linear import fp8_linear
-    from minisgl.ops.skinny_fp8 import _tables
+    from minisgl.ops.gemm.dispatch import _tables, linear
+    from minisgl.ops.gemm.table import GemmCall
+    from minisgl.ops.gemm.tuning import tune_gemms
 
     c = make(1, 1024, 1024, torch.bfloat16, "cuda", False, seed=5)
-    table = tune_fp8_gemms([(c["w"], c["scale"], 1024, False)], torch.device("cuda"), [1, 4], torch.bfloat16)
+    table = tune_gemms([GemmCall(c["w"], False, FP8_FORMAT, c["scale"], 1024)], torch.device("cuda"), [1, 4],
+                       torch.bfloat16)
     assert table is not None and table.has(GemmShape("bfloat16-fp8chan", 1024, 1024, False), 4)
     try:
         for m in (1, 4):
             cm = dict(c, x=torch.randn(m, 1024, device="cuda").to(torch.bfloat16))
-            y = fp8_linear(cm["x"], c["w"], c["scale"], 1024)
+            y = linear(cm["x"], c["w"], fmt=FP8_FORMAT, scale=c["scale"], block_k=1024)
             if table.lookup(GemmShape("bfloat16-fp8chan", 1024, 1024, False), m) is not None:
                 assert_rule(y, cm, False)
             else:  # activation quantization: a looser, relative check
@@ -180,6 +181,5 @@ def test_op_checks() -> None:
         skinny_gemm_fp8(torch.randn(33, 256), c["w"], c["scale"], 128)
     with pytest.raises(ValueError, match="weight"):
         skinny_gemm_fp8(c["x"], c["w"].float(), c["scale"], 128)
-    assert GemmShape.parse_key(GemmShape(table_dtype(torch.bfloat16, True), 6, 8, True).key(4))[0].dtype == (
-        "bfloat16-fp8block"
-    )
+    shape = GemmShape(table_dtype(torch.bfloat16, FP8_FORMAT, True), 6, 8, True)
+    assert GemmShape.parse_key(shape.key(4))[0].dtype == "bfloat16-fp8block"

@@ -8,12 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.ops.skinny_gemm import (
-    SkinnyConfig,
-    skinny_gemm,
-    skinny_gemm_reference,
-    tile_shapes,
-)
+from minisgl.ops.gemm.reference import skinny_gemm_reference
+from minisgl.ops.gemm.skinny import SkinnyConfig, skinny_gemm, tile_shapes
 
 _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -136,7 +132,7 @@ def test_dependent_launches_read_the_previous_output(graph: bool) -> None:
     reading its input (the previous output) before griddepcontrol.wait would read stale data.
     A chain of 6 split-K GEMMs, each consuming the last one's output, against the chain
     computed launch by launch without PDL."""
-    from minisgl.ops.skinny_gemm import launch
+    from minisgl.ops.gemm.skinny import launch
 
     m, d = 4, 2048
     x, _, _ = make(m, d, d, torch.bfloat16, "cuda", seed=30)

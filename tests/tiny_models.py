@@ -144,6 +144,48 @@ SPECS: dict[str, TinySpec] = {
             },
             seed=10,
         ),
+        # Gemma 3: sliding (W = 16) and full layers (pattern 3: layers 2 and 5 full), a rope per
+        # kind, query_pre_attn_scalar != head_dim, logit soft-capping, GeGLU, (1 + w) norms.
+        TinySpec(
+            "gemma3",
+            "gemma3_text",
+            "smollm2",
+            {
+                "num_hidden_layers": 6,
+                "head_dim": 32,
+                "query_pre_attn_scalar": 24,
+                "sliding_window": 16,
+                "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                },
+                "final_logit_softcapping": 30.0,
+                "tie_word_embeddings": True,
+            },
+            seed=11,
+        ),
+        # GPT-OSS: alternating sliding (W = 16) and full layers, sinks, yarn rope, biased MoE
+        # with the clamped SwiGLU (a small limit, so the clamp engages).
+        TinySpec(
+            "gpt_oss",
+            "gpt_oss",
+            "smollm2",
+            {
+                "num_hidden_layers": 4,
+                "head_dim": 16,
+                "intermediate_size": 48,
+                "num_local_experts": 6,
+                "num_experts_per_tok": 2,
+                "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "swiglu_limit": 3.0,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "original_max_position_embeddings": 128, "truncate": False},
+                "tie_word_embeddings": False,
+            },
+            seed=12,
+        ),
         # MoE: several experts, top-k 2 and 4, norm_topk_prob both ways, dense layers picked by
         # mlp_only_layers and by decoder_sparse_step, E not a power of two.
         TinySpec(

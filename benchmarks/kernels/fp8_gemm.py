@@ -8,7 +8,7 @@ paths, each including the per-token activation quantization it needs:
     python benchmarks/kernels/fp8_gemm.py [--quick]
 
 The second table (M <= 32, batch-1..32 decode) sets the weight-only FP8 skinny GEMM (ours,
-csrc/skinny_fp8.cuh; x stays bf16) with per-channel and with 128 x 128 block scales against our
+csrc/skinny_weights.cuh (Fp8W); x stays bf16) with per-channel and with 128 x 128 block scales against our
 bf16 skinny GEMM, bf16 cuBLAS and the best FP8 path above, all in this run; each skinny column
 is the fastest of the candidate configurations the engine times at start (its config named).
 "floor" is the FP8 bytes (W 1 byte/element + block scales 4 bytes per row and 128 K + x + y) at
@@ -16,7 +16,7 @@ the read ceiling; "% read" is the faster FP8 skinny kernel's GB/s against that c
 
 TFLOP/s = 2 M N K / time; GB/s = (N K (1 byte fp8, 2 bf16) + M K 2 + M N 2) / time, against the
 read ceiling measured in this run. "best fp8" names the fastest FP8 path and its speedup over
-bf16: the data behind ops/fp8_gemm.py's choice (scaled_mm for per-channel, Triton for block).
+bf16: the data behind ops/gemm/fp8.py's choice (scaled_mm for per-channel, Triton for block).
 """
 
 from __future__ import annotations
@@ -28,12 +28,9 @@ import torch.nn.functional as F
 from _bench import ceilings, gemm_tflops, num_sets, print_ceilings, print_table, time_calls
 
 from minisgl.kernels.fp8_gemm import quantize_tokens
-from minisgl.ops.fp8 import quantize_blocks, quantize_rows
-from minisgl.ops.fp8_gemm import fp8_gemm
-from minisgl.ops.fp8_tuning import FP8_CANDIDATE_PAIRS
-from minisgl.ops.gemm_table import CANDIDATE_PAIRS, candidate_configs
-from minisgl.ops.skinny_fp8 import fp8_tile_shapes, launch_fp8
-from minisgl.ops.skinny_gemm import launch, tile_shapes
+from minisgl.ops.gemm.fp8 import fp8_gemm, quantize_blocks, quantize_rows
+from minisgl.ops.gemm.skinny import FP8_FORMAT, launch, tile_shapes
+from minisgl.ops.gemm.table import CANDIDATE_PAIRS, FP8_CANDIDATE_PAIRS, candidate_configs
 
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down_proj": (4096, 14336)}
 MS = (1, 16, 32, 512, 2048, 8192)
@@ -47,12 +44,12 @@ def best_config(x: torch.Tensor, n: int, k: int, fp8_sets: list | None, w16: lis
     """(us, config) of the fastest candidate: ours bf16 (fp8_sets None) or FP8 over the given sets."""
     m = x.size(0)
     fp8 = fp8_sets is not None
-    shapes, pairs = (fp8_tile_shapes(), FP8_CANDIDATE_PAIRS) if fp8 else (tile_shapes(), CANDIDATE_PAIRS)
+    shapes, pairs = (tile_shapes(FP8_FORMAT), FP8_CANDIDATE_PAIRS) if fp8 else (tile_shapes(), CANDIDATE_PAIRS)
     out = torch.empty(m, n, dtype=x.dtype, device="cuda")
     best = (float("inf"), "-")
     for cfg in candidate_configs(m, n, k, False, shapes, sms, pairs):
         if fp8_sets is not None:
-            fns = [lambda c=c, g=cfg: launch_fp8(x, c[0], c[1], None, out, False, g, pdl=False) for c in fp8_sets]
+            fns = [lambda c=c, g=cfg: launch(x, c[0], None, out, False, g, pdl=False, scale=c[1]) for c in fp8_sets]
         else:
             fns = [lambda w=w, g=cfg: launch(x, w, None, out, False, g, pdl=False) for w in w16]
         best = min(best, (time_calls(fns, reps=20), str(cfg)))

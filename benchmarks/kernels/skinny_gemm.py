@@ -5,7 +5,7 @@ weight shapes of Llama-3.1-8B, Qwen3-8B and Qwen3-0.6B (TP 1 and 2 shards), M = 
 
 Bytes per call = W (N x K x 2) + x (M x K x 2) + y (M x N_out x 2); GB/s = bytes / time;
 "% read" is that against the read ceiling measured in this run (1 GiB fp32 sum). "ours" is
-the fastest of the candidate configurations the engine times at start (gemm_table), as the
+the fastest of the candidate configurations the engine times at start (ops/gemm/table.py), as the
 dispatch would pick it, timed without programmatic dependent launch as the dispatch times it;
 "PDL us" is the same launch as the model makes it (sm_90: each call's launch and first W loads
 overlap the previous call's tail; in the model only down_proj follows one of ours). The SiLU
@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from _bench import ceilings, num_sets, print_ceilings, print_table, time_calls
 
 from minisgl.ops import silu_and_mul
-from minisgl.ops.gemm_table import CANDIDATE_PAIRS, candidate_configs, split_counts
-from minisgl.ops.skinny_gemm import SkinnyConfig, launch, skinny_gemm_reference, tile_shapes
+from minisgl.ops.gemm.reference import skinny_gemm_reference
+from minisgl.ops.gemm.skinny import SkinnyConfig, launch, tile_shapes
+from minisgl.ops.gemm.table import CANDIDATE_PAIRS, candidate_configs, split_counts
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MODELS = ("llama-3.1-8b", "qwen3-8b", "qwen3-0.6b")

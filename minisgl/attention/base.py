@@ -37,7 +37,10 @@ class AttentionBackend(ABC):
 
     def tables(self, layer: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(request table, out slots) through which layer `layer` stores and reads its K/V.
-        Every backend takes both from here, so a layer's pool group picks them in one place."""
+        Every backend takes both from here, so a layer's pool group picks them in one place:
+        a sliding layer whose K/V live in the pool's sliding group uses its own table."""
+        if batch.req_to_swa_slot is not None and self.pool.is_swa_layer(layer):
+            return batch.req_to_swa_slot, batch.out_slots_swa
         return batch.req_to_slot, batch.out_slots
 
     def prepare(self, batch: ForwardBatch) -> None:

@@ -20,6 +20,10 @@ bit-identical (weight exp2(-inf) = 0, rescale exp2(0) = 1); which tile row a que
 and what the tile's other rows hold, changes nothing of its row. So a token's output is the
 same from a prefill, a chunked prefill, an extend after a radix-cache hit, a mixed step or a
 decode, graph or eager, whatever else shares the launch.
+
+Sliding windows and sinks (per layer: `window_of(layer)`, the model's sinks): both kernels take
+them (not in deterministic mode, which the engine refuses for such models); a sliding layer's
+table and out slots come from `tables(layer, batch)`.
 """
 
 from __future__ import annotations
@@ -38,27 +42,27 @@ class TritonAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if sinks is not None or self.window_of(layer):
-            raise NotImplementedError(f"attention backend {self.name!r}: sliding windows and sinks are not built yet")
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
         ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]  # FP8 cache: K / ks, V / vs
-        ops.store_kv(k_cache, v_cache, k, v, batch.out_slots, ks, vs)
+        req_to_slot, out_slots = self.tables(layer, batch)
+        ops.store_kv(k_cache, v_cache, k, v, out_slots, ks, vs)
+        window = self.window_of(layer)
         if batch.is_decode and not self.deterministic:
-            return self._decode(q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.seq_lens,
-                                batch.max_seq_len, k_scale=ks, v_scale=vs)
+            return self._decode(q, k_cache, v_cache, req_to_slot, batch.req_rows, batch.seq_lens,
+                                batch.max_seq_len, k_scale=ks, v_scale=vs, window=window, sinks=sinks)
         out = None
         if batch.decode_rows is not None:  # first: the extend tiles then overwrite the other rows
             if self.deterministic:
                 raise ValueError("deterministic mode takes a mixed step's decodes as extend tiles, not decode rows")
             d = batch.decode_rows.shape[0]
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            self._decode(q[:d], k_cache, v_cache, batch.req_to_slot, batch.decode_rows, batch.decode_seq_lens,
-                         batch.max_seq_len, out[:d], k_scale=ks, v_scale=vs)
+            self._decode(q[:d], k_cache, v_cache, req_to_slot, batch.decode_rows, batch.decode_seq_lens,
+                         batch.max_seq_len, out[:d], k_scale=ks, v_scale=vs, window=window, sinks=sinks)
         return ops.extend_attention(
-            q, k_cache, v_cache, batch.req_to_slot, batch.req_rows, batch.prefix_lens,
+            q, k_cache, v_cache, req_to_slot, batch.req_rows, batch.prefix_lens,
             batch.seq_lens, batch.cu_seqlens_q, batch.max_extend_len, self.scale, out=out, tiles=batch.tiles,
             deterministic=self.deterministic, decode_max_seq_len=batch.max_seq_len if batch.is_decode else None,
-            k_scale=ks, v_scale=vs,
+            k_scale=ks, v_scale=vs, window=window, sinks=sinks,
         )
 
     @property
@@ -70,7 +74,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
         rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, out: torch.Tensor | None = None,
-        k_scale: float = 1.0, v_scale: float = 1.0,
+        k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return ops.decode_attention_triton(q, k_cache, v_cache, req_to_slot, rows, seq_lens, max_seq_len, self.scale,
-                                           out=out, k_scale=k_scale, v_scale=v_scale)
+                                           out=out, k_scale=k_scale, v_scale=v_scale, window=window, sinks=sinks)

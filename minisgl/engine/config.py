@@ -54,6 +54,9 @@ class EngineConfig:
     custom_all_reduce: bool = True  # small all-reduces over peer memory (with custom_nccl only)
     gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV)
     cpu_kv_cache_gb: float = 1.0  # KV pool size on the CPU when num_pages is not given
+    # Sliding-window layers' pool (models with windows < the context): its tokens = this x the
+    # full pool's. None: enough for every running request's window plus one step (pool.py).
+    swa_full_tokens_ratio: float | None = None
     # Batch-invariant kernels: a request's tokens and logprobs do not depend on what is
     # batched with it, on chunking or on prefix-cache hits (README "Determinism").
     deterministic: bool = False

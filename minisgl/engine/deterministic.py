@@ -13,8 +13,12 @@ def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
     """Deterministic mode covers what its kernels cover; refuse the rest by name."""
     if mc.moe is not None:
         raise ValueError("deterministic mode does not cover MoE models yet (the grouped GEMM's tiles depend on M)")
+    if mc.has_sliding_layers or mc.attn_sinks:
+        # The fixed key splits start at position 0; a window's first key moves with the token.
+        raise ValueError(f"deterministic mode does not cover sliding-window attention or attention sinks yet "
+                         f"({mc.architecture}); leave out --deterministic for this model")
     if cfg.quantization is not None or mc.quantization is not None:
-        # The FP8 GEMMs (ops/fp8_gemm.py, the FP8 skinny kernel) choose their tiles and splits by M.
+        # The FP8 GEMMs (ops/gemm/fp8.py, the FP8 skinny loader) choose their tiles and splits by M.
         raise ValueError("deterministic mode does not cover FP8 weights yet: leave out --quantization "
                          "(quantization=) or use a 16-bit checkpoint")
     if cfg.spec is not None:

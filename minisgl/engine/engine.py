@@ -32,13 +32,13 @@ from minisgl.engine.forward import ForwardCalls
 from minisgl.engine.graphs import GraphCapture
 from minisgl.engine.pooling import PoolCalls
 from minisgl.engine.steps import StepCalls
-from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
+from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable, split_kv_budget, swa_tokens_needed
 from minisgl.logging_setup import get_logger, log_phase, startup_phase
 from minisgl.models.embedding_config import resolve_task
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.loading import load_model, load_model_config
 from minisgl.models.source import resolve_model
-from minisgl.ops.fp8 import check_fp8_device
+from minisgl.ops.gemm.fp8 import check_fp8_device
 from minisgl.ops.transfer import host_to_device
 from minisgl.sampling.penalty_state import PenaltyState
 from minisgl.speculative.drafter import Drafter, DraftTarget
@@ -103,16 +103,26 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
             with phase(f"drafter ({cfg.spec.algorithm})"):
                 self.drafter = build_drafter(self._draft_target(), cfg.spec)
             self.model.model.aux_layers = self.drafter.aux_layers
-        num_pages = cfg.num_pages or self._default_num_pages(kv_heads)
+        # Sliding layers whose window is shorter than the context keep only it (a second group).
+        windows = tuple(w if w < self.max_model_len else 0 for w in mc.attention_windows)
+        self.swa_window = max(windows, default=0)
+        num_pages, swa_pages = self._num_pages(kv_heads, windows)
         if self.tp.size > 1:
             # Every rank must admit, evict and retract alike (lockstep): the same pool on all,
             # sized by the rank with the least free memory.
             num_pages = min_across_ranks(num_pages, self.cpu_group)
-        self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.kv_dtype, self.device)
+            swa_pages = min_across_ranks(swa_pages, self.cpu_group) if swa_pages else 0
+        self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.kv_dtype, self.device,
+                           windows, swa_pages)
         if self.kv_dtype == torch.float8_e4m3fn:
             self._set_kv_scales()
         self.allocator = PageAllocator(num_pages, cfg.page_size)
-        self.table = RequestTable(cfg.max_running_requests, self.max_model_len, self.device)
+        # The sliding group's own pages (None: no sliding group, nothing extra allocated).
+        self.swa_allocator = PageAllocator(swa_pages, cfg.page_size) if swa_pages else None
+        self.swa_window = self.swa_window if swa_pages else 0
+        self.table = RequestTable(cfg.max_running_requests, self.max_model_len, self.device, swa=bool(swa_pages))
+        if swa_pages:
+            log.info("KV pool groups: %s", self.pool.describe_groups(self.swa_window))
         if self.drafter is not None:  # its own KV pool, indexed by the same slots and table
             self.drafter.allocate_kv(num_pages, cfg.page_size, self.table)
         # The last sampled token of each request-table row. Decode steps read their input ids
@@ -122,7 +132,7 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         # Per-row token history for penalties (allocated when a request first needs it).
         self.penalties = PenaltyState(cfg.max_running_requests + 1, mc.vocab_size, self.device)
         self.graphs = None  # CudaGraphRunner once enable_cuda_graphs() ran
-        self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.head_dim**-0.5, self.device,
+        self.attn = make_backend(cfg.attention_backend, self.pool, self.num_q_heads, mc.attention_scale, self.device,
                                  self.dtype, mc.attention_windows)
         self.attn.deterministic = cfg.deterministic
         block_m = getattr(self.attn, "tile_block_m", None)  # backends that take the extend tile map
@@ -174,28 +184,49 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
 
     def _tune_gemms(self) -> None:
         """Measures (or loads from the cache) where the skinny GEMM beats cuBLAS for this
-        rank's linear layers at each decode batch size up to 32 (ops.gemm_tuning), and for FP8
-        layers where the FP8 skinny kernel beats the FP8 GEMM (ops.fp8_tuning)."""
-        from minisgl.layers.linear import fp8_gemm_calls, gemm_calls
-        from minisgl.ops.fp8_tuning import tune_fp8_gemms
-        from minisgl.ops.gemm_tuning import tune_gemms
+        rank's linear layers at each decode batch size up to 32, and for FP8 layers where the
+        skinny template's FP8 loader beats the FP8 GEMM: one table, one tuner (ops/gemm/tuning.py)."""
+        from minisgl.layers.linear import gemm_calls
+        from minisgl.ops.gemm.tuning import tune_gemms
 
         ms = batch_size_ladder(min(32, self.cfg.max_running_requests))
-        tune_gemms(gemm_calls(self.model), self.device, ms)
-        tune_fp8_gemms(fp8_gemm_calls(self.model), self.device, ms, self.dtype)  # FP8 layers: skinny vs FP8 GEMM
+        tune_gemms(gemm_calls(self.model), self.device, ms, self.dtype)
         torch.cuda.empty_cache()  # the timing buffers must not shrink the KV pool sized next
+
+    def _num_pages(self, kv_heads: int, windows: tuple[int, ...]) -> tuple[int, int]:
+        """(full pages, sliding pages; 0: no sliding group). Without --num-pages the two split
+        the memory budget (pool.split_kv_budget); with it, it sizes the full pool and the
+        sliding pool is its ratio (--swa-full-tokens-ratio) or what the running requests need."""
+        cfg, mc, ps = self.cfg, self.model_config, self.cfg.page_size
+        n_swa = sum(1 for w in windows if w > 0)
+        if not n_swa:
+            return cfg.num_pages or self._default_num_pages(kv_heads), 0
+        ratio = cfg.swa_full_tokens_ratio
+        need = swa_tokens_needed(cfg.max_running_requests, self.swa_window, ps)
+        if cfg.num_pages:
+            tokens = ratio * (cfg.num_pages - 1) * ps if ratio is not None else min(need, (cfg.num_pages - 1) * ps)
+            return cfg.num_pages, max(2, -(-int(tokens) // ps) + 1)
+        full_bpt = KVPool.bytes_per_token_for(mc.num_layers - n_swa, kv_heads, mc.head_dim, self.kv_dtype)
+        full_bpt += self.drafter.kv_bytes_per_token() if self.drafter is not None else 0
+        swa_bpt = KVPool.bytes_per_token_for(n_swa, kv_heads, mc.head_dim, self.kv_dtype)
+        full, swa = split_kv_budget(self._kv_budget(), full_bpt, swa_bpt, ps, ratio, need)
+        return self._clamp_pages(full), max(2, swa)
+
+    def _kv_budget(self) -> float:
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            return total * self.cfg.gpu_memory_fraction - used - (1 << 30)  # 1 GiB for activations
+        return self.cfg.cpu_kv_cache_gb * (1 << 30)
 
     def _default_num_pages(self, kv_heads: int) -> int:
         mc, ps = self.model_config, self.cfg.page_size
         per_token = KVPool.bytes_per_token_for(mc.num_layers, kv_heads, mc.head_dim, self.kv_dtype)
         per_token += self.drafter.kv_bytes_per_token() if self.drafter is not None else 0
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = total * self.cfg.gpu_memory_fraction - used - (1 << 30)  # 1 GiB for activations
-        else:
-            budget = self.cfg.cpu_kv_cache_gb * (1 << 30)
-        pages = int(budget // (per_token * ps))
+        return self._clamp_pages(int(self._kv_budget() // (per_token * ps)))
+
+    def _clamp_pages(self, pages: int) -> int:
+        ps = self.cfg.page_size
         # More than every request at full length could use is wasted memory.
         pages = min(pages, self.cfg.max_running_requests * -(-self.max_model_len // ps) + 1)
         # At least one full-length request (+ the dummy page).
@@ -248,13 +279,15 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
 
     # ---- helpers for tests and prompt scoring ----
 
-    def write_slots(self, rows: list[int], cols: list[int], slots: list[int]) -> None:
+    def write_slots(self, rows: list[int], cols: list[int], slots: list[int], swa: bool = False) -> None:
         """req_to_slot[rows[i], cols[i]] = slots[i], all in one host-to-device copy (a decode
-        step with page size 1 gives every request a new slot: one copy each would dominate)."""
+        step with page size 1 gives every request a new slot: one copy each would dominate).
+        swa: into the sliding group's table req_to_swa_slot instead."""
         if not rows:
             return
         idx = host_to_device([rows, cols, slots], torch.int64, self.device)
-        self.table.req_to_slot[idx[0], idx[1]] = idx[2].to(torch.int32)
+        table = self.table.req_to_swa_slot if swa else self.table.req_to_slot
+        table[idx[0], idx[1]] = idx[2].to(torch.int32)
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -265,14 +298,23 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
             pages_needed = -(-len(ids) // self.cfg.page_size)
             if not self.allocator.can_allocate(pages_needed):
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the free KV pool")
+            swa = self.swa_allocator
+            if swa is not None and not swa.can_allocate(pages_needed):
+                raise ValueError(f"prompt of {len(ids)} tokens does not fit the free sliding-window KV pool")
             row = self.table.allocate_row()
             pages = self.allocator.allocate(pages_needed)
+            swa_pages = swa.allocate(pages_needed) if swa is not None else []
             try:
-                self.write_slots([row] * len(ids), list(range(len(ids))), self.allocator.slot_ids(pages)[: len(ids)])
+                cols = list(range(len(ids)))
+                self.write_slots([row] * len(ids), cols, self.allocator.slot_ids(pages)[: len(ids)])
+                if swa is not None:
+                    self.write_slots([row] * len(ids), cols, swa.slot_ids(swa_pages)[: len(ids)], swa=True)
                 batch = self.build_batch("extend", [row], [0], [list(ids)], use_graphs=False)
                 out.append(self.forward(batch, all_positions=True).cpu())
             finally:
                 self.allocator.free(pages)
+                if swa is not None:
+                    swa.free(swa_pages)
                 self.table.free_row(row)
         return out
 

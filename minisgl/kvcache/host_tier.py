@@ -52,7 +52,7 @@ class HostKVTier:
             raise ValueError(f"--host-kv-cache-gb {gb} holds no page of {page_bytes} bytes; give more")
         self.page_bytes = page_bytes
         pin = pool.device.type == "cuda"
-        shape = (pool.num_layers, self.num_pages * ps, pool.kv_heads, pool.head_dim)
+        shape = (pool.num_full_layers, self.num_pages * ps, pool.kv_heads, pool.head_dim)  # the full group
         self._k = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)
         self._v = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))

@@ -18,7 +18,7 @@ class NaiveCache(PrefixCache):
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], whole: bool = False) -> MatchResult:
         return MatchResult(handle=None, pages=[], matched_tokens=0)
 
     def lock(self, handle: object) -> None:
@@ -27,7 +27,7 @@ class NaiveCache(PrefixCache):
     def unlock(self, handle: object) -> None:
         pass
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], swa: Sequence[int] | None = None) -> int:
         if len(token_ids) != len(pages) * self.page_size:
             raise ValueError(
                 f"insert needs whole pages: {len(token_ids)} tokens for {len(pages)} pages of {self.page_size}"

@@ -6,6 +6,11 @@ padded rows (CUDA-graph padding) write to, so slot 0 is never a real token's slo
 
 The request table `req_to_slot[row, position]` (int32) maps each request's token positions to
 slots; kernels read K/V only through it. Row `max_requests` is a spare row for padding.
+
+Two pool groups (`swa_pages > 0`, a model with sliding-window layers of W < the context): the
+full layers' K/V in `num_slots` slots through `req_to_slot`, the sliding layers' in their own
+`swa_slots` slots through `req_to_swa_slot` (same rows; positions out of the window hold the
+dummy slot 0). Each group has its own PageAllocator; `k_cache(layer)` picks the group.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        windows: tuple[int, ...] = (),
+        swa_pages: int = 0,
     ) -> None:
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (1 is the dummy page), got {num_pages}")
@@ -36,23 +43,64 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = device
-        # One allocation each for K and V: [layers, slots, heads, dim]; per-layer views below.
-        shape = (num_layers, self.num_slots, kv_heads, head_dim)
+        # Sliding layers get their own group only with swa_pages (>= 2: 1 is the dummy page).
+        if swa_pages and swa_pages < 2:
+            raise ValueError(f"the sliding-window KV pool needs at least 2 pages, got {swa_pages}")
+        sliding = [i for i in range(num_layers) if swa_pages and windows and windows[i] > 0]
+        self.swa_pages = swa_pages if sliding else 0
+        self.swa_slots = self.swa_pages * page_size
+        # layer -> (group, index in the group): group 0 full, 1 sliding.
+        self._where: list[tuple[int, int]] = []
+        counts = [0, 0]
+        for i in range(num_layers):
+            g = 1 if i in sliding else 0
+            self._where.append((g, counts[g]))
+            counts[g] += 1
+        self.num_full_layers, self.num_swa_layers = counts
+        # One allocation each for K and V per group: [layers, slots, heads, dim]; views below.
+        shape = (counts[0], self.num_slots, kv_heads, head_dim)
         self._k = torch.empty(shape, dtype=dtype, device=device)
         self._v = torch.empty(shape, dtype=dtype, device=device)
+        swa_shape = (counts[1], self.swa_slots, kv_heads, head_dim)
+        self._k_swa = torch.empty(swa_shape, dtype=dtype, device=device)
+        self._v_swa = torch.empty(swa_shape, dtype=dtype, device=device)
         # Per-tensor scales of an FP8 cache (it holds K / k_scale, V / v_scale); 1.0 otherwise.
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
 
+    def is_swa_layer(self, layer: int) -> bool:
+        """Layer `layer`'s K/V live in the sliding-window group (slots of `req_to_swa_slot`)."""
+        return self._where[layer][0] == 1
+
     def k_cache(self, layer: int) -> torch.Tensor:
-        return self._k[layer]
+        g, i = self._where[layer]
+        return self._k_swa[i] if g else self._k[i]
 
     def v_cache(self, layer: int) -> torch.Tensor:
-        return self._v[layer]
+        g, i = self._where[layer]
+        return self._v_swa[i] if g else self._v[i]
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self._k.element_size()
+        """Bytes per token slot of the full group (every layer without a sliding group)."""
+        return 2 * self.num_full_layers * self.kv_heads * self.head_dim * self._k.element_size()
+
+    @property
+    def swa_bytes_per_token(self) -> int:
+        """Bytes per token slot of the sliding group (0 without one)."""
+        return 2 * self.num_swa_layers * self.kv_heads * self.head_dim * self._k.element_size()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_token * self.num_slots + self.swa_bytes_per_token * self.swa_slots
+
+    def describe_groups(self, window: int) -> str:
+        """The split of the two groups, for the startup log."""
+        gib, ps = 1 << 30, self.page_size
+        return (f"{self.num_full_layers} full-attention layers x {self.num_slots - ps} tokens "
+                f"({self.bytes_per_token * self.num_slots / gib:.2f} GiB), {self.num_swa_layers} sliding layers "
+                f"(window {window}) x {self.swa_slots - ps} tokens "
+                f"({self.swa_bytes_per_token * self.swa_slots / gib:.2f} GiB)")
 
     @staticmethod
     def bytes_per_token_for(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -105,12 +153,14 @@ class PageAllocator:
 class RequestTable:
     """`req_to_slot` [max_requests + 1, max_context] int32 on the device, plus free rows."""
 
-    def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
+    def __init__(self, max_requests: int, max_context: int, device: torch.device, swa: bool = False) -> None:
         self.max_requests = max_requests
         self.max_context = max_context
         self.padding_row = max_requests
         # The padding row points at the dummy slot everywhere.
         self.req_to_slot = torch.zeros((max_requests + 1, max_context), dtype=torch.int32, device=device)
+        # The sliding-window group's table (same rows), only with a sliding pool.
+        self.req_to_swa_slot = (torch.zeros_like(self.req_to_slot) if swa else None)
         self._free_rows = list(range(max_requests - 1, -1, -1))
 
     @property
@@ -124,3 +174,33 @@ class RequestTable:
 
     def free_row(self, row: int) -> None:
         self._free_rows.append(row)
+
+
+# The largest step's new tokens that the default sliding-pool size allows for (the scheduler's
+# default prefill budget, max_prefill_tokens): a step's new tokens need sliding slots too.
+DEFAULT_STEP_TOKENS = 8192
+
+
+def swa_tokens_needed(max_requests: int, window: int, page_size: int, step_tokens: int = DEFAULT_STEP_TOKENS) -> int:
+    """Sliding slots for every running request at a full window (W tokens, plus a partial
+    page at each end) and one step's new tokens: what the default sliding pool aims for."""
+    return max_requests * (window + 2 * page_size) + step_tokens
+
+
+def split_kv_budget(budget: float, full_bpt: int, swa_bpt: int, page_size: int, ratio: float | None,
+                    swa_need: int) -> tuple[int, int]:
+    """(full pages, sliding pages), each with its dummy page, for `budget` bytes of KV.
+
+    ratio: sliding tokens = ratio x full tokens (--swa-full-tokens-ratio). None: the sliding
+    pool holds `swa_need` tokens (swa_tokens_needed) but at most half the budget, the full
+    pool the rest."""
+    if ratio is not None:
+        if ratio <= 0:
+            raise ValueError(f"--swa-full-tokens-ratio must be > 0, got {ratio}")
+        full = budget / (full_bpt + ratio * swa_bpt)
+        swa = ratio * full
+    else:
+        swa = min(swa_need, budget / 2 / swa_bpt) if swa_bpt else swa_need
+        full = (budget - swa * swa_bpt) / full_bpt if full_bpt else float("inf")
+    full_pages = int(full // page_size) + 1 if full != float("inf") else 1 << 40
+    return full_pages, int(swa // page_size) + 1

@@ -18,6 +18,11 @@ KV-cache events (kvcache/events.py): with `events`, every node also holds its pa
 hashes, and the three places pages enter or leave the tree report it: a new leaf in `insert`
 (BlockStored, its parent the block above it), an evicted leaf in `evict` (BlockRemoved), and
 `reset` (AllBlocksCleared). Splitting an edge moves no page, so it reports nothing.
+
+Sliding-window group (`window` W > 0): each node also holds `swa`, its pages' sliding pages (0:
+a tombstone, that sliding KV freed). A match ends at the largest page boundary m whose window
+positions [m - W + 1, m) all have sliding pages (what a request with m cached tokens reads);
+eviction frees both kinds; `trim_swa` tombstones sliding pages no reader's window reaches.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from collections.abc import Callable, Sequence
 
 from minisgl.kvcache.events import CacheEvents
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
+from minisgl.kvcache.radix_swa import SlidingPages
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "in_heap", "hashes")
+    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "in_heap", "hashes", "swa")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, now: int) -> None:
         self.key = key
@@ -42,20 +48,27 @@ class _Node:
         self.last_access = now
         self.in_heap = False
         self.hashes: list[int] = []  # the pages' chained hashes, with KV events on
+        self.swa: list[int] = []  # with a sliding group: each page's sliding page (0: tombstone)
+
+    @property
+    def nswa(self) -> int:
+        return sum(1 for p in self.swa if p)
 
 
-class RadixCache(PrefixCache):
-    def __init__(self, page_size: int, events: CacheEvents | None = None) -> None:
+class RadixCache(SlidingPages, PrefixCache):
+    def __init__(self, page_size: int, events: CacheEvents | None = None, window: int = 0) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if events is not None and events.page_size != page_size:
             raise ValueError(f"events hash blocks of {events.page_size} tokens, the cache's pages hold {page_size}")
         self.page_size = page_size
+        self.window = window  # the sliding group's window W (0: no sliding group)
         self.events = events
         self.heap_pops = 0  # eviction work counter (tests and metrics)
         # Called with (the evicted leaf's whole prefix, its pages) before they are freed: the
         # host KV tier (kvcache/host_tier.py) keeps a copy there.
         self.on_evict: Callable[[tuple[int, ...], list[int]], None] | None = None
+        self._swa_out: list[int] = []
         self._clear()
 
     def _clear(self) -> None:
@@ -66,21 +79,33 @@ class RadixCache(PrefixCache):
         self._pages: set[int] = set()
         self._evictable = 0
         self._protected = 0
+        self._swa_pages: set[int] = set()
+        self._swa_evictable = 0
+        self._swa_protected = 0
 
     # ---- lookups -------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+    def match_prefix(self, token_ids: Sequence[int], whole: bool = False) -> MatchResult:
         ps = self.page_size
         ids = tuple(token_ids[: len(token_ids) // ps * ps])
         self._clock += 1
         handle, matched = self._walk(ids, self._clock)
-        runs: list[list[int]] = []
-        node: _Node | None = handle
-        while node is not None and node is not self._root:
-            runs.append(node.pages)
+        pages, swa = self._path(handle)
+        if self.window and not whole:
+            m = self._window_cut(swa)
+            if m < len(pages):  # walk again to split the edge at the cut
+                handle, matched = self._walk(ids[: m * ps], self._clock)
+                pages, swa = pages[:m], swa[:m]
+        return MatchResult(handle=handle, pages=pages, matched_tokens=matched, swa_pages=swa if self.window else [])
+
+    def _path(self, node: _Node) -> tuple[list[int], list[int]]:
+        runs: list[_Node] = []
+        while node is not self._root:
+            runs.append(node)
+            assert node.parent is not None
             node = node.parent
-        pages = [p for run in reversed(runs) for p in run]
-        return MatchResult(handle=handle, pages=pages, matched_tokens=matched)
+        runs.reverse()
+        return [p for n in runs for p in n.pages], [p for n in runs for p in n.swa]
 
     def _walk(self, ids: tuple[int, ...], now: int) -> tuple[_Node, int]:
         """Follow `ids` (page aligned) down from the root over whole matching pages, splitting
@@ -117,6 +142,8 @@ class RadixCache(PrefixCache):
         mid = _Node(child.key[: n * ps], child.pages[:n], parent, child.last_access)
         mid.ref = child.ref
         mid.hashes, child.hashes = child.hashes[:n], child.hashes[n:]
+        if self.window:
+            mid.swa, child.swa = child.swa[:n], child.swa[n:]
         parent.children[mid.key[:ps]] = mid
         child.key, child.pages, child.parent = child.key[n * ps :], child.pages[n:], mid
         mid.children[child.key[:ps]] = child
@@ -140,6 +167,9 @@ class RadixCache(PrefixCache):
             if node.ref == 0:
                 self._evictable -= len(node.pages)
                 self._protected += len(node.pages)
+                k = node.nswa
+                self._swa_evictable -= k
+                self._swa_protected += k
             node.ref += 1
             assert node.parent is not None
             node = node.parent
@@ -153,6 +183,9 @@ class RadixCache(PrefixCache):
             if node.ref == 0:
                 self._protected -= len(node.pages)
                 self._evictable += len(node.pages)
+                k = node.nswa
+                self._swa_protected -= k
+                self._swa_evictable += k
                 if not node.children:
                     self._push(node)
             assert node.parent is not None
@@ -160,13 +193,18 @@ class RadixCache(PrefixCache):
 
     # ---- insert and evict ----------------------------------------------------------------
 
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int], swa: Sequence[int] | None = None) -> int:
         ps = self.page_size
         if len(token_ids) != len(pages) * ps:
             raise ValueError(f"insert needs whole pages: {len(token_ids)} tokens for {len(pages)} pages of {ps}")
+        if self.window and (swa is None or len(swa) != len(pages)):
+            raise ValueError("a cache with a sliding-window group needs each page's sliding page (0: none)")
         ids = tuple(token_ids)
         self._clock += 1
         node, present = self._walk(ids, self._clock)
+        self.swa_taken = frozenset()
+        if self.window:
+            self._adopt_swa(node, list(swa[: present // ps]))
         if present == len(ids):
             return present
         new_pages = list(pages[present // ps :])
@@ -176,6 +214,9 @@ class RadixCache(PrefixCache):
             raise ValueError(f"pages already cached: {sorted(self._pages & set(new_pages))}")
         leaf = _Node(ids[present:], new_pages, node, self._clock)
         node.children[leaf.key[:ps]] = leaf
+        if self.window:
+            leaf.swa = list(swa[present // ps :])
+            self._take_swa(leaf.swa, leaf)
         if self.events is not None:
             parent = node.hashes[-1] if node is not self._root else None
             leaf.hashes = self.events.block_hashes(parent, leaf.key)
@@ -190,9 +231,11 @@ class RadixCache(PrefixCache):
             node.in_heap = True
             heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
 
-    def evict(self, num_pages: int) -> list[int]:
+    def evict(self, num_pages: int, swa_pages: int = 0) -> list[int]:
+        """Also until `swa_pages` sliding pages are freed (they go to `take_freed_swa`)."""
         freed: list[int] = []
-        while len(freed) < num_pages and self._heap:
+        swa_freed: list[int] = []
+        while (len(freed) < num_pages or len(swa_freed) < swa_pages) and self._heap:
             stamp, _, node = heapq.heappop(self._heap)
             self.heap_pops += 1
             node.in_heap = False
@@ -208,11 +251,17 @@ class RadixCache(PrefixCache):
             node.parent = None
             freed.extend(node.pages)
             self._pages.difference_update(node.pages)
+            if self.window:
+                live = [p for p in node.swa if p]
+                swa_freed.extend(live)
+                self._swa_pages.difference_update(live)
+                self._swa_evictable -= len(live)
             if self.events is not None:
                 self.events.removed(node.hashes)
             self._evictable -= len(node.pages)
             if parent is not self._root and not parent.children and parent.ref == 0:
                 self._push(parent)
+        self._swa_out.extend(swa_freed)
         return freed
 
     def _prefix_of(self, node: _Node) -> tuple[int, ...]:
@@ -236,11 +285,24 @@ class RadixCache(PrefixCache):
     def cached_page_ids(self) -> frozenset[int]:
         return frozenset(self._pages)
 
+    @property
+    def evictable_swa_pages(self) -> int:
+        return self._swa_evictable
+
+    @property
+    def cached_swa_pages(self) -> int:
+        return self._swa_evictable + self._swa_protected
+
+    def cached_swa_page_ids(self) -> frozenset[int]:
+        return frozenset(self._swa_pages)
+
     def reset(self) -> list[int]:
         if self._protected:
             raise RuntimeError(f"cannot reset the cache: {self._protected} pages are locked")
         pages = list(self._pages)
+        swa = list(self._swa_pages)
         self._clear()
+        self._swa_out.extend(swa)
         if self.events is not None:
             self.events.cleared()
         return pages
@@ -264,6 +326,8 @@ class RadixCache(PrefixCache):
         _require(root.key == () and not root.pages and root.parent is None, "root is not empty")
         seen: set[int] = set()
         evictable = protected = in_heap = 0
+        seen_swa: set[int] = set()
+        swa_counts = [0, 0]
         stack = [root]
         while stack:
             node = stack.pop()
@@ -286,6 +350,12 @@ class RadixCache(PrefixCache):
                 for p in child.pages:
                     _require(p >= 1 and p not in seen, f"{where}: page {p} is 0 or cached twice")
                     seen.add(p)
+                if self.window:
+                    _require(len(child.swa) == len(child.pages), f"{where}: {len(child.swa)} sliding entries")
+                    live = [p for p in child.swa if p]
+                    _require(not seen_swa.intersection(live), f"{where}: a sliding page cached twice")
+                    seen_swa.update(live)
+                    swa_counts[child.ref > 0] += len(live)
                 if child.ref:
                     protected += len(child.pages)
                 else:
@@ -298,6 +368,9 @@ class RadixCache(PrefixCache):
         _require(protected == self._protected, f"protected_pages {self._protected}, tree has {protected}")
         _require(seen == self._pages, "page set differs from the tree's pages")
         _require(in_heap == len(self._heap), f"{len(self._heap)} heap entries, {in_heap} marked")
+        _require(seen_swa == self._swa_pages, "sliding page set differs from the tree's")
+        _require(swa_counts == [self._swa_evictable, self._swa_protected],
+                 f"sliding pages evictable/protected {swa_counts}, counted {self._swa_evictable}/{self._swa_protected}")
 
 
 def _require(cond: bool, message: str) -> None:

@@ -36,8 +36,8 @@ class ServerArgs:
     max_request_bytes: int | None = None  # None: 64 bytes per token of context, at least 1 MiB
     tokenizer: str | None = None
     chat_template: str | None = None
-    tool_call_parser: str = "auto"  # hermes | llama3 | mistral | auto (from the chat template) | none
-    reasoning_parser: str | None = None  # qwen3
+    tool_call_parser: str = "auto"  # hermes | llama3 | mistral | gpt-oss | auto (from the chat template) | none
+    reasoning_parser: str | None = None  # qwen3 | gpt-oss | auto (gpt-oss for a harmony template)
     task: str = "auto"  # generate | embed | auto (embed for a sentence-transformers / base-model folder)
     shell: bool = False
     # overload and shutdown (server/admission.py, launch/drain.py); 0 turns a bound off
@@ -56,6 +56,7 @@ class ServerArgs:
     seed: int = 0
     gpu_memory_fraction: float = 0.85
     cpu_kv_cache_gb: float = 1.0
+    swa_full_tokens_ratio: float | None = None
     deterministic: bool = False
     # scheduler (None / False = the scheduler's own default)
     max_prefill_tokens: int | None = None
@@ -111,8 +112,8 @@ class ServerArgs:
         if self.reasoning_parser is not None:
             from minisgl.parsers.reasoning import REASONING_PARSERS
 
-            if self.reasoning_parser not in REASONING_PARSERS:
-                raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)}")
+            if self.reasoning_parser not in (*REASONING_PARSERS, "auto"):
+                raise ValueError(f"--reasoning-parser must be one of {sorted(REASONING_PARSERS)} or auto")
         if self.task not in ("auto", "generate", "embed"):
             raise ValueError(f"--task must be auto, generate or embed, got {self.task!r}")
         if self.task == "embed" and self.speculative_algorithm is not None:

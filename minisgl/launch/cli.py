@@ -94,10 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--tool-call-parser",
         default=d.tool_call_parser,
-        help="format of tool calls in the output: hermes (Qwen2.5/Qwen3/Hermes), llama3, mistral, "
+        help="format of tool calls in the output: hermes (Qwen2.5/Qwen3/Hermes), llama3, mistral, gpt-oss (harmony), "
         "auto (from the chat template, when unambiguous) or none",
     )
-    add("--reasoning-parser", default=None, help="qwen3: return <think> blocks as reasoning_content")
+    add("--reasoning-parser", default=None,
+        help="qwen3: return <think> blocks as reasoning_content; gpt-oss: harmony's analysis channel; "
+        "auto: gpt-oss when the chat template is harmony")
     add(
         "--task", choices=("auto", "generate", "embed"), default=d.task,
         help="generate text, or serve embeddings (POST /v1/embeddings; pooling from a sentence-transformers "
@@ -177,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d.cpu_kv_cache_gb,
         help="KV-cache size on the CPU when --num-pages is not given",
+    )
+    g.add_argument(
+        "--swa-full-tokens-ratio",
+        type=float,
+        default=d.swa_full_tokens_ratio,
+        help="models with sliding-window layers: the sliding layers' KV pool holds this x the full pool's tokens "
+        "(default: every running request's window plus one prefill step, at most half the KV memory)",
     )
     g.add_argument(
         "--deterministic",

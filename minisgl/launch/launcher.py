@@ -197,8 +197,7 @@ def _watch(children: list[Child], stop: threading.Event, on_death: Callable[[Chi
 
 
 def chat_features(args: ServerArgs, tok_info: dict[str, Any]) -> Any:
-    """--tool-call-parser (auto: what the tokenizer found in the chat template) and
-    --reasoning-parser, as the API's output parsing uses them."""
+    """--tool-call-parser and --reasoning-parser (auto: from the chat template) as the API uses them."""
     from minisgl.parsers.tool_formats import tool_format
     from minisgl.server.chat_request import ChatFeatures
 
@@ -206,7 +205,13 @@ def chat_features(args: ServerArgs, tok_info: dict[str, Any]) -> Any:
     if args.tool_call_parser == "auto":
         log.info("tool-call parser: %s (from the chat template)", name or "none found")
     fmt = tool_format(name) if name and name != "none" else None
-    return ChatFeatures(fmt, args.reasoning_parser)
+    reasoning, harmony = args.reasoning_parser, fmt is not None and fmt.name == "gpt-oss"
+    # Harmony is channels all through: the gpt-oss parser takes the reasoning with the calls.
+    if reasoning == "auto" or (reasoning is None and harmony):
+        reasoning = "gpt-oss" if harmony or tok_info.get("tool_format") == "gpt-oss" else None
+        why = "from the chat template" if args.reasoning_parser == "auto" else "harmony output, with --tool-call-parser"
+        log.info("reasoning parser: %s (%s)", reasoning or "none", why)
+    return ChatFeatures(fmt, reasoning)
 
 
 def _queue_limits(args: ServerArgs, children: list[Child]) -> Any:

@@ -9,6 +9,7 @@ from torch import nn
 from minisgl import ops
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.layers.linear import _check_shape
+from minisgl.ops.gemm.table import GemmCall
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -51,8 +52,8 @@ class ParallelLMHead(nn.Module):
         self.weight.data[:rows].copy_(full[e.start : e.end])
         self.weight.data[rows:].zero_()
 
-    def gemm_calls(self) -> list[tuple[torch.Tensor, bool]]:
-        return [(self.embedding.weight if self.tied else self.weight, False)]
+    def gemm_calls(self) -> list[GemmCall]:
+        return [GemmCall(self.embedding.weight if self.tied else self.weight, False)]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embedding.weight if self.tied else self.weight

@@ -1,4 +1,4 @@
-"""Loading FP8 linear weights: checkpoint scales -> our layout (ops/fp8.py), and the choice of
+"""Loading FP8 linear weights: checkpoint scales -> our layout (ops/gemm/fp8.py), and the choice of
 which fused layers are FP8 (a fused layer's parts must all be, or none)."""
 
 from __future__ import annotations
@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from minisgl.core.quant_config import BLOCK, QuantConfig
-from minisgl.ops.fp8 import FP8, expand_block_scale
+from minisgl.ops.gemm.fp8 import FP8, expand_block_scale
 
 
 def layer_quant(cfg: QuantConfig | None, modules: list[str]) -> QuantConfig | None:
     """The quantization of the layer fusing the HF modules `modules` (None: 16-bit)."""
-    if cfg is None:
+    if cfg is None or cfg.fmt == "mxfp4":  # MXFP4 checkpoints (GPT-OSS) quantize MoE experts only
         return None
     quantized = [cfg.quantizes(m) for m in modules]
     if all(quantized):
@@ -21,8 +21,8 @@ def layer_quant(cfg: QuantConfig | None, modules: list[str]) -> QuantConfig | No
     fp8 = [m for m, q in zip(modules, quantized, strict=True) if q]
     kept = [m for m, q in zip(modules, quantized, strict=True) if not q]
     raise ValueError(
-        f"{', '.join(fp8)} would be FP8 but {', '.join(kept)} not (the quantization_config's ignore list): "
-        "minisgl fuses them into one layer, which must be all FP8 or all 16-bit"
+        f"{', '.join(fp8)} would be quantized but {', '.join(kept)} not (the quantization_config's ignore list): "
+        "minisgl fuses them into one layer, which must be all quantized or all 16-bit"
     )
 
 

@@ -3,13 +3,19 @@ copies that shard out of the full checkpoint tensor on load (so no rank keeps a 
 
 Column-parallel: the output features are split across ranks (q/k/v, gate/up).
 Row-parallel: the input features are split; partial outputs are summed by all-reduce (o, down).
-The GEMMs go through ops.linear (our skinny kernel or cuBLAS, per measured shape and M);
-`gemm_calls` lists them for the engine, which measures that choice at start.
+The GEMMs go through ops.linear, one entry for every weight format (ops/gemm/dispatch.py: our
+skinny kernel or the large-batch path, per format, measured shape and M); `gemm_calls` lists
+them for the engine, which measures that choice at start.
 
-With `quant` (a QuantConfig) a layer is FP8: weight e4m3 [N, K] and fp32 weight_scale
-[N, ceil(K / block_k)] (ops/fp8.py has the layout), loaded from an FP8 checkpoint's weight and
-scale tensors (any order), or quantized per output channel on load from a 16-bit weight
-(`--quantization fp8`); its GEMM is ops.fp8_linear.
+With `quant` (a QuantConfig) a layer is quantized, its format `fmt` (one state, one load path
+and one GEMM call for every format; ops.linear takes the tensors as they are):
+- "fp8": weight e4m3 [N, K] and fp32 weight_scale [N, ceil(K / block_k)] (ops/gemm/fp8.py has the
+  layout), loaded from an FP8 checkpoint's weight and scale tensors (any order), or quantized per
+  output channel on load from a 16-bit weight (`--quantization fp8`);
+- "int4": weight int32 [N, K / 8], weight_scale and weight_zero [N, K / G] (kernels/quant4.py),
+  repacked at load from the checkpoint format's tensors of each part once all have arrived
+  (layers/quant4_load.py); GPTQ act-order: `act_perm` permutes x's columns as K was permuted.
+TP: 4-bit K shards must start and end on group boundaries (refused otherwise).
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from minisgl import ops
 from minisgl.core.quant_config import BLOCK, QuantConfig
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.layers.fp8_load import check_weight_dtype, scale_rows
-from minisgl.ops.fp8 import FP8, quantize_rows
-from minisgl.ops.linear import fp8_linear
+from minisgl.layers.quant4_load import checkpoint_kinds, to_int4
+from minisgl.ops.gemm import DENSE, INT4
+from minisgl.ops.gemm.fp8 import FP8, quantize_rows
+from minisgl.ops.gemm.table import GemmCall
 
 
 def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
@@ -30,12 +38,26 @@ def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
         raise ValueError(f"tensor {name} has shape {tuple(got)}, expected {tuple(want)}")
 
 
-class _Fp8Mixin(nn.Module):
-    """The FP8 state shared by both layer kinds: `quant`, `block_k`, `weight_scale` (or None)."""
+class _QuantMixin(nn.Module):
+    """The weight state shared by both layer kinds, for every format: `quant`, `fmt`, `weight`,
+    `weight_scale` and `weight_zero` (or None), `block_k`, `act_perm`; `checkpoint_kinds`: the
+    tensor suffixes of one part in the checkpoint where they are not `weight` (4-bit formats)."""
 
-    def _make_weight(self, out: int, k: int, quant: QuantConfig | None) -> None:
+    silu_and_mul = False
+    act_perm: torch.Tensor | None = None
+    checkpoint_kinds: tuple[str, ...] | None = None
+
+    def _make_weight(self, out: int, k: int, quant: QuantConfig | None, k_range: tuple[int, int] | None = None,
+                     ) -> None:
+        """`k_range`: (start, size) of this rank's K in the full K (row-parallel), else all of K."""
         self.quant = quant
+        self.fmt = quant.fmt if quant else DENSE
         self.block_k = 0
+        self.k_range = k_range or (0, k)
+        self.register_parameter("weight_zero", None)
+        if self.fmt == INT4:
+            self._make_int4(out, k, quant)
+            return
         self.weight = nn.Parameter(torch.empty(out, k, dtype=FP8 if quant else None), requires_grad=False)
         if quant is None:
             self.register_parameter("weight_scale", None)
@@ -67,13 +89,66 @@ class _Fp8Mixin(nn.Module):
             expanded = expanded[:, k_start // BLOCK : k_start // BLOCK + kb]
         self.weight_scale.data[rows].copy_(expanded)
 
+    def _make_int4(self, out: int, k: int, quant: QuantConfig) -> None:
+        start, size = self.k_range
+        g = quant.group or k
+        if quant.group and (start % g or size % g):
+            raise ValueError(f"tensor-parallel shard of K at {start}..{start + size} does not fall on the 4-bit "
+                             f"checkpoint's groups of {g}: use a smaller tensor-parallel size")
+        if k % 8:
+            raise ValueError(f"a 4-bit layer needs K divisible by 8, got {k}")
+        self.checkpoint_kinds = checkpoint_kinds(quant)
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        self._perms: list[torch.Tensor | None] = []
+        self.weight = nn.Parameter(torch.empty(out, k // 8, dtype=torch.int32), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out, k // g), requires_grad=False)
+        self.weight_zero = nn.Parameter(torch.empty(out, k // g), requires_grad=False)
+
+    def _load_int4(self, name: str, kind: str, full: torch.Tensor, part: int, n_full: int, src: slice,
+                   rows: slice) -> None:
+        """Keeps `full` until every tensor of the part has come, then repacks the part and stores
+        this rank's rows `src` (of the full part) at local `rows`, its K range."""
+        if kind not in self.checkpoint_kinds:
+            raise ValueError(f"unexpected tensor {name}: a {self.quant.method} layer has {self.checkpoint_kinds}")
+        got = self._pending.setdefault(part, {})
+        got[kind] = full
+        if len(got) < len(self.checkpoint_kinds):
+            return
+        del self._pending[part]
+        start, size = self.k_range
+        k_full = self.in_features
+        module = name.rpartition(".")[0]
+        qw, scales, zeros, perm = to_int4(self.quant, got, module, n_full, k_full)
+        if perm is not None and size != k_full:
+            raise ValueError(f"{module}: GPTQ act-order (desc_act) with tensor parallelism splitting K is not "
+                             "supported: use tensor-parallel size 1")
+        if self._perms and not _same(self._perms[0], perm):
+            raise ValueError(f"{module}: its g_idx order differs from the other parts' of the fused layer; minisgl "
+                             "fuses them into one GEMM over one order of x")
+        self._perms.append(perm)
+        if perm is not None:
+            self.act_perm = perm.to(self.weight.device)
+        g = self.quant.group or k_full
+        groups = slice(start // g, start // g + self.weight_scale.size(1))
+        self.weight.data[rows].copy_(qw[src, start // 8 : (start + size) // 8])
+        self.weight_scale.data[rows].copy_(scales[src, groups])
+        self.weight_zero.data[rows].copy_(zeros[src, groups])
+
     def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
-        if self.weight_scale is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, self.block_k, bias, silu)
-        return ops.linear(x, self.weight, bias, silu=silu)
+        if self.act_perm is not None:
+            x = x.index_select(-1, self.act_perm)
+        return ops.linear(x, self.weight, bias, silu, fmt=self.fmt, scale=self.weight_scale, zeros=self.weight_zero,
+                          block_k=self.block_k)
+
+    def gemm_calls(self) -> list[GemmCall]:
+        return [GemmCall(self.weight, bool(self.silu_and_mul), self.fmt, self.weight_scale, self.block_k)]
 
 
-class MergedColumnParallelLinear(_Fp8Mixin):
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+class MergedColumnParallelLinear(_QuantMixin):
     """Several column-parallel projections fused into one matmul, e.g. gate/up.
 
     `out_sizes` are the full (unsharded) output sizes of the parts; each part is split
@@ -81,8 +156,6 @@ class MergedColumnParallelLinear(_Fp8Mixin):
     `silu_and_mul` (two equal parts: gate, up): the output is silu(gate) * up [T, inter], the
     activation fused into the GEMM's epilogue where our kernel runs.
     """
-
-    silu_and_mul = False
 
     def __init__(
         self, in_features: int, out_sizes: list[int], bias: bool, tp: TPInfo, silu_and_mul: bool = False,
@@ -108,6 +181,10 @@ class MergedColumnParallelLinear(_Fp8Mixin):
 
     def load_part(self, name: str, param: str, full: torch.Tensor, part: int) -> None:
         offset, size, start = self.part_range(part)
+        if self.checkpoint_kinds is not None and param != "bias":
+            self._load_int4(name, param, full, part, self.full_sizes[part], slice(start, start + size),
+                            slice(offset, offset + size))
+            return
         if param == "weight_scale":
             self._store_scale(name, full, self.full_sizes[part], self.in_features, slice(start, start + size),
                               slice(offset, offset + size), 0)
@@ -124,9 +201,6 @@ class MergedColumnParallelLinear(_Fp8Mixin):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._gemm(x, self.bias, self.silu_and_mul)
-
-    def gemm_calls(self) -> list[tuple[torch.Tensor, bool]]:
-        return [(self.weight, self.silu_and_mul)]
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
@@ -161,7 +235,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         return sum(self.local_sizes[:part]), self.local_sizes[part], self._starts[part]
 
 
-class RowParallelLinear(_Fp8Mixin):
+class RowParallelLinear(_QuantMixin):
     """`reduce=False` returns this rank's partial sum (the caller reduces once for several, as the
     MoE block does for the routed and the shared experts); it then takes no bias."""
 
@@ -181,7 +255,7 @@ class RowParallelLinear(_Fp8Mixin):
                 f"tensor-parallel size {tp.size} splits an input size of {in_features} at {self.in_start}, "
                 "inside a 128 x 128 FP8 scale block: use a smaller tensor-parallel size"
             )
-        self._make_weight(out_features, self.local_in, quant)
+        self._make_weight(out_features, self.local_in, quant, (self.in_start, self.local_in))
         # The bias is added once, after the reduction (rank 0's copy would be summed N times).
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
@@ -193,6 +267,9 @@ class RowParallelLinear(_Fp8Mixin):
             self.bias.data.copy_(full)
             return
         rows = slice(0, self.out_features)
+        if self.checkpoint_kinds is not None:
+            self._load_int4(name, param, full, 0, self.out_features, rows, rows)
+            return
         if param == "weight_scale":
             self._store_scale(name, full, self.out_features, self.in_features, rows, rows, self.in_start)
             return
@@ -212,20 +289,8 @@ class RowParallelLinear(_Fp8Mixin):
             raise ValueError("a row-parallel layer with a bias adds it after its own all-reduce: call it whole")
         return self._gemm(x, None, False)
 
-    def gemm_calls(self) -> list[tuple[torch.Tensor, bool]]:
-        return [(self.weight, False)]
 
-
-def gemm_calls(model: nn.Module) -> list[tuple[torch.Tensor, bool]]:
-    """(weight, silu) of every GEMM the model runs through ops.linear, one per layer call (FP8
-    layers' e4m3 weights among them are skipped by the 16-bit tuning: see fp8_gemm_calls)."""
+def gemm_calls(model: nn.Module) -> list[GemmCall]:
+    """Every GEMM the model runs through ops.linear, one per layer call, in its weight format
+    (ops/gemm/tuning.py times those the skinny template takes)."""
     return [call for mod in model.modules() if hasattr(mod, "gemm_calls") for call in mod.gemm_calls()]
-
-
-def fp8_gemm_calls(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, int, bool]]:
-    """(weight e4m3, weight_scale, block_k, silu) of every FP8 layer (ops.fp8_tuning times them)."""
-    return [
-        (mod.weight, mod.weight_scale, mod.block_k, bool(getattr(mod, "silu_and_mul", False)))
-        for mod in model.modules()
-        if isinstance(mod, _Fp8Mixin) and mod.weight_scale is not None
-    ]

@@ -32,7 +32,38 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     return inv_freq
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    # YaRN (as transformers computes it): dimensions that rotate more than beta_fast times over
+    # the original context keep their frequency, those under beta_slow are slowed by `factor`,
+    # a linear ramp between.
+    def correction_dim(rotations: float) -> float:
+        old = scaling.original_max_position_embeddings
+        return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the original (extrapolated) frequency
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def rope_attention_factor(scaling: RopeScaling) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for the other kinds)."""
+    if scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
 
 
 class RotaryEmbedding(nn.Module):
@@ -43,7 +74,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
         t = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        mscale = rope_attention_factor(scaling)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mscale,
+                             persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
         """Rotates q [T, Hq, D] and k [T, Hkv, D] in place."""

@@ -112,6 +112,10 @@ class StatsMsg:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_verified: int = 0
+    # The sliding-window KV group (models with sliding layers; 0 without one): slots in use
+    # (held by requests; evictable cached ones count as free) and in all.
+    kv_swa_used: int = 0
+    kv_swa_total: int = 0
     # The host KV tier (--host-kv-cache-gb): bytes held now; cumulative prefix hits served from
     # it, tokens loaded back and the seconds those loads took.
     host_kv_bytes: int = 0

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from minisgl import ops
 from minisgl.attention.base import AttentionBackend
 from minisgl.core.batch import ForwardBatch
 from minisgl.core.model_config import ModelConfig
@@ -28,7 +29,7 @@ from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.logging_setup import log_once
-from minisgl.ops.fp8 import FP8
+from minisgl.ops.gemm.fp8 import FP8
 
 
 class LlamaAttention(nn.Module):
@@ -44,8 +45,12 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.local_q_heads
         self.num_kv_heads = self.qkv_proj.local_kv_heads
         self.o_proj = RowParallelLinear(
-            cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, comm, quant=layer_quant(q, [f"{p}.o_proj"])
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, comm, quant=layer_quant(q, [f"{p}.o_proj"])
         )
+        # GPT-OSS: a learned logit per head in every softmax denominator (fp32, this rank's heads).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False) \
+            if cfg.attn_sinks else None
+        self.q_head_start = tp.rank * self.num_heads
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -68,17 +73,29 @@ class LlamaAttention(nn.Module):
             self.rope.forward_with_qk_norm(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         else:
             self.rope(positions, q, k)
-        o = attn.forward(q, k, v, self.layer_id, batch).reshape(t, q_size)
+        o = attn.forward(q, k, v, self.layer_id, batch, sinks=self.sinks).reshape(t, q_size)
         return self.o_proj.partial(o) if partial else self.o_proj(o)
+
+
+    def load_sinks(self, name: str, full: torch.Tensor) -> None:
+        """GPT-OSS's sinks [num_heads]: this rank's heads."""
+        if self.sinks is None:
+            raise ValueError(f"unexpected tensor {name} in the checkpoint")
+        start, n = self.q_head_start, self.sinks.shape[0]
+        if full.dim() != 1 or full.shape[0] < start + n:
+            raise ValueError(f"tensor {name} has shape {tuple(full.shape)}, expected one logit per attention head")
+        self.sinks.data.copy_(full[start : start + n])
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator, prefix: str = "mlp"):
         super().__init__()
         inter, q = cfg.intermediate_size, cfg.quantization
-        # gate_up_proj gives silu(gate) * up: the activation is its GEMM's epilogue.
+        # gate_up_proj gives silu(gate) * up: the activation is its GEMM's epilogue. Gemma's
+        # gelu-tanh runs after the GEMM (ops.gelu_tanh_and_mul).
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [inter, inter], False, tp, silu_and_mul=True,
+            cfg.hidden_size, [inter, inter], False, tp, silu_and_mul=not self.gelu,
             quant=layer_quant(q, [f"{prefix}.gate_proj", f"{prefix}.up_proj"]),
         )
         self.down_proj = RowParallelLinear(
@@ -88,6 +105,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
         """partial: return this rank's unreduced down_proj output (the caller reduces it)."""
         h = self.gate_up_proj(x)
+        if self.gelu:
+            h = ops.gelu_tanh_and_mul(h)
         return self.down_proj.partial(h) if partial else self.down_proj(h)
 
 
@@ -95,8 +114,10 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, tp, comm, rope)
-        if cfg.is_sparse_layer(layer_id):  # 16-bit only (FP8 experts are not built)
-            self.mlp = SparseMoeBlock(cfg, tp, comm)
+        if cfg.is_sparse_layer(layer_id):  # 16-bit or INT4 experts (FP8 experts are not built)
+            p, q = f"model.layers.{layer_id}.mlp", cfg.quantization
+            shared = [f"{p}.shared_expert.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+            self.mlp = SparseMoeBlock(cfg, tp, comm, layer_quant(q, [f"{p}.experts"]), layer_quant(q, shared))
         else:
             self.mlp = LlamaMLP(cfg, tp, comm, f"model.layers.{layer_id}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -105,7 +126,7 @@ class LlamaDecoderLayer(nn.Module):
         # With TP the row-parallel outputs (o_proj, a dense down_proj) stay unreduced partial
         # sums: the norm after each reduces them, where it can in the same kernel as its
         # residual add (RMSNorm.forward_with_residual). An MoE block reduces its own output.
-        self.attn_partial = tp.size > 1
+        self.attn_partial = tp.size > 1 and not cfg.o_bias  # a biased o_proj reduces itself
         self.mlp_partial = self.attn_partial and isinstance(self.mlp, LlamaMLP)
 
     def forward(
@@ -139,6 +160,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, comm)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp, comm, rope) for i in range(cfg.num_layers))
+        if cfg.local_rope_theta is not None:
+            raise ValueError(f"{cfg.architecture}: a rope per layer kind is built by its own model (gemma3.py)")
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # EAGLE-3 drafting reads the residual stream entering these layers (len(layers): the
         # stream after the last one), concatenated in this order into aux_hidden [T, n * hidden]
@@ -176,20 +199,22 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.)?(k_scale|v_scale|kv_scale)$")
 # Routed experts: one tensor per expert and projection, or (transformers 5's in-memory form)
 # all experts stacked per projection. Names as canonical_name() gives them.
-_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$")
+_EXPERT = re.compile(
+    r"^(.+\.mlp\.experts)\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)|(gate_up_proj|down_proj)(_bias)?)$"
+)
 _MIXTRAL_EXPERT = re.compile(r"^(.+\.mlp\.experts\.\d+)\.(w1|w2|w3)\.weight$")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def canonical_name(name: str) -> str:
     """Mixtral's block_sparse_moe.experts.N.w1/w3/w2 -> mlp.experts.N.gate/up/down_proj."""
-    name = name.replace(".block_sparse_moe.", ".mlp.")
+    name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")  # GPT-OSS's router
     m = _MIXTRAL_EXPERT.match(name)
     return f"{m[1]}.{_MIXTRAL_PROJ[m[2]]}.weight" if m else name
 
 
-def _expert_names(experts: str, num_experts: int, projs: tuple[str, ...]) -> list[str]:
-    return [f"{experts}.{e}.{p}.weight" for e in range(num_experts) for p in projs]
+def _expert_names(experts: str, num_experts: int, projs: tuple[str, ...], kinds=("weight",)) -> list[str]:
+    return [f"{experts}.{e}.{p}.{k}" for e in range(num_experts) for p in projs for k in kinds]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -217,6 +242,9 @@ class LlamaForCausalLM(nn.Module):
         if not all_positions:
             h = h[batch.sample_rows if batch.logit_rows is None else batch.logit_rows]
         logits = self.lm_head(h)
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         if logits_out is None:
             return logits.float()
         return logits_out.copy_(logits)
@@ -232,15 +260,28 @@ class LlamaForCausalLM(nn.Module):
                 continue
             mod, _, kind = pname.rpartition(".")
             head, _, last = mod.rpartition(".")
-            if last == "experts":  # the stacked w13 / w2 of a MoE block
-                projs = ("gate_proj", "up_proj") if kind == "w13" else ("down_proj",)
-                names.update(_expert_names(mod, self.get_submodule(mod).num_experts, projs))
+            if last == "experts" and kind in ("b13", "b2"):  # GPT-OSS's expert biases
+                names.add(f"{mod}.{'gate_up_proj_bias' if kind == 'b13' else 'down_proj_bias'}")
                 continue
+            if last == "experts":  # the stacked w13 / w2 of a MoE block (4-bit: and their scales, zeros)
+                if kind in ("w13", "w2"):
+                    projs = ("gate_proj", "up_proj") if kind == "w13" else ("down_proj",)
+                    experts = self.get_submodule(mod)
+                    kinds = experts.checkpoint_kinds or ("weight",)
+                    names.update(_expert_names(mod, experts.num_experts, projs, kinds))
+                continue
+            ckpt = getattr(self.get_submodule(mod), "checkpoint_kinds", None)
+            if ckpt is not None:  # a 4-bit layer: its parameters are repacked from these tensors
+                if kind not in ("weight", "bias"):
+                    continue
+                kinds = ckpt if kind == "weight" else ("bias",)
+            else:
+                kinds = (kind,)
             parts = 3 if last == "qkv_proj" else 2 if last == "gate_up_proj" else 0
             if parts:
-                names.update(f"{head}.{inverse[(last, p)]}.{kind}" for p in range(parts))
+                names.update(f"{head}.{inverse[(last, p)]}.{k}" for p in range(parts) for k in kinds)
             else:
-                names.add(pname)
+                names.update(f"{mod}.{k}" for k in kinds)
         return names
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -260,14 +301,16 @@ class LlamaForCausalLM(nn.Module):
             if quant is not None and self._fp8_extra(hf_name, tensor):
                 continue
             name = canonical_name(hf_name)
-            if quant is not None and name.endswith(f".{quant.scale_name}"):  # our parameter's name
+            if quant is not None and quant.scale_name and name.endswith(f".{quant.scale_name}"):  # our name
                 name = name.removesuffix(f".{quant.scale_name}") + ".weight_scale"
             if tensor.dtype == FP8 and (_EXPERT.match(name) or ".experts." in name):
                 raise ValueError(f"tensor {hf_name}: FP8 MoE experts are not supported (only dense linear layers)")
             expert = _EXPERT.match(name)
             covers = [name]
-            if expert and expert[4]:  # stacked: stands for every expert's tensors of its projections
-                projs = ("gate_proj", "up_proj") if expert[4] == "gate_up_proj" else ("down_proj",)
+            if expert and expert[6]:  # a stacked bias (GPT-OSS) stands for itself
+                pass
+            elif expert and expert[5]:  # stacked: stands for every expert's tensors of its projections
+                projs = ("gate_proj", "up_proj") if expert[5] == "gate_up_proj" else ("down_proj",)
                 covers = _expert_names(expert[1], getattr(modules.get(expert[1]), "num_experts", 0), projs)
             if not covers or any(c not in expected for c in covers):
                 raise ValueError(f"unexpected tensor {hf_name} in the checkpoint")
@@ -277,11 +320,14 @@ class LlamaForCausalLM(nn.Module):
             if any(c in seen for c in covers):
                 raise ValueError(f"tensor {hf_name} appears twice in the checkpoint")
             seen.update(covers)
-            if expert and expert[4]:
-                modules[expert[1]].load_stacked(hf_name, expert[4], tensor)
+            if expert and expert[5]:
+                modules[expert[1]].load_stacked(hf_name, expert[5] + (expert[6] or ""), tensor)
+                continue
+            if name.endswith(".self_attn.sinks"):
+                modules[name.removesuffix(".sinks")].load_sinks(hf_name, tensor)
                 continue
             if expert:
-                modules[expert[1]].load_expert(hf_name, int(expert[2]), expert[3], tensor)
+                modules[expert[1]].load_expert(hf_name, int(expert[2]), expert[3], tensor, expert[4])
                 continue
             mod_name, _, kind = name.rpartition(".")
             head, _, last = mod_name.rpartition(".")
@@ -298,7 +344,7 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
                 param.data.copy_(tensor)
         missing = sorted(expected - seen)
-        if missing and quant is not None:  # name scales as the checkpoint does
+        if missing and quant is not None and quant.scale_name:  # name scales as the checkpoint does
             missing = [m.removesuffix(".weight_scale") + f".{quant.scale_name}" if m.endswith(".weight_scale") else m
                        for m in missing]
         if missing:

@@ -7,6 +7,7 @@ import torch
 
 from minisgl.core.model_config import ModelConfig
 from minisgl.distributed.info import Communicator, TPInfo
+from minisgl.models.gemma3 import Gemma3ForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
 from minisgl.models.source import ModelSource
 from minisgl.models.weights import fill_dummy, iter_safetensors
@@ -31,7 +32,8 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(model_cfg, tp, comm, max_model_len, device)
+            cls = Gemma3ForCausalLM if model_cfg.is_gemma3 else LlamaForCausalLM
+            model = cls(model_cfg, tp, comm, max_model_len, device)
     finally:
         torch.set_default_dtype(default_dtype)
     model.needs_lm_head = lm_head

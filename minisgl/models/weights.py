@@ -38,11 +38,21 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def fill_dummy(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights of the real shapes (benchmarks without checkpoints). Norm weights are
     ones and other weights small, so activations stay in a realistic range. FP8 layers get
-    e4m3 values uniform in [-448, 448] and scales 0.02 / 448 (the same range dequantized)."""
+    e4m3 values uniform in [-448, 448] and scales 0.02 / 448 (the same range dequantized); INT4
+    layers random nibbles, zeros 8 and scales 0.02 / 8 (likewise)."""
     gens: dict[torch.device, torch.Generator] = {}
+    params = dict(model.named_parameters())
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.fill_(1.0)
+            continue
+        packed = params.get(name.removesuffix("_scale").removesuffix("_zero"))
+        if name.endswith(("_scale", "_zero")) and packed is not None and packed.dtype == torch.int32:
+            p.data.fill_(8.0 if name.endswith("_zero") else 0.02 / 8)  # INT4: (q - 8) * s within +-0.02
+            continue
+        if p.dtype == torch.int32:  # INT4 words: every nibble uniform in 0..15
+            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            p.data.random_(-(2**31), 2**31 - 1, generator=gen)
             continue
         if name.endswith(".weight_scale"):
             p.data.fill_(0.02 / 448.0)

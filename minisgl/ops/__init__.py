@@ -1,7 +1,7 @@
 """The one place that picks an implementation per op: minisgl._C (CUDA), Triton, or the
 torch reference. Each wrapper checks its arguments (ValueError naming the argument) first."""
 
-from minisgl.ops.activation import silu_and_mul
+from minisgl.ops.activation import gelu_tanh_and_mul, silu_and_mul
 from minisgl.ops.attention import (
     decode_attention_triton,
     extend_attention,
@@ -12,14 +12,19 @@ from minisgl.ops.attention import (
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.deterministic import is_deterministic, logsumexp_rows, set_deterministic
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
-from minisgl.ops.linear import linear
+from minisgl.ops.gemm import linear, skinny_gemm, skinny_gemm_reference
+from minisgl.ops.linear_attention import (
+    causal_conv1d_decode,
+    causal_conv1d_prefill,
+    gated_delta_rule_decode,
+    gated_delta_rule_prefill,
+)
 from minisgl.ops.logprobs import top_logprobs
 from minisgl.ops.moe import fused_experts, fused_moe, moe_align, moe_route
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
 from minisgl.ops.penalties import apply_penalties
 from minisgl.ops.rope import apply_rope, qk_norm_rope
 from minisgl.ops.sampling import sample
-from minisgl.ops.skinny_gemm import skinny_gemm, skinny_gemm_reference
 from minisgl.ops.spec_accept import spec_accept
 from minisgl.ops.store import store_kv, store_kv_reference
 from minisgl.ops.token_bitmask import apply_token_bitmask
@@ -28,6 +33,8 @@ __all__ = [
     "apply_penalties",
     "apply_token_bitmask",
     "apply_rope",
+    "causal_conv1d_decode",
+    "causal_conv1d_prefill",
     "decode_attention_triton",
     "embedding_lookup",
     "embedding_lookup_reference",
@@ -38,6 +45,9 @@ __all__ = [
     "fused_add_rmsnorm",
     "fused_experts",
     "fused_moe",
+    "gated_delta_rule_decode",
+    "gated_delta_rule_prefill",
+    "gelu_tanh_and_mul",
     "is_deterministic",
     "linear",
     "logsumexp_rows",

@@ -45,6 +45,18 @@ def _check_lens(batch: int, **lens: object) -> None:
         check_contiguous(name, t)
 
 
+def _check_window(q: torch.Tensor, window: int, sinks: object, deterministic: bool = False) -> None:
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: full attention), got {window}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dtype=torch.float32, ndim=1)
+        check_shape("sinks", sinks, (q.shape[1],))
+        check_contiguous("sinks", sinks)
+        check_same_device(q=q, sinks=sinks)
+    if deterministic and (window or sinks is not None):
+        raise ValueError("deterministic attention takes no sliding window or sinks")
+
+
 def _check_out(out: object, q: torch.Tensor) -> None:
     check_tensor("out", out, dtype=q.dtype, ndim=3)
     check_shape("out", out, tuple(q.shape))
@@ -56,7 +68,7 @@ def extend_attention(
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor, max_extend_len: int, scale: float, out: torch.Tensor | None = None,
     tiles: torch.Tensor | None = None, deterministic: bool = False, decode_max_seq_len: int | None = None,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] (head dim packed, row/head strides free); k_cache, v_cache [S, Hkv, D]
     holding every position's K/V, the new tokens' included; req_rows, prefix_lens, seq_lens
@@ -73,11 +85,15 @@ def extend_attention(
     and fixed key splits (kernels/deterministic_attention.py); its tiles then come from
     `extend_block_m(..., group, deterministic=True)`. With `decode_max_seq_len` (a decode step:
     one token per request, seq_lens <= that bound) a small batch runs the splits in parallel;
-    the bits are the same either way. An FP8 e4m3 cache holds K / k_scale and V / v_scale."""
+    the bits are the same either way. An FP8 e4m3 cache holds K / k_scale and V / v_scale.
+    `window` > 0: each query sees its last `window` keys only (older slots are never read);
+    `sinks` fp32 [Hq]: a logit per head in every softmax denominator (GPT-OSS)."""
     if not _checks.enabled():
         return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, seq_lens, cu_seqlens_q,
-                       max_extend_len, scale, out, tiles, deterministic, decode_max_seq_len, k_scale, v_scale)
+                       max_extend_len, scale, out, tiles, deterministic, decode_max_seq_len, k_scale, v_scale,
+                       window, sinks)
     check_tensor("q", q, dtype=_DTYPES, ndim=3)
+    _check_window(q, window, sinks, deterministic)
     _check_cache(q, k_cache, v_cache, req_to_slot)
     b = req_rows.shape[0] if isinstance(req_rows, torch.Tensor) else -1
     _check_lens(b, req_rows=req_rows, prefix_lens=prefix_lens, seq_lens=seq_lens)
@@ -102,7 +118,7 @@ def extend_attention(
                       req_rows=req_rows, prefix_lens=prefix_lens, seq_lens=seq_lens,
                       cu_seqlens_q=cu_seqlens_q)
     return _extend(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, seq_lens, cu_seqlens_q, max_extend_len,
-                   scale, out, tiles, deterministic, decode_max_seq_len, k_scale, v_scale)
+                   scale, out, tiles, deterministic, decode_max_seq_len, k_scale, v_scale, window, sinks)
 
 
 def _extend(
@@ -110,13 +126,13 @@ def _extend(
     req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
     max_extend_len: int, scale: float, out: torch.Tensor | None, tiles: torch.Tensor | None,
     deterministic: bool = False, decode_max_seq_len: int | None = None, k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    v_scale: float = 1.0, window: int = 0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if use_triton("extend_attention", q):
         if not deterministic:
             return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
                                          cu_seqlens_q, max_extend_len, scale, out, tiles=tiles,
-                                         k_scale=k_scale, v_scale=v_scale)
+                                         k_scale=k_scale, v_scale=v_scale, window=window, sinks=sinks)
         config, heads, split = _det.deterministic_config(q.shape[2], q.dtype, q.device,
                                                          q.shape[1] // k_cache.shape[1])
         if decode_max_seq_len is not None and tiles is not None and req_rows.shape[0] <= _det.SPLIT_DECODE_MAX_BATCH:
@@ -128,7 +144,7 @@ def _extend(
     log_cpu_reference_once("extend_attention")
     if tiles is None:
         ref = _ext.extend_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
-                                              cu_seqlens_q, scale * k_scale) * v_scale
+                                              cu_seqlens_q, scale * k_scale, window=window, sinks=sinks) * v_scale
         return ref.to(q.dtype) if out is None else out.copy_(ref)
     # As the kernel: only the requests the tiles cover, only their rows (a mixed step's decode
     # rows and the bucket's padding rows are left as they are).
@@ -139,7 +155,8 @@ def _extend(
         lo, hi = cu[b], cu[b + 1]
         one = torch.tensor([0, hi - lo], dtype=cu_seqlens_q.dtype, device=q.device)
         out[lo:hi] = _ext.extend_attention_reference(q[lo:hi], k_cache, v_cache, req_to_slot, req_rows[b : b + 1],
-                                                     prefix_lens[b : b + 1], one, scale * k_scale) * v_scale
+                                                     prefix_lens[b : b + 1], one, scale * k_scale, window=window,
+                                                     sinks=sinks) * v_scale
     return out
 
 
@@ -160,13 +177,16 @@ extend_tile_capacity = _ext.tile_capacity
 def decode_attention_triton(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,
     req_rows: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    out: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D]: one new token per request (its K/V already stored), attending to
-    positions 0..seq_lens[b]-1; seq_lens[b] <= max_seq_len (a fixed bound keeps a captured CUDA
-    graph valid). Split-K flash decoding; returns [B, Hq, D] in q's dtype."""
+    positions 0..seq_lens[b]-1 (the last `window` of them when > 0; `sinks` fp32 [Hq] join
+    the denominators); seq_lens[b] <= max_seq_len (a fixed bound keeps a captured CUDA graph
+    valid). Split-K flash decoding; returns [B, Hq, D] in q's dtype."""
     if _checks.enabled():
         check_tensor("q", q, dtype=_DTYPES, ndim=3)
+        _check_window(q, window, sinks)
         _check_cache(q, k_cache, v_cache, req_to_slot)
         _check_lens(q.shape[0], req_rows=req_rows, seq_lens=seq_lens)
         if out is not None:
@@ -177,10 +197,11 @@ def decode_attention_triton(
                           req_rows=req_rows, seq_lens=seq_lens)
     if use_triton("decode_attention_triton", q):
         return _dec.decode_attention(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens,
-                                     max_seq_len, scale, out, k_scale=k_scale, v_scale=v_scale)
+                                     max_seq_len, scale, out, k_scale=k_scale, v_scale=v_scale, window=window,
+                                     sinks=sinks)
     log_cpu_reference_once("decode_attention_triton")
     ref = _dec.decode_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, seq_lens,
-                                          scale * k_scale) * v_scale
+                                          scale * k_scale, window=window, sinks=sinks) * v_scale
     if out is None:
         return ref.to(q.dtype)
     out.copy_(ref)

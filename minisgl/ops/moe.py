@@ -12,6 +12,7 @@ from minisgl import env
 from minisgl.kernels import fused_moe as _gemm
 from minisgl.kernels import moe_align as _align
 from minisgl.kernels import moe_routing as _route
+from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.kernels.fused_moe_config import MoeTileConfig, get_config, use_config_file
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
@@ -61,6 +62,30 @@ def _device_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
+def check_shared(x: torch.Tensor, shared: object, shared_gate: object) -> None:
+    """Qwen2-MoE's shared expert output [T, H] and its gate logit [T, 1], or neither."""
+    if (shared is None) != (shared_gate is None):
+        raise ValueError("shared and shared_gate go together: give both or neither")
+    if shared is not None:
+        check_tensor("shared", shared, dtype=x.dtype, ndim=2)
+        check_shape("shared", shared, tuple(x.shape))
+        check_contiguous("shared", shared)
+        check_tensor("shared_gate", shared_gate, dtype=_DTYPES, ndim=2)
+        check_shape("shared_gate", shared_gate, (x.shape[0], 1))
+        check_same_device(x=x, shared=shared, shared_gate=shared_gate)
+
+
+def check_topk(x: torch.Tensor, topk_weights: object, topk_ids: object) -> None:
+    """A given routing: topk_ids int32 [T, k], topk_weights fp32 [T, k], both contiguous."""
+    check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
+    check_shape("topk_ids", topk_ids, (x.shape[0], None))
+    check_contiguous("topk_ids", topk_ids)
+    check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2)
+    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
+    check_contiguous("topk_weights", topk_weights)
+    check_same_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+
+
 def _check_experts(x: object, w13: object, w2: object, shared: object, shared_gate: object) -> None:
     check_tensor("x", x, dtype=_DTYPES, ndim=2)
     check_inner_contiguous("x", x)
@@ -72,23 +97,31 @@ def _check_experts(x: object, w13: object, w2: object, shared: object, shared_ga
     check_shape("w2", w2, (e, h, two_i // 2))
     check_contiguous("w13", w13)
     check_contiguous("w2", w2)
-    if (shared is None) != (shared_gate is None):
-        raise ValueError("shared and shared_gate go together: give both or neither")
-    if shared is not None:
-        check_tensor("shared", shared, dtype=x.dtype, ndim=2)
-        check_shape("shared", shared, tuple(x.shape))
-        check_contiguous("shared", shared)
-        check_tensor("shared_gate", shared_gate, dtype=_DTYPES, ndim=2)
-        check_shape("shared_gate", shared_gate, (x.shape[0], 1))
-        check_same_device(x=x, shared=shared, shared_gate=shared_gate)
+    check_shared(x, shared, shared_gate)
     check_same_device(x=x, w13=w13, w2=w2)
+
+
+def _check_biases(w13: torch.Tensor, w2: torch.Tensor, b13: object, b2: object, act: object) -> None:
+    if (b13 is None) != (b2 is None):
+        raise ValueError("b13 and b2 go together: give both or neither")
+    if b13 is not None:
+        check_tensor("b13", b13, dtype=w13.dtype, ndim=2)
+        check_shape("b13", b13, tuple(w13.shape[:2]))
+        check_contiguous("b13", b13)
+        check_tensor("b2", b2, dtype=w2.dtype, ndim=2)
+        check_shape("b2", b2, tuple(w2.shape[:2]))
+        check_contiguous("b2", b2)
+        check_same_device(w13=w13, b13=b13, b2=b2)
+    if act is not None and (not isinstance(act, ExpertAct) or act.kind not in ("silu", "gpt_oss")):
+        raise ValueError(f"act must be an ExpertAct of kind 'silu' or 'gpt_oss', got {act!r}")
 
 
 def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, sorted_ids: torch.Tensor,
              expert_ids: torch.Tensor, top_k: int, cfg: MoeTileConfig, shared: torch.Tensor | None,
-             shared_gate: torch.Tensor | None) -> torch.Tensor:
-    inter = _gemm.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up)
-    y = _gemm.down_gemm(inter, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down)
+             shared_gate: torch.Tensor | None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+             act: ExpertAct | None = None) -> torch.Tensor:
+    inter = _gemm.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, b13=b13, act=act)
+    y = _gemm.down_gemm(inter, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, b2=b2)
     return _gemm.moe_sum(y, top_k, shared, shared_gate)
 
 
@@ -105,13 +138,7 @@ def fused_experts(
     topk_weights [T, k] fp32, topk_ids [T, k] int32 -> [T, H] = sum_j weight_j * expert_j(x)
     (+ sigmoid(shared_gate [T, 1]) * shared [T, H], Qwen2-MoE's shared expert)."""
     _check_experts(x, w13, w2, shared, shared_gate)
-    check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
-    check_shape("topk_ids", topk_ids, (x.shape[0], None))
-    check_contiguous("topk_ids", topk_ids)
-    check_tensor("topk_weights", topk_weights, dtype=torch.float32, ndim=2)
-    check_shape("topk_weights", topk_weights, tuple(topk_ids.shape))
-    check_contiguous("topk_weights", topk_weights)
-    check_same_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+    check_topk(x, topk_weights, topk_ids)
     if use_triton("fused_moe", x):
         top_k = topk_ids.shape[1]
         cfg = _config(x, w13, top_k)
@@ -124,19 +151,22 @@ def fused_experts(
 def fused_moe(
     x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     renormalize: bool, scoring: str = "softmax", shared: torch.Tensor | None = None,
-    shared_gate: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+    act: ExpertAct | None = None,
 ) -> torch.Tensor:
     """A whole MoE layer's experts: routing (moe_route) then fused_experts. Nothing is read back
     to the host and every size depends on T only, so CUDA graphs capture it; a decode-sized
-    batch routes and aligns in one kernel."""
+    batch routes and aligns in one kernel. b13 [E, 2I], b2 [E, H]: expert biases; act: the
+    gated activation (default SiLU; GPT-OSS's clamped SwiGLU)."""
     _check_experts(x, w13, w2, shared, shared_gate)
+    _check_biases(w13, w2, b13, b2, act)
     _check_routing(router_logits, top_k, scoring)
     check_shape("router_logits", router_logits, (x.shape[0], w13.shape[0]))
     check_same_device(x=x, router_logits=router_logits)
     if not use_triton("fused_moe", x):
         log_cpu_reference_once("fused_moe")
         weights, ids = _route.route_reference(router_logits, top_k, renormalize, scoring)
-        return _gemm.fused_experts_reference(x, w13, w2, weights, ids, shared, shared_gate)
+        return _gemm.fused_experts_reference(x, w13, w2, weights, ids, shared, shared_gate, b13, b2, act)
     cfg = _config(x, w13, top_k)
     num_experts = w13.shape[0]
     if _align.small_route_align_fits(x.shape[0], num_experts, top_k):
@@ -146,4 +176,4 @@ def fused_moe(
     else:
         weights, ids = _route.route(router_logits, top_k, renormalize, scoring)
         sorted_ids, expert_ids = _align.align(ids, num_experts, cfg.block_m)
-    return _experts(x, w13, w2, weights, sorted_ids, expert_ids, top_k, cfg, shared, shared_gate)
+    return _experts(x, w13, w2, weights, sorted_ids, expert_ids, top_k, cfg, shared, shared_gate, b13, b2, act)

@@ -8,7 +8,10 @@ max_tokens is all reasoning. An output that does not open with a block is all co
 
 from __future__ import annotations
 
-REASONING_PARSERS: dict[str, tuple[str, str]] = {"qwen3": ("<think>", "</think>")}
+# gpt-oss: harmony's analysis message; ChatOutput hands harmony output to parsers/harmony.py
+# (the markers here only serve reasoning_gate, which lets a grammar start at once for it).
+REASONING_PARSERS: dict[str, tuple[str, str]] = {
+    "qwen3": ("<think>", "</think>"), "gpt-oss": ("<|channel|>analysis<|message|>", "<|end|>")}
 
 
 def _partial_suffix(text: str, marker: str) -> int:

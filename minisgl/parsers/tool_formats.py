@@ -8,6 +8,9 @@ what the grammar of `tool_choice` "required" / a named function makes the model 
 - mistral (Mistral 7B v0.3 and later v3 tokenizers): `[TOOL_CALLS][{"name": NAME, "arguments":
   {...}}, ...]`. `[TOOL_CALLS]` is a special token that decoding normally drops, so a message
   that starts with the bare array `[{"name": ...` is read as calls too.
+- gpt-oss (GPT-OSS's harmony format): each call is its own message,
+  `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`; parsed by
+  parsers/harmony.py (with reasoning and content, as the channels say), not ToolCallParser.
 """
 
 from __future__ import annotations
@@ -38,9 +41,11 @@ TOOL_FORMATS: dict[str, ToolFormat] = {
     "hermes": ToolFormat("hermes", "<tool_call>", "</tool_call>", "", "arguments", None, ""),
     "llama3": ToolFormat("llama3", None, "", ";", "parameters", "{", ""),
     "mistral": ToolFormat("mistral", "[TOOL_CALLS]", "]", ",", "arguments", "[", "["),
+    "gpt-oss": ToolFormat("gpt-oss", "<|channel|>commentary to=functions.", "<|call|>", "", "", None, ""),
 }
 # Names other servers use for the same formats (vLLM/SGLang flags), for --tool-call-parser.
-ALIASES = {"qwen": "hermes", "qwen25": "hermes", "qwen3": "hermes", "llama3_json": "llama3", "llama": "llama3"}
+ALIASES = {"harmony": "gpt-oss", "openai": "gpt-oss",
+           "qwen": "hermes", "qwen25": "hermes", "qwen3": "hermes", "llama3_json": "llama3", "llama": "llama3"}
 
 
 def tool_format(name: str) -> ToolFormat:
@@ -55,6 +60,8 @@ def detect_tool_format(chat_template: str | None) -> str | None:
     if not chat_template:
         return None
     found = set()
+    if "<|channel|>" in chat_template and "<|message|>" in chat_template:
+        return "gpt-oss"  # harmony: its own markers; the others' words may appear in its text
     if "<tool_call>" in chat_template:
         found.add("hermes")
     if "[TOOL_CALLS]" in chat_template:
@@ -83,6 +90,8 @@ def tool_call_structural_tag(fmt: ToolFormat, tools: list[dict[str, Any]], paral
     """xgrammar structural tag that makes the model write one call (parallel False) or one or more
     calls to `tools` (OpenAI function tools) and nothing else: tool_choice "required", or a named
     function with `tools` holding just that one. The arguments follow each tool's JSON schema."""
+    if fmt.name == "gpt-oss":
+        return _harmony_calls(tools)
     tags = [_call_tag(fmt, t["function"]["name"], t["function"].get("parameters")) for t in tools]
     sep = {"hermes": "\n", "llama3": "; ", "mistral": ", "}[fmt.name]
     calls: dict[str, Any] = {
@@ -93,3 +102,22 @@ def tool_call_structural_tag(fmt: ToolFormat, tools: list[dict[str, Any]], paral
         calls = {"type": "sequence", "elements": [
             {"type": "const_string", "value": "["}, calls, {"type": "const_string", "value": "]"}]}
     return {"type": "structural_tag", "format": calls}
+
+
+def _harmony_calls(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """One harmony call: header, JSON arguments, then nothing but a stop token. `<|call|>` ends
+    the turn and is a stop token (GPT-OSS's generation config), so the grammar leaves it to the
+    stop: a grammar that spelled it out would only be met by plain-text pieces of it. One call a
+    turn is harmony's way (the next comes after the tool's result), so parallel is not offered."""
+    def tag(t: dict[str, Any]) -> dict[str, Any]:
+        schema = t["function"].get("parameters")
+        return {
+            "type": "tag",
+            "begin": f"<|channel|>commentary to=functions.{t['function']['name']} <|constrain|>json<|message|>",
+            "content": {"type": "json_schema", "json_schema": schema if schema is not None else True,
+                        "max_whitespace_cnt": 1},
+            "end": "",
+        }
+    return {"type": "structural_tag", "format": {
+        "type": "tags_with_separator", "tags": [tag(t) for t in tools], "separator": "",
+        "at_least_one": True, "stop_after_first": True}}

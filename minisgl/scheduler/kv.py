@@ -2,7 +2,13 @@
 
 Invariant (checked by `check_integrity`): every page is in exactly one place — the
 allocator's free list, the prefix cache, or the private pages of one active request
-(`req.pages` past its locked `req.match.pages`).
+(`req.pages` past its locked `req.match.pages`). The same holds for the sliding-window group's
+pages (`req.swa_pages`, one per page of `req.pages`, 0 where freed) and its own allocator.
+
+Sliding window W: before a step with `prefix` cached tokens a request needs sliding slots for
+positions >= prefix - W + 1 only (what its sliding layers read); whenever the scheduler next
+grows the request, the pages wholly below that are freed (or, where the cache owns them,
+offered to `cache.trim_swa`) and their table entries point at the dummy slot.
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ def make_host_tier(engine: Engine, cache: PrefixCache, gb: float) -> HostKVTier 
         return None
     if not isinstance(cache, RadixCache):
         raise ValueError("--host-kv-cache-gb needs the radix prefix cache; drop --cache naive")
-    if engine.model_config.has_sliding_layers:
-        raise ValueError("--host-kv-cache-gb does not support models with sliding-window layers yet "
-                         "(their window pool has no host tier); run without it")
+    if getattr(engine, "swa_allocator", None) is not None:
+        # A host copy would need each page's sliding KV too, and the radix cache's tombstones
+        # decide which exist: not built. Layers whose window covers the context share the one
+        # full pool (no sliding group), and those are served.
+        raise ValueError(f"--host-kv-cache-gb does not support {engine.model_config.architecture}: its sliding-window "
+                         "layers keep a window-sized KV pool group, which has no host tier yet; run without it")
     if engine.drafter is not None and engine.cfg.speculative_algorithm != "ngram":
         raise ValueError("--host-kv-cache-gb does not restore a draft model's KV yet; use it without "
                          f"--speculative-algorithm {engine.cfg.speculative_algorithm}")
@@ -44,21 +53,31 @@ class RequestKV:
         self.tier = make_host_tier(engine, cache, host_kv_cache_gb)
         self.page_size = engine.cfg.page_size
         self.allocator = engine.allocator
+        self.swa = getattr(engine, "swa_allocator", None)  # the sliding group's pages (or None)
+        self.window = engine.swa_window if self.swa is not None else 0  # W of the sliding group
         # Request-table writes wait here and go to the device in one copy (flush) per step.
         # Keyed by (row, position): a row freed and reused before a flush keeps the last write
         # only (one scatter with duplicate indices would pick a winner at random).
         self._pending: dict[tuple[int, int], int] = {}
+        self._pending_swa: dict[tuple[int, int], int] = {}
 
-    def _write(self, row: int, start: int, pages: list[int]) -> None:
-        for i, slot in enumerate(self.allocator.slot_ids(pages)):
-            self._pending[(row, start + i)] = slot
+    def _write(self, row: int, start: int, pages: list[int], swa: bool = False) -> None:
+        pending = self._pending_swa if swa else self._pending
+        for i, slot in enumerate(self.allocator.slot_ids(pages)):  # page 0: the dummy slots
+            pending[(row, start + i)] = slot
 
     def flush(self) -> None:
         """Sends the pending request-table writes (before the batch that reads them)."""
-        if self._pending:
-            keys = list(self._pending)
-            self.engine.write_slots([k[0] for k in keys], [k[1] for k in keys], list(self._pending.values()))
-            self._pending = {}
+        for pending, swa in ((self._pending, False), (self._pending_swa, True)):
+            if pending:
+                keys = list(pending)
+                self.engine.write_slots([k[0] for k in keys], [k[1] for k in keys], list(pending.values()), swa=swa)
+        self._pending, self._pending_swa = {}, {}
+
+    def _free_swa(self, pages: list[int]) -> None:
+        """Gives sliding pages (0s skipped) and those the cache dropped back to the allocator."""
+        if self.swa is not None:
+            self.swa.free([p for p in pages if p] + self.cache.take_freed_swa())
 
     def flush_cache(self, active: list[Request]) -> str | None:
         """Empties the prefix cache unless an `active` request holds some of its pages; returns
@@ -70,6 +89,7 @@ class RequestKV:
             return (f"{held} cached pages are in use by {holders} running request(s) sharing a cached prefix; "
                     "retry once they finish")
         self.allocator.free(self.cache.reset())
+        self._free_swa([])
         if self.tier is not None:
             self.tier.reset()
         return None
@@ -79,10 +99,36 @@ class RequestKV:
         """Free pages plus what eviction could free now."""
         return self.allocator.free_pages + self.cache.evictable_pages
 
+    def swa_stats(self) -> dict[str, int]:
+        """The sliding group's slots in all and in use (cached prefixes' evictable ones free),
+        for StatsMsg and /metrics; empty without a sliding group."""
+        if self.swa is None:
+            return {}
+        ps, total = self.page_size, self.swa.total_pages
+        used = total - self.swa.free_pages - self.cache.evictable_swa_pages
+        return {"kv_swa_slots_total": total * ps, "kv_swa_slots_used": used * ps}
+
     @property
     def free_rows(self) -> int:
         """Request-table rows free for new requests."""
         return self.engine.table.free_rows
+
+    def check_fits(self, req: Request, step_tokens: int) -> None:
+        """Raises ValueError if `req` could not run alone: all its tokens in the full pool, and
+        its window plus one step's new tokens (two partial pages) in the sliding pool."""
+        if self.pages_for(req.max_total_len) > self.allocator.total_pages:
+            raise ValueError(
+                f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds "
+                f"{self.allocator.total_pages * self.page_size}"
+            )
+        if self.swa is not None:
+            need = self.pages_for(min(req.max_total_len, self.window + step_tokens)) + 2
+            if need > self.swa.total_pages:
+                raise ValueError(
+                    f"request needs up to {need * self.page_size} sliding-window KV slots (window {self.window} + "
+                    f"a {step_tokens}-token step) but that pool holds {self.swa.total_pages * self.page_size}; "
+                    "raise --swa-full-tokens-ratio or lower --max-prefill-tokens"
+                )
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -128,20 +174,57 @@ class RequestKV:
         req.row = self.engine.table.allocate_row()
         if req.pages:
             self._write(req.row, 0, req.pages)
+        if self.swa is not None:
+            req.swa_pages, req.swa_lo = list(match.swa_pages), 0
+            self._write(req.row, 0, req.swa_pages, swa=True)
 
     def grow(self, req: Request, tokens: int) -> bool:
         """Ensures slots for positions [0, tokens); evicts cached prefixes if it must.
         Returns False (changing nothing) when the pool cannot hold it."""
+        self._trim(req)
         need = self.pages_for(tokens) - len(req.pages)
         if need <= 0:
             return True
-        if not self.reserve(need):
+        if not self.reserve(need) or not self.reserve_swa(need):
             return False
         start = len(req.pages) * self.page_size
         new = self.allocator.allocate(need)
         req.pages.extend(new)
         self._write(req.row, start, new)
+        if self.swa is not None:
+            new_swa = self.swa.allocate(need)
+            req.swa_pages.extend(new_swa)
+            self._write(req.row, start, new_swa, swa=True)
         return True
+
+    def _trim(self, req: Request) -> None:
+        """Frees the request's sliding pages wholly below its window (module docstring)."""
+        if self.swa is None or req.match is None:
+            return
+        bound = min(req.cached_len, req.seq_len - 1)  # the next step's prefix, at the least
+        lo = min(max(0, bound - self.window + 1) // self.page_size, len(req.swa_pages))
+        if lo <= req.swa_lo:
+            return
+        m = len(req.match.pages)
+        self._free_swa(req.swa_pages[max(m, req.swa_lo) : lo])
+        if req.swa_lo < min(lo, m):  # part of it is the cache's: it frees what no one reads
+            self.cache.trim_swa(req.match.handle, bound)
+            self._free_swa([])
+        req.swa_pages[req.swa_lo : lo] = [0] * (lo - req.swa_lo)
+        self._write(req.row, req.swa_lo * self.page_size, [0] * (lo - req.swa_lo), swa=True)
+        req.swa_lo = lo
+
+    def reserve_swa(self, pages: int) -> bool:
+        """Makes `pages` sliding pages free, evicting least-recently-used cached prefixes."""
+        if self.swa is None:
+            return True
+        short = pages - self.swa.free_pages
+        if short > 0:
+            if short > self.cache.evictable_swa_pages:
+                return False
+            self.allocator.free(self.cache.evict(0, short))
+            self._free_swa([])
+        return self.swa.free_pages >= pages
 
     def shrink(self, req: Request, tokens: int) -> None:
         """Frees the request's private pages past the first `tokens` positions (the slots of
@@ -150,6 +233,9 @@ class RequestKV:
         if keep < len(req.pages):
             self.allocator.free(req.pages[keep:])
             del req.pages[keep:]
+            if self.swa is not None:
+                self._free_swa(req.swa_pages[keep:])
+                del req.swa_pages[keep:]
 
     def reserve(self, pages: int) -> bool:
         """Makes `pages` pages free, evicting least-recently-used cached prefixes."""
@@ -158,6 +244,7 @@ class RequestKV:
             if short > self.cache.evictable_pages:
                 return False
             self.allocator.free(self.cache.evict(short))
+            self._free_swa([])  # the evicted prefixes' sliding pages
         return self.allocator.free_pages >= pages
 
     def release(self, req: Request) -> None:
@@ -167,10 +254,12 @@ class RequestKV:
             return
         # An embedding's KV is not kept: no later request could use it (they match nothing).
         computed = [] if req.pooling is not None else req.tokens()[: req.cached_len]
-        to_free = self.cache.cache_finished_request(computed, req.pages, req.match)
+        swa = req.swa_pages if self.swa is not None else None
+        to_free = self.cache.cache_finished_request(computed, req.pages, req.match, swa)
         self.allocator.free(to_free)
+        self._free_swa([])
         self.engine.table.free_row(req.row)
-        req.match, req.pages, req.row = None, [], -1
+        req.match, req.pages, req.row, req.swa_pages, req.swa_lo = None, [], -1, [], 0
 
     def cache_progress(self, req: Request) -> None:
         """After a prefill chunk: let the cache hold what the request computed so far (other
@@ -178,13 +267,20 @@ class RequestKV:
         assert req.match is not None
         old_m = len(req.match.pages)
         computed = req.tokens()[: req.cached_len]
-        match, pages, to_free = self.cache.cache_unfinished_request(computed, req.pages, req.match)
+        swa = req.swa_pages if self.swa is not None else None
+        match, pages, to_free = self.cache.cache_unfinished_request(computed, req.pages, req.match, swa)
         self.allocator.free(to_free)
+        self._free_swa([])
         new_m = len(match.pages)
         if new_m > old_m:  # positions whose pages were replaced by the cached copies
             changed = match.pages[old_m:new_m]
             self._write(req.row, old_m * self.page_size, changed)
+            if self.swa is not None:
+                self._write(req.row, old_m * self.page_size, match.swa_pages[old_m:new_m], swa=True)
+        if self.swa is not None:
+            req.swa_pages = match.swa_pages + req.swa_pages[new_m:]
         req.match, req.pages = match, pages
+        self._trim(req)
 
     def check_integrity(self, active: list[Request]) -> None:
         self.cache.check_integrity()
@@ -205,3 +301,12 @@ class RequestKV:
         )
         cached_ids = self.cache.cached_page_ids()
         assert not cached_ids.intersection(private), "a page is both cached and private to a request"
+        if self.swa is not None:
+            mine = [p for r in active if r.match is not None for p in r.swa_pages[len(r.match.pages) :] if p]
+            free, cached, total = self.swa.free_pages, self.cache.cached_swa_pages, self.swa.total_pages
+            assert len(mine) == len(set(mine)), "a sliding page is private to two requests"
+            assert free + cached + len(mine) == total, (
+                f"sliding KV accounting broken: free {free} + cached {cached} + in use {len(mine)} != total {total}"
+            )
+            assert not self.cache.cached_swa_page_ids().intersection(mine), "a sliding page is cached and private"
+            assert not set(self.swa.free_page_ids()).intersection(mine), "a sliding page is free and private"

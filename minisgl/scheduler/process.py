@@ -305,6 +305,8 @@ class SchedulerProcess:
             st.get("spec_proposed", 0),
             st.get("spec_accepted", 0),
             st.get("spec_verified", 0),
+            st.get("kv_swa_slots_used", 0),
+            st.get("kv_swa_slots_total", 0),
             *host_tier_stats(self.sched.kv.tier),
         )
         send(self.to_stats, msg)

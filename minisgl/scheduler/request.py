@@ -22,6 +22,10 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     row: int = -1  # request-table row while it holds KV slots
     pages: list[int] = field(default_factory=list)
+    # With a sliding-window KV group: each page's sliding page (0: freed, out of the window),
+    # and the page index below which its sliding table entries are the dummy slot.
+    swa_pages: list[int] = field(default_factory=list)
+    swa_lo: int = 0
     cached_len: int = 0  # tokens whose K/V are in the cache (or being computed in flight)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # Prefix-cache state: the locked match whose pages start `pages`.

@@ -63,7 +63,7 @@ class Scheduler:
         self.cfg = cfg or SchedulerConfig()
         mc, ec = engine.model_config, engine.cfg
         self.grammar = GrammarRows(grammars, mc.vocab_size, ec.max_running_requests, engine.device)
-        self.cache = make_prefix_cache(self.cfg.cache, engine.cfg.page_size, events)  # events: KV-cache events
+        self.cache = make_prefix_cache(self.cfg.cache, ec.page_size, events, getattr(engine, "swa_window", 0))
         self.kv = RequestKV(engine, self.cache, self.cfg.host_kv_cache_gb)
         self.queues = RequestQueues(self.cfg.scheduling_policy)
         self.inflight: deque[_InFlight] = deque()
@@ -124,11 +124,7 @@ class Scheduler:
         if req.params.priority and not self.queues.by_priority:
             raise RequestError(f"priority: {req.params.priority} needs --scheduling-policy priority; this server "
                                "schedules first come, first served", "priority")
-        if self.kv.pages_for(req.max_total_len) > self.engine.allocator.total_pages:
-            raise ValueError(
-                f"request needs up to {req.max_total_len} tokens of KV cache but the pool holds "
-                f"{self.engine.allocator.total_pages * self.engine.cfg.page_size}"
-            )
+        self.kv.check_fits(req, self.cfg.max_prefill_tokens)
 
     def add(self, req: Request) -> None:
         self.add_check(req)
@@ -157,7 +153,7 @@ class Scheduler:
             "kv_slots_total": total,
             "kv_slots_used": total - free - self.cache.evictable_pages * self.engine.cfg.page_size,
             "kv_slots_cached": self.cache.cached_pages * self.engine.cfg.page_size,
-            "retractions": self.num_retractions,
+            **self.kv.swa_stats(), "retractions": self.num_retractions,
             **(self.spec.stats() if self.spec is not None else {}),
         }
 

@@ -119,9 +119,9 @@ class Builder:
             add_special_tokens=req.add_special_tokens,
             return_prompt=req.prompt_logprobs is not None,
             tools=plan.template_tools,
-            chat_template_kwargs=req.chat_template_kwargs,
+            chat_template_kwargs=_template_kwargs(req),
             reasoning=self.features.reasoning,
-            **self._output_options(req, req.logprobs),
+            **{**self._output_options(req, req.logprobs), **self._harmony_options(plan)},
         )
         return Job("chat", [msg], req.n, req.stream, _usage(req), top if req.logprobs else None, None,
                    req.prompt_logprobs, names, plan.tool_format, plan.max_calls, self.features.reasoning)
@@ -215,6 +215,13 @@ class Builder:
         )
         return msg, {"prompt": "prompt" if req.messages is None else "messages"}
 
+    def _harmony_options(self, plan: ChatPlan) -> dict[str, Any]:
+        """Harmony's channel markers are special tokens: its parser must see them."""
+        fmt = plan.tool_format or self.features.tool_format
+        if self.features.reasoning == "gpt-oss" or (fmt is not None and fmt.name == "gpt-oss"):
+            return {"skip_special_tokens": False}
+        return {}
+
     @staticmethod
     def _output_options(req: SamplingFields, logprobs: bool) -> dict[str, Any]:
         return {
@@ -223,6 +230,14 @@ class Builder:
             "spaces_between_special_tokens": req.spaces_between_special_tokens,
             "include_stop_str": req.include_stop_str_in_output,
         }
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """OpenAI's reasoning_effort reaches the template under its own name (GPT-OSS's template
+    writes it into the system message; templates that ignore it are unaffected)."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

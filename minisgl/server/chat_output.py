@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from minisgl.parsers.harmony import HarmonyParser, ReasoningDelta
 from minisgl.parsers.reasoning import ReasoningParser
 from minisgl.parsers.tool_calls import ArgsDelta, CallStart, TextDelta, ToolCallParser
 from minisgl.parsers.tool_formats import ToolFormat
@@ -20,14 +21,20 @@ class ChatOutput:
     def __init__(
         self, reasoning: str | None, reasoning_open: bool, tools: ToolFormat | None, max_calls: int | None
     ) -> None:
-        self.reasoning = ReasoningParser(reasoning, reasoning_open) if reasoning else None
-        self.tools = ToolCallParser(tools, max_calls) if tools else None
+        # Harmony (GPT-OSS) carries reasoning, calls and content in one structure: one parser.
+        harmony = reasoning == "gpt-oss" or (tools is not None and tools.name == "gpt-oss")
+        self.harmony = HarmonyParser(tools is not None, max_calls) if harmony else None
+        self.reasoning = ReasoningParser(reasoning, reasoning_open) if reasoning and not harmony else None
+        self.tools = ToolCallParser(tools, max_calls) if tools and not harmony else None
         self.content = ""
         self.reasoning_text: str | None = None
         self.calls: list[dict[str, Any]] = []
 
     def feed(self, text: str, final: bool = False) -> list[dict[str, Any]]:
         deltas: list[dict[str, Any]] = []
+        if self.harmony is not None:
+            events = self.harmony.feed(text) + (self.harmony.finish() if final else [])
+            return self._deltas(events, deltas)
         content = text
         if self.reasoning is not None:
             r, content = self.reasoning.feed(text, final)
@@ -42,8 +49,14 @@ class ChatOutput:
         events = self.tools.feed(content) if content else []
         if final:
             events += self.tools.finish()
+        return self._deltas(events, deltas)
+
+    def _deltas(self, events: list[Any], deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for e in events:
-            if isinstance(e, TextDelta):
+            if isinstance(e, ReasoningDelta):
+                self.reasoning_text = (self.reasoning_text or "") + e.text
+                deltas.append({"reasoning_content": e.text})
+            elif isinstance(e, TextDelta):
                 self.content += e.text
                 deltas.append({"content": e.text})
             elif isinstance(e, CallStart):
@@ -63,7 +76,7 @@ class ChatOutput:
 
     def message(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": self.content or (None if self.calls else "")}
-        if self.reasoning is not None:
+        if self.reasoning is not None or self.harmony is not None:
             msg["reasoning_content"] = self.reasoning_text
         if self.calls:
             msg["tool_calls"] = self.calls

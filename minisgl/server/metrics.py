@@ -66,6 +66,9 @@ class Metrics:
         self.queued = Gauge("minisgl_num_requests_waiting", "Requests waiting to start", registry=r)
         self.kv_used = Gauge("minisgl_kv_slots_used", "KV-cache token slots in use", registry=r)
         self.kv_total = Gauge("minisgl_kv_slots_total", "KV-cache token slots in all", registry=r)
+        self.kv_swa_used = Gauge("minisgl_kv_swa_slots_used", "Sliding-window KV group: token slots in use", registry=r)
+        self.kv_swa_total = Gauge("minisgl_kv_swa_slots_total", "Sliding-window KV group: token slots in all",
+                                  registry=r)
         self.cache_hit_rate = Gauge(
             "minisgl_prefix_cache_hit_rate", "Share of admitted prompt tokens served from the prefix cache", registry=r
         )
@@ -101,6 +104,8 @@ class Metrics:
         self.queued.set(s.queued)
         self.kv_used.set(s.kv_used)
         self.kv_total.set(s.kv_total)
+        self.kv_swa_used.set(s.kv_swa_used)
+        self.kv_swa_total.set(s.kv_swa_total)
         self.cache_hit_rate.set(s.cache_hit_rate)
         for field, gauge in self.host_kv.items():
             gauge.set(getattr(s, field))

@@ -131,6 +131,9 @@ class ChatCompletionRequest(SamplingFields, OutputConstraints):
     )
     parallel_tool_calls: bool | None = Field(default=None, description="false: at most one tool call (default true)")
     chat_template_kwargs: TemplateKwargs | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        default=None, description="passed to the chat template as reasoning_effort (GPT-OSS's template reads it); "
+        "chat_template_kwargs.reasoning_effort wins when both are set")
 
 
 class CompletionRequest(SamplingFields, OutputConstraints):

@@ -14,6 +14,10 @@ def reasoning_gate(tok: Any, parser: str, prompt: str, params: SamplingParams) -
     grammar and its prompt leaves room for a reasoning block (Qwen3 with enable_thinking=False
     renders an empty, closed block: then the grammar starts at once). Returns whether the prompt
     itself opened the block (the output starts inside it). `prompt` may be the prompt's end only."""
+    if parser == "gpt-oss":
+        # Harmony: the grammar (tool_choice's calls, a response_format) constrains the output
+        # from its first token; the analysis channel is then skipped (README: Tool calling).
+        return False
     if grammar_spec(params) is not None and not prompt_closes_reasoning(prompt, parser):
         close = REASONING_PARSERS[parser][1]
         ids = tok(close, add_special_tokens=False).input_ids

@@ -1,5 +1,6 @@
-"""FP8 (e4m3) weights: quantize, dequantize, and the reference linear over them (the op that
-dispatches an FP8 layer's GEMM is minisgl.ops.linear.fp8_linear).
+"""FP8 (e4m3) weights: quantize, dequantize, and the large-batch GEMM over them (the op that
+dispatches an FP8 layer's GEMM is ops/gemm/dispatch.py's `linear`; its fp32 reference is
+ops/gemm/reference.py's).
 
 Layout of a quantized linear layer (layers/linear.py): weight e4m3 [N, K] and fp32
 weight_scale [N, KB] with one scale per row and K block of `block_k` elements
@@ -8,20 +9,25 @@ scales expanded to rows on load, so fused q/k/v parts need not be 128-row aligne
 (KB = 1) for per-channel and per-tensor scales. The dequantized weight is
 W[n, k] = weight[n, k] * weight_scale[n, k // block_k].
 
-`fp8_linear` on the CPU is the reference: dequantize, matmul in fp32 (activations stay
+On the CPU an FP8 layer runs the reference: dequantize, matmul in fp32 (activations stay
 unquantized, so an FP8 checkpoint matches transformers on its dequantized weights). On CUDA the
 activations are quantized per token (per token and 128-wide K group with block scales) by our
-Triton kernel and the FP8 x FP8 GEMM runs on tensor cores (ops/fp8_gemm.py); at M <= 32, where
-the measured table says so, the weight-only FP8 skinny kernel instead (ops/skinny_fp8.py).
+Triton kernel and the FP8 x FP8 GEMM runs on tensor cores (`fp8_gemm` below):
+- per-channel (and per-tensor, stored as per-channel) weights: torch._scaled_mm with row-wise
+  scales (cuBLASLt) where its layout rules hold (K, N multiples of 16), else our Triton GEMM;
+- 128 x 128 block-scaled weights: our Triton GEMM (kernels/fp8_gemm.py).
+At M <= 32, where the measured table says so, the skinny template's FP8 loader instead
+(ops/gemm/skinny.py). benchmarks/kernels/fp8_gemm.py measures them against bf16 cuBLAS.
 """
 
 from __future__ import annotations
 
 import torch
 
-from minisgl.ops.skinny_gemm import skinny_gemm_reference
+from minisgl.logging_setup import log_once
 
 FP8 = torch.float8_e4m3fn
+BLOCK = 128  # the only block size of block scales (one scale per 128 x 128 weights)
 FP8_MAX = 448.0  # largest finite e4m3fn value
 # Scales never go below this: an all-zero row quantizes to zeros with a finite scale.
 MIN_SCALE = 1e-12
@@ -87,10 +93,48 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
     return q.to(FP8), scale
 
 
-def fp8_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int,
-    bias: torch.Tensor | None = None, silu: bool = False,
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (M, N, K) that torch._scaled_mm refused on this torch build (its shape rules vary by version):
+# they take the Triton GEMM, said once in the log.
+_refused: set[tuple[int, int, int]] = set()
+
+
+def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """torch._scaled_mm with row-wise scales: one scale per weight row, K and N multiples of 16,
+    bf16 output (the only output type it takes with row-wise scales)."""
+    n, k = weight.shape
+    return scale.size(1) == 1 and k % 16 == 0 and n % 16 == 0 and x.dtype == torch.bfloat16
+
+
+def fp8_gemm(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int, bias: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """x [T, K] @ dequantize(weight, scale)^T (+ bias) in fp32, rounded once to x's dtype;
-    silu: the weight is (gate | up) and the result silu(gate) * up."""
-    return skinny_gemm_reference(x, dequantize(weight, scale, block_k), bias, silu)
+    """x [M, K] (16/32-bit, CUDA) @ dequantize(weight e4m3 [N, K], scale [N, KB])^T (+ bias)
+    -> [M, N] in x's dtype. backend: "auto", "scaled_mm" or "triton" (benchmarks pick one)."""
+    from minisgl.kernels.fp8_gemm import fp8_scaled_mm, quantize_tokens
+
+    if x.dtype not in _OUT_DTYPES:
+        raise ValueError(f"fp8_gemm: x must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    k = x.size(1)
+    group = block_k if scale.size(1) > 1 else k
+    xq, xs = quantize_tokens(x, group)
+    key = (x.size(0), weight.size(0), k)
+    use_scaled_mm = backend == "scaled_mm" or (backend == "auto" and scaled_mm_fits(x, weight, scale))
+    if use_scaled_mm and key not in _refused:
+        try:
+            y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+        except RuntimeError as e:  # a shape rule of this torch build (checked before any launch)
+            if backend == "scaled_mm":
+                raise
+            _refused.add(key)
+            log_once(f"fp8:scaled_mm:{key}", f"torch._scaled_mm refused (M, N, K) = {key} ({e}); Triton GEMM instead")
+        else:
+            return y if bias is None else y + bias
+    if backend == "auto" and scale.size(1) == 1 and not use_scaled_mm:
+        log_once(f"fp8:scaled_mm:{tuple(weight.shape)}:{x.dtype}",
+                 f"fp8 linear {tuple(weight.shape)} in {x.dtype}: outside torch._scaled_mm's row-wise rules "
+                 "(bf16, K and N multiples of 16), Triton GEMM instead")
+    return fp8_scaled_mm(xq, xs, weight, scale, block_k, x.dtype, bias)

@@ -1,9 +1,12 @@
-"""The skinny-GEMM dispatch table: for each (dtype, N, K, SiLU, M) a measured choice between
-cuBLAS and one of our kernel's launch configurations, and its on-disk cache.
+"""The GEMM dispatch table, one for every weight format: for each (dtype, N, K, SiLU, M) a
+measured choice between the format's large-batch path (spelled "cublas": cuBLAS for 16-bit
+weights, the FP8 GEMM for FP8 ones) and one of the skinny template's launch configurations, and
+its on-disk cache. The dtype field names the activations and the weight format: "bfloat16" for
+a 16-bit weight, "bfloat16-fp8chan" / "bfloat16-fp8block" for FP8 ones (`table_dtype`).
 
-Pure logic (no device work here: minisgl.ops.gemm_tuning measures, minisgl.ops.linear looks
-up), so all of it is tested on the CPU. A shape the table does not hold goes to cuBLAS:
-the choice is always a measurement, never a guess.
+Pure logic (no device work here: ops/gemm/tuning.py measures, ops/gemm/dispatch.py looks up),
+so all of it is tested on the CPU. A shape the table does not hold goes to the large-batch
+path: the choice is always a measurement, never a guess.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
-from minisgl.ops.skinny_gemm import MAX_SPLITS, SkinnyConfig
+from minisgl.ops.gemm.skinny import DENSE, FP8_FORMAT, MAX_SPLITS, SkinnyConfig
 
 CUBLAS = "cublas"
 # Bump when the kernel or the candidate rules change: cached tables of older kernels are ignored.
@@ -27,7 +31,22 @@ MARGIN = 0.01
 # (tile, warps) pairs timed at engine start, each with the K splits `split_counts` allows.
 # From `benchmarks/kernels/skinny_gemm.py --sweep` (its "candidate set" line).
 CANDIDATE_PAIRS: tuple[tuple[int, int], ...] = ((1, 4), (0, 4), (2, 4), (1, 8))
+# FP8: every tile at 4 warps, and tile 0 at 8. Not yet swept on a GPU
+# (benchmarks/kernels/fp8_gemm.py prints the best of each per shape and M).
+FP8_CANDIDATE_PAIRS: tuple[tuple[int, int], ...] = ((0, 4), (1, 4), (2, 4), (3, 4), (0, 8))
+PAIRS = {DENSE: CANDIDATE_PAIRS, FP8_FORMAT: FP8_CANDIDATE_PAIRS}
 SPLITS = (1, 2, 4, 8)
+
+
+class GemmCall(NamedTuple):
+    """One GEMM a model runs, as the layers list it for the tuner: the weight in format `fmt`
+    (with its FP8 `scale` and `block_k`), and whether SiLU-and-mul is fused in."""
+
+    weight: Any  # torch.Tensor, [N, K] in the format's layout
+    silu: bool
+    fmt: str = DENSE
+    scale: Any = None  # torch.Tensor or None
+    block_k: int = 0
 
 
 @functools.cache
@@ -35,11 +54,18 @@ def _parse(choice: str) -> SkinnyConfig:
     return SkinnyConfig.parse(choice)
 
 
+def table_dtype(x_dtype, fmt: str, block: bool = False) -> str:
+    """The dtype field of a GemmShape: the activations' dtype, and the weight format where it is
+    not 16-bit, e.g. 'bfloat16' or 'bfloat16-fp8block'."""
+    name = str(x_dtype).removeprefix("torch.")
+    return name if fmt == DENSE else f"{name}-fp8{'block' if block else 'chan'}"
+
+
 @dataclass(frozen=True, order=True)
 class GemmShape:
     """A linear layer's weight as the kernel sees it: n weight rows (2 x inter with SiLU)."""
 
-    dtype: str  # "bfloat16" / "float16"
+    dtype: str  # table_dtype(): "bfloat16", "float16-fp8chan", ...
     n: int
     k: int
     silu: bool

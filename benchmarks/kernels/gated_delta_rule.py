@@ -1,0 +1,138 @@
+"""Gated DeltaNet chunked prefill (kernels/gated_delta_rule.py) against flash-linear-attention's
+chunk_gated_delta_rule, timed in the same run, plus the batch decode step.
+
+    python benchmarks/kernels/gated_delta_rule.py [--tokens 1024,4096,32768] [--seqs 1]
+
+Shapes: Qwen3-Next-80B-A3B's linear-attention layer: 16 q/k heads, 32 v-heads, d_k = d_v = 128,
+bf16 inputs, fp32 state; q/k l2-normalised in the kernel, state read from and written to a
+pool slot (FLA: initial_state in, final state out). `--seqs S` splits the tokens into S equal
+sequences (cu_seqlens).
+
+Formulas (per token and v-head, the chunked algorithm with chunk C = 64):
+  FLOPs = 2*C*(3*d_k + 2*d_v) (K K^T, W, Q K^T; U, attn V) + 6*d_k*d_v (W S, Q S, K^T V) ;
+  bytes = q, k (2 B each per k-head element), v and o (2 B), g (4 B) and beta (2 B), plus the
+          state read and written once per sequence (4 B each).
+Times: medians of replays (_bench.py). Ours is captured in a CUDA graph (it reads no host
+value); FLA syncs the host for its chunk indices with cu_seqlens, so both are timed eagerly
+as well, and the ratio uses the eager times. The FLA row is absent when `fla` is not
+importable (the table says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from _bench import num_sets, print_table, time_calls
+
+from minisgl.kernels import gated_delta_rule as K
+
+DEV = "cuda"
+HK, HV, D = 16, 32, 128
+
+
+def make_inputs(t: int, seqs: int, gen: torch.Generator) -> dict:
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    lens = [t // seqs] * seqs
+    lens[-1] += t - sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    return dict(
+        q=torch.randn(t, HK, D, generator=gen, **bf), k=torch.randn(t, HK, D, generator=gen, **bf),
+        v=torch.randn(t, HV, D, generator=gen, **bf),
+        g=-torch.rand(t, HV, generator=gen, device=DEV) * 0.1,
+        beta=torch.rand(t, HV, generator=gen, **bf),
+        states=torch.randn(seqs, HV, D, D, generator=gen, device=DEV) * 0.1,
+        slots=torch.arange(seqs, dtype=torch.int32, device=DEV),
+        cu=cu, has=torch.ones(seqs, dtype=torch.bool, device=DEV),
+    )
+
+
+def ours(a: dict):
+    return lambda: K.gated_delta_rule_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], a["states"],
+                                              a["slots"], a["cu"], a["has"])
+
+
+def fla_call(a: dict):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    cu = a["cu"].long()
+    q, k, v = (a[n][None] for n in ("q", "k", "v"))
+    g, beta, h0 = a["g"][None], a["beta"][None], a["states"]
+
+    def run():
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    return run
+
+
+def fla_available() -> str | None:
+    try:
+        import fla  # noqa: F401
+    except ImportError as e:
+        return f"flash-linear-attention is not importable ({e}): no FLA column"
+    return None
+
+
+def agree(a: dict) -> float:
+    """Max |ours - FLA| over the outputs, from the same initial states (a sanity check)."""
+    s0 = a["states"].clone()
+    o_fla, _ = fla_call(a)()
+    a["states"].copy_(s0)
+    o = ours(a)()
+    a["states"].copy_(s0)
+    return (o.float() - o_fla[0].float()).abs().max().item()
+
+
+def bench_prefill(tokens: list[int], seqs: int) -> None:
+    gen = torch.Generator(DEV).manual_seed(0)
+    missing = fla_available()
+    rows = []
+    for t in tokens:
+        per_set = t * (2 * HK * D * 2 + HV * D * 2 * 2 + HV * 6) + seqs * HV * D * D * 8
+        sets = [make_inputs(t, seqs, gen) for _ in range(min(num_sets(per_set), 4))]
+        flops = t * HV * (2 * 64 * (3 * D + 2 * D) + 6 * D * D)
+        with torch.inference_mode():
+            graph_us = time_calls([ours(a) for a in sets], reps=20)
+            eager_us = time_calls([ours(a) for a in sets], reps=20, use_graph=False)
+            row = [f"{t:,}", f"{graph_us:,.0f}", f"{eager_us:,.0f}", f"{flops / eager_us / 1e6:.1f}",
+                   f"{per_set / eager_us / 1e3:,.0f}"]
+            if missing is None:
+                fla_us = time_calls([fla_call(a) for a in sets], reps=20, use_graph=False)
+                row += [f"{fla_us:,.0f}", f"{fla_us / eager_us:.2f}x", f"{agree(sets[0]):.1e}"]
+            else:
+                row += ["-", "-", "-"]
+        rows.append(row)
+    if missing:
+        print(missing)
+    print_table(
+        f"Gated DeltaNet prefill, {seqs} sequence(s), Hk={HK} Hv={HV} d={D}, bf16 (us; TFLOP/s, GB/s from eager)",
+        ["tokens", "ours graph", "ours eager", "TFLOP/s", "GB/s", "FLA eager", "FLA/ours", "max|diff|"], rows)
+
+
+def bench_decode(batches: list[int]) -> None:
+    gen = torch.Generator(DEV).manual_seed(1)
+    rows = []
+    for n in batches:
+        a = make_inputs(n, n, gen)
+        state_bytes = n * HV * D * D * 4 * 2
+        us = time_calls([lambda a=a: K.gated_delta_rule_decode(a["q"], a["k"], a["v"], a["g"], a["beta"],
+                                                                a["states"], a["slots"])], reps=50)
+        rows.append([str(n), f"{us:.1f}", f"{state_bytes / us / 1e3:,.0f}"])
+    print_table("Gated DeltaNet decode step (state read + written per request; us, GB/s)",
+                ["batch", "us", "GB/s"], rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="1024,2048,4096,8192,16384,32768")
+    p.add_argument("--seqs", type=int, default=1)
+    p.add_argument("--decode-batches", default="1,8,64")
+    args = p.parse_args()
+    dev = torch.cuda.get_device_properties(0)
+    print(f"device: {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}")
+    bench_prefill([int(x) for x in args.tokens.split(",")], args.seqs)
+    bench_decode([int(x) for x in args.decode_batches.split(",")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""4-bit weight GEMM microbenchmark: ops.gemm.w4 (INT4 group 128 and MXFP4) against bf16 cuBLAS
+(torch.nn.functional.linear) on Llama-3.1-8B's weight shapes, M = 1..32, and at large M.
+
+    python benchmarks/kernels/w4_gemm.py [--quick] [--m 1,2,4,8,16,32] [--large-m 2048] [--json FILE]
+
+Bytes per call (4-bit) = W (N x K / 2) + its scales (INT4: scales and zeros, 2 x 2 bytes per
+group of 128; MXFP4: 1 byte per 32) + x + y (bf16); GB/s = bytes / time; "% read" is that
+against the read ceiling measured in this run (1 GiB fp32 sum, _bench.ceilings). The issue's
+targets: >= 85% of the read ceiling at M <= 8 and >= 3x bf16 cuBLAS at M = 1. Large M: TFLOP/s
+of both (2 M N K / time), W4A16 within 20% of cuBLAS is the target. Every timed op is checked
+first against the dequantise-then-matmul reference (rel err column).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from _bench import ceilings, num_sets, print_ceilings, print_table, time_calls
+from skinny_gemm import layer_shapes
+
+from minisgl.kernels import w4a16_gemm as W
+from minisgl.kernels.quant4 import pack_int4
+from minisgl.ops.gemm import w4
+
+MS = (1, 2, 4, 8, 16, 32)
+GROUP = 128
+
+
+def make_set(n: int, k: int, m: int) -> dict:
+    dev, bf = "cuda", torch.bfloat16
+    return dict(
+        x=torch.randn(m, k, device=dev, dtype=bf),
+        w=torch.randn(n, k, device=dev, dtype=bf) * 0.05,
+        qweight=pack_int4(torch.randint(0, 16, (n, k), device=dev)),
+        scales=torch.rand(n, k // GROUP, device=dev, dtype=bf) * 0.01 + 0.001,
+        zeros=torch.randint(0, 16, (n, k // GROUP), device=dev).to(bf),
+        blocks=torch.randint(0, 256, (n, k // 2), device=dev, dtype=torch.uint8),
+        e8m0=torch.randint(118, 124, (n, k // 32), device=dev, dtype=torch.uint8),
+    )
+
+
+def fns(s: dict, silu: bool) -> dict:
+    out = {
+        "int4": lambda: w4.int4_linear(s["x"], s["qweight"], s["scales"], s["zeros"], silu_and_mul=silu),
+        "mxfp4": lambda: w4.mxfp4_linear(s["x"], s["blocks"], s["e8m0"], silu_and_mul=silu),
+        "cublas": lambda: F.linear(s["x"], s["w"]),
+    }
+    return out
+
+
+def rel_err(s: dict, silu: bool) -> float:
+    worst = 0.0
+    for name, (wq, sc, z, fmt) in {"int4": (s["qweight"], s["scales"], s["zeros"], W.INT4),
+                                  "mxfp4": (s["blocks"], s["e8m0"], None, W.MXFP4)}.items():
+        y = fns(s, silu)[name]().float()
+        ref = W.w4_gemm_reference(s["x"].float(), wq, sc.float() if z is not None else sc,
+                                  z.float() if z is not None else None, fmt, None, silu)
+        worst = max(worst, ((y - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item())
+    return worst
+
+
+def measure(n: int, k: int, m: int, silu: bool, reps: int) -> dict:
+    n_out = n // 2 if silu else n
+    sets = [make_set(n, k, m) for _ in range(num_sets(n * k // 2))]
+    r = {"err": rel_err(sets[0], silu)}
+    for name in ("int4", "mxfp4", "cublas"):
+        r[name] = time_calls([fns(s, silu)[name] for s in sets], reps=reps)
+    act = (m * k + m * n_out) * 2
+    r["bytes"] = {"int4": n * k // 2 + 4 * n * (k // GROUP) + act, "mxfp4": n * k // 2 + n * (k // 32) + act,
+                  "cublas": n * k * 2 + act}
+    return r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--m", default=",".join(map(str, MS)))
+    ap.add_argument("--large-m", default="2048")
+    ap.add_argument("--json", default=None, help="write every timing here")
+    args = ap.parse_args()
+    copy_gbs, read_gbs = ceilings()
+    print_ceilings(copy_gbs, read_gbs)
+    reps = 15 if args.quick else 30
+    results: dict[str, dict] = {}
+    rows = []
+    for layer, (n, k, silu) in layer_shapes("llama-3.1-8b", 1).items():
+        for m in (int(v) for v in args.m.split(",")):
+            r = results[f"{layer},{m}"] = measure(n, k, m, silu, reps)
+            gbs = {f: r["bytes"][f] / r[f] / 1e3 for f in ("int4", "mxfp4", "cublas")}
+            rows.append([layer, f"{n}x{k}", str(m), f"{r['cublas']:.1f}", f"{100 * gbs['cublas'] / read_gbs:.0f}%",
+                         f"{r['int4']:.1f}", f"{100 * gbs['int4'] / read_gbs:.0f}%",
+                         f"{r['cublas'] / r['int4']:.2f}x", f"{r['mxfp4']:.1f}",
+                         f"{100 * gbs['mxfp4'] / read_gbs:.0f}%", f"{r['cublas'] / r['mxfp4']:.2f}x",
+                         f"{r['err']:.1e}"])
+    print_table("Llama-3.1-8B TP 1: W4A16 (INT4 g128, MXFP4) vs bf16 cuBLAS (cuBLAS rows: no SiLU epilogue)",
+                ["layer", "N x K", "M", "cuBLAS us", "%read", "INT4 us", "%read", "vs cuBLAS", "MXFP4 us",
+                 "%read", "vs cuBLAS", "rel err"], rows)
+    big = []
+    for m in (int(v) for v in args.large_m.split(",")):
+        for layer, (n, k, silu) in layer_shapes("llama-3.1-8b", 1).items():
+            if silu:
+                continue
+            r = results[f"{layer},{m}"] = measure(n, k, m, False, max(5, reps // 3))
+            tf = {f: 2 * m * n * k / r[f] / 1e6 for f in ("int4", "mxfp4", "cublas")}
+            big.append([layer, f"{n}x{k}", str(m), f"{r['cublas']:.0f}", f"{tf['cublas']:.0f}", f"{r['int4']:.0f}",
+                        f"{tf['int4']:.0f}", f"{r['int4'] / r['cublas']:.2f}", f"{r['mxfp4']:.0f}",
+                        f"{r['mxfp4'] / r['cublas']:.2f}", f"{r['err']:.1e}"])
+    print_table("Large M: W4A16 vs bf16 cuBLAS (time ratio; target <= 1.20)",
+                ["layer", "N x K", "M", "cuBLAS us", "TFLOP/s", "INT4 us", "TFLOP/s", "INT4/cuBLAS", "MXFP4 us",
+                 "MXFP4/cuBLAS", "rel err"], big)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+// The skinny GEMM's 4-bit weight loaders (policies of skinny_kernel; the shared mapping is
+// described in skinny_weights.cuh): Int4W and Mxfp4W, kernels/quant4.py's two layouts.
+#pragma once
+#include "skinny_weights.cuh"
+
+namespace minisgl {
+namespace skinny {
+
+// The MMAs of one (row tile, x tile) over a thread's 8 * kPieces elements: W pairs a (lo row), b (hi row).
+template <typename T, int kPieces>
+__device__ __forceinline__ void mma_pairs(float (&c)[4], const uint32_t* a, const uint32_t* b,
+                                          const uint4 (&x)[kPieces]) {
+#pragma unroll
+  for (int i = 0; i < 2 * kPieces; ++i) {
+    const uint4 xv = x[i / 2];
+    mma16816<T>(c, a[2 * i], b[2 * i], a[2 * i + 1], b[2 * i + 1], i % 2 ? xv.z : xv.x, i % 2 ? xv.w : xv.y);
+  }
+}
+
+// T pair helpers for the 4-bit loaders.
+template <typename T>
+__device__ __forceinline__ uint32_t splat2(float v);
+template <>
+__device__ __forceinline__ uint32_t splat2<__half>(float v) {
+  const __half2 h = __float2half2_rn(v);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t splat2<__nv_bfloat16>(float v) {
+  const __nv_bfloat162 h = __float2bfloat162_rn(v);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pair2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pair2<__half>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pair2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// A 16-bit value of T from its bits (scales and zeros are loaded as raw 16-bit words).
+template <typename T>
+__device__ __forceinline__ float bits_to_float(unsigned short b);
+template <>
+__device__ __forceinline__ float bits_to_float<__half>(unsigned short b) { return __half2float(__ushort_as_half(b)); }
+template <>
+__device__ __forceinline__ float bits_to_float<__nv_bfloat16>(unsigned short b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+
+// (magic + q) pairs minus (magic + z), times s: (q - z) * s rounded once to T.
+template <typename T>
+struct Int4Magic;
+template <>
+struct Int4Magic<__half> {
+  static constexpr uint32_t kBits = 0x64006400u;  // 1024 in both halves
+  static constexpr float kValue = 1024.0f;
+  static __device__ __forceinline__ uint32_t sub_mul(uint32_t v, uint32_t off, uint32_t sc) {
+    const __half2 r = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&off)),
+                              *reinterpret_cast<const __half2*>(&sc));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+};
+template <>
+struct Int4Magic<__nv_bfloat16> {
+  static constexpr uint32_t kBits = 0x43004300u;  // 128 in both halves
+  static constexpr float kValue = 128.0f;
+  static __device__ __forceinline__ uint32_t sub_mul(uint32_t v, uint32_t off, uint32_t sc) {
+    using B2 = __nv_bfloat162;
+    const B2 r = __hmul2(__hsub2(*reinterpret_cast<const B2*>(&v), *reinterpret_cast<const B2*>(&off)),
+                         *reinterpret_cast<const B2*>(&sc));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+};
+
+// Shared by the two 4-bit loaders (CRTP: D is the loader): 32 elements (16 bytes) per load, one
+// scale set per load and row (D::load_scales), the W pairs of a load from D::pairs.
+template <typename D, typename TT, typename Elem>
+struct W4Base {
+  using T = TT;
+  static constexpr int kPerThread = 32, kChunk = 128;
+  static constexpr int kPerElem = 2 * sizeof(Elem);  // K elements per Elem: 8 per int32, 2 per byte
+  static constexpr bool kChannelScale = false;
+  template <int RT>
+  struct Rows : WRows<Elem, RT> {
+    int64_t s_lo[RT], s_hi[RT];  // this row's first scale (element offset into qscale / qzero)
+  };
+  template <int RT>
+  static __device__ __forceinline__ void set_row(Rows<RT>& rows, const Params& p, int r, int lo, int hi, bool lo_ok,
+                                                 bool hi_ok) {
+    rows.set(p, r, lo, hi, lo_ok, hi_ok);
+    rows.s_lo[r] = static_cast<int64_t>(lo) * p.q_stride;
+    rows.s_hi[r] = static_cast<int64_t>(hi) * p.q_stride;
+  }
+
+  template <int RT, typename R>
+  static __device__ __forceinline__ void load_w(R& g, const Rows<RT>& rows, const Params& p, int k0, int k_end,
+                                                int quad) {
+    constexpr int U = sizeof(g.lo[0]) / sizeof(uint4);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kk = k0 + u * kChunk + kPerThread * quad;
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        const bool lo_ok = kk < k_end && rows.lo_ok[r], hi_ok = kk < k_end && rows.hi_ok[r];
+        g.lo[r][u] = skinny::load_w(rows.lo[r] + kk / kPerElem, lo_ok);
+        g.hi[r][u] = skinny::load_w(rows.hi[r] + kk / kPerElem, hi_ok);
+        D::load_scales(g, p, rows.s_lo[r], rows.s_hi[r], r, u, kk, lo_ok, hi_ok);
+      }
+    }
+  }
+
+  template <int MT, int RT, int U, typename R>
+  static __device__ __forceinline__ void mma(float (&acc)[RT][MT][4], const R& g, const uint4 (&x)[MT][U][4]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        uint32_t a[16], b[16];
+        D::pairs(g, r, u, a, b);
+#pragma unroll
+        for (int t = 0; t < MT; ++t) mma_pairs<T, 4>(acc[r][t], a, b, x[t][u]);
+      }
+  }
+};
+
+// INT4 (kernels/quant4.py): word k / 8 of a row holds elements k..k+7 as nibbles, lowest first;
+// a thread's 32 elements lie in one group (q_group % 32 == 0, the host checks).
+template <typename TT>
+struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
+  using T = TT;
+  template <int RT, int U>
+  struct Regs {
+    uint4 lo[RT][U], hi[RT][U];
+    uint32_t off_lo[RT][U], off_hi[RT][U], sc_lo[RT][U], sc_hi[RT][U];  // T pairs (magic + z), s
+  };
+
+  // Rows and K ranges that are off get scale 0: their (zero) words then give W = 0.
+  template <typename R>
+  static __device__ __forceinline__ void load_scales(R& g, const Params& p, int64_t s_lo, int64_t s_hi, int r, int u,
+                                                     int kk, bool lo_ok, bool hi_ok) {
+    const unsigned short* sc = static_cast<const unsigned short*>(p.qscale);
+    const unsigned short* zr = static_cast<const unsigned short*>(p.qzero);
+    const int grp = kk / p.q_group;
+    const float sl = lo_ok ? bits_to_float<T>(__ldg(sc + s_lo + grp)) : 0.0f;
+    const float sh = hi_ok ? bits_to_float<T>(__ldg(sc + s_hi + grp)) : 0.0f;
+    const float zl = lo_ok ? bits_to_float<T>(__ldg(zr + s_lo + grp)) : 0.0f;
+    const float zh = hi_ok ? bits_to_float<T>(__ldg(zr + s_hi + grp)) : 0.0f;
+    g.sc_lo[r][u] = splat2<T>(sl);
+    g.sc_hi[r][u] = splat2<T>(sh);
+    g.off_lo[r][u] = splat2<T>(Int4Magic<T>::kValue + zl);
+    g.off_hi[r][u] = splat2<T>(Int4Magic<T>::kValue + zh);
+  }
+
+  // Pair p = elements 2p, 2p + 1 = nibbles 2j, 2j + 1 of word p / 4 (j = p % 4).
+  static __device__ __forceinline__ void to_pairs(const uint4 v, uint32_t off, uint32_t sc, uint32_t (&out)[16]) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t t = words[w] >> (8 * j);
+        const uint32_t bits = (t & 0xFu) | ((t & 0xF0u) << 12) | Int4Magic<T>::kBits;
+        out[4 * w + j] = Int4Magic<T>::sub_mul(bits, off, sc);
+      }
+  }
+
+  template <typename R>
+  static __device__ __forceinline__ void pairs(const R& g, int r, int u, uint32_t (&a)[16], uint32_t (&b)[16]) {
+    to_pairs(g.lo[r][u], g.off_lo[r][u], g.sc_lo[r][u], a);
+    to_pairs(g.hi[r][u], g.off_hi[r][u], g.sc_hi[r][u], b);
+  }
+};
+
+// e2m1 nibble times 2^(s - 127), built as fp32 bits: exponent e + s - 1 and mantissa m for
+// e > 0; 0.5 * 2^(s - 127) (exponent s - 1) or 0 for e = 0. s is clamped to 1..253.
+__device__ __forceinline__ float e2m1_scaled(uint32_t nib, int s) {
+  const uint32_t e = (nib >> 1) & 3u, m = nib & 1u;
+  const uint32_t mag = e ? (((e + s - 1) << 23) | (m << 22)) : (m ? static_cast<uint32_t>(s - 1) << 23 : 0u);
+  return __uint_as_float(mag | ((nib & 8u) << 28));
+}
+
+// MXFP4 (kernels/quant4.py): byte j of a row holds elements 2j (low nibble) and 2j + 1; one
+// e8m0 scale per 32 elements, i.e. exactly one per thread per load.
+template <typename TT>
+struct Mxfp4W : W4Base<Mxfp4W<TT>, TT, uint8_t> {
+  using T = TT;
+  template <int RT, int U>
+  struct Regs {
+    uint4 lo[RT][U], hi[RT][U];
+    int s_lo[RT][U], s_hi[RT][U];
+  };
+
+  template <typename R>
+  static __device__ __forceinline__ void load_scales(R& g, const Params& p, int64_t s_lo, int64_t s_hi, int r, int u,
+                                                     int kk, bool lo_ok, bool hi_ok) {
+    const uint8_t* sc = static_cast<const uint8_t*>(p.qscale);
+    g.s_lo[r][u] = lo_ok ? min(max(static_cast<int>(__ldg(sc + s_lo + kk / 32)), 1), 253) : 1;
+    g.s_hi[r][u] = hi_ok ? min(max(static_cast<int>(__ldg(sc + s_hi + kk / 32)), 1), 253) : 1;
+  }
+
+  // Pair p = byte p: its low nibble is element 2p, its high nibble 2p + 1.
+  static __device__ __forceinline__ void to_pairs(const uint4 v, int s, uint32_t (&out)[16]) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t byte = (words[w] >> (8 * j)) & 0xFFu;
+        out[4 * w + j] = pair2<T>(e2m1_scaled(byte & 0xFu, s), e2m1_scaled(byte >> 4, s));
+      }
+  }
+
+  template <typename R>
+  static __device__ __forceinline__ void pairs(const R& g, int r, int u, uint32_t (&a)[16], uint32_t (&b)[16]) {
+    to_pairs(g.lo[r][u], g.s_lo[r][u], a);
+    to_pairs(g.hi[r][u], g.s_hi[r][u], b);
+  }
+};
+
+}  // namespace skinny
+}  // namespace minisgl

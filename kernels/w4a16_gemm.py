@@ -1,0 +1,150 @@
+"""Large-M 4-bit-weight GEMM (Triton): y[M, N] = x[M, K] W[N, K]^T (+ bias), W in one of the two
+4-bit layouts of kernels/quant4.py, dequantised tile by tile in registers and fed to the 16-bit
+tensor cores (fp32 accumulate); optional fused SiLU-and-mul over (gate | up) rows.
+
+`dequant_tile` is the one 4-bit weight loader of the Triton kernels: this GEMM and the fused MoE
+(kernels/fused_moe.py, W_FMT > 0) both call it, so a format is decoded in exactly one place.
+It gathers per element (each column's word / byte and its group's scale): any group size that
+divides K works and no tile has to align with a group; the repeated words hit L1.
+
+FMT 1 = INT4: w = (q - zero) * scale per group (scales/zeros in x's dtype).
+FMT 2 = MXFP4: w = e2m1(nibble) * 2 ** (e8m0 - 127), one scale per 32 columns.
+(FMT 0 is the 16-bit weight of the callers that take both.)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.quant4 import dequant_int4_reference, dequant_mxfp4_reference
+
+INT4, MXFP4 = 1, 2
+
+
+@triton.jit
+def dequant_tile(W, S, Z, offs_k, offs_n, mask, stride_wn, stride_sn, group, FMT: tl.constexpr,
+                 OUT: tl.constexpr):
+    """Weight rows offs_n, columns offs_k (absolute) -> tile [BLOCK_K, BLOCK_N] in OUT."""
+    n = offs_n[None, :].to(tl.int64)
+    k = offs_k[:, None]
+    s_ptrs = S + n * stride_sn + k // group
+    if FMT == 1:
+        word = tl.load(W + n * stride_wn + k // 8, mask=mask, other=0)
+        q = ((word >> ((k % 8) * 4)) & 0xF).to(tl.float32)
+        s = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(Z + n * stride_sn + k // group, mask=mask, other=0.0).to(tl.float32)
+        w = (q - z) * s
+    else:
+        byte = tl.load(W + n * stride_wn + k // 2, mask=mask, other=0).to(tl.int32)
+        nib = (byte >> ((k % 2) * 4)) & 0xF
+        e = (nib >> 1) & 3
+        m = (nib & 1).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
+        val = tl.where(nib >= 8, -mag, mag)
+        sc = tl.load(s_ptrs, mask=mask, other=127).to(tl.float32)
+        w = val * tl.exp2(sc - 127.0)
+    return w.to(OUT)
+
+
+@triton.jit
+def _w4_gemm_kernel(
+    X, W, S, Z, Bias, Y, M, N, K, group,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    FMT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    # Grouped order: GROUP_M row blocks sweep the N tiles together (weight tiles reused from L2).
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = X + offs_m.to(tl.int64)[:, None] * stride_xm
+    out_ty = X.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wmask = k_ok[:, None] & n_ok[None, :]
+        w = dequant_tile(W, S, Z, offs_k, offs_n, wmask, stride_wn, stride_sn, group, FMT, out_ty)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+        if GATED:  # the up rows sit N rows below the gate rows
+            u = dequant_tile(W + N * stride_wn, S + N * stride_sn, Z + N * stride_sn, offs_k, offs_n, wmask,
+                             stride_wn, stride_sn, group, FMT, out_ty)
+            acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(Bias + N + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _tile(m: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by M; not tuned yet (H100 sweep pending).
+    fp32 (the exact "ieee" dots; tests): tiles whose pipelined shared memory fits an H100's
+    227 KiB (the 16-bit tiles asked for 344-632 KiB in fp32 there)."""
+    if dtype == torch.float32:
+        return (16 if m <= 16 else 32), 32, 32, 4, 2
+    if m <= 16:
+        return 16, 64, 128, 4, 4
+    if m <= 64:
+        return 64, 64, 64, 4, 3
+    return 128, 128, 64, 8, 3
+
+
+def w4_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: int,
+            bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+    """x [M, K] (inner-contiguous), w / scales / zeros in the quant4 layout (contiguous rows),
+    N_w rows -> y [M, N_w] or, gated, [M, N_w // 2]. The caller has checked the shapes."""
+    m, k = x.shape
+    n_w = scales.shape[0]
+    n = n_w // 2 if silu_and_mul else n_w
+    group = k // scales.shape[1]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    bm, bn, bk, warps, stages = _tile(m, x.dtype)
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    _w4_gemm_kernel[grid](
+        x, w, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
+        m, n, k, group, x.stride(0), w.stride(0), scales.stride(0), y.stride(0),
+        FMT=fmt, GATED=silu_and_mul, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=stages,
+    )
+    return y
+
+
+def dequant_reference(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: int) -> torch.Tensor:
+    """fp32 [..., N, K] weight of either layout."""
+    if fmt == INT4:
+        return dequant_int4_reference(w, scales, zeros)
+    return dequant_mxfp4_reference(w, scales)
+
+
+def w4_gemm_reference(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                      fmt: int, bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+    """Dequantise (fp32), matmul in fp32, epilogue in fp32, one rounding to x's dtype."""
+    y = x.float() @ dequant_reference(w, scales, zeros, fmt).t()
+    if bias is not None:
+        y = y + bias.float()
+    if silu_and_mul:
+        n = y.shape[1] // 2
+        y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
+    return y.to(x.dtype)

@@ -1,0 +1,148 @@
+"""The one GEMM entry of the linear layers and the LM head, for every weight format:
+y = x W^T (+ bias) [then SiLU-and-mul], W in the layer's format:
+
+- "dense" (16-bit W [N, K]): our skinny kernel where the measured table says it beats cuBLAS for
+  that (shape, M), else torch (cuBLAS on CUDA, the CPU's matmul elsewhere). In deterministic mode
+  (ops/deterministic.py) one batch-invariant GEMM takes every M.
+- "fp8" (e4m3 W + fp32 scale [N, KB], ops/gemm/fp8.py): the skinny template's FP8 loader where
+  the table chose it, else the FP8 GEMM (activation quant + FP8 tensor cores); CPU: the reference.
+- "int4" (kernels/quant4.py: qweight [N, K/8] + scales and zeros [N, K/group]) and "mxfp4"
+  (blocks [N, K/2] + e8m0 scales [N, K/32]): the 4-bit kernels' wrappers (ops/gemm/w4.py) on
+  CUDA; the fp32 dequantize-then-matmul reference (ops/gemm/reference.py) on the CPU.
+
+The table (ops/gemm/table.py, one for every format, keyed by the activations' dtype and the
+weight format) is per device, filled at engine start by ops/gemm/tuning.py (M of the CUDA graph
+ladder up to 32); a shape or M it does not hold takes the large-batch path. The choice happens
+per call from the shapes alone, so a CUDA graph captured at batch size b keeps the kernel chosen
+for M = b. MINISGL_DISABLE_SKINNY_GEMM=1 turns our skinny kernel off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl import env
+from minisgl.logging_setup import log_once
+from minisgl.ops.activation import silu_and_mul
+from minisgl.ops.deterministic import batch_invariant_linear, is_deterministic
+from minisgl.ops.gemm.fp8 import fp8_gemm
+from minisgl.ops.gemm.reference import fp8_linear_reference, int4_linear_reference, mxfp4_linear_reference
+from minisgl.ops.gemm.skinny import DENSE, FP8_FORMAT, MAX_M, counters, cublas_linear, fp8_fits, launch, vector_aligned
+from minisgl.ops.gemm.table import GemmShape, GemmTable, table_dtype
+
+INT4, MXFP4 = "int4", "mxfp4"
+FORMATS = (DENSE, FP8_FORMAT, INT4, MXFP4)
+_tables: dict[int, GemmTable] = {}
+
+
+def skinny_enabled(device: torch.device) -> bool:
+    """Our kernel may run on `device`: CUDA, built with CUDA kernels, not switched off."""
+    if device.type != "cuda" or env.DISABLE_KERNELS or env.DISABLE_SKINNY_GEMM:
+        return False
+    from minisgl.ops._backend import compiled
+
+    ext = compiled()
+    return ext is not None and ext.has_cuda
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def install_table(device: torch.device, table: GemmTable) -> None:
+    """Later calls on `device` follow `table` (every format's entries). Call it outside CUDA-graph
+    capture: it also allocates the split-K counters (a start that reads the table from the cache
+    times nothing)."""
+    if device.type == "cuda" and table.choices:
+        counters(device)
+    _tables[_index(device)] = table
+
+
+def table_for(device: torch.device) -> GemmTable | None:
+    return _tables.get(_index(device)) if device.type == "cuda" else None
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = False, *,
+    fmt: str = DENSE, scale: torch.Tensor | None = None, zeros: torch.Tensor | None = None, block_k: int = 0,
+) -> torch.Tensor:
+    """x [T, K] @ W^T (+ bias [N]) -> [T, N]; with silu, W is (gate | up) [2I, K] and the result
+    silu(gate) * up [T, I]. `weight`, `scale`, `zeros`, `block_k` are the layer's tensors of
+    format `fmt` (the module docstring). The layers' arguments are valid by construction (shapes
+    from the config, dtypes from the engine), so the only checks here are the kernels' layout
+    needs; anything else the torch path reports as it always did."""
+    if fmt == DENSE:
+        return _dense(x, weight, bias, silu)
+    if fmt == FP8_FORMAT:
+        return _fp8(x, weight, scale, block_k, bias, silu)
+    if fmt == INT4:
+        if x.device.type != "cuda":
+            return int4_linear_reference(x, weight, scale, zeros, bias, silu)
+        return _w4().int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu)
+    if fmt == MXFP4:
+        if x.device.type != "cuda":
+            return mxfp4_linear_reference(x, weight, scale, bias, silu)
+        return _w4().mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu)
+    raise ValueError(f"linear: weight format {fmt!r} is not one of {FORMATS}")
+
+
+def _w4():
+    """ops/gemm/w4.py, the 4-bit kernels' wrappers (their own branch: imported by name at the first
+    4-bit GEMM on a GPU, so this file does not depend on it before it lands)."""
+    import importlib
+
+    return importlib.import_module("minisgl.ops.gemm.w4")
+
+
+def _lookup(x: torch.Tensor, shape: GemmShape):
+    """The table's config for this call, or None (the large-batch path)."""
+    m = x.shape[0]
+    if x.dim() != 2 or not 0 < m <= MAX_M or x.device.type != "cuda":
+        return None
+    table = _tables.get(_index(x.device))
+    return None if table is None else table.lookup(shape, m)
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    if is_deterministic(x.device):
+        return batch_invariant_linear(x, weight, bias, silu)
+    cfg = _lookup(x, GemmShape(table_dtype(x.dtype, DENSE), weight.size(0), weight.size(-1), silu))
+    if cfg is None:
+        return cublas_linear(x, weight, bias, silu, None)
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return cublas_linear(x, weight, bias, silu, None)  # torch reports (or handles) the mix
+    if x.stride(1) != 1 or weight.stride(1) != 1 or not vector_aligned(x, weight):
+        log_once(
+            f"linear:align:{weight.shape}",
+            f"linear: x {tuple(x.shape)} (strides {x.stride()}) with weight {tuple(weight.shape)} does not allow "
+            "16-byte loads: cuBLAS instead of the skinny kernel",
+        )
+        return cublas_linear(x, weight, bias, silu, None)
+    out = torch.empty((x.shape[0], weight.size(0) // 2 if silu else weight.size(0)), dtype=x.dtype, device=x.device)
+    launch(x, weight, bias, out, silu, cfg)
+    return out
+
+
+def fp8_large_batch(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int, bias: torch.Tensor | None, silu: bool
+) -> torch.Tensor:
+    """The FP8 layer's path without the skinny kernel (the tuner's baseline for FP8 shapes)."""
+    y = fp8_gemm(x, weight, scale, block_k, bias)
+    return silu_and_mul(y) if silu else y
+
+
+def _fp8(x, weight, scale, block_k, bias, silu) -> torch.Tensor:
+    if x.device.type != "cuda" or x.shape[0] == 0:
+        return fp8_linear_reference(x, weight, scale, block_k, bias, silu)
+    shape = GemmShape(table_dtype(x.dtype, FP8_FORMAT, scale.size(1) > 1), weight.size(0), weight.size(1), silu)
+    cfg = _lookup(x, shape)
+    if cfg is None or (bias is not None and bias.dtype != x.dtype):
+        return fp8_large_batch(x, weight, scale, block_k, bias, silu)
+    if not fp8_fits(x, weight, scale, block_k):
+        log_once(f"skinny_fp8:layout:{tuple(weight.shape)}",
+                 f"fp8 linear: x {tuple(x.shape)} (strides {x.stride()}) with weight {tuple(weight.shape)} does not "
+                 "allow the skinny kernel's 16-byte loads: the FP8 GEMM instead")
+        return fp8_large_batch(x, weight, scale, block_k, bias, silu)
+    out = torch.empty((x.shape[0], weight.size(0) // 2 if silu else weight.size(0)), dtype=x.dtype, device=x.device)
+    launch(x, weight, bias, out, silu, cfg, scale=scale)
+    return out

@@ -1,0 +1,213 @@
+"""4-bit weight GEMMs and 4-bit-expert MoE: the checks and the dispatch by device and M.
+
+Weights are in kernels/quant4.py's layouts (the loaders repack every checkpoint format into
+them once). GPU: M <= 32 the skinny CUDA template with the Int4W / Mxfp4W loader
+(csrc/skinny_weights.cuh; default_config's launch, not yet a measured table), else, or where
+its conditions fail (logged once), the Triton GEMM of kernels/w4a16_gemm.py; CPU: dequantise
+to fp32 through the reference and matmul in fp32 (the path the model tests hold to transformers).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from minisgl.kernels import fused_moe as _moe
+from minisgl.kernels import moe_align as _align
+from minisgl.kernels import w4a16_gemm as _w4
+from minisgl.kernels.fused_moe_config import get_config
+from minisgl.logging_setup import log_once
+from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_once, use_cuda_kernel, use_triton
+from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
+from minisgl.ops.gemm import skinny as _sk
+from minisgl.ops.moe import check_shared, check_topk
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FORMATS = {"int4": _w4.INT4, "mxfp4": _w4.MXFP4}
+SKINNY_MAX_M = 32
+
+
+def _check_x(x: object) -> None:
+    check_tensor("x", x, dtype=_DTYPES)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension (its last is K)")
+    check_inner_contiguous("x", x)
+
+
+def _check_weight(fmt: int, w: object, scales: object, zeros: object, k: int, dtype: torch.dtype,
+                  lead: tuple[int, ...] = ()) -> tuple[int, int]:
+    """The layout's tensors for K = k -> (rows N, group). `lead` is the expert dimension."""
+    nd = len(lead) + 2
+    if fmt == _w4.INT4:
+        check_tensor("qweight", w, dtype=torch.int32, ndim=nd)
+        if k % 8:
+            raise ValueError(f"INT4 weights need K divisible by 8 (8 nibbles per int32), got K = {k}")
+        n = w.shape[-2]
+        check_shape("qweight", w, (*lead, n, k // 8))
+        check_tensor("scales", scales, dtype=dtype, ndim=nd)
+        groups = scales.shape[-1]
+        if groups < 1 or k % groups:
+            raise ValueError(f"scales' last dimension ({groups}) must divide K = {k} (K // group scale columns)")
+        check_shape("scales", scales, (*lead, n, groups))
+        check_tensor("zeros", zeros, dtype=dtype, ndim=nd)
+        check_shape("zeros", zeros, (*lead, n, groups))
+        check_contiguous("zeros", zeros)
+        names = ("qweight", "scales")
+    else:
+        check_tensor("blocks", w, dtype=torch.uint8, ndim=nd)
+        if k % 32:
+            raise ValueError(f"MXFP4 weights need K divisible by 32 (one e8m0 scale per 32), got K = {k}")
+        n = w.shape[-2]
+        check_shape("blocks", w, (*lead, n, k // 2))
+        check_tensor("scales", scales, dtype=torch.uint8, ndim=nd)
+        check_shape("scales", scales, (*lead, n, k // 32))
+        groups = k // 32
+        names = ("blocks", "scales")
+    check_contiguous(names[0], w)
+    check_contiguous(names[1], scales)
+    return n, k // groups
+
+
+def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+            bias: torch.Tensor | None, silu_and_mul: bool) -> torch.Tensor:
+    _check_x(x)
+    k = x.shape[-1]
+    n, _ = _check_weight(fmt, w, scales, zeros, k, x.dtype if fmt == _w4.INT4 else torch.uint8)
+    if silu_and_mul and n % 2:
+        raise ValueError(f"silu_and_mul needs (gate | up) rows: an even N, got {n}")
+    if bias is not None:
+        check_tensor("bias", bias, dtype=x.dtype, ndim=1)
+        check_shape("bias", bias, (n,))
+        check_contiguous("bias", bias)
+    check_same_device(x=x, weight=w, scales=scales, **({} if zeros is None else {"zeros": zeros}),
+                      **({} if bias is None else {"bias": bias}))
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] <= SKINNY_MAX_M and _skinny_fits(x2, w, scales, fmt):
+        y = _skinny(x2, w, scales, zeros, fmt, bias, silu_and_mul)
+    elif use_triton("w4_linear", x):
+        y = _w4.w4_gemm(x2, w, scales, zeros, fmt, bias, silu_and_mul)
+    else:
+        log_cpu_reference_once("w4_linear")
+        y = _w4.w4_gemm_reference(x2, w, scales, zeros, fmt, bias, silu_and_mul)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@functools.cache
+def skinny_w4_shapes() -> tuple[tuple[int, int, int], ...]:
+    """(row tiles, 128-K chunks per warp group, largest M) of each compiled 4-bit skinny tile."""
+    ext = compiled()
+    if ext is None or not ext.has_cuda or not hasattr(ext, "skinny_gemm_w4"):
+        return ()
+    return tuple(tuple(t) for t in ext.skinny_gemm_w4_configs())
+
+
+def _skinny_fits(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: int) -> bool:
+    if x.shape[0] == 0 or not use_cuda_kernel("w4_linear", x):
+        return False
+    k = x.shape[1]
+    why = None
+    if not skinny_w4_shapes():
+        why = "minisgl._C has no 4-bit skinny kernel (rebuild the extension)"
+    elif x.dtype not in (torch.float16, torch.bfloat16):
+        why = f"{x.dtype} activations (the kernel takes fp16/bf16)"
+    elif k % 32 or (fmt == _w4.INT4 and (k // scales.shape[1]) % 32):
+        why = f"K = {k}, group {k // scales.shape[1]} (the kernel needs multiples of 32)"
+    elif x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 8) or w.data_ptr() % 16:
+        why = "x / the weight not 16-byte aligned"
+    if why is not None:
+        log_once(f"w4-skinny:{why}", f"4-bit linear at M <= {SKINNY_MAX_M}: {why}; the Triton GEMM instead")
+        return False
+    return True
+
+
+def _skinny(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: int,
+            bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """The skinny CUDA template's 4-bit launch (split-K workspace and counters as ops.skinny_gemm's)."""
+    m, k = x.shape
+    n_w = scales.shape[0]
+    n_out = n_w // 2 if silu else n_w
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    shapes = skinny_w4_shapes()
+    name = "int4" if fmt == _w4.INT4 else "mxfp4"  # ops/gemm's format names
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    cfg = _sk.default_config(m, n_out, k, silu, sms, name)
+    splits, ws, ctr = cfg.splits, None, None
+    tiles = _sk.num_tiles(n_out, silu, cfg.tile, name)
+    if splits > 1 and tiles <= _sk._NUM_COUNTERS:
+        ctr = _sk.counters(x.device)
+        ws = torch.empty(2 * tiles * splits * shapes[cfg.tile][0] * (-(-m // 8)) * 2 * 32, dtype=torch.float32,
+                         device=x.device)
+    else:
+        splits = 1
+    # fmt: off
+    compiled().skinny_gemm_w4(
+        x.data_ptr(), w.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), scales.stride(0),
+        k // scales.shape[1] if fmt == _w4.INT4 else 32, fmt, 0 if bias is None else bias.data_ptr(),
+        out.data_ptr(), 0 if ws is None else ws.data_ptr(), 0 if ws is None else ws.numel() * 4,
+        0 if ctr is None else ctr.data_ptr(), 0 if ctr is None else ctr.numel(), m, n_out, k,
+        x.stride(0) if m > 1 else k, w.stride(0), out.stride(0) if m > 1 else n_out, silu,
+        _sk._KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, splits, _sk.PDL, current_stream(x.device),
+    )
+    # fmt: on
+    return out
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+    """x [..., K] @ W^T with W in the INT4 layout (qweight int32 [N, K/8], scales / zeros [N, K/group]
+    in x's dtype) (+ bias [N]); silu_and_mul: W is (gate | up), y [..., N/2] = silu(gate) * up."""
+    return _linear(_w4.INT4, x, qweight, scales, zeros, bias, silu_and_mul)
+
+
+def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                 silu_and_mul: bool = False) -> torch.Tensor:
+    """x [..., K] @ W^T with W in the MXFP4 layout (blocks uint8 [N, K/2], e8m0 scales uint8 [N, K/32])."""
+    return _linear(_w4.MXFP4, x, blocks, scales, None, bias, silu_and_mul)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def fused_moe_w4(
+    x: torch.Tensor, fmt: str, w13: torch.Tensor, w13_scales: torch.Tensor, w13_zeros: torch.Tensor | None,
+    w2: torch.Tensor, w2_scales: torch.Tensor, w2_zeros: torch.Tensor | None,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ops.fused_experts with 4-bit experts: fmt "int4" (w13 int32 [E, 2I, H/8], scales / zeros
+    [E, 2I, H/group]; w2 [E, H, I/8], [E, H, I/group]) or "mxfp4" (w13 uint8 [E, 2I, H/2], scales
+    [E, 2I, H/32]; zeros None). Same routing arguments and result as ops.fused_experts."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {tuple(FORMATS)}, got {fmt!r}")
+    f = FORMATS[fmt]
+    check_tensor("x", x, dtype=_DTYPES, ndim=2)
+    check_inner_contiguous("x", x)
+    sdt = x.dtype if f == _w4.INT4 else torch.uint8
+    if f == _w4.MXFP4 and (w13_zeros is not None or w2_zeros is not None):
+        raise ValueError("MXFP4 experts have no zero points: pass w13_zeros = w2_zeros = None")
+    e = w13.shape[0] if isinstance(w13, torch.Tensor) and w13.dim() == 3 else 0
+    two_i, _ = _check_weight(f, w13, w13_scales, w13_zeros, x.shape[1], sdt, (e,))
+    if two_i % 2:
+        raise ValueError(f"w13 must have (gate | up) rows: an even 2I, got {two_i}")
+    h, _ = _check_weight(f, w2, w2_scales, w2_zeros, two_i // 2, sdt, (e,))
+    if h != x.shape[1]:
+        raise ValueError(f"w2 must have H = {x.shape[1]} rows (x's width), got {h}")
+    check_topk(x, topk_weights, topk_ids)
+    check_shared(x, shared, shared_gate)
+    check_same_device(x=x, w13=w13, w13_scales=w13_scales, w2=w2, w2_scales=w2_scales)
+    if not use_triton("fused_moe_w4", x):
+        log_cpu_reference_once("fused_moe_w4")
+        w13_d = _w4.dequant_reference(w13, w13_scales, w13_zeros, f).to(x.dtype)
+        w2_d = _w4.dequant_reference(w2, w2_scales, w2_zeros, f).to(x.dtype)
+        return _moe.fused_experts_reference(x, w13_d, w2_d, topk_weights, topk_ids, shared, shared_gate)
+    top_k = topk_ids.shape[1]
+    cfg = get_config(e, top_k, two_i // 2, h, x.shape[0], x.dtype, _device_name(x.device))
+    sorted_ids, expert_ids = _align.align(topk_ids, e, cfg.block_m)
+    inter = _moe.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up,
+                         _moe.W4(w13_scales, w13_zeros, f))
+    y = _moe.down_gemm(inter, w2, topk_weights, sorted_ids, expert_ids, cfg.block_m, cfg.down,
+                       _moe.W4(w2_scales, w2_zeros, f))
+    return _moe.moe_sum(y, top_k, shared, shared_gate)

@@ -1,0 +1,215 @@
+"""4-bit weight kernels (the skinny CUDA template's Int4W / Mxfp4W loaders at M <= 32,
+kernels/w4a16_gemm.py, the 4-bit experts of kernels/fused_moe.py, all through ops/gemm/w4.py)
+against the dequantise-then-matmul reference on fresh random data. The weights
+are built here from random nibbles, scales and zeros and dequantised here (not through
+kernels/quant4.py), then packed: the references' unpacking is under test too. Every group size,
+odd N and K not a multiple of the tile, M = 1 .. 4096 (GPU), bias and SiLU-and-mul on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl import env
+from minisgl.kernels import fused_moe as G
+from minisgl.kernels.quant4 import E2M1_VALUES, pack_int4
+from minisgl.ops.gemm import w4
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(
+    DEV == "cpu" and not env.TRITON_INTERPRET, reason="Triton kernels need CUDA or TRITON_INTERPRET=1"
+)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make_int4(n: int, k: int, group: int, dtype: torch.dtype, gen: torch.Generator, sym: bool = False):
+    """(qweight, scales, zeros, W fp32 [n, k]) with W = (q - z) * s computed from the unpacked values."""
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    s = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.005).to(dtype)
+    z = torch.full((n, k // group), 8.0) if sym else torch.randint(0, 16, (n, k // group), generator=gen).float()
+    z = z.to(dtype)
+    w = (q.float() - z.float().repeat_interleave(group, 1)) * s.float().repeat_interleave(group, 1)
+    return pack_int4(q).to(DEV), s.to(DEV), z.to(DEV), w.to(DEV)
+
+
+def make_mxfp4(n: int, k: int, gen: torch.Generator):
+    """(blocks, scales, W fp32 [n, k]); byte j holds columns 2j (low nibble) and 2j + 1."""
+    nib = torch.randint(0, 16, (n, k), generator=gen)
+    e = torch.randint(120, 126, (n, k // 32), generator=gen)
+    lut = torch.tensor(E2M1_VALUES)
+    w = lut[nib] * torch.exp2(e.float() - 127).repeat_interleave(32, 1)
+    blocks = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
+    return blocks.to(DEV), e.to(torch.uint8).to(DEV), w.to(DEV)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    if silu:
+        n = y.shape[1] // 2
+        y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
+    return y
+
+
+def assert_close(y: torch.Tensor, ref: torch.Tensor) -> None:
+    assert torch.isfinite(y).all()
+    # fp32: accumulation order only; 16-bit: the output rounding plus the dequantised weight's rounding.
+    tol = 1e-4 if y.dtype == torch.float32 else 2e-2
+    scale = ref.abs().max().item() + 1e-6
+    err = (y.double() - ref).abs().max().item()
+    assert err <= tol * scale, f"max error {err} vs scale {scale}"
+
+
+def _run_int4(m: int, n: int, k: int, group: int, dtype: torch.dtype, bias: bool, silu: bool, sym: bool = False):
+    gen = torch.Generator().manual_seed(m * 7919 + n * 31 + k + group)
+    qw, s, z, w = make_int4(n, k, group, dtype, gen, sym)
+    x = torch.randn(m, k, generator=gen).to(DEV, dtype)
+    b = (torch.randn(n, generator=gen) * 0.5).to(DEV, dtype) if bias else None
+    y = w4.int4_linear(x, qw, s, z, b, silu_and_mul=silu)
+    assert y.shape == (m, n // 2 if silu else n) and y.dtype == dtype
+    assert_close(y, reference(x, w, b, silu))
+
+
+def _run_mxfp4(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, silu: bool):
+    gen = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
+    blocks, s, w = make_mxfp4(n, k, gen)
+    x = torch.randn(m, k, generator=gen).to(DEV, dtype)
+    b = (torch.randn(n, generator=gen) * 0.5).to(DEV, dtype) if bias else None
+    y = w4.mxfp4_linear(x, blocks, s, b, silu_and_mul=silu)
+    assert y.shape == (m, n // 2 if silu else n) and y.dtype == dtype
+    assert_close(y, reference(x, w, b, silu))
+
+
+# ---- the CPU reference path (no Triton) -----------------------------------------------------
+
+
+@pytest.mark.skipif(env.TRITON_INTERPRET, reason="the torch reference path runs without the interpreter")
+@pytest.mark.parametrize("group", [32, 128, 192])
+def test_int4_cpu_reference(group: int) -> None:
+    if DEV != "cpu":
+        pytest.skip("the CPU path")
+    _run_int4(3, 22, 192 if group != 128 else 256, group, torch.float32, bias=True, silu=True)
+    _run_int4(5, 21, 384, group if group != 192 else 384, torch.float32, bias=False, silu=False, sym=True)
+
+
+@pytest.mark.skipif(env.TRITON_INTERPRET, reason="the torch reference path runs without the interpreter")
+def test_mxfp4_cpu_reference() -> None:
+    if DEV != "cpu":
+        pytest.skip("the CPU path")
+    _run_mxfp4(4, 26, 96, torch.float32, bias=True, silu=True)
+    _run_mxfp4(1, 13, 64, torch.float32, bias=False, silu=False)
+
+
+# ---- Triton (interpreted on the CPU: small shapes, fp32 / fp16) -------------------------------
+
+
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.parametrize("m,n,k,group", [(1, 21, 160, 32), (5, 70, 192, 64), (17, 33, 256, 128), (3, 40, 72, 72)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias,silu", [(False, False), (True, False), (True, True)])
+def test_int4_triton(m: int, n: int, k: int, group: int, dtype: torch.dtype, bias: bool, silu: bool) -> None:
+    if silu and n % 2:
+        n += 1
+    _run_int4(m, n, k, group, dtype, bias, silu, sym=group == 64)
+
+
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.parametrize("m,n,k", [(1, 21, 96), (6, 66, 160), (19, 34, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias,silu", [(False, False), (True, True)])
+def test_mxfp4_triton(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, silu: bool) -> None:
+    if silu and n % 2:
+        n += 1
+    _run_mxfp4(m, n, k, dtype, bias, silu)
+
+
+def _routing(t: int, e: int, top_k: int, gen: torch.Generator):
+    ids = torch.argsort(torch.rand(t, e, generator=gen), dim=1)[:, :top_k].to(torch.int32)
+    weights = torch.softmax(torch.randn(t, top_k, generator=gen), dim=1)
+    return weights.to(DEV), ids.to(DEV)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("t", [1, 7])
+def test_fused_moe_w4(fmt: str, t: int) -> None:
+    """Triton where it runs, else the CPU reference; against a per-expert loop over the weights
+    dequantised here (the fp32 ones the test built, not the kernels' dequantisation)."""
+    e, top_k, h, inter = 5, 2, 96, 64
+    gen = torch.Generator().manual_seed(t * 13 + len(fmt))
+    dtype = torch.float32
+    if fmt == "int4":
+        a = [make_int4(2 * inter, h, 32, dtype, gen) for _ in range(e)]
+        b = [make_int4(h, inter, 32, dtype, gen) for _ in range(e)]
+        w13, s13, z13, d13 = (torch.stack(v) for v in zip(*a))
+        w2, s2, z2, d2 = (torch.stack(v) for v in zip(*b))
+    else:
+        a = [make_mxfp4(2 * inter, h, gen) for _ in range(e)]
+        b = [make_mxfp4(h, inter, gen) for _ in range(e)]
+        w13, s13, d13 = (torch.stack(v) for v in zip(*a))
+        w2, s2, d2 = (torch.stack(v) for v in zip(*b))
+        z13 = z2 = None
+    x = torch.randn(t, h, generator=gen).to(DEV, dtype)
+    weights, ids = _routing(t, e, top_k, gen)
+    out = w4.fused_moe_w4(x, fmt, w13, s13, z13, w2, s2, z2, weights, ids)
+    ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids)
+    assert out.shape == (t, h)
+    assert_close(out, ref)
+
+
+# ---- the GPU: bf16 / fp16, M up to 4096 -------------------------------------------------------
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 31, 33, 257, 4096])
+@pytest.mark.parametrize("group", [32, 64, 128, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_gpu(m: int, group: int, dtype: torch.dtype) -> None:
+    """M <= 32: the skinny template (split-K where default_config splits: N = 1031 at K 4096 does,
+    N = 8198 at K 1024 does not), else the Triton GEMM; odd N, partial row tiles."""
+    _run_int4(m, 1031, 4096, group, dtype, bias=m % 2 == 1, silu=False)
+    _run_int4(m, 2 * 700, 4096 + group if group < 4096 else 4096, group, dtype, bias=False, silu=True)
+    g = min(group, 1024)
+    _run_int4(m, 8198, 1024, g, dtype, bias=True, silu=False, sym=True)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 32, 100, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mxfp4_gpu(m: int, dtype: torch.dtype) -> None:
+    _run_mxfp4(m, 2877, 2880, dtype, bias=True, silu=False)
+    _run_mxfp4(m, 8198, 1024, dtype, bias=False, silu=False)
+    _run_mxfp4(m, 2 * 1445, 2880, dtype, bias=True, silu=True)
+
+
+# ---- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_input_is_named() -> None:
+    gen = torch.Generator().manual_seed(0)
+    qw, s, z, _ = make_int4(16, 64, 32, torch.float32, gen)
+    x = torch.randn(2, 64).to(DEV)
+    with pytest.raises(ValueError, match="qweight must have dtype int32"):
+        w4.int4_linear(x, qw.float(), s, z)
+    with pytest.raises(ValueError, match="scales must have dtype"):
+        w4.int4_linear(x, qw, s.half(), z)
+    with pytest.raises(ValueError, match="qweight must have shape"):
+        w4.int4_linear(torch.randn(2, 128).to(DEV), qw, s, z)
+    with pytest.raises(ValueError, match="zeros must have shape"):
+        w4.int4_linear(x, qw, s, z[:, :1])
+    with pytest.raises(ValueError, match="even N"):
+        w4.int4_linear(x, qw[:15], s[:15], z[:15], silu_and_mul=True)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        w4.int4_linear(torch.randn(2, 60).to(DEV), qw, s, z)
+    blocks, es, _ = make_mxfp4(8, 64, gen)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        w4.mxfp4_linear(torch.randn(2, 48).to(DEV), blocks, es)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        w4.mxfp4_linear(x, blocks, es, bias=torch.zeros(7).to(DEV))
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        w4.fused_moe_w4(x, "nf4", qw, s, z, qw, s, z, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32))
