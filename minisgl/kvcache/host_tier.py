@@ -12,22 +12,29 @@ so every host page's ancestors stay reachable; a placeholder left without childr
 A host copy stays after a load-back (its GPU copy is identical), so evicting that prefix again
 costs no copy.
 
-First version, synchronous: the store (GPU gather -> one device-to-host copy -> host scatter)
-and the load (host gather -> one host-to-device copy -> GPU scatter) run on the caller's stream
-and the load completes before the step that reads the pages. The side-stream load with a
-per-layer wait (issue 40) is not built yet.
+Copies (ops/kv_copy.py: on CUDA one gather/scatter kernel launch for all layers, reading or
+writing the pinned host pool through its device address) run on the tier's own CUDA stream and
+never block the host. Ordering, per copy: the copy stream first waits for everything already
+enqueued on the compute stream (a write-back reads KV that an in-flight step may still be
+writing; a load fills pages that an in-flight step may still touch, e.g. those of a request
+aborted meanwhile), then the compute stream waits for an event recorded after the copy, so the
+next step's forward (a load's reader; for a write-back, the first step that may reuse the freed
+pages) starts once the copy is done. Host-pool slots are only touched on the copy stream, so
+stores and loads of the same slot stay in order. The step waits once for all layers (no
+per-layer overlap yet): the gain is a host that schedules and launches on while the copy runs,
+and a copy at PCIe speed. On the CPU (a second CPU tensor) the same calls run synchronously.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from minisgl.kvcache.pool import KVPool
-from minisgl.ops.kv_copy import copy_slots
+from minisgl.ops.kv_copy import copy_slots, pinned_empty
 
 
 class _HNode:
@@ -51,10 +58,12 @@ class HostKVTier:
         if self.num_pages < 1:
             raise ValueError(f"--host-kv-cache-gb {gb} holds no page of {page_bytes} bytes; give more")
         self.page_bytes = page_bytes
-        pin = pool.device.type == "cuda"
-        shape = (pool.num_full_layers, self.num_pages * ps, pool.kv_heads, pool.head_dim)  # the full group
-        self._k = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)
-        self._v = torch.empty(shape, dtype=pool.dtype, pin_memory=pin)
+        # K and V in one allocation, pinned (page-locked, device-mapped) beside a CUDA pool.
+        shape = (2, pool.num_full_layers, self.num_pages * ps, pool.kv_heads, pool.head_dim)  # the full group
+        cuda = pool.device.type == "cuda"
+        self._kv = pinned_empty(shape, pool.dtype) if cuda else torch.empty(shape, dtype=pool.dtype)
+        self._k, self._v = self._kv[0], self._kv[1]
+        self._copier = _Copier(pool.device)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
         self._root = _HNode((), None)
         self._lru: OrderedDict[_HNode, None] = OrderedDict()  # nodes holding a host page, oldest first
@@ -63,7 +72,6 @@ class HostKVTier:
         self.pages_stored = 0
         self.hits = 0
         self.tokens_loaded = 0
-        self.load_seconds = 0.0
 
     @property
     def bytes_used(self) -> int:
@@ -72,6 +80,11 @@ class HostKVTier:
     @property
     def used_pages(self) -> int:
         return len(self._lru)
+
+    @property
+    def load_seconds(self) -> float:
+        """Time spent copying KV back (cumulative; on CUDA the copies' GPU time, once done)."""
+        return self._copier.seconds
 
     @property
     def capacity_bytes(self) -> int:
@@ -165,13 +178,10 @@ class HostKVTier:
         self._busy.difference_update(nodes)
 
     def load(self, nodes: list[_HNode], gpu_pages: list[int]) -> None:
-        """Copies the host pages of `nodes` into `gpu_pages` (stream ordered before the next
-        step's reads)."""
-        t0 = time.perf_counter()
+        """Copies the host pages of `nodes` into `gpu_pages` (ordered before the next step)."""
         slots = [n.slot for n in nodes]
         assert None not in slots, "load of a node without a host page"
         self._copy(gpu_pages, slots, to_host=False)  # type: ignore[arg-type]
-        self.load_seconds += time.perf_counter() - t0
         self.hits += 1
         self.tokens_loaded += len(nodes) * self.page_size
 
@@ -181,9 +191,13 @@ class HostKVTier:
         h = _slots(host_pages, ps)
         pool_k, pool_v = self.pool._k, self.pool._v
         if to_host:
-            copy_slots(pool_k, pool_v, g, self._k, self._v, h)
+            self._copier.run(lambda: copy_slots(pool_k, pool_v, g, self._k, self._v, h), timed=False)
         else:
-            copy_slots(self._k, self._v, h, pool_k, pool_v, g)
+            self._copier.run(lambda: copy_slots(self._k, self._v, h, pool_k, pool_v, g), timed=True)
+
+    def synchronize(self) -> None:
+        """Waits for every copy enqueued so far (tests and benchmarks)."""
+        self._copier.synchronize()
 
     def reset(self) -> None:
         """Drops every host copy (with /flush_cache)."""
@@ -210,6 +224,47 @@ class HostKVTier:
         slots = [n.slot for n in slotted] + self._free
         if sorted(slots) != list(range(self.num_pages)):  # type: ignore[type-var]
             raise AssertionError(f"HostKVTier integrity: host pages leaked or doubled ({self.num_pages} in all)")
+
+
+class _Copier:
+    """Runs the tier's copies: synchronously on the CPU; on CUDA on a side stream, ordered
+    against the compute stream both ways (module docstring). Times the timed ones."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # timed copies not yet read
+        self._seconds = 0.0
+
+    def run(self, copy: Callable[[], None], timed: bool) -> None:
+        if self.stream is None:
+            t0 = time.perf_counter()
+            copy()
+            if timed:
+                self._seconds += time.perf_counter() - t0
+            return
+        compute = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            start = torch.cuda.Event(enable_timing=True) if timed else None
+            if start is not None:
+                start.record()
+            copy()
+            done = torch.cuda.Event(enable_timing=timed)
+            done.record()
+        compute.wait_event(done)
+        if start is not None:
+            self._pending.append((start, done))
+
+    @property
+    def seconds(self) -> float:
+        while self._pending and self._pending[0][1].query():  # completed in order: one stream
+            start, end = self._pending.pop(0)
+            self._seconds += start.elapsed_time(end) / 1000
+        return self._seconds
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 def _slots(pages: list[int], ps: int) -> list[int]:
