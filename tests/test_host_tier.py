@@ -152,7 +152,7 @@ def test_multi_turn_greedy_tokens_identical_with_tier(tiny_model_path) -> None:
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_copy_slots_matches_indexing(device, dtype) -> None:
     """Both directions (device -> host, host -> device) against plain torch indexing, on fresh
     random data with scattered, unsorted slots; untouched destination slots stay NaN."""
@@ -161,14 +161,14 @@ def test_copy_slots_matches_indexing(device, dtype) -> None:
     g = torch.Generator().manual_seed(0)
     shape = (3, 64, 2, 8)
     dev_k, dev_v = (torch.randn(shape, generator=g).to(dtype).to(device) for _ in range(2))
-    host_k, host_v = (torch.full(shape, float("nan"), dtype=dtype) for _ in range(2))
+    host_k, host_v = (torch.full(shape, float("nan")).to(dtype) for _ in range(2))
     src = torch.randperm(64, generator=g)[:20].tolist()
     dst = torch.randperm(64, generator=g)[:20].tolist()
     copy_slots(dev_k, dev_v, src, host_k, host_v, dst)
     assert torch.equal(host_k[:, dst], dev_k[:, src].cpu()) and torch.equal(host_v[:, dst], dev_v[:, src].cpu())
     rest = sorted(set(range(64)) - set(dst))
     assert host_k[:, rest].isnan().all()
-    back_k, back_v = (torch.full(shape, float("nan"), dtype=dtype, device=device) for _ in range(2))
+    back_k, back_v = (torch.full(shape, float("nan")).to(dtype).to(device) for _ in range(2))
     copy_slots(host_k, host_v, dst, back_k, back_v, src)
     assert torch.equal(back_k[:, src], dev_k[:, src]) and torch.equal(back_v[:, src], dev_v[:, src])
     with pytest.raises(ValueError, match="source slots"):
@@ -188,3 +188,37 @@ def test_metrics_export_host_tier_over_replicas() -> None:
     for line in ("minisgl_host_kv_bytes_used 2001.0", "minisgl_host_kv_hits 6.0",
                  "minisgl_host_kv_tokens_loaded 140.0", "minisgl_host_kv_load_seconds 0.5"):
         assert line in text, line
+
+
+def test_pinned_empty_registers_exactly_and_unregisters_after_the_last_view(monkeypatch) -> None:
+    """The tier's host pool: exactly its bytes page-locked (no power-of-two block), 64-byte
+    aligned, and unregistered only once no view of it is left (a GPU kernel may still use one)."""
+    import gc
+
+    from minisgl.ops import kv_copy
+
+    calls = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - cudart's name
+            calls.append(("register", ptr, size, flags))
+            return 0
+
+        def cudaHostUnregister(self, ptr):  # noqa: N802
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    t = kv_copy.pinned_empty((2, 3, 5, 2, 8), torch.bfloat16)
+    assert t.shape == (2, 3, 5, 2, 8) and t.dtype == torch.bfloat16 and t.data_ptr() % 64 == 0
+    (kind, ptr, size, flags), = calls
+    assert kind == "register" and flags == 3 and 2 * t.numel() <= size <= 2 * t.numel() + 64
+    assert ptr <= t.data_ptr() < ptr + 64
+    half = t[1]
+    del t
+    gc.collect()
+    assert len(calls) == 1, "unregistered while a view is alive"
+    half.fill_(1.0)
+    del half
+    gc.collect()
+    assert calls[-1] == ("unregister", ptr)

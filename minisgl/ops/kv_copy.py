@@ -40,19 +40,20 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
     Not `torch.empty(..., pin_memory=True)`: torch's caching host allocator rounds every block up
     to a power of two (a 40 GB tier would pin 64 GB) and keeps it cached after it is freed. This
-    registers a plain allocation instead (cudaHostRegister through torch's own cudart binding)
-    and unregisters it when the tensor is collected."""
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    if nbytes == 0:
-        return t
+    registers a plain allocation instead (cudaHostRegister through torch's own cudart binding).
+    The bytes belong to a numpy array that the tensor's storage keeps alive, so the registration
+    is undone (a finalizer on the array) only once no view of it is left, before numpy frees it."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    nbytes = esize * int(np.prod(shape, dtype=np.int64))
+    buf = np.empty(max(nbytes, esize) + 64, dtype=np.uint8)
+    start = -buf.ctypes.data % 64  # the kernel's 16-byte accesses need an aligned base
     cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE_MAPPED)
+    err = cudart.cudaHostRegister(buf.ctypes.data, buf.nbytes, _HOST_REGISTER_PORTABLE_MAPPED)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB of host memory failed ({err}): "
                            "lower --host-kv-cache-gb or raise the locked-memory limit (ulimit -l)")
-    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
-    return t
+    weakref.finalize(buf, cudart.cudaHostUnregister, buf.ctypes.data)
+    return torch.from_numpy(buf)[start : start + nbytes].view(dtype).view(shape)
 
 
 def copy_slots(src_k: torch.Tensor, src_v: torch.Tensor, src_slots: Sequence[int],
