@@ -65,9 +65,16 @@ int kv_copy_slots(const void* src_k, const void* src_v, void* dst_k, void* dst_v
 }
 
 int host_device_pointer(void* host, void** device) {
-  // Pinned memory is mapped into the device's address space (UVA); this fails for pageable
-  // memory, which a kernel cannot reach, so the caller falls back (and says why).
-  return static_cast<int>(cudaHostGetDevicePointer(device, host, 0));
+  // Pinned memory is mapped into the device's address space (UVA); pageable memory is not, and a
+  // kernel cannot reach it (ops/kv_copy.py sends such pools down the torch path before asking).
+  // The pointer attributes, not cudaHostGetDevicePointer: they also answer for an address inside
+  // a registered range (the tier's V half).
+  cudaPointerAttributes attr{};
+  const cudaError_t err = cudaPointerGetAttributes(&attr, host);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (attr.type != cudaMemoryTypeHost || attr.devicePointer == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  *device = attr.devicePointer;
+  return 0;
 }
 
 }  // namespace minisgl

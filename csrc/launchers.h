@@ -100,7 +100,8 @@ int kv_copy_slots(const void* src_k, const void* src_v, void* dst_k, void* dst_v
                   const int32_t* dst_slots, int64_t num_slots, int64_t num_layers, int64_t row_bytes,
                   int64_t src_layer_stride, int64_t src_slot_stride, int64_t dst_layer_stride,
                   int64_t dst_slot_stride, int num_sms, void* stream);
-// The device address of pinned (page-locked, mapped) host memory; an error for pageable memory.
+// The device address of pinned (page-locked, mapped) host memory, also inside a registered range;
+// cudaErrorInvalidValue for pageable memory.
 int host_device_pointer(void* host, void** device);
 
 const char* cuda_error_string(int code);
