@@ -99,6 +99,8 @@ def _pick(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: 
         return "torch", "the host pool is pageable, not pinned: a kernel cannot reach it"
     if any(t.stride(3) != 1 or t.stride(2) != t.shape[3] for t in tensors):
         return "torch", "a pool whose heads x dim rows are not contiguous"
+    if max(src_k.shape[1], dst_k.shape[1]) >= 2**31:
+        return "torch", "a pool of 2^31 slots or more (the kernel's slot lists are int32)"
     if src_k.stride() != src_v.stride() or dst_k.stride() != dst_v.stride():
         return "torch", "K and V of a pool with different strides"
     if not use_cuda_kernel("kv_copy_slots", next(t for t in tensors if t.device.type == "cuda")):
