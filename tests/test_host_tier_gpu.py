@@ -42,10 +42,11 @@ def _check(dst: torch.Tensor, dst_slots: list[int], src: torch.Tensor, src_slots
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("shape", [(4, 3000, 8, 128), (3, 257, 3, 5)], ids=["qwen3-rows", "odd-rows"])
+@pytest.mark.parametrize("shape", [(4, 3000, 8, 128), (2, 100, 2, 6), (3, 257, 3, 5)],
+                         ids=["qwen3-rows", "4-byte-rows", "odd-rows"])
 def test_copy_kernel_matches_torch_indexing(dtype, shape) -> None:
     """Both directions through pinned host memory, and GPU to GPU, on fresh random data with
-    scattered, unsorted slots; 16-byte vectors for real rows, narrow ones for odd rows."""
+    scattered, unsorted slots; each vector width of the kernel (16, 4 and 1 bytes)."""
     layers, slots, heads, dim = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     gpu_k, gpu_v = _random(shape, dtype, gen), _random(shape, dtype, gen)
