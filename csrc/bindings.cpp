@@ -95,6 +95,30 @@ PYBIND11_MODULE(_C, m) {
       py::arg("out"), py::arg("weight"), py::arg("ids"), py::arg("ids_are_int64"), py::arg("n"),
       py::arg("row_bytes"), py::arg("weight_stride"), py::arg("out_stride"), py::arg("start"), py::arg("end"),
       py::arg("stream"));
+  m.def(
+      "kv_copy_slots",
+      [](std::uintptr_t src_k, std::uintptr_t src_v, std::uintptr_t dst_k, std::uintptr_t dst_v,
+         std::uintptr_t src_slots, std::uintptr_t dst_slots, int64_t num_slots, int64_t num_layers,
+         int64_t row_bytes, int64_t src_layer_stride, int64_t src_slot_stride, int64_t dst_layer_stride,
+         int64_t dst_slot_stride, int num_sms, std::uintptr_t stream) {
+        check(minisgl::kv_copy_slots(ptr<const void>(src_k), ptr<const void>(src_v), ptr(dst_k), ptr(dst_v),
+                                     ptr<const int32_t>(src_slots), ptr<const int32_t>(dst_slots), num_slots,
+                                     num_layers, row_bytes, src_layer_stride, src_slot_stride, dst_layer_stride,
+                                     dst_slot_stride, num_sms, ptr(stream)),
+              "kv_copy_slots");
+      },
+      py::arg("src_k"), py::arg("src_v"), py::arg("dst_k"), py::arg("dst_v"), py::arg("src_slots"),
+      py::arg("dst_slots"), py::arg("num_slots"), py::arg("num_layers"), py::arg("row_bytes"),
+      py::arg("src_layer_stride"), py::arg("src_slot_stride"), py::arg("dst_layer_stride"),
+      py::arg("dst_slot_stride"), py::arg("num_sms"), py::arg("stream"));
+  m.def(
+      "host_device_pointer",
+      [](std::uintptr_t host) {
+        void* device = nullptr;
+        check(minisgl::host_device_pointer(ptr(host), &device), "host_device_pointer");
+        return reinterpret_cast<std::uintptr_t>(device);
+      },
+      py::arg("host"));
   // ---- One-shot all-reduce over peer memory (csrc/custom_all_reduce.cu) ----
   m.attr("IPC_HANDLE_BYTES") = minisgl::kIpcHandleBytes;
   m.attr("CUSTOM_ALL_REDUCE_MAX_WORLD") = minisgl::kCustomAllReduceMaxWorld;

@@ -92,6 +92,19 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
                    int* counters, int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
                    int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl, void* stream);
 
+// KV rows between two pools by slot lists, K and V of every layer in one launch
+// (csrc/kv_copy.cuh): for t in {K, V}, layer < num_layers, i < num_slots,
+// dst_t[layer * dst_layer_stride + dst_slots[i] * dst_slot_stride] = the same row of src_t
+// (row_bytes bytes; strides in bytes). Either side may be pinned host memory passed by its device
+// address (host_device_pointer). The slot lists are int32 device arrays; num_sms sizes the grid.
+int kv_copy_slots(const void* src_k, const void* src_v, void* dst_k, void* dst_v, const int32_t* src_slots,
+                  const int32_t* dst_slots, int64_t num_slots, int64_t num_layers, int64_t row_bytes,
+                  int64_t src_layer_stride, int64_t src_slot_stride, int64_t dst_layer_stride,
+                  int64_t dst_slot_stride, int num_sms, void* stream);
+// The device address of pinned (page-locked, mapped) host memory, also inside a registered range;
+// cudaErrorInvalidValue for pageable memory.
+int host_device_pointer(void* host, void** device);
+
 const char* cuda_error_string(int code);
 
 }  // namespace minisgl

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from minisgl.kvcache.events import CacheEvents
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
@@ -65,6 +65,9 @@ class RadixCache(SlidingPages, PrefixCache):
         self.window = window  # the sliding group's window W (0: no sliding group)
         self.events = events
         self.heap_pops = 0  # eviction work counter (tests and metrics)
+        # Called with (the evicted leaf's whole prefix, its pages) before they are freed: the
+        # host KV tier (kvcache/host_tier.py) keeps a copy there.
+        self.on_evict: Callable[[tuple[int, ...], list[int]], None] | None = None
         self._swa_out: list[int] = []
         self._clear()
 
@@ -242,6 +245,8 @@ class RadixCache(SlidingPages, PrefixCache):
             if stamp < node.last_access:
                 self._push(node)  # touched since pushed: requeue at its real time
                 continue
+            if self.on_evict is not None:
+                self.on_evict(self._prefix_of(node), node.pages)
             del parent.children[node.key[: self.page_size]]
             node.parent = None
             freed.extend(node.pages)
@@ -258,6 +263,14 @@ class RadixCache(SlidingPages, PrefixCache):
                 self._push(parent)
         self._swa_out.extend(swa_freed)
         return freed
+
+    def _prefix_of(self, node: _Node) -> tuple[int, ...]:
+        keys: list[tuple[int, ...]] = []
+        n: _Node | None = node
+        while n is not None and n is not self._root:
+            keys.append(n.key)
+            n = n.parent
+        return tuple(t for k in reversed(keys) for t in k)
 
     # ---- accounting ----------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None
     cuda_graph_max_tokens: int | None = None
     scheduling_policy: str = "fcfs"
+    host_kv_cache_gb: float = 0.0  # the host KV tier (kvcache/host_tier.py); per TP rank / DP replica
     kv_events_config: str | None = None  # JSON (message/kv_events.py); checked here, parsed by each scheduler
     tp: int = 1
     nnodes: int = 1
@@ -210,4 +211,6 @@ class ServerArgs:
             opts["cuda_graph_max_tokens"] = self.cuda_graph_max_tokens
         if self.scheduling_policy != "fcfs":
             opts["scheduling_policy"] = self.scheduling_policy
+        if self.host_kv_cache_gb:
+            opts["host_kv_cache_gb"] = self.host_kv_cache_gb
         return opts

@@ -227,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(smaller first, vLLM's), lower-priority running requests retracted to admit higher ones",
     )
     s.add_argument(
+        "--host-kv-cache-gb",
+        type=float,
+        default=d.host_kv_cache_gb,
+        help="GB of host memory (pinned) per TP rank and DP replica that keeps the KV of prefixes evicted "
+        "from the GPU pool and loads it back on a later hit (0: off; radix cache only)",
+    )
+    s.add_argument(
         "--kv-events-config",
         default=None,
         help='publish KV-cache events in vLLM\'s format, a JSON object: {"publisher": "zmq", "endpoint": '

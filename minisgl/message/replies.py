@@ -116,6 +116,12 @@ class StatsMsg:
     # (held by requests; evictable cached ones count as free) and in all.
     kv_swa_used: int = 0
     kv_swa_total: int = 0
+    # The host KV tier (--host-kv-cache-gb): bytes held now; cumulative prefix hits served from
+    # it, tokens loaded back and the seconds those loads took.
+    host_kv_bytes: int = 0
+    host_kv_hits: int = 0
+    host_kv_tokens_loaded: int = 0
+    host_kv_load_s: float = 0.0
 
     @property
     def kv_usage(self) -> float:

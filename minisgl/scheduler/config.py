@@ -35,6 +35,9 @@ class SchedulerConfig:
     # request may retract running ones of lower priority (larger number) to be admitted
     # (scheduler/priority.py).
     scheduling_policy: str = "fcfs"
+    # GB of host memory that keeps the KV of prefixes evicted from the GPU pool, loaded back
+    # on a later hit (kvcache/host_tier.py); 0: off.
+    host_kv_cache_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.cache not in ("radix", "naive"):
@@ -47,6 +50,8 @@ class SchedulerConfig:
             raise ValueError(f"mixed_chunk_tokens must be >= 0, got {self.mixed_chunk_tokens}")
         if self.cuda_graph_max_tokens is not None and self.cuda_graph_max_tokens < 0:
             raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}")
+        if self.host_kv_cache_gb < 0:
+            raise ValueError(f"host_kv_cache_gb must be >= 0, got {self.host_kv_cache_gb}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
 

@@ -13,15 +13,44 @@ offered to `cache.trim_swa`) and their table entries point at the dummy slot.
 
 from __future__ import annotations
 
+import logging
+
 from minisgl.engine.engine import Engine
+from minisgl.kvcache.host_tier import HostKVTier
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
+from minisgl.kvcache.radix_cache import RadixCache
 from minisgl.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def make_host_tier(engine: Engine, cache: PrefixCache, gb: float) -> HostKVTier | None:
+    """The host KV tier of `--host-kv-cache-gb` (None when 0), refusing what it cannot serve."""
+    if gb <= 0:
+        return None
+    if not isinstance(cache, RadixCache):
+        raise ValueError("--host-kv-cache-gb needs the radix prefix cache; drop --cache naive")
+    if getattr(engine, "swa_allocator", None) is not None:
+        # A host copy would need each page's sliding KV too, and the radix cache's tombstones
+        # decide which exist: not built. Layers whose window covers the context share the one
+        # full pool (no sliding group), and those are served.
+        raise ValueError(f"--host-kv-cache-gb does not support {engine.model_config.architecture}: its sliding-window "
+                         "layers keep a window-sized KV pool group, which has no host tier yet; run without it")
+    if engine.drafter is not None and engine.cfg.speculative_algorithm != "ngram":
+        raise ValueError("--host-kv-cache-gb does not restore a draft model's KV yet; use it without "
+                         f"--speculative-algorithm {engine.cfg.speculative_algorithm}")
+    tier = HostKVTier(engine.pool, gb)
+    cache.on_evict = tier.on_evict
+    logger.info("host KV tier: %.3f GiB, %d pages of %d tokens (%s host memory)", tier.capacity_bytes / 2**30,
+                tier.num_pages, tier.page_size, "pinned" if engine.pool.device.type == "cuda" else "plain")
+    return tier
 
 
 class RequestKV:
-    def __init__(self, engine: Engine, cache: PrefixCache) -> None:
+    def __init__(self, engine: Engine, cache: PrefixCache, host_kv_cache_gb: float = 0.0) -> None:
         self.engine = engine
         self.cache = cache
+        self.tier = make_host_tier(engine, cache, host_kv_cache_gb)
         self.page_size = engine.cfg.page_size
         self.allocator = engine.allocator
         self.swa = getattr(engine, "swa_allocator", None)  # the sliding group's pages (or None)
@@ -61,6 +90,8 @@ class RequestKV:
                     "retry once they finish")
         self.allocator.free(self.cache.reset())
         self._free_swa([])
+        if self.tier is not None:
+            self.tier.reset()
         return None
 
     @property
@@ -108,6 +139,30 @@ class RequestKV:
             return self.cache.match_prefix([])
         # At least one token must be computed (its logits pick the next token).
         return self.cache.match_prefix(req.tokens()[:-1])
+
+    def match_and_load(self, req: Request) -> MatchResult:
+        """`match`, extended by the host tier: host pages continuing the GPU match are copied
+        into fresh GPU pages and inserted into the prefix cache (when the pool has room)."""
+        match = self.match(req)
+        if self.tier is None or req.needs_prompt_logprobs or req.pooling is not None:
+            return match
+        tokens = req.tokens()[:-1]
+        nodes = self.tier.lookup(tokens, len(match.pages))
+        if not nodes:
+            return match
+        self.cache.lock(match.handle)  # the GPU part must survive the eviction reserve() may do
+        self.tier.pin(nodes)  # and the host part the host eviction that eviction may cause
+        try:
+            if not self.reserve(len(nodes)):
+                return match
+            pages = self.allocator.allocate(len(nodes))
+            self.tier.load(nodes, pages)
+            end = (len(match.pages) + len(nodes)) * self.page_size
+            self.cache.insert(tokens[:end], list(match.pages) + pages)
+        finally:
+            self.tier.unpin(nodes)
+            self.cache.unlock(match.handle)
+        return self.match(req)
 
     def attach(self, req: Request, match: MatchResult) -> None:
         """Gives a new (or requeued) request its table row and its cached prefix, locked."""
@@ -229,6 +284,8 @@ class RequestKV:
 
     def check_integrity(self, active: list[Request]) -> None:
         self.cache.check_integrity()
+        if self.tier is not None:
+            self.tier.check_integrity()
         private: list[int] = []
         for r in active:
             if r.match is not None:

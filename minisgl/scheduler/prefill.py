@@ -53,7 +53,7 @@ def admit(queues: RequestQueues, kv: RequestKV, budget: int, new_token_ratio: fl
             req = queues.prefilling
         elif waiting is not None and kv.free_rows > 0 and (logit_rows or not waiting.needs_prompt_logprobs):
             req = waiting
-            match = kv.match(req)
+            match = kv.match_and_load(req)  # host-tier pages come back to the GPU here
             need = expected_pages(kv, req, new_token_ratio) - len(match.pages)
             alone = not queues.running and not plan.reqs
             if not alone and need + reserved > kv.available_pages:

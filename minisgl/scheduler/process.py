@@ -24,6 +24,7 @@ from minisgl.distributed.placement import share_cpu
 from minisgl.engine.engine import Engine
 from minisgl.grammar.compiler import GrammarCompiler
 from minisgl.kvcache.events import CacheEvents
+from minisgl.kvcache.host_tier import HostKVTier
 from minisgl.logging_setup import get_logger
 from minisgl.message import (
     AbortMsg,
@@ -306,6 +307,7 @@ class SchedulerProcess:
             st.get("spec_verified", 0),
             st.get("kv_swa_slots_used", 0),
             st.get("kv_swa_slots_total", 0),
+            *host_tier_stats(self.sched.kv.tier),
         )
         send(self.to_stats, msg)
 
@@ -373,3 +375,9 @@ def run_scheduler(ready: Ready, args: Any, addrs: Any, dp_rank: int = 0) -> None
         },
     )
     SchedulerProcess(engine, sched, addrs, start, dp_rank, events, max_queued_tokens).loop()
+
+
+def host_tier_stats(tier: HostKVTier | None) -> tuple[int, int, int, float]:
+    if tier is None:
+        return 0, 0, 0, 0.0
+    return tier.bytes_used, tier.hits, tier.tokens_loaded, tier.load_seconds

@@ -81,6 +81,15 @@ class Metrics:
             "Tokens a request gains per speculative step (accepted drafts + 1), mean since start",
             registry=r,
         )
+        self.host_kv = {  # the host KV tier; the last three are cumulative since start
+            "host_kv_bytes": Gauge("minisgl_host_kv_bytes_used", "Bytes of KV held in the host tier", registry=r),
+            "host_kv_hits": Gauge("minisgl_host_kv_hits", "Prefix hits served (partly) from the host tier",
+                                  registry=r),
+            "host_kv_tokens_loaded": Gauge("minisgl_host_kv_tokens_loaded", "Tokens of KV loaded back from the "
+                                           "host tier", registry=r),
+            "host_kv_load_s": Gauge("minisgl_host_kv_load_seconds", "Seconds spent loading KV back from the "
+                                    "host tier", registry=r),
+        }
         self._spec_seen = (0, 0)  # the replicas' summed cumulative counts already added
         for reason in ("stop", "length", "abort", "error"):
             self.requests.labels(reason)  # export every series from the start, at 0
@@ -98,6 +107,8 @@ class Metrics:
         self.kv_swa_used.set(s.kv_swa_used)
         self.kv_swa_total.set(s.kv_swa_total)
         self.cache_hit_rate.set(s.cache_hit_rate)
+        for field, gauge in self.host_kv.items():
+            gauge.set(getattr(s, field))
         proposed, accepted = self._spec_seen
         self.spec_proposed.inc(max(0, s.spec_proposed - proposed))
         self.spec_accepted.inc(max(0, s.spec_accepted - accepted))
