@@ -87,6 +87,18 @@ def test_window_and_sinks(case, with_sinks: bool, page: int, splits: int | None)
 
 
 @gpu
+@pytest.mark.parametrize("dim,group", [(16, 2), (32, 2)])  # the tiny GPT-OSS / Gemma 3 test models' heads
+@pytest.mark.parametrize("window", [0, 16])
+def test_small_heads_with_sinks(dim: int, group: int, window: int) -> None:
+    """Small heads, a multi-split bound (512, as the engine's graphs pass) and rows of mixed
+    lengths: the layout of the tiny GPT-OSS engine test, which missed transformers' tokens with
+    this kernel's sink path (not yet explained; the backend sends sinks to Triton meanwhile)."""
+    c = make_case([35 + 9, 17 + 9, 1 + 9, 100 + 9], 2, group, dim, torch.bfloat16, 1, "cuda", seed=dim + window)
+    c = forget_old(c, window) if window else c
+    check(c, window, sinks_for(2 * group, dim, "cuda"), torch.bfloat16, bound=512)
+
+
+@gpu
 @pytest.mark.parametrize("dim,group", [(64, 8), (128, 2), (256, 4)])  # GPT-OSS, Gemma 3 27B, Gemma 3 4B
 def test_model_shapes(dim: int, group: int) -> None:
     c = forget_old(make_case([3000, 1025, 1], 2, group, dim, torch.bfloat16, 16, "cuda", seed=dim), 1024)

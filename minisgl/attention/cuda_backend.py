@@ -2,9 +2,12 @@
 extend steps (prefill, chunked prefill, prefix hits) run the Triton extend kernel
 (ops.extend_attention, which falls back to its torch reference where Triton cannot run).
 Both read a 16-bit or an FP8 e4m3 cache (per-layer K/V scales, dequantized in registers).
-Layers with a sliding window or sinks (Gemma 3, GPT-OSS) decode through the same CUDA kernel:
-its splits cover the last W keys only and a head's sink joins the final softmax denominator.
-Models with 8 q heads per KV head decode through the Triton split kernel (TRITON_DECODE_GROUP).
+Sliding-window layers (Gemma 3, Mistral, Qwen2) decode through the same CUDA kernel: its splits
+cover the last W keys only. Layers with sinks (GPT-OSS) and models with 8 q heads per KV head
+(TRITON_DECODE_GROUP) decode through the Triton split kernel. The CUDA kernel takes sinks too
+(tests/test_decode_window.py passes at head dims 64-256), but the tiny GPT-OSS engine test (head
+dim 16) missed transformers' tokens with it on the H100 and that was not explained: not used
+for sinks until it is.
 
 Decode is CUDA-graph safe: the store and the kernel read slots, rows and lengths from the
 batch's device tensors, and the kernel's launch shape depends only on the batch size, the
@@ -66,7 +69,7 @@ class CudaAttentionBackend(TritonAttentionBackend):
         k_scale: float = 1.0, v_scale: float = 1.0,  # an FP8 pool's per-layer scales (1.0 for 16-bit)
         window: int = 0, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.group >= TRITON_DECODE_GROUP:
+        if self.group >= TRITON_DECODE_GROUP or sinks is not None:
             return super()._decode(q, k_cache, v_cache, req_to_slot, rows, seq_lens, max_seq_len, out,
                                    k_scale, v_scale, window, sinks)
         return ops.paged_decode_attention(q, k_cache, v_cache, req_to_slot, rows, seq_lens, self.scale, max_seq_len,
