@@ -145,3 +145,50 @@ def write_quant4(src: Path, out: Path, deq_out: Path, fmt: str, group: int, sym:
     cfg["quantization_config"] = quant_config(fmt, group, sym, desc_act, list(ignore or ()))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out, deq_out
+
+
+# OCP MX e2m1: code (sign << 3) | i holds +-E2M1[i].
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4_rtn(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [..., N, K] (K a multiple of 32) -> (blocks uint8 [..., N, K/32, 16] with element 2j in
+    the low nibble of byte j, e8m0 scales uint8 [..., N, K/32], dequantized fp32 [..., N, K]).
+    Each 32-block's exponent is the smallest e with max|w| / 2^e <= 6; values round to the nearest
+    e2m1 magnitude."""
+    *lead, n, k = w.shape
+    wb = w.float().reshape(*lead, n, k // 32, 32)
+    amax = wb.abs().amax(-1).clamp_min(2.0**-100)
+    e = torch.ceil(torch.log2(amax / 6.0)).clamp(-126, 127)
+    v = wb / torch.exp2(e)[..., None]
+    idx = (v.abs()[..., None] - E2M1).abs().argmin(-1)  # nearest magnitude
+    code = idx + 8 * (v < 0).long()
+    deq = torch.where(v < 0, -E2M1[idx], E2M1[idx]) * torch.exp2(e)[..., None]
+    pairs = code.reshape(*lead, n, k // 32, 16, 2)
+    blocks = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    return blocks, (e + 127).to(torch.uint8), deq.reshape(*lead, n, k)
+
+
+def write_gpt_oss_mxfp4(src: Path, out: Path, deq_out: Path) -> tuple[Path, Path]:
+    """A GPT-OSS folder's experts as the MXFP4 checkpoints ship them (`*_blocks` / `*_scales` of
+    gate_up_proj [E, H, 2I] and down_proj [E, I, H] taken as rows of their transposes, biases as
+    they are, `quant_method: "mxfp4"`), and the dequantized experts as a plain folder."""
+    shutil.copytree(src, out)
+    shutil.copytree(src, deq_out)
+    tensors = load_file(str(src / "model.safetensors"))
+    written: dict[str, torch.Tensor] = {}
+    deq: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            blocks, scales, d = mxfp4_rtn(t.transpose(1, 2))
+            written[f"{name}_blocks"], written[f"{name}_scales"] = blocks, scales
+            deq[name] = d.transpose(1, 2).contiguous()
+        else:
+            written[name] = deq[name] = t
+    save_file(written, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(deq, str(deq_out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out, deq_out

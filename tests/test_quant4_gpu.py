@@ -1,7 +1,7 @@
 """4-bit checkpoints on the GPU, end to end: the INT4 linear layers (skinny template or the Triton
-W4A16 GEMM, by M) and the 4-bit fused MoE, in bf16, against transformers running the same
-weights dequantized, in fp32. Greedy tokens must agree up to a bf16 near-tie of the reference
-(tests/bf16_tie.py), and prefill logits within 5% (max abs error over max |logit|)."""
+W4A16 GEMM, by M) and the 4-bit fused MoE (INT4 experts; GPT-OSS's MXFP4 ones), in bf16, against
+transformers running the same weights dequantized, in fp32. Greedy tokens must agree up to a
+bf16 near-tie of the reference (tests/bf16_tie.py), and prefill logits within 5% (max abs error over max |logit|)."""
 
 from __future__ import annotations
 
@@ -68,3 +68,13 @@ def test_int4_moe_model_on_the_gpu(tiny_model_path: Callable[[str], Path], tmp_p
     """The experts through the 4-bit fused MoE (no dequantized copy on the GPU)."""
     q, deq = ck.write_quant4(tiny_model_path(name), tmp_path / "q", tmp_path / "deq", fmt, 16, sym)
     _check(q, deq)
+
+
+def test_gpt_oss_mxfp4_on_the_gpu(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """GPT-OSS's MXFP4 experts through the 4-bit fused MoE with biases and the clamped SwiGLU."""
+    import dataclasses
+
+    base = tiny_models.SPECS["gpt_oss"]
+    spec = dataclasses.replace(base, name="gpt_oss_i64", seed=5, overrides={**base.overrides, "intermediate_size": 64})
+    src = tiny_models.build_tiny_model(spec, tmp_path / "src", tiny_model_path("gpt_oss"))
+    _check(*ck.write_gpt_oss_mxfp4(src, tmp_path / "q", tmp_path / "deq"))

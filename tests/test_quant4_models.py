@@ -96,3 +96,21 @@ def test_dummy_int4_weights_have_the_real_shapes(src: Path, tmp_path: Path) -> N
     assert layer.weight.shape == (256, 384 // 8) and layer.weight_scale.shape == (256, 3)
     assert bool((layer.weight_zero == 8).all()) and layer.weight.unique().numel() > 100
     assert len(llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == GREEDY.max_tokens
+
+
+def test_gpt_oss_mxfp4_experts_match_transformers(tiny_model_path: Callable[[str], Path], tmp_path: Path) -> None:
+    """GPT-OSS's MXFP4 checkpoint form (experts' `*_blocks` / `*_scales`, rows interleaving gate
+    and up, biases in 16 bits): loaded as MXFP4 experts, dequantized on the CPU, against
+    transformers on the dequantized experts. Intermediate 64: K of the down projection a
+    multiple of 32."""
+    spec = dataclasses.replace(tiny_models.SPECS["gpt_oss"], name="gpt_oss_i64", seed=5,
+                               overrides={**tiny_models.SPECS["gpt_oss"].overrides, "intermediate_size": 64})
+    # A tiny model's folder holds its tokenizer's files: the source build_tiny_model copies them from.
+    src = tiny_models.build_tiny_model(spec, tmp_path / "src", tiny_model_path("gpt_oss"))
+    q, deq = ck.write_gpt_oss_mxfp4(src, tmp_path / "q", tmp_path / "deq")
+    llm = LLM(str(q), device="cpu", dtype="float32")
+    experts = llm.engine.model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.uint8 and experts.w13.shape == (6, 128, 32) and experts.w2.shape == (6, 64, 32)
+    _check_against(llm, deq)
+    dummy = LLM(str(q), device="cpu", dtype="float32", load_format="dummy")
+    assert len(dummy.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]) == GREEDY.max_tokens

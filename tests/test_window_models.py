@@ -125,12 +125,17 @@ def test_benchmark_configs_parse_as_the_checkpoints_write_them() -> None:
     assert o.rope_scaling.rope_type == "yarn" and not o.rope_scaling.truncate and o.moe.activation == "gpt_oss"
 
 
-def test_mxfp4_gpt_oss_is_refused_by_name() -> None:
+def test_mxfp4_parses_for_gpt_oss_and_is_refused_elsewhere() -> None:
+    """GPT-OSS's MXFP4 checkpoints load (tests/test_quant4_models.py); MXFP4 on another family is
+    refused by name."""
     root = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
     cfg = json.loads((root / "gpt-oss-20b" / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
-    with pytest.raises(ValueError, match="MXFP4"):
-        ModelConfig.from_dict(cfg)
+    assert ModelConfig.from_dict(cfg).quantization.fmt == "mxfp4"
+    llama = json.loads((root / "llama-3.1-8b" / "config.json").read_text())
+    llama["quantization_config"] = {"quant_method": "mxfp4"}
+    with pytest.raises(ValueError, match="mxfp4.*GPT-OSS"):
+        ModelConfig.from_dict(llama)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gpt_oss"])

@@ -199,9 +199,8 @@ class ModelConfig:
             raise ValueError("attn_logit_softcapping is not supported: minisgl's attention kernels do not cap "
                              "attention logits (Gemma 2 needs it; Gemma 3 sets it to null)")
         quant_method = (cfg.get("quantization_config") or {}).get("quant_method")
-        if arch == GPT_OSS and quant_method == "mxfp4":
-            raise ValueError("GPT-OSS MXFP4 checkpoints are not loadable yet (the 4-bit kernels of issue 35); "
-                             "use a bf16 checkpoint of the model (e.g. one dequantized to bfloat16)")
+        if quant_method == "mxfp4" and arch != GPT_OSS:
+            raise ValueError(f"quant_method 'mxfp4' is supported for GPT-OSS's experts only, not {arch}")
         eos = cfg.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         return ModelConfig(

@@ -9,6 +9,13 @@ from minisgl.core.quant_config import BLOCK, QuantConfig
 from minisgl.ops.gemm.fp8 import FP8, expand_block_scale
 
 
+def experts_quant(cfg: QuantConfig | None, module: str) -> QuantConfig | None:
+    """The quantization of a MoE block's stacked experts: MXFP4 checkpoints quantize exactly these."""
+    if cfg is not None and cfg.fmt == "mxfp4":
+        return cfg if cfg.quantizes(module) else None
+    return layer_quant(cfg, [module])
+
+
 def layer_quant(cfg: QuantConfig | None, modules: list[str]) -> QuantConfig | None:
     """The quantization of the layer fusing the HF modules `modules` (None: 16-bit)."""
     if cfg is None or cfg.fmt == "mxfp4":  # MXFP4 checkpoints (GPT-OSS) quantize MoE experts only

@@ -26,7 +26,7 @@ from minisgl.core.model_config import ModelConfig
 from minisgl.core.quant_config import QuantConfig
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.kernels.fused_moe import ExpertAct
-from minisgl.kernels.quant4 import dequant_int4_reference
+from minisgl.kernels.quant4 import dequant_int4_reference, dequant_mxfp4_reference
 from minisgl.layers.linear import MergedColumnParallelLinear, RowParallelLinear, _check_shape
 from minisgl.layers.quant4_load import checkpoint_kinds, to_int4
 from minisgl.ops.gemm.table import GemmCall
@@ -61,17 +61,21 @@ class FusedExperts(nn.Module):
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.start, self.local = tp.shard(inter, "the expert intermediate size")
-        self.quant = quant if quant is not None and quant.fmt == "int4" else None
+        self.quant = quant if quant is not None and quant.fmt in ("int4", "mxfp4") else None
         # GPT-OSS: b13 [E, 2 I/tp] (gate | up), b2 [E, H]; b2 is added to a partial sum that the
         # block all-reduces, so only rank 0 holds it (the others zeros).
         self.gpt_oss, self.rank = gpt_oss, tp.rank
         self.b13 = nn.Parameter(torch.empty(num_experts, 2 * self.local), requires_grad=False) if gpt_oss else None
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False) if gpt_oss else None
-        if gpt_oss and self.quant is not None:
-            raise ValueError("GPT-OSS experts load in 16 bits (or, later, MXFP4): not as INT4")
+        if self.quant is not None and (self.quant.fmt == "mxfp4") != gpt_oss:
+            raise ValueError(f"{self.quant.fmt.upper()} experts: GPT-OSS experts load in 16 bits or MXFP4, "
+                             "other models' in 16 bits or INT4")
         if self.quant is None:
             self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+            return
+        if self.quant.fmt == "mxfp4":
+            self._init_mxfp4()
             return
         g = self.quant.group
         if hidden % 8 or self.local % 8 or (g and (hidden % g or self.start % g or self.local % g)):
@@ -92,21 +96,40 @@ class FusedExperts(nn.Module):
         self.w2_scale = param(e, hidden, loc // (g or loc))
         self.w2_zero = param(e, hidden, loc // (g or loc))
 
-    def int4_on_gpu(self, x: torch.Tensor) -> bool:
+    def _init_mxfp4(self) -> None:
+        """GPT-OSS's MXFP4 experts, kept in kernels/quant4.py's MXFP4 layout: blocks uint8
+        [E, rows, K / 2] and e8m0 scales uint8 [E, rows, K / 32]."""
+        e, h, loc = self.num_experts, self.hidden, self.local
+        if h % 32 or loc % 32 or self.start % 32:
+            raise ValueError(f"MXFP4 experts: hidden {h} and this rank's intermediate slice {self.start}.."
+                             f"{self.start + loc} must fall on blocks of 32: use a smaller tensor-parallel size")
+        self.checkpoint_kinds = ("blocks", "scales")
+        u8 = torch.uint8
+        self.w13 = nn.Parameter(torch.empty(e, 2 * loc, h // 2, dtype=u8), requires_grad=False)
+        self.w13_scale = nn.Parameter(torch.empty(e, 2 * loc, h // 32, dtype=u8), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, loc // 2, dtype=u8), requires_grad=False)
+        self.w2_scale = nn.Parameter(torch.empty(e, h, loc // 32, dtype=u8), requires_grad=False)
+        self.w13_zero = self.w2_zero = None
+
+    def quantized_on_gpu(self, x: torch.Tensor) -> bool:
         return self.quant is not None and x.device.type == "cuda"
 
-    def int4_experts(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
-                     shared: torch.Tensor | None, shared_gate: torch.Tensor | None) -> torch.Tensor:
-        """On the GPU: the 4-bit fused MoE (INT4 tiles dequantized in the GEMMs) after the routing."""
+    def w4_experts(self, x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
+                   shared: torch.Tensor | None, shared_gate: torch.Tensor | None,
+                   act: ExpertAct | None = None) -> torch.Tensor:
+        """On the GPU: the 4-bit fused MoE (tiles dequantized in the GEMMs) after the routing."""
         weights, ids = ops.moe_route(logits, top_k, renormalize)
-        return fused_moe_w4(x, "int4", self.w13, self.w13_scale, self.w13_zero, self.w2, self.w2_scale, self.w2_zero,
-                            weights, ids, shared, shared_gate)
+        return fused_moe_w4(x, self.quant.fmt, self.w13, self.w13_scale, self.w13_zero, self.w2, self.w2_scale,
+                            self.w2_zero, weights, ids, shared, shared_gate, b13=self.b13, b2=self.b2, act=act)
 
     def weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) for the 16-bit fused MoE: the parameters, or the 4-bit ones dequantized (the
-        CPU; on the GPU 4-bit experts go through int4_experts)."""
+        CPU; on the GPU 4-bit experts go through w4_experts)."""
         if self.quant is None:
             return self.w13, self.w2
+        if self.quant.fmt == "mxfp4":
+            w13 = dequant_mxfp4_reference(self.w13, self.w13_scale).to(x.dtype)
+            return w13, dequant_mxfp4_reference(self.w2, self.w2_scale).to(x.dtype)
         w13 = dequant_int4_reference(self.w13, self.w13_scale, self.w13_zero).to(x.dtype)
         return w13, dequant_int4_reference(self.w2, self.w2_scale, self.w2_zero).to(x.dtype)
 
@@ -178,7 +201,9 @@ class FusedExperts(nn.Module):
         [E, 2I] (the same order), down_proj [E, I, H], down_proj_bias [E, H]."""
         e, i, h = self.num_experts, self.inter, self.hidden
         shard = slice(self.start, self.start + self.local)
-        if proj == "gate_up_proj":
+        if proj.endswith(("_blocks", "_scales")):
+            self._load_gpt_oss_mxfp4(name, proj, full)
+        elif proj == "gate_up_proj":
             _check_shape(name, full.shape, (e, h, 2 * i))
             self.w13.data[:, : self.local].copy_(full[:, :, 0::2][:, :, shard].transpose(1, 2))
             self.w13.data[:, self.local :].copy_(full[:, :, 1::2][:, :, shard].transpose(1, 2))
@@ -192,6 +217,27 @@ class FusedExperts(nn.Module):
         else:
             _check_shape(name, full.shape, (e, h))
             self.b2.data.copy_(full if self.rank == 0 else torch.zeros_like(full))
+
+    def _load_gpt_oss_mxfp4(self, name: str, proj: str, full: torch.Tensor) -> None:
+        """gate_up_proj_blocks [E, 2I, H/32, 16] / _scales [E, 2I, H/32] (rows gate0, up0, gate1, ...),
+        down_proj_blocks [E, H, I/32, 16] / _scales [E, H, I/32]: the nibble order and exponents are
+        our layout's already; rows are split into (gate | up) and this rank's slice taken."""
+        if self.quant is None or self.quant.fmt != "mxfp4":
+            raise ValueError(f"tensor {name}: MXFP4 experts in a checkpoint without quant_method 'mxfp4'")
+        e, i, h = self.num_experts, self.inter, self.hidden
+        blocks = proj.endswith("_blocks")
+        if proj.startswith("gate_up_proj"):
+            _check_shape(name, full.shape, (e, 2 * i, h // 32, 16) if blocks else (e, 2 * i, h // 32))
+            dst = self.w13 if blocks else self.w13_scale
+            rows = full.reshape(e, 2 * i, -1)
+            shard = slice(self.start, self.start + self.local)
+            dst.data[:, : self.local].copy_(rows[:, 0::2][:, shard])
+            dst.data[:, self.local :].copy_(rows[:, 1::2][:, shard])
+            return
+        _check_shape(name, full.shape, (e, h, i // 32, 16) if blocks else (e, h, i // 32))
+        per = 2 if blocks else 32  # K elements per stored column: two nibbles a byte, 32 per scale
+        cols = full.reshape(e, h, -1)[:, :, self.start // per : (self.start + self.local) // per]
+        (self.w2 if blocks else self.w2_scale).data.copy_(cols)
 
 
 class SharedExpert(nn.Module):
@@ -231,8 +277,9 @@ class SparseMoeBlock(nn.Module):
         shared = shared_gate = None
         if self.has_shared:
             shared, shared_gate = self.shared_expert(x), self.shared_expert_gate(x)
-        if self.experts.int4_on_gpu(x):
-            out = self.experts.int4_experts(x, self.gate(x), self.top_k, self.renormalize, shared, shared_gate)
+        if self.experts.quantized_on_gpu(x):
+            out = self.experts.w4_experts(x, self.gate(x), self.top_k, self.renormalize, shared, shared_gate,
+                                          self.act)
             return self.comm.all_reduce(out)
         w13, w2 = self.experts.weights(x)
         out = ops.fused_moe(

@@ -23,7 +23,7 @@ from minisgl.core.batch import ForwardBatch
 from minisgl.core.model_config import ModelConfig
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minisgl.layers.fp8_load import layer_quant
+from minisgl.layers.fp8_load import experts_quant, layer_quant
 from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
@@ -117,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
         if cfg.is_sparse_layer(layer_id):  # 16-bit or INT4 experts (FP8 experts are not built)
             p, q = f"model.layers.{layer_id}.mlp", cfg.quantization
             shared = [f"{p}.shared_expert.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
-            self.mlp = SparseMoeBlock(cfg, tp, comm, layer_quant(q, [f"{p}.experts"]), layer_quant(q, shared))
+            self.mlp = SparseMoeBlock(cfg, tp, comm, experts_quant(q, f"{p}.experts"), layer_quant(q, shared))
         else:
             self.mlp = LlamaMLP(cfg, tp, comm, f"model.layers.{layer_id}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -200,7 +200,7 @@ _KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:[kv]_proj\.|attn\.
 # Routed experts: one tensor per expert and projection, or (transformers 5's in-memory form)
 # all experts stacked per projection. Names as canonical_name() gives them.
 _EXPERT = re.compile(
-    r"^(.+\.mlp\.experts)\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)|(gate_up_proj|down_proj)(_bias)?)$"
+    r"^(.+\.mlp\.experts)\.(?:(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)|(gate_up_proj|down_proj)(_bias|_blocks|_scales)?)$"
 )
 _MIXTRAL_EXPERT = re.compile(r"^(.+\.mlp\.experts\.\d+)\.(w1|w2|w3)\.weight$")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -307,11 +307,12 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"tensor {hf_name}: FP8 MoE experts are not supported (only dense linear layers)")
             expert = _EXPERT.match(name)
             covers = [name]
-            if expert and expert[6]:  # a stacked bias (GPT-OSS) stands for itself
+            if expert and expert[6] == "_bias":  # a stacked bias (GPT-OSS) stands for itself
                 pass
             elif expert and expert[5]:  # stacked: stands for every expert's tensors of its projections
                 projs = ("gate_proj", "up_proj") if expert[5] == "gate_up_proj" else ("down_proj",)
-                covers = _expert_names(expert[1], getattr(modules.get(expert[1]), "num_experts", 0), projs)
+                kinds = (expert[6][1:],) if expert[6] else ("weight",)  # GPT-OSS MXFP4: blocks, scales
+                covers = _expert_names(expert[1], getattr(modules.get(expert[1]), "num_experts", 0), projs, kinds)
             if not covers or any(c not in expected for c in covers):
                 raise ValueError(f"unexpected tensor {hf_name} in the checkpoint")
             owner = name.rpartition(".")[0].rpartition(".")[2]

@@ -39,7 +39,8 @@ def fill_dummy(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights of the real shapes (benchmarks without checkpoints). Norm weights are
     ones and other weights small, so activations stay in a realistic range. FP8 layers get
     e4m3 values uniform in [-448, 448] and scales 0.02 / 448 (the same range dequantized); INT4
-    layers random nibbles, zeros 8 and scales 0.02 / 8 (likewise)."""
+    layers random nibbles, zeros 8 and scales 0.02 / 8 (likewise); MXFP4 experts random bytes and
+    scales 2^-8."""
     gens: dict[torch.device, torch.Generator] = {}
     params = dict(model.named_parameters())
     for name, p in model.named_parameters():
@@ -49,6 +50,13 @@ def fill_dummy(model: torch.nn.Module, seed: int = 0) -> None:
         packed = params.get(name.removesuffix("_scale").removesuffix("_zero"))
         if name.endswith(("_scale", "_zero")) and packed is not None and packed.dtype == torch.int32:
             p.data.fill_(8.0 if name.endswith("_zero") else 0.02 / 8)  # INT4: (q - 8) * s within +-0.02
+            continue
+        if name.endswith("_scale") and packed is not None and packed.dtype == torch.uint8:
+            p.data.fill_(119)  # MXFP4 e8m0 2^-8: e2m1 values (|v| <= 6) times it within +-0.024
+            continue
+        if p.dtype == torch.uint8:  # MXFP4 bytes: two e2m1 values each, every code equally likely
+            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            p.data.random_(0, 256, generator=gen)
             continue
         if p.dtype == torch.int32:  # INT4 words: every nibble uniform in 0..15
             gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))

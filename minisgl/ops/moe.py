@@ -102,16 +102,23 @@ def _check_experts(x: object, w13: object, w2: object, shared: object, shared_ga
 
 
 def _check_biases(w13: torch.Tensor, w2: torch.Tensor, b13: object, b2: object, act: object) -> None:
+    check_expert_biases(w13, w13.dtype, tuple(w13.shape[:2]), tuple(w2.shape[:2]), b13, b2, act)
+
+
+def check_expert_biases(like: torch.Tensor, dtype: torch.dtype, shape13: tuple[int, int], shape2: tuple[int, int],
+                        b13: object, b2: object, act: object) -> None:
+    """GPT-OSS's expert biases b13 [E, 2I], b2 [E, H] (both or neither; `dtype`, on `like`'s
+    device) and the activation (an ExpertAct)."""
     if (b13 is None) != (b2 is None):
         raise ValueError("b13 and b2 go together: give both or neither")
     if b13 is not None:
-        check_tensor("b13", b13, dtype=w13.dtype, ndim=2)
-        check_shape("b13", b13, tuple(w13.shape[:2]))
+        check_tensor("b13", b13, dtype=dtype, ndim=2)
+        check_shape("b13", b13, shape13)
         check_contiguous("b13", b13)
-        check_tensor("b2", b2, dtype=w2.dtype, ndim=2)
-        check_shape("b2", b2, tuple(w2.shape[:2]))
+        check_tensor("b2", b2, dtype=dtype, ndim=2)
+        check_shape("b2", b2, shape2)
         check_contiguous("b2", b2)
-        check_same_device(w13=w13, b13=b13, b2=b2)
+        check_same_device(experts=like, b13=b13, b2=b2)
     if act is not None and (not isinstance(act, ExpertAct) or act.kind not in ("silu", "gpt_oss")):
         raise ValueError(f"act must be an ExpertAct of kind 'silu' or 'gpt_oss', got {act!r}")
 

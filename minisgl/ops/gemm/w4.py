@@ -21,7 +21,7 @@ from minisgl.logging_setup import log_once
 from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_once, use_cuda_kernel, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
 from minisgl.ops.gemm import skinny as _sk
-from minisgl.ops.moe import check_shared, check_topk
+from minisgl.ops.moe import check_expert_biases, check_shared, check_topk
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMATS = {"int4": _w4.INT4, "mxfp4": _w4.MXFP4}
@@ -171,10 +171,12 @@ def fused_moe_w4(
     w2: torch.Tensor, w2_scales: torch.Tensor, w2_zeros: torch.Tensor | None,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
+    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: _moe.ExpertAct | None = None,
 ) -> torch.Tensor:
     """ops.fused_experts with 4-bit experts: fmt "int4" (w13 int32 [E, 2I, H/8], scales / zeros
     [E, 2I, H/group]; w2 [E, H, I/8], [E, H, I/group]) or "mxfp4" (w13 uint8 [E, 2I, H/2], scales
-    [E, 2I, H/32]; zeros None). Same routing arguments and result as ops.fused_experts."""
+    [E, 2I, H/32]; zeros None). Same routing arguments and result as ops.fused_experts; b13
+    [E, 2I], b2 [E, H] and act as ops.fused_moe's (GPT-OSS)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {tuple(FORMATS)}, got {fmt!r}")
     f = FORMATS[fmt]
@@ -192,12 +194,13 @@ def fused_moe_w4(
         raise ValueError(f"w2 must have H = {x.shape[1]} rows (x's width), got {h}")
     check_topk(x, topk_weights, topk_ids)
     check_shared(x, shared, shared_gate)
+    check_expert_biases(w13, x.dtype, (e, two_i), (e, h), b13, b2, act)
     check_same_device(x=x, w13=w13, w13_scales=w13_scales, w2=w2, w2_scales=w2_scales)
     if not use_triton("fused_moe_w4", x):
         log_cpu_reference_once("fused_moe_w4")
         w13_d = _w4.dequant_reference(w13, w13_scales, w13_zeros, f).to(x.dtype)
         w2_d = _w4.dequant_reference(w2, w2_scales, w2_zeros, f).to(x.dtype)
-        return _moe.fused_experts_reference(x, w13_d, w2_d, topk_weights, topk_ids, shared, shared_gate)
+        return _moe.fused_experts_reference(x, w13_d, w2_d, topk_weights, topk_ids, shared, shared_gate, b13, b2, act)
     top_k = topk_ids.shape[1]
     # The tuned table holds 16-bit experts' tiles: with 4-bit dequantization in the loop their
     # deepest pipelines overflow shared memory (Qwen3-30B-A3B's tuned tiles asked 288 KB of an
@@ -206,7 +209,7 @@ def fused_moe_w4(
     cfg = default_config(e, top_k, x.shape[0], x.dtype)
     sorted_ids, expert_ids = _align.align(topk_ids, e, cfg.block_m)
     inter = _moe.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up,
-                         _moe.W4(w13_scales, w13_zeros, f))
+                         _moe.W4(w13_scales, w13_zeros, f), b13, act)
     y = _moe.down_gemm(inter, w2, topk_weights, sorted_ids, expert_ids, cfg.block_m, cfg.down,
-                       _moe.W4(w2_scales, w2_zeros, f))
+                       _moe.W4(w2_scales, w2_zeros, f), b2)
     return _moe.moe_sum(y, top_k, shared, shared_gate)
