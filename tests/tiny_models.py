@@ -67,6 +67,17 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 
+_HYBRID: dict[str, Any] = {
+    "num_hidden_layers": 8,
+    "head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 24,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
+}
+
 SPECS: dict[str, TinySpec] = {
     s.name: s
     for s in (
@@ -223,6 +234,18 @@ SPECS: dict[str, TinySpec] = {
             legacy_rope=True,
             seed=7,
         ),
+        # Hybrid linear attention (issue 34): Gated DeltaNet layers 0-2 and 4-6, gated full
+        # attention at 3 and 7 (partial rotary 0.25), GQA in both kinds (2 k-heads for 4 v-heads);
+        # Qwen3-Next's MoE with a shared expert (layer 1 dense), Qwen3.5's dense MLP.
+        TinySpec(
+            "qwen3_next",
+            "qwen3_next",
+            "qwen3",
+            {**_HYBRID, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 48, "mlp_only_layers": [1], "norm_topk_prob": True},
+            seed=13,
+        ),
+        TinySpec("qwen3_5", "qwen3_5_text", "qwen3", dict(_HYBRID), seed=14),
         TinySpec(
             "mixtral",
             "mixtral",

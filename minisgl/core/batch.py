@@ -51,6 +51,9 @@ class ForwardBatch:
     # copied) and each new token's slot in it, int32 [T] (gathered on the device like out_slots).
     req_to_swa_slot: torch.Tensor | None = None
     out_slots_swa: torch.Tensor | None = None
+    # A hybrid model's recurrent-state slot of each request, int32 [B] (gathered on the device
+    # from the request table's req_to_state by req_rows; -1 for padding requests). None without.
+    state_slots: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:

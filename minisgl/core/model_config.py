@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minisgl.core import hybrid_config as hybrid
+from minisgl.core.hybrid_config import LinearAttnConfig
 from minisgl.core.quant_config import QuantConfig, from_hf
 
 # architectures entry -> the flags of our one Llama-family implementation (moe: sparse MLP
@@ -26,6 +28,12 @@ ARCHITECTURES: dict[str, dict[str, bool]] = {
     # checkpoint's text model only).
     "Gemma3ForCausalLM": {"qkv_bias": False, "qk_norm": True, "moe": False},
     "Gemma3ForConditionalGeneration": {"qkv_bias": False, "qk_norm": True, "moe": False},
+    # models/qwen3_next.py: Gated DeltaNet layers beside gated full-attention ones (hybrid_config.py).
+    "Qwen3NextForCausalLM": {"qkv_bias": False, "qk_norm": True, "moe": True},
+    "Qwen3_5ForCausalLM": {"qkv_bias": False, "qk_norm": True, "moe": False},
+    "Qwen3_5ForConditionalGeneration": {"qkv_bias": False, "qk_norm": True, "moe": False},
+    "Qwen3_5MoeForCausalLM": {"qkv_bias": False, "qk_norm": True, "moe": True},
+    "Qwen3_5MoeForConditionalGeneration": {"qkv_bias": False, "qk_norm": True, "moe": True},
 }
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -109,6 +117,9 @@ class ModelConfig:
     local_rope_scaling: RopeScaling | None = None
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
     hidden_act: str = "silu"  # the gated MLP's activation: silu | gelu_pytorch_tanh
+    # Hybrid models (Qwen3-Next, Qwen3.5): the Gated DeltaNet layers; None: every layer attends.
+    linear_attn: LinearAttnConfig | None = None
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that rotary rotates
 
     @property
     def attention_scale(self) -> float:
@@ -132,6 +143,14 @@ class ModelConfig:
     def has_sliding_layers(self) -> bool:
         return any(self.attention_windows)
 
+    def is_linear_layer(self, layer: int) -> bool:
+        return self.linear_attn is not None and self.linear_attn.layers[layer]
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V in the KV pool (a hybrid model's full-attention layers)."""
+        return self.num_layers - (self.linear_attn.num_linear_layers if self.linear_attn else 0)
+
     def is_sparse_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
 
@@ -145,6 +164,9 @@ class ModelConfig:
 
     def check_tp(self, tp_size: int) -> None:
         """A clear error at start when `tp_size` cannot shard this model."""
+        if self.linear_attn is not None and tp_size > 1:  # the first slice of issue 34
+            raise ValueError(f"{self.architecture}: tensor parallelism over its Gated DeltaNet layers is not built "
+                             "yet; run with --tp 1")
         sizes = [("num_attention_heads", self.num_heads)]
         moe = self.moe
         if moe is None or not all(moe.sparse_layers):
@@ -170,6 +192,8 @@ class ModelConfig:
         arch = archs[0]
         if arch in GEMMA3:
             cfg = _gemma3_text(cfg)
+        if arch in hybrid.MULTIMODAL:
+            cfg = hybrid.text_config(cfg)
         # A base model's checkpoint (no LM head: an embedding model's, e.g. "Qwen3Model") is the
         # same decoder: its tensors load without the "model." prefix (models/llama.py).
         arch = BASE_MODELS.get(arch, arch)
@@ -207,7 +231,9 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            # Qwen3.5-MoE has no dense MLP (every layer sparse): its config may leave it out.
+            intermediate_size=int(cfg.get("intermediate_size") or 0) if arch in hybrid.QWEN3_5_MOE
+            else int(need("intermediate_size")),
             num_layers=int(need("num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -233,6 +259,7 @@ class ModelConfig:
             final_logit_softcapping=float(cfg["final_logit_softcapping"]) if cfg.get("final_logit_softcapping")
             else None,
             hidden_act=_hidden_act(cfg),
+            **(hybrid.fields(arch, cfg, int(need("num_hidden_layers"))) if arch in hybrid.HYBRID else {}),
         )
 
     @staticmethod
@@ -267,13 +294,16 @@ def _moe(arch: str, cfg: dict[str, Any], num_layers: int, need: Callable[[str], 
                          swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
     if arch == MIXTRAL:  # every layer sparse; softmax -> top-k -> renormalize
         return MoEConfig(experts, top_k, int(need("intermediate_size")), True, (True,) * num_layers)
+    if arch in hybrid.QWEN3_5_MOE:  # every layer sparse, top-k renormalized, a shared expert
+        return MoEConfig(experts, top_k, int(need("moe_intermediate_size")), True, (True,) * num_layers,
+                         int(need("shared_expert_intermediate_size")))
     step = int(cfg.get("decoder_sparse_step", 1))
     if step < 1:
         raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
     dense = set(cfg.get("mlp_only_layers") or ())
     # transformers' rule: layer i is sparse unless listed in mlp_only_layers or (i + 1) % step != 0.
     sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    shared = int(need("shared_expert_intermediate_size")) if arch == "Qwen2MoeForCausalLM" else 0
+    shared = int(need("shared_expert_intermediate_size")) if arch in ("Qwen2MoeForCausalLM", hybrid.QWEN3_NEXT) else 0
     return MoEConfig(experts, top_k, int(need("moe_intermediate_size")), bool(cfg.get("norm_topk_prob", False)),
                      sparse, shared)
 
@@ -284,7 +314,7 @@ def _attention_windows(arch: str, cfg: dict[str, Any], num_layers: int) -> tuple
     Mistral's one `sliding_window` for every layer, else (an older Qwen2 config)
     use_sliding_window for the layers from max_window_layers on. () = every layer full."""
     window = int(cfg.get("sliding_window") or 0)
-    types = cfg.get("layer_types")
+    types = None if arch in hybrid.HYBRID else cfg.get("layer_types")  # hybrid: linear | full (no windows)
     if types is not None:
         if len(types) != num_layers:
             raise ValueError(f"config.json has {len(types)} layer_types for {num_layers} layers")

@@ -33,6 +33,7 @@ from minisgl.engine.graphs import GraphCapture
 from minisgl.engine.pooling import PoolCalls
 from minisgl.engine.steps import StepCalls
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable, split_kv_budget, swa_tokens_needed
+from minisgl.kvcache.state_pool import StatePool
 from minisgl.logging_setup import get_logger, log_phase, startup_phase
 from minisgl.models.embedding_config import resolve_task
 from minisgl.models.llama import LlamaForCausalLM
@@ -49,7 +50,7 @@ log = get_logger("minisgl.engine")
 
 # What Engine.shutdown() drops: every attribute that holds device memory.
 _DEVICE_STATE = ("model", "pool", "allocator", "table", "token_buffer", "penalties", "attn", "steps", "graphs",
-                 "comm", "drafter")
+                 "comm", "drafter", "state_pool")
 
 
 class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
@@ -67,6 +68,7 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         if self.task == "embed" and cfg.spec is not None:
             raise ValueError("speculative decoding is for generation: an embedding model (task embed) takes none")
         self.model_config = load_model_config(self.source)
+        check_hybrid(self.model_config, cfg, self.task)
         quant = resolve_quantization(self.model_config.quantization, cfg.quantization)
         self.model_config = dataclasses.replace(self.model_config, quantization=quant)
         mc = self.model_config
@@ -93,8 +95,11 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         if self.device.type == "cuda" and not cfg.deterministic:  # deterministic: one GEMM, nothing to choose
             with phase("GEMM dispatch table (measured, or from the cache)"):
                 self._tune_gemms()
-        self.num_q_heads = self.model.model.layers[0].self_attn.num_heads
-        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
+        attn_layer = next(x.self_attn for x in self.model.model.layers if hasattr(x, "self_attn"))
+        self.num_q_heads, kv_heads = attn_layer.num_heads, attn_layer.num_kv_heads
+        # A hybrid model's recurrent states: one slot per running request, before the KV pool
+        # is sized (it takes its memory from the same budget).
+        self.state_pool = self._build_state_pool()
         # Speculative decoding: the drafter (and its model) load before the KV pool is sized.
         self.drafter: Drafter | None = None
         if cfg.spec is not None:
@@ -112,15 +117,16 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
             # sized by the rank with the least free memory.
             num_pages = min_across_ranks(num_pages, self.cpu_group)
             swa_pages = min_across_ranks(swa_pages, self.cpu_group) if swa_pages else 0
-        self.pool = KVPool(mc.num_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.kv_dtype, self.device,
-                           windows, swa_pages)
+        self.pool = KVPool(mc.num_kv_layers, num_pages, cfg.page_size, kv_heads, mc.head_dim, self.kv_dtype,
+                           self.device, windows, swa_pages)
         if self.kv_dtype == torch.float8_e4m3fn:
             self._set_kv_scales()
         self.allocator = PageAllocator(num_pages, cfg.page_size)
         # The sliding group's own pages (None: no sliding group, nothing extra allocated).
         self.swa_allocator = PageAllocator(swa_pages, cfg.page_size) if swa_pages else None
         self.swa_window = self.swa_window if swa_pages else 0
-        self.table = RequestTable(cfg.max_running_requests, self.max_model_len, self.device, swa=bool(swa_pages))
+        self.table = RequestTable(cfg.max_running_requests, self.max_model_len, self.device, swa=bool(swa_pages),
+                                  states=self.state_pool is not None)
         if swa_pages:
             log.info("KV pool groups: %s", self.pool.describe_groups(self.swa_window))
         if self.drafter is not None:  # its own KV pool, indexed by the same slots and table
@@ -146,6 +152,18 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
             "" if quant is None else f", {quant.fmt.upper()} weights ({quant.method}, {_scales(quant)} scales)",
             self.max_model_len, self.pool.num_slots - cfg.page_size, cfg.page_size, self.attn.name,
         )
+
+    def _build_state_pool(self) -> StatePool | None:
+        la, cfg = self.model_config.linear_attn, self.cfg
+        if la is None:
+            return None
+        pool = StatePool(la.num_linear_layers, cfg.max_running_requests, la.conv_kernel, la.conv_dim, la.num_v_heads,
+                         la.k_head_dim, la.v_head_dim, self.dtype, self.device)
+        self.model.bind_state_pool(pool)
+        log.info("recurrent-state pool: %d Gated DeltaNet layers x %d requests, %.1f MiB per request (%.2f GiB); "
+                 "prefix-cache hits are off for this model (no state snapshots yet)", la.num_linear_layers,
+                 pool.num_slots, pool.bytes_per_slot / 2**20, pool.bytes_per_slot * pool.num_slots / 2**30)
+        return pool
 
     def _startup_phase(self, what: str) -> AbstractContextManager[None]:
         rank = f" rank {self.tp.rank}" if self.tp.size > 1 else ""
@@ -217,11 +235,13 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             return total * self.cfg.gpu_memory_fraction - used - (1 << 30)  # 1 GiB for activations
-        return self.cfg.cpu_kv_cache_gb * (1 << 30)
+        # On the CPU the state pool comes out of the same budget (on a GPU it is already used).
+        states = self.state_pool.bytes_per_slot * self.state_pool.num_slots if self.state_pool is not None else 0
+        return self.cfg.cpu_kv_cache_gb * (1 << 30) - states
 
     def _default_num_pages(self, kv_heads: int) -> int:
         mc, ps = self.model_config, self.cfg.page_size
-        per_token = KVPool.bytes_per_token_for(mc.num_layers, kv_heads, mc.head_dim, self.kv_dtype)
+        per_token = KVPool.bytes_per_token_for(mc.num_kv_layers, kv_heads, mc.head_dim, self.kv_dtype)
         per_token += self.drafter.kv_bytes_per_token() if self.drafter is not None else 0
         return self._clamp_pages(int(self._kv_budget() // (per_token * ps)))
 
@@ -289,6 +309,20 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         table = self.table.req_to_swa_slot if swa else self.table.req_to_slot
         table[idx[0], idx[1]] = idx[2].to(torch.int32)
 
+    def write_state_slots(self, rows: list[int], slots: list[int]) -> None:
+        """req_to_state[rows[i]] = slots[i] (-1: none), in one host-to-device copy."""
+        if rows:
+            idx = host_to_device([rows, slots], torch.int64, self.device)
+            self.table.req_to_state[idx[0]] = idx[1].to(torch.int32)
+
+    def _take_state_slot(self, row: int) -> int | None:
+        """A recurrent-state slot for table row `row` (None: the model has no state pool)."""
+        if self.state_pool is None:
+            return None
+        slot = self.state_pool.allocate()
+        self.write_state_slots([row], [slot])
+        return slot
+
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """fp32 logits [len, vocab] for every position of each prompt (one extend step each)."""
@@ -302,6 +336,7 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
             if swa is not None and not swa.can_allocate(pages_needed):
                 raise ValueError(f"prompt of {len(ids)} tokens does not fit the free sliding-window KV pool")
             row = self.table.allocate_row()
+            state = self._take_state_slot(row)
             pages = self.allocator.allocate(pages_needed)
             swa_pages = swa.allocate(pages_needed) if swa is not None else []
             try:
@@ -315,6 +350,9 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
                 self.allocator.free(pages)
                 if swa is not None:
                     swa.free(swa_pages)
+                if state is not None:
+                    self.state_pool.free(state)
+                    self.write_state_slots([row], [-1])
                 self.table.free_row(row)
         return out
 
@@ -327,3 +365,16 @@ def _scales(quant: object) -> str:
     if quant.fmt == "fp8":
         return quant.weights
     return f"group {quant.group}" if quant.group else "per-channel"
+
+
+def check_hybrid(mc: ModelConfig, cfg: EngineConfig, task: str) -> None:
+    """What a hybrid linear-attention model (Qwen3-Next, Qwen3.5) cannot run yet, refused at
+    start by name (issue 34's first slice)."""
+    if mc.linear_attn is None:
+        return
+    if cfg.spec is not None:
+        raise ValueError(f"{mc.architecture}: speculative decoding is not built for Gated DeltaNet layers yet (a "
+                         "verify step would advance the recurrent state past rejected drafts); run without "
+                         "--speculative-algorithm")
+    if task == "embed":
+        raise ValueError(f"{mc.architecture}: embeddings (--task embed) are not built for hybrid models")

@@ -42,12 +42,12 @@ class GraphCapture:
         if verify is None and self.cfg.spec is not None and not VERIFY_VIA_EXTEND_BUCKETS:
             verify = verify_layouts([x.tokens for x in decode], self.cfg.spec.draft_tokens_for, self.steps.block_m)
         table, buffer, bound = self.table.req_to_slot, self.token_buffer, self.max_model_len
-        swa_table = self.table.req_to_swa_slot
+        swa_table, state_table = self.table.req_to_swa_slot, self.table.req_to_state
         mem = (lambda: (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))) if cuda \
             else (lambda: (0, 0))
         alloc, reserved = mem()
         self.graphs = runner_cls(
-            decode, extend, lambda layout, buf: layout.views(buf, table, buffer, bound, swa_table),
+            decode, extend, lambda layout, buf: layout.views(buf, table, buffer, bound, swa_table, state_table),
             lambda batch, out: self.forward_eager(batch, logits_out=out), self.steps.count_tiles,
             lambda layout, buf: self.steps.upload(StepSpec(layout.mode, [], [], []), layout, buf),
             self.model_config.vocab_size, self.device, verify, lambda: self.model.model.aux_hidden,

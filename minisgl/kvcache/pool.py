@@ -153,7 +153,8 @@ class PageAllocator:
 class RequestTable:
     """`req_to_slot` [max_requests + 1, max_context] int32 on the device, plus free rows."""
 
-    def __init__(self, max_requests: int, max_context: int, device: torch.device, swa: bool = False) -> None:
+    def __init__(self, max_requests: int, max_context: int, device: torch.device, swa: bool = False,
+                 states: bool = False) -> None:
         self.max_requests = max_requests
         self.max_context = max_context
         self.padding_row = max_requests
@@ -161,6 +162,9 @@ class RequestTable:
         self.req_to_slot = torch.zeros((max_requests + 1, max_context), dtype=torch.int32, device=device)
         # The sliding-window group's table (same rows), only with a sliding pool.
         self.req_to_swa_slot = (torch.zeros_like(self.req_to_slot) if swa else None)
+        # A hybrid model's recurrent-state slot per row (kvcache/state_pool.py); -1: none (the
+        # padding row always).
+        self.req_to_state = torch.full((max_requests + 1,), -1, dtype=torch.int32, device=device) if states else None
         self._free_rows = list(range(max_requests - 1, -1, -1))
 
     @property

@@ -122,6 +122,10 @@ class StatsMsg:
     host_kv_hits: int = 0
     host_kv_tokens_loaded: int = 0
     host_kv_load_s: float = 0.0
+    # A hybrid model's recurrent-state slots (kvcache/state_pool.py; 0 without): held by
+    # requests, and in all.
+    state_used: int = 0
+    state_total: int = 0
 
     @property
     def kv_usage(self) -> float:

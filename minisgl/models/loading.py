@@ -9,6 +9,7 @@ from minisgl.core.model_config import ModelConfig
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.models.gemma3 import Gemma3ForCausalLM
 from minisgl.models.llama import LlamaForCausalLM
+from minisgl.models.qwen3_next import Qwen3NextForCausalLM
 from minisgl.models.source import ModelSource
 from minisgl.models.weights import fill_dummy, iter_safetensors
 
@@ -33,6 +34,8 @@ def load_model(
     try:
         with torch.device(device):
             cls = Gemma3ForCausalLM if model_cfg.is_gemma3 else LlamaForCausalLM
+            if model_cfg.linear_attn is not None:  # Qwen3-Next, Qwen3.5: the hybrid block
+                cls = Qwen3NextForCausalLM
             model = cls(model_cfg, tp, comm, max_model_len, device)
     finally:
         torch.set_default_dtype(default_dtype)

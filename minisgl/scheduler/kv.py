@@ -5,6 +5,12 @@ allocator's free list, the prefix cache, or the private pages of one active requ
 (`req.pages` past its locked `req.match.pages`). The same holds for the sliding-window group's
 pages (`req.swa_pages`, one per page of `req.pages`, 0 where freed) and its own allocator.
 
+Recurrent states (a hybrid model's Gated DeltaNet layers, kvcache/state_pool.py): a request
+holds one state slot from admission (`attach`) to `release` (finish, abort, retraction), so a
+table row is free for admission only with a state slot free. The slots hold no prefix: such a
+model takes no prefix-cache hit (`match` at length 0) until the radix cache keeps state
+snapshots (the next step of issue 34); its KV still goes to the cache.
+
 Sliding window W: before a step with `prefix` cached tokens a request needs sliding slots for
 positions >= prefix - W + 1 only (what its sliding layers read); whenever the scheduler next
 grows the request, the pages wholly below that are freed (or, where the cache owns them,
@@ -36,6 +42,9 @@ def make_host_tier(engine: Engine, cache: PrefixCache, gb: float) -> HostKVTier 
         # full pool (no sliding group), and those are served.
         raise ValueError(f"--host-kv-cache-gb does not support {engine.model_config.architecture}: its sliding-window "
                          "layers keep a window-sized KV pool group, which has no host tier yet; run without it")
+    if getattr(engine, "state_pool", None) is not None:  # a host hit would need a state snapshot too
+        raise ValueError(f"--host-kv-cache-gb does not support {engine.model_config.architecture}: its prefix hits "
+                         "need recurrent-state snapshots, not built yet; run without it")
     if engine.drafter is not None and engine.cfg.speculative_algorithm != "ngram":
         raise ValueError("--host-kv-cache-gb does not restore a draft model's KV yet; use it without "
                          f"--speculative-algorithm {engine.cfg.speculative_algorithm}")
@@ -60,6 +69,11 @@ class RequestKV:
         # only (one scatter with duplicate indices would pick a winner at random).
         self._pending: dict[tuple[int, int], int] = {}
         self._pending_swa: dict[tuple[int, int], int] = {}
+        self.states = getattr(engine, "state_pool", None)  # recurrent-state slots (None: no linear layers)
+        self._pending_states: dict[int, int] = {}  # row -> state slot (-1: none), flushed with the rest
+        if self.states is not None:
+            logger.info("%s: prefix-cache hits are off (its Gated DeltaNet layers' states have no snapshots yet); "
+                        "every prompt is computed from its first token", engine.model_config.architecture)
 
     def _write(self, row: int, start: int, pages: list[int], swa: bool = False) -> None:
         pending = self._pending_swa if swa else self._pending
@@ -73,6 +87,9 @@ class RequestKV:
                 keys = list(pending)
                 self.engine.write_slots([k[0] for k in keys], [k[1] for k in keys], list(pending.values()), swa=swa)
         self._pending, self._pending_swa = {}, {}
+        if self._pending_states:
+            self.engine.write_state_slots(list(self._pending_states), list(self._pending_states.values()))
+            self._pending_states = {}
 
     def _free_swa(self, pages: list[int]) -> None:
         """Gives sliding pages (0s skipped) and those the cache dropped back to the allocator."""
@@ -108,10 +125,18 @@ class RequestKV:
         used = total - self.swa.free_pages - self.cache.evictable_swa_pages
         return {"kv_swa_slots_total": total * ps, "kv_swa_slots_used": used * ps}
 
+    def state_stats(self) -> dict[str, int]:
+        """Recurrent-state slots in all and held by requests (StatsMsg, /metrics); empty without."""
+        if self.states is None:
+            return {}
+        return {"state_slots_total": self.states.num_slots,
+                "state_slots_used": self.states.num_slots - self.states.free_slots}
+
     @property
     def free_rows(self) -> int:
-        """Request-table rows free for new requests."""
-        return self.engine.table.free_rows
+        """Request-table rows free for new requests (each with a state slot, where it needs one)."""
+        rows = self.engine.table.free_rows
+        return rows if self.states is None else min(rows, self.states.free_slots)
 
     def check_fits(self, req: Request, step_tokens: int) -> None:
         """Raises ValueError if `req` could not run alone: all its tokens in the full pool, and
@@ -135,7 +160,8 @@ class RequestKV:
 
     def match(self, req: Request) -> MatchResult:
         # Prompt logprobs need every prompt position's logits; an embedding, its hidden states.
-        if req.needs_prompt_logprobs or req.pooling is not None:
+        # A hybrid model: no state snapshot to resume from (module docstring).
+        if req.needs_prompt_logprobs or req.pooling is not None or self.states is not None:
             return self.cache.match_prefix([])
         # At least one token must be computed (its logits pick the next token).
         return self.cache.match_prefix(req.tokens()[:-1])
@@ -177,6 +203,9 @@ class RequestKV:
         if self.swa is not None:
             req.swa_pages, req.swa_lo = list(match.swa_pages), 0
             self._write(req.row, 0, req.swa_pages, swa=True)
+        if self.states is not None:  # free_rows counted it: a slot is free
+            req.state_slot = self.states.allocate()
+            self._pending_states[req.row] = req.state_slot
 
     def grow(self, req: Request, tokens: int) -> bool:
         """Ensures slots for positions [0, tokens); evicts cached prefixes if it must.
@@ -258,6 +287,10 @@ class RequestKV:
         to_free = self.cache.cache_finished_request(computed, req.pages, req.match, swa)
         self.allocator.free(to_free)
         self._free_swa([])
+        if req.state_slot >= 0:
+            self.states.free(req.state_slot)
+            self._pending_states[req.row] = -1
+            req.state_slot = -1
         self.engine.table.free_row(req.row)
         req.match, req.pages, req.row, req.swa_pages, req.swa_lo = None, [], -1, [], 0
 
@@ -301,6 +334,14 @@ class RequestKV:
         )
         cached_ids = self.cache.cached_page_ids()
         assert not cached_ids.intersection(private), "a page is both cached and private to a request"
+        if self.states is not None:
+            held = [r.state_slot for r in active if r.state_slot >= 0]
+            assert all(r.state_slot >= 0 for r in active if r.match is not None), "an admitted request has no state"
+            assert len(held) == len(set(held)), "a state slot is held by two requests"
+            assert not set(self.states.free_slot_ids()).intersection(held), "a state slot is free and held"
+            assert self.states.free_slots + len(held) == self.states.num_slots, (
+                f"state accounting broken: free {self.states.free_slots} + held {len(held)} != {self.states.num_slots}"
+            )
         if self.swa is not None:
             mine = [p for r in active if r.match is not None for p in r.swa_pages[len(r.match.pages) :] if p]
             free, cached, total = self.swa.free_pages, self.cache.cached_swa_pages, self.swa.total_pages

@@ -308,6 +308,8 @@ class SchedulerProcess:
             st.get("kv_swa_slots_used", 0),
             st.get("kv_swa_slots_total", 0),
             *host_tier_stats(self.sched.kv.tier),
+            state_used=st.get("state_slots_used", 0),
+            state_total=st.get("state_slots_total", 0),
         )
         send(self.to_stats, msg)
 

@@ -26,6 +26,8 @@ class Request:
     # and the page index below which its sliding table entries are the dummy slot.
     swa_pages: list[int] = field(default_factory=list)
     swa_lo: int = 0
+    # A hybrid model's recurrent-state slot (kvcache/state_pool.py) while it holds one; -1: none.
+    state_slot: int = -1
     cached_len: int = 0  # tokens whose K/V are in the cache (or being computed in flight)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # Prefix-cache state: the locked match whose pages start `pages`.

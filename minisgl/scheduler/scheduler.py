@@ -153,7 +153,7 @@ class Scheduler:
             "kv_slots_total": total,
             "kv_slots_used": total - free - self.cache.evictable_pages * self.engine.cfg.page_size,
             "kv_slots_cached": self.cache.cached_pages * self.engine.cfg.page_size,
-            **self.kv.swa_stats(), "retractions": self.num_retractions,
+            **self.kv.swa_stats(), **self.kv.state_stats(), "retractions": self.num_retractions,
             **(self.spec.stats() if self.spec is not None else {}),
         }
 

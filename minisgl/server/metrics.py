@@ -69,6 +69,9 @@ class Metrics:
         self.kv_swa_used = Gauge("minisgl_kv_swa_slots_used", "Sliding-window KV group: token slots in use", registry=r)
         self.kv_swa_total = Gauge("minisgl_kv_swa_slots_total", "Sliding-window KV group: token slots in all",
                                   registry=r)
+        self.state_used = Gauge("minisgl_state_slots_used", "Recurrent-state slots held by requests (hybrid "
+                                "linear-attention models)", registry=r)
+        self.state_total = Gauge("minisgl_state_slots_total", "Recurrent-state slots in all", registry=r)
         self.cache_hit_rate = Gauge(
             "minisgl_prefix_cache_hit_rate", "Share of admitted prompt tokens served from the prefix cache", registry=r
         )
@@ -106,6 +109,8 @@ class Metrics:
         self.kv_total.set(s.kv_total)
         self.kv_swa_used.set(s.kv_swa_used)
         self.kv_swa_total.set(s.kv_swa_total)
+        self.state_used.set(s.state_used)
+        self.state_total.set(s.state_total)
         self.cache_hit_rate.set(s.cache_hit_rate)
         for field, gauge in self.host_kv.items():
             gauge.set(getattr(s, field))

@@ -179,6 +179,7 @@ class CudaGraphRunner:
             max_extend_len=max(spec.ext), tiles=s.tiles, decode_rows=s.decode_rows,
             decode_seq_lens=s.decode_seq_lens, graph=layout, all_rows=spec.all_rows,
             req_to_swa_slot=s.req_to_swa_slot, out_slots_swa=None if s.out_slots_swa is None else s.out_slots_swa[:n],
+            state_slots=None if s.state_slots is None else s.state_slots[:b],
         )
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:

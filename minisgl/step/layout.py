@@ -139,7 +139,8 @@ class StepLayout:
             dseq[nd:] = 1
 
     def views(self, buf: torch.Tensor, req_to_slot: torch.Tensor, token_buffer: torch.Tensor,
-              max_seq_len: int, req_to_swa_slot: torch.Tensor | None = None) -> ForwardBatch:
+              max_seq_len: int, req_to_swa_slot: torch.Tensor | None = None,
+              req_to_state: torch.Tensor | None = None) -> ForwardBatch:
         """The ForwardBatch over `buf` (device int64, filled by `fill`): views, one int32
         narrowing copy, the out-slot gather and the token-buffer read. Graph-safe: no host
         values are read, so a graph captures these few kernels with the forward."""
@@ -162,6 +163,7 @@ class StepLayout:
             seq_lens_cpu=[], prefix_lens_cpu=[], max_seq_len=max_seq_len, max_extend_len=self.tokens,
             tiles=tiles, decode_rows=dec_rows, decode_seq_lens=dec_seq, req_to_swa_slot=req_to_swa_slot,
             out_slots_swa=None if req_to_swa_slot is None else req_to_swa_slot[tok_rows, positions],
+            state_slots=None if req_to_state is None else req_to_state[i32[:b]],
         )
 
 

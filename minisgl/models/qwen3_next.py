@@ -1,0 +1,236 @@
+"""Hybrid linear-attention models (issue 34): Qwen3-Next (`Qwen3NextForCausalLM`) and the text
+models of Qwen3.5 (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, and the language model of
+their `...ForConditionalGeneration` checkpoints). One block shape for all of them:
+
+    x -> (1+w)-RMSNorm -> Gated DeltaNet (3 of 4 layers) | gated full attention -> + residual
+      -> (1+w)-RMSNorm -> dense MLP (Qwen3.5) | MoE with a sigmoid-gated shared expert -> + residual
+
+Gated DeltaNet (the maths: transformers' qwen3_next / qwen3_5 modeling): project q|k|v (and z,
+b, a), a causal depthwise conv with SiLU over q|k|v (state: the last K-1 inputs), the gated
+delta rule over per-v-head fp32 states with l2-normed q and k, beta = sigmoid(b), log decay
+g = -exp(A_log) * softplus(a + dt_bias), then an RMSNorm per head gated by silu(z) (its weight
+plain, not 1 + w), out_proj. The states live in the engine's StatePool (kvcache/state_pool.py),
+one slot per request, read through `batch.state_slots`; a sequence continues its slot's state
+when its prefix is not empty (chunked prefill, decodes) and starts from zeros otherwise.
+
+Gated attention: q_proj gives per head [q | gate] (loaded as 2 x num_heads "q heads" of the
+fused qkv_proj, so a TP shard keeps each head's pair), q/k (1+w)-RMSNorm, rotary over the first
+partial_rotary_factor of each head, attention through the backend on the KV pool (which holds
+only these layers: each uses its index among them), output * sigmoid(gate), o_proj.
+
+The (1 + w) norms are folded into their weights on load, so the common norm kernels run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl import ops
+from minisgl.attention.base import AttentionBackend
+from minisgl.core.batch import ForwardBatch
+from minisgl.core.model_config import ModelConfig
+from minisgl.distributed.info import Communicator, TPInfo
+from minisgl.kvcache.state_pool import StatePool
+from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minisgl.layers.moe import SparseMoeBlock
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.logging_setup import log_once
+from minisgl.models.llama import LlamaForCausalLM, LlamaMLP
+
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_SKIPPED = ("model.visual.", "visual.", "mtp.", "model.mtp.")  # the vision tower; the MTP head (not served yet)
+_ONE_PLUS_W = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+               "self_attn.k_norm.weight")
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, tp: TPInfo, comm: Communicator):
+        super().__init__()
+        la = cfg.linear_attn
+        self.index = index  # this layer's plane in the state pool
+        self.la, self.eps = la, cfg.rms_norm_eps
+        h = cfg.hidden_size
+        if la.fused_qkvz:  # Qwen3-Next: per k-head group [q | k | v.. | z..] and [b.. | a..]
+            self.in_proj_qkvz = MergedColumnParallelLinear(h, [la.conv_dim + la.value_dim], False, tp)
+            self.in_proj_ba = MergedColumnParallelLinear(h, [2 * la.num_v_heads], False, tp)
+        else:
+            self.in_proj_qkv = MergedColumnParallelLinear(h, [la.conv_dim], False, tp)
+            self.in_proj_z = MergedColumnParallelLinear(h, [la.value_dim], False, tp)
+            self.in_proj_b = MergedColumnParallelLinear(h, [la.num_v_heads], False, tp)
+            self.in_proj_a = MergedColumnParallelLinear(h, [la.num_v_heads], False, tp)
+        self.conv1d = nn.Module()  # HF's depthwise Conv1d weight [conv_dim, 1, K], no bias
+        self.conv1d.weight = nn.Parameter(torch.empty(la.conv_dim, 1, la.conv_kernel), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(la.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(la.num_v_heads), requires_grad=False)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(la.v_head_dim), requires_grad=False)
+        self.out_proj = RowParallelLinear(la.value_dim, h, False, tp, comm)
+        self.pool: StatePool | None = None  # bound by the engine (Qwen3NextForCausalLM.bind_state_pool)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q|k|v [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv])."""
+        la, t = self.la, x.shape[0]
+        if not la.fused_qkvz:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, la.num_v_heads, la.v_head_dim),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        r = la.num_v_heads // la.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(t, la.num_k_heads, -1)
+        q, k, v, z = qkvz.split([la.k_head_dim, la.k_head_dim, r * la.v_head_dim, r * la.v_head_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, la.num_k_heads, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return (mixed, z.reshape(t, la.num_v_heads, la.v_head_dim), b.reshape(t, la.num_v_heads),
+                a.reshape(t, la.num_v_heads))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        la, t, pool = self.la, x.shape[0], self.pool
+        mixed, z, b, a = self._project(x)
+        conv_w = self.conv1d.weight.view(la.conv_dim, la.conv_kernel)
+        conv, states, slots = pool.conv[self.index], pool.state[self.index], batch.state_slots
+        if batch.is_decode:
+            y = ops.causal_conv1d_decode(mixed, conv_w, None, conv, slots)
+        else:  # a mixed step's decodes are one-token sequences that continue their state
+            has_state = batch.prefix_lens > 0
+            y = ops.causal_conv1d_prefill(mixed, conv_w, None, conv, slots, batch.cu_seqlens_q, has_state)
+        kd = la.key_dim
+        q = y[:, :kd].view(t, la.num_k_heads, la.k_head_dim)
+        k = y[:, kd : 2 * kd].view(t, la.num_k_heads, la.k_head_dim)
+        v = y[:, 2 * kd :].view(t, la.num_v_heads, la.v_head_dim)
+        beta = b.sigmoid().contiguous()
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).contiguous()
+        if batch.is_decode:
+            o = ops.gated_delta_rule_decode(q, k, v, g, beta, states, slots)
+        else:
+            o = ops.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, batch.cu_seqlens_q, has_state)
+        # The gated RMSNorm in transformers' order: normalise in fp32, weight in the input
+        # dtype, then silu(z) in fp32.
+        of = o.float()
+        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = (self.norm.weight * of.to(x.dtype)) * F.silu(z.float())
+        return self.out_proj(h.to(x.dtype).reshape(t, la.value_dim))
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kv_index: int, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding):
+        super().__init__()
+        self.kv_index, d = kv_index, cfg.head_dim
+        self.head_dim = d
+        # q_proj's [q | gate] per head as 2 x num_heads heads of head_dim.
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, 2 * cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp)
+        self.num_heads = self.qkv_proj.local_q_heads // 2
+        self.num_kv_heads = self.qkv_proj.local_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.qkv_bias, tp, comm)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rope = rope
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch: ForwardBatch,
+                attn: AttentionBackend) -> torch.Tensor:
+        t, d, nh, nkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)
+        qg = qkv[:, : 2 * nh * d].view(t, nh, 2 * d)
+        q = self.q_norm(qg[..., :d].reshape(t * nh, d)).view(t, nh, d)
+        k = self.k_norm(qkv[:, 2 * nh * d : (2 * nh + nkv) * d].reshape(t * nkv, d)).view(t, nkv, d)
+        v = qkv[:, (2 * nh + nkv) * d :].view(t, nkv, d)
+        self.rope(positions, q, k)
+        o = attn.forward(q, k, v, self.kv_index, batch).reshape(t, nh * d)
+        return self.o_proj(o * torch.sigmoid(qg[..., d:].reshape(t, nh * d)))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, index: int, tp: TPInfo, comm: Communicator,
+                 rope: RotaryEmbedding):
+        super().__init__()
+        if cfg.is_linear_layer(layer_id):
+            self.linear_attn = GatedDeltaNet(cfg, index, tp, comm)
+        else:
+            self.self_attn = GatedAttention(cfg, index, tp, comm, rope)
+        if cfg.is_sparse_layer(layer_id):
+            self.mlp = SparseMoeBlock(cfg, tp, comm)
+        else:
+            self.mlp = LlamaMLP(cfg, tp, comm, f"model.layers.{layer_id}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp_partial = False  # no TP yet (ModelConfig.check_tp refuses it)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        if hasattr(self, "linear_attn"):
+            h = self.linear_attn(h, batch)
+        else:
+            h = self.self_attn(positions, h, batch, attn)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        return self.mlp(h), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, comm)
+        counts = [0, 0]  # (full, linear) layers so far: each kind's index in its own pool
+        layers = []
+        for i in range(cfg.num_layers):
+            kind = int(cfg.is_linear_layer(i))
+            layers.append(HybridDecoderLayer(cfg, i, counts[kind], tp, comm, rope))
+            counts[kind] += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.aux_layers = None  # no EAGLE-3 heads for these models
+        self.aux_hidden = None
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(batch.positions, x, residual, batch, attn)
+        out, _ = self.norm.forward_with_residual(x, residual)
+        return out
+
+
+class Qwen3NextForCausalLM(LlamaForCausalLM):
+    """Loads as the Llama model does (fused q/k/v and gate/up, stacked or per-expert experts,
+    the same checks), after the renames and the 1 + w folding of `_text_tensors`."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, comm: Communicator, max_positions: int, device: torch.device):
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        self._rope = RotaryEmbedding(rotary_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, device)
+        self.model = HybridModel(cfg, tp, comm, self._rope)
+        self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
+        self.kv_scales: dict[tuple[int, str], float] = {}
+        self.needs_lm_head = True
+
+    def bind_state_pool(self, pool: StatePool) -> None:
+        for layer in self.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.pool = pool
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._text_tensors(tensors))
+
+    @staticmethod
+    def _text_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            if name.startswith(_SKIPPED):
+                log_once("qwen3_next:skipped", "hybrid checkpoint: serving its text model; the vision tower and the "
+                         "MTP head are not loaded")
+                continue
+            for old, new in _TEXT_PREFIXES:
+                if name.startswith(old):
+                    name = new + name[len(old):]
+                    break
+            if name.endswith(_ONE_PLUS_W) or name == "model.norm.weight":
+                tensor = tensor.float() + 1.0  # zero-centred norms scale by 1 + w
+            yield name, tensor

@@ -1,0 +1,191 @@
+"""Hybrid linear-attention models (issue 34, first slice): Qwen3-Next and Qwen3.5's text model
+against transformers on the CPU in fp32, through the step kinds the recurrent state can break:
+prefill, decode, chunked prefill continuing the state across chunks, mixed steps with requests
+of different lengths, retraction and resume (the state recomputed), no prefix-cache hits, and a
+multimodal Qwen3.5 checkpoint served as its text model. Tiny models: 8 layers, 6 of them Gated
+DeltaNet, partial rotary 0.25, GQA in both layer kinds."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_models_hf import hf_greedy
+
+from minisgl import LLM, SamplingParams
+from minisgl.core.model_config import ModelConfig
+
+HYBRID = ["qwen3_next", "qwen3_5"]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(seed: int, lens: tuple[int, ...]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 2000, (n,), generator=gen).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def hf_models() -> dict[str, object]:
+    return {}
+
+
+def _hf(path: Path, cache: dict[str, object]) -> object:
+    from transformers import AutoModelForCausalLM
+
+    if str(path) not in cache:
+        cache[str(path)] = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return cache[str(path)]
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_prefill_logits_match_hf(name: str, tiny_model_path: Callable[[str], Path],
+                                 hf_models: dict[str, object]) -> None:
+    path = tiny_model_path(name)
+    hf = _hf(path, hf_models)
+    llm = LLM(str(path), device="cpu", dtype="float32")
+    assert llm.engine.pool.num_layers == 2, "the KV pool should hold the 2 full-attention layers only"
+    prompts = _prompts(1, (1, 7, 70))
+    for prompt, ours in zip(prompts, llm.engine.score(prompts), strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt])).logits[0].float()
+        rel = (ours - ref).abs().max() / ref.abs().max()
+        assert rel <= 1e-4, f"{name}: prompt of {len(prompt)} ids, rel err {rel:.2e}"
+    assert llm.engine.state_pool.free_slots == llm.engine.state_pool.num_slots
+
+
+@pytest.mark.parametrize("name", HYBRID)
+@pytest.mark.parametrize("chunk", [8, 24, 200])
+def test_chunked_prefill_and_mixed_batches(name: str, chunk: int, tiny_model_path: Callable[[str], Path],
+                                           hf_models: dict[str, object]) -> None:
+    """Several requests of different lengths at once: chunks smaller than the prompts (the
+    state continues across chunks), and one larger than all of them; offline, the decodes
+    ride in mixed steps beside the next prompt's chunks."""
+    path = tiny_model_path(name)
+    llm = LLM(str(path), device="cpu", dtype="float32", max_prefill_tokens=chunk)
+    prompts = _prompts(chunk, (53, 17, 70, 1))
+    outs = llm.generate(prompts, greedy(16), use_tqdm=False)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o["token_ids"] == hf_greedy(_hf(path, hf_models), p, 16), f"{name}, chunk {chunk}, {len(p)} tokens"
+    llm.scheduler.check_integrity()
+    pool = llm.engine.state_pool
+    assert pool.free_slots == pool.num_slots, "a state slot leaked"
+
+
+def test_no_prefix_hits_and_retraction_resumes(tiny_model_path: Callable[[str], Path],
+                                               hf_models: dict[str, object]) -> None:
+    """Requests sharing a 40-token prefix take no prefix-cache hit (the radix cache holds the
+    first one's KV, but no state to resume from), and a KV pool too small for all of them at
+    once forces retractions: a retracted request recomputes its state and still gives
+    transformers' tokens."""
+    path = tiny_model_path("qwen3_next")
+    hf = _hf(path, hf_models)
+    llm = LLM(str(path), device="cpu", dtype="float32", page_size=4, num_pages=41, max_running_requests=4,
+              max_prefill_tokens=32)
+    # Admit on the prompts alone (no room counted for the outputs): decodes then run the pool out.
+    sched = llm.scheduler
+    sched.cfg = dataclasses.replace(sched.cfg, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    sched.new_token_ratio = 0.0
+    shared = _prompts(5, (40,))[0]
+    prompts = [shared + tail for tail in _prompts(6, (3, 9, 5, 12))]
+    hits: list[int] = []
+    attach = llm.scheduler.kv.attach
+
+    def counting_attach(req, match):  # noqa: ANN001, ANN202
+        hits.append(match.matched_tokens)
+        return attach(req, match)
+
+    llm.scheduler.kv.attach = counting_attach
+    outs = llm.generate(prompts, greedy(40), use_tqdm=False)
+    for p, o in zip(prompts, outs, strict=True):
+        assert o["token_ids"] == hf_greedy(hf, p, 40), f"prompt of {len(p)} tokens"
+    assert hits and set(hits) == {0}, f"a hybrid model took a prefix hit: {hits}"
+    assert sched.cache.match_prefix(shared).matched_tokens >= 36, "the KV of the shared prefix was not cached"
+    assert sched.num_retractions > 0, "the tight KV pool should have forced a retraction"
+    sched.check_integrity()
+    assert llm.engine.state_pool.free_slots == llm.engine.state_pool.num_slots
+
+
+def test_state_pool_no_leak_after_random_requests(tiny_model_path: Callable[[str], Path]) -> None:
+    """120 random requests (random lengths and arrivals, aborts at random points, a tight KV
+    pool: retractions) on 4 state slots: after every few steps every slot is free or held by
+    exactly one admitted request, and at the end all are free."""
+    import random
+
+    llm = LLM(str(tiny_model_path("qwen3_next")), device="cpu", dtype="float32", page_size=4, num_pages=31,
+              max_running_requests=4, max_prefill_tokens=16)
+    sched, pool = llm.scheduler, llm.engine.state_pool
+    rng = random.Random(3)
+    n, live, steps, peak = 0, [], 0, 0
+    while n < 120 or sched.has_work:
+        for _ in range(rng.choice([0, 1, 2, 3])):
+            if n < 120:
+                prompt = [rng.randrange(10, 900) for _ in range(rng.choice([1, 3, 9, 20, 40]))]
+                req = llm._make_request(prompt, SamplingParams(max_tokens=rng.choice([1, 2, 4, 20]),
+                                                               temperature=0.0, ignore_eos=True))
+                sched.add(req)
+                live.append(req)
+                n += 1
+        if live and rng.random() < 0.15:
+            victim = rng.choice(live)
+            if not victim.finished:
+                sched.finish(victim, "abort")
+        live = [r for r in live if not r.finished]
+        sched.step()
+        peak = max(peak, pool.num_slots - pool.free_slots)
+        steps += 1
+        assert steps < 20000, "scheduler made no progress"
+        if steps % 5 == 0:
+            sched.check_integrity()
+    sched.check_integrity()
+    assert pool.free_slots == pool.num_slots, "a state slot leaked"
+    assert peak == pool.num_slots, "the state pool never filled"
+    assert sched.stats()["state_slots_total"] == 4 and sched.stats()["state_slots_used"] == 0
+    assert sched.num_retractions > 0, "the tight KV pool should have forced a retraction"
+    llm.shutdown()
+
+
+def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(tiny_model_path: Callable[[str], Path], tmp_path: Path,
+                                                              hf_models: dict[str, object]) -> None:
+    """A Qwen3_5ForConditionalGeneration folder: the text config under text_config, the language
+    model's tensors under model.language_model., a vision tower and an MTP head that are skipped."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_model_path("qwen3_5")
+    dst = tmp_path / "qwen3_5_mm"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+            (dst / f.name).write_bytes(f.read_bytes())
+    text_cfg = json.loads((src / "config.json").read_text())
+    cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+           "text_config": {k: v for k, v in text_cfg.items() if k != "architectures"},
+           "vision_config": {"hidden_size": 8}, "tie_word_embeddings": text_cfg.get("tie_word_embeddings", False)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    tensors = {(k if k.startswith("lm_head.") else "model.language_model." + k.removeprefix("model.")): v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2)
+    tensors["mtp.fc.weight"] = torch.randn(8, 8)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    mc = ModelConfig.from_folder(dst)
+    assert mc.linear_attn is not None and mc.linear_attn.layers == (True, True, True, False) * 2
+    llm = LLM(str(dst), device="cpu", dtype="float32")
+    prompt = _prompts(3, (37,))[0]
+    assert llm.generate([prompt], greedy(10), use_tqdm=False)[0]["token_ids"] == \
+        hf_greedy(_hf(src, hf_models), prompt, 10)
+
+
+def test_what_is_not_built_yet_is_refused_by_name(tiny_model_path: Callable[[str], Path]) -> None:
+    path = tiny_model_path("qwen3_next")
+    mc = ModelConfig.from_folder(path)
+    assert mc.num_kv_layers == 2 and mc.partial_rotary_factor == 0.25 and mc.moe.shared_expert_intermediate_size
+    with pytest.raises(ValueError, match="tensor parallelism over its Gated DeltaNet"):
+        mc.check_tp(2)
+    with pytest.raises(ValueError, match="speculative decoding is not built"):
+        LLM(str(path), device="cpu", dtype="float32", speculative_algorithm="ngram")
