@@ -18,6 +18,7 @@ from minisgl.ops._checks import (
     check_same_device,
     check_shape,
     check_tensor,
+    check_window_sinks,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -46,13 +47,7 @@ def _check_lens(batch: int, **lens: object) -> None:
 
 
 def _check_window(q: torch.Tensor, window: int, sinks: object, deterministic: bool = False) -> None:
-    if window < 0:
-        raise ValueError(f"window must be >= 0 (0: full attention), got {window}")
-    if sinks is not None:
-        check_tensor("sinks", sinks, dtype=torch.float32, ndim=1)
-        check_shape("sinks", sinks, (q.shape[1],))
-        check_contiguous("sinks", sinks)
-        check_same_device(q=q, sinks=sinks)
+    check_window_sinks(q, window, sinks)
     if deterministic and (window or sinks is not None):
         raise ValueError("deterministic attention takes no sliding window or sinks")
 
