@@ -63,6 +63,7 @@ def test_store_load_roundtrip_and_lru_order() -> None:
 class _Req:
     needs_prompt_logprobs = False
     pooling = None
+    state_slot = -1  # no linear-attention state (scheduler/request.Request's default)
 
     def __init__(self, toks: list[int]) -> None:
         self.toks = self.prompt = toks
