@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_compare import greedy, hf_model, random_prompts
 from test_models_hf import hf_greedy
 
 from minisgl import LLM, SamplingParams
@@ -22,36 +23,19 @@ from minisgl.core.model_config import ModelConfig
 HYBRID = ["qwen3_next", "qwen3_5"]
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def _prompts(seed: int, lens: tuple[int, ...]) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 2000, (n,), generator=gen).tolist() for n in lens]
-
-
 @pytest.fixture(scope="module")
 def hf_models() -> dict[str, object]:
     return {}
-
-
-def _hf(path: Path, cache: dict[str, object]) -> object:
-    from transformers import AutoModelForCausalLM
-
-    if str(path) not in cache:
-        cache[str(path)] = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return cache[str(path)]
 
 
 @pytest.mark.parametrize("name", HYBRID)
 def test_prefill_logits_match_hf(name: str, tiny_model_path: Callable[[str], Path],
                                  hf_models: dict[str, object]) -> None:
     path = tiny_model_path(name)
-    hf = _hf(path, hf_models)
+    hf = hf_model(path, hf_models)
     llm = LLM(str(path), device="cpu", dtype="float32")
     assert llm.engine.pool.num_layers == 2, "the KV pool should hold the 2 full-attention layers only"
-    prompts = _prompts(1, (1, 7, 70))
+    prompts = random_prompts(1, (1, 7, 70))
     for prompt, ours in zip(prompts, llm.engine.score(prompts), strict=True):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].float()
@@ -69,10 +53,10 @@ def test_chunked_prefill_and_mixed_batches(name: str, chunk: int, tiny_model_pat
     ride in mixed steps beside the next prompt's chunks."""
     path = tiny_model_path(name)
     llm = LLM(str(path), device="cpu", dtype="float32", max_prefill_tokens=chunk)
-    prompts = _prompts(chunk, (53, 17, 70, 1))
+    prompts = random_prompts(chunk, (53, 17, 70, 1))
     outs = llm.generate(prompts, greedy(16), use_tqdm=False)
     for p, o in zip(prompts, outs, strict=True):
-        assert o["token_ids"] == hf_greedy(_hf(path, hf_models), p, 16), f"{name}, chunk {chunk}, {len(p)} tokens"
+        assert o["token_ids"] == hf_greedy(hf_model(path, hf_models), p, 16), f"{name}, chunk {chunk}, {len(p)} tokens"
     llm.scheduler.check_integrity()
     pool = llm.engine.state_pool
     assert pool.free_slots == pool.num_slots, "a state slot leaked"
@@ -85,15 +69,15 @@ def test_no_prefix_hits_and_retraction_resumes(tiny_model_path: Callable[[str], 
     once forces retractions: a retracted request recomputes its state and still gives
     transformers' tokens."""
     path = tiny_model_path("qwen3_next")
-    hf = _hf(path, hf_models)
+    hf = hf_model(path, hf_models)
     llm = LLM(str(path), device="cpu", dtype="float32", page_size=4, num_pages=41, max_running_requests=4,
               max_prefill_tokens=32)
     # Admit on the prompts alone (no room counted for the outputs): decodes then run the pool out.
     sched = llm.scheduler
     sched.cfg = dataclasses.replace(sched.cfg, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
     sched.new_token_ratio = 0.0
-    shared = _prompts(5, (40,))[0]
-    prompts = [shared + tail for tail in _prompts(6, (3, 9, 5, 12))]
+    shared = random_prompts(5, (40,))[0]
+    prompts = [shared + tail for tail in random_prompts(6, (3, 9, 5, 12))]
     hits: list[int] = []
     attach = llm.scheduler.kv.attach
 
@@ -176,9 +160,9 @@ def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(tiny_model_path: Ca
     mc = ModelConfig.from_folder(dst)
     assert mc.linear_attn is not None and mc.linear_attn.layers == (True, True, True, False) * 2
     llm = LLM(str(dst), device="cpu", dtype="float32")
-    prompt = _prompts(3, (37,))[0]
+    prompt = random_prompts(3, (37,))[0]
     assert llm.generate([prompt], greedy(10), use_tqdm=False)[0]["token_ids"] == \
-        hf_greedy(_hf(src, hf_models), prompt, 10)
+        hf_greedy(hf_model(src, hf_models), prompt, 10)
 
 
 def test_what_is_not_built_yet_is_refused_by_name(tiny_model_path: Callable[[str], Path]) -> None:

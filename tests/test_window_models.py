@@ -11,34 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_compare import greedy, hf_model, random_prompts
 from test_models_hf import hf_greedy
 
-from minisgl import LLM, SamplingParams
+from minisgl import LLM
 from minisgl.core.model_config import ModelConfig
 
 WINDOW_MODELS = ["gemma3", "gpt_oss", "qwen2_swa"]
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def _prompts(seed: int, lens: tuple[int, ...]) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 2000, (n,), generator=gen).tolist() for n in lens]
-
-
 @pytest.fixture(scope="module")
 def hf_models() -> dict[str, object]:
     return {}
-
-
-def _hf(path: Path, cache: dict[str, object]) -> object:
-    from transformers import AutoModelForCausalLM
-
-    if str(path) not in cache:
-        cache[str(path)] = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    return cache[str(path)]
 
 
 @pytest.mark.parametrize("name", WINDOW_MODELS)
@@ -47,10 +31,10 @@ def test_chunked_prefill_below_and_above_the_window(name: str, chunk: int, tiny_
                                                      hf_models: dict[str, object]) -> None:
     path = tiny_model_path(name)
     llm = LLM(str(path), device="cpu", dtype="float32", max_prefill_tokens=chunk)
-    prompts = _prompts(chunk, (53, 17, 70))  # several windows long, and one shorter than a window + chunk
+    prompts = random_prompts(chunk, (53, 17, 70))  # several windows long, and one shorter than a window + chunk
     outs = llm.generate(prompts, greedy(20), use_tqdm=False)
     for p, o in zip(prompts, outs, strict=True):
-        assert o["token_ids"] == hf_greedy(_hf(path, hf_models), p, 20), f"{name}, chunk {chunk}, {len(p)} tokens"
+        assert o["token_ids"] == hf_greedy(hf_model(path, hf_models), p, 20), f"{name}, chunk {chunk}, {len(p)} tokens"
 
 
 @pytest.mark.parametrize("name", WINDOW_MODELS)
@@ -62,9 +46,9 @@ def test_prefix_hits_before_and_after_the_window_moved(name: str, tiny_model_pat
     the hit is cut back and the rest recomputed), and one that continues the whole first
     sequence (its last window still held: a hit). Every follower's tokens are transformers'."""
     path = tiny_model_path(name)
-    hf = _hf(path, hf_models)
+    hf = hf_model(path, hf_models)
     llm = LLM(str(path), device="cpu", dtype="float32")
-    base = _prompts(7, (40,))[0]
+    base = random_prompts(7, (40,))[0]
     first = llm.generate([base + [11, 12, 13]], greedy(48), use_tqdm=False)[0]
     assert first["token_ids"] == hf_greedy(hf, base + [11, 12, 13], 48)
     followers = [base + [21, 22], base[:10] + [31, 32, 33, 34], base + [11, 12, 13] + first["token_ids"][:30],
@@ -106,9 +90,9 @@ def test_multimodal_gemma3_checkpoint_serves_its_text_model(tiny_model_path: Cal
     tensors["model.multi_modal_projector.mm_input_projection_weight"] = torch.randn(8, 64)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     llm = LLM(str(dst), device="cpu", dtype="float32")
-    prompt = _prompts(3, (37,))[0]
+    prompt = random_prompts(3, (37,))[0]
     assert llm.generate([prompt], greedy(10), use_tqdm=False)[0]["token_ids"] == \
-        hf_greedy(_hf(src, hf_models), prompt, 10)
+        hf_greedy(hf_model(src, hf_models), prompt, 10)
 
 
 def test_benchmark_configs_parse_as_the_checkpoints_write_them() -> None:
@@ -148,8 +132,8 @@ def test_speculative_decoding_with_windows(name: str, algo: str, tiny_model_path
     spec = ({"speculative_algorithm": "ngram", "speculative_ngram_min": 2} if algo == "ngram" else
             {"speculative_algorithm": "draft", "speculative_draft_model": str(path)})
     llm = LLM(str(path), device="cpu", dtype="float32", speculative_num_draft_tokens=3, **spec)
-    prompts = [[5, 6, 7, 8] * 6, _prompts(21, (30,))[0]]  # a repeating prompt gives n-gram drafts
+    prompts = [[5, 6, 7, 8] * 6, random_prompts(21, (30,))[0]]  # a repeating prompt gives n-gram drafts
     outs = llm.generate(prompts, greedy(40), use_tqdm=False)
     for p, o in zip(prompts, outs, strict=True):
-        assert o["token_ids"] == hf_greedy(_hf(path, hf_models), p, 40), f"{name} {algo}: {len(p)} tokens"
+        assert o["token_ids"] == hf_greedy(hf_model(path, hf_models), p, 40), f"{name} {algo}: {len(p)} tokens"
     assert llm.scheduler.stats().get("spec_verified", 0) > 0, "no verify step ran"
