@@ -26,3 +26,18 @@ def hf_model(path: Path, cache: dict[str, object]) -> object:
     if str(path) not in cache:
         cache[str(path)] = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     return cache[str(path)]
+
+
+def record_prefix_hits(llm: object) -> list[int]:
+    """The matched tokens of every request `llm` admits from now on (wraps its scheduler's
+    RequestKV.attach); the list fills as requests are admitted."""
+    hits: list[int] = []
+    kv = llm.scheduler.kv
+    attach = kv.attach
+
+    def counting_attach(req, match):  # noqa: ANN001, ANN202
+        hits.append(match.matched_tokens)
+        return attach(req, match)
+
+    kv.attach = counting_attach
+    return hits

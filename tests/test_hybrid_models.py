@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_compare import greedy, hf_model, random_prompts
+from model_compare import greedy, hf_model, random_prompts, record_prefix_hits
 from test_models_hf import hf_greedy
 
 from minisgl import LLM, SamplingParams
@@ -78,14 +78,7 @@ def test_no_prefix_hits_and_retraction_resumes(tiny_model_path: Callable[[str], 
     sched.new_token_ratio = 0.0
     shared = random_prompts(5, (40,))[0]
     prompts = [shared + tail for tail in random_prompts(6, (3, 9, 5, 12))]
-    hits: list[int] = []
-    attach = llm.scheduler.kv.attach
-
-    def counting_attach(req, match):  # noqa: ANN001, ANN202
-        hits.append(match.matched_tokens)
-        return attach(req, match)
-
-    llm.scheduler.kv.attach = counting_attach
+    hits = record_prefix_hits(llm)
     outs = llm.generate(prompts, greedy(40), use_tqdm=False)
     for p, o in zip(prompts, outs, strict=True):
         assert o["token_ids"] == hf_greedy(hf, p, 40), f"prompt of {len(p)} tokens"

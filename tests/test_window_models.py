@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_compare import greedy, hf_model, random_prompts
+from model_compare import greedy, hf_model, random_prompts, record_prefix_hits
 from test_models_hf import hf_greedy
 
 from minisgl import LLM
@@ -53,14 +53,7 @@ def test_prefix_hits_before_and_after_the_window_moved(name: str, tiny_model_pat
     assert first["token_ids"] == hf_greedy(hf, base + [11, 12, 13], 48)
     followers = [base + [21, 22], base[:10] + [31, 32, 33, 34], base + [11, 12, 13] + first["token_ids"][:30],
                  base + [11, 12, 13] + first["token_ids"] + [41, 42]]
-    hits: list[int] = []
-    attach = llm.scheduler.kv.attach
-
-    def counting_attach(req, match):  # noqa: ANN001, ANN202
-        hits.append(match.matched_tokens)
-        return attach(req, match)
-
-    llm.scheduler.kv.attach = counting_attach
+    hits = record_prefix_hits(llm)
     outs = llm.generate(followers, greedy(12), use_tqdm=False)
     for p, o in zip(followers, outs, strict=True):
         assert o["token_ids"] == hf_greedy(hf, p, 12), f"{name}: follower of {len(p)} tokens"
