@@ -7,22 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_marks import test_device, triton_test
 
-from minisgl import env
 from minisgl.kernels import causal_conv1d as K
 from minisgl.ops import linear_attention as LA
-
-
-def _dev() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def triton_test(fn):
-    """The Triton pass; on the CPU only interpreted (the ops would otherwise run the reference
-    and these tests would compare it with itself)."""
-    skip = pytest.mark.skipif(_dev() == "cpu" and not env.TRITON_INTERPRET,
-                              reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
-    return pytest.mark.triton(skip(fn))
 
 
 def _cu(lens, dev):
@@ -69,7 +57,7 @@ def test_reference_matches_transformers():
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
 @pytest.mark.parametrize("bias,silu", [(True, True), (False, False)])
 def test_prefill_matches_reference(dtype, atol, bias, silu):
-    dev = _dev()
+    dev = test_device()
     gen = torch.Generator().manual_seed(1)
     d, k = 48, 4
     lens = (1, 2, 7, 65, 3)
@@ -97,7 +85,7 @@ def test_prefill_matches_reference(dtype, atol, bias, silu):
 @pytest.mark.parametrize("split", [1, 2, 5])
 def test_prefill_split_and_decode_equal_one_call(split):
     """Prefill in two calls, then two decode steps, equals one prefill of the whole sequence."""
-    dev = _dev()
+    dev = test_device()
     gen = torch.Generator().manual_seed(split)
     d, k, t = 20, 4, 9
     w, b = _weights(d, k, gen, dev, torch.float32)
@@ -117,7 +105,7 @@ def test_prefill_split_and_decode_equal_one_call(split):
 @triton_test
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
 def test_decode_batch(dtype, atol):
-    dev = _dev()
+    dev = test_device()
     gen = torch.Generator().manual_seed(3)
     d, k, n = 300, 4, 4  # D above one 256-wide block
     w, b = _weights(d, k, gen, dev, dtype)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_marks import test_device, triton_test
 
 from minisgl import env
 from minisgl.kernels import gated_delta_rule as K
@@ -15,16 +16,6 @@ from minisgl.ops import linear_attention as LA
 LENS = (1, 7, 63, 64, 65, 130)
 
 
-def _dev() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def triton_test(fn):
-    """The Triton pass; on the CPU only interpreted (the ops would otherwise run the reference
-    and these tests would compare it with itself)."""
-    skip = pytest.mark.skipif(_dev() == "cpu" and not env.TRITON_INTERPRET,
-                              reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
-    return pytest.mark.triton(skip(fn))
 
 
 def _inputs(t, hk, hv, dk, dv, dtype, gen, dev):
@@ -83,7 +74,7 @@ def test_reference_matches_transformers():
 # --- the kernels vs the reference -----------------------------------------------------------
 
 def _check_prefill(lens, hk, hv, dk, dv, dtype, atol, seed=0):
-    dev = _dev()
+    dev = test_device()
     gen = torch.Generator().manual_seed(seed)
     t, n = sum(lens), len(lens)
     q, k, v, g, beta = _inputs(t, hk, hv, dk, dv, dtype, gen, dev)
@@ -120,7 +111,7 @@ def test_prefill_odd_head_dims():
 def test_prefill_repeated_keys():
     """Near-identical keys, beta near 1 and almost no decay: the worst case for the chunk's
     (I + L)^-1 (its entries alternate in sign and do not shrink). Must still match."""
-    dev = _dev()
+    dev = test_device()
     gen = torch.Generator().manual_seed(9)
     t, hk, hv, dk, dv = 128, 1, 2, 16, 16
     q, _, v, _, _ = _inputs(t, hk, hv, dk, dv, torch.float32, gen, dev)
@@ -139,7 +130,7 @@ def test_prefill_repeated_keys():
 @pytest.mark.parametrize("split", [1, 64, 70])
 def test_prefill_split_in_two_calls(split):
     """A 130-token sequence in two calls (state carried through the pool) equals one call."""
-    dev = _dev()
+    dev = test_device()
     gen = torch.Generator().manual_seed(split)
     hk, hv, dk, dv, t = 1, 2, 16, 16, 130
     q, k, v, g, beta = _inputs(t, hk, hv, dk, dv, torch.float32, gen, dev)
@@ -161,7 +152,7 @@ def test_prefill_split_in_two_calls(split):
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_decode_batch(dtype, atol):
     """Three decode steps over a batch with a padding row; poisoned unused slots stay as they were."""
-    dev = _dev()
+    dev = test_device()
     gen = torch.Generator().manual_seed(7)
     hk, hv, dk, dv, n = 2, 4, 16, 32, 5
     slots = torch.tensor([6, 0, -1, 3, 4], dtype=torch.int32, device=dev)
@@ -180,7 +171,7 @@ def test_decode_batch(dtype, atol):
 @triton_test
 def test_prefill_then_decode_equals_one_prefill():
     """Decode continues the state a chunked prefill left: the two kernels agree on the layout."""
-    dev = _dev()
+    dev = test_device()
     gen = torch.Generator().manual_seed(11)
     hk, hv, dk, dv, t = 2, 4, 16, 16, 69
     q, k, v, g, beta = _inputs(t, hk, hv, dk, dv, torch.float32, gen, dev)
