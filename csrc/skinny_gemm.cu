@@ -125,6 +125,18 @@ constexpr int kMaxSplits = 64;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The MoE kernels (skinny_moe_kernel) of a 16-bit tile configuration: up (kDown false) or down.
+template <typename T, bool kDown>
+KernelFn pick_moe(int cfg) {
+  switch (cfg) {
+    case 0: return skinny::skinny_moe_kernel<skinny::Bf16W<T>, 1, 2, kDown>;
+    case 1: return skinny::skinny_moe_kernel<skinny::Bf16W<T>, 1, 4, kDown>;
+    case 2: return skinny::skinny_moe_kernel<skinny::Bf16W<T>, 2, 2, kDown>;
+    case 3: return skinny::skinny_moe_kernel<skinny::Bf16W<T>, 2, 4, kDown>;
+    default: return nullptr;
+  }
+}
+
 }  // namespace
 
 int skinny_gemm_num_configs(int fp8) { return fp8 == 2 ? kNumW4Configs : fp8 ? kNumFp8Configs : kNumConfigs; }
@@ -142,17 +154,21 @@ namespace {
 
 // Checks shared by both weight types, the split arithmetic (each split covers whole warp groups
 // of `group` K elements, so every group starts at a multiple of it) and the launch.
+// A MoE launch (z > 1 or p.moe) has z planes of tiles, and its K splits per slot: k_splits
+// (= num_splits but for the down projection, whose num_splits counts every slot's).
 int launch_kernel(KernelFn fn, Params p, int rt, int64_t group, int warps, int num_splits, float* workspace,
-                  int64_t workspace_bytes, int* counters, int64_t num_counters, int pdl, void* stream) {
+                  int64_t workspace_bytes, int* counters, int64_t num_counters, int pdl, void* stream, int z = 1,
+                  int k_splits = 0) {
   const int mt = (p.m + 7) / 8;
   const int64_t rows_per_block = static_cast<int64_t>(rt) * (p.silu ? 8 : 16);
   const int64_t tiles = (p.n + rows_per_block - 1) / rows_per_block;
-  if (tiles > INT32_MAX) return static_cast<int>(cudaErrorInvalidValue);
-  const int64_t per_split = ((p.k + num_splits - 1) / num_splits + group - 1) / group * group;
+  if (tiles > INT32_MAX || z < 1 || z > 65535) return static_cast<int>(cudaErrorInvalidValue);
+  if (k_splits < 1) k_splits = num_splits;
+  const int64_t per_split = ((p.k + k_splits - 1) / k_splits + group - 1) / group * group;
   if (num_splits > 1) {
     const int64_t items = static_cast<int64_t>(rt) * mt * 2 * 32;  // float2 per (tile, split)
-    if (workspace == nullptr || counters == nullptr || num_counters < tiles ||
-        workspace_bytes < tiles * num_splits * items * 8)
+    if (workspace == nullptr || counters == nullptr || num_counters < tiles * z ||
+        workspace_bytes < tiles * z * num_splits * items * 8)
       return static_cast<int>(cudaErrorInvalidValue);
   }
   p.workspace = workspace;
@@ -160,7 +176,7 @@ int launch_kernel(KernelFn fn, Params p, int rt, int64_t group, int warps, int n
   p.k_split = static_cast<int>(per_split);
   p.num_splits = num_splits;
   cudaLaunchConfig_t launch = {};
-  launch.gridDim = dim3(static_cast<unsigned>(tiles), num_splits);
+  launch.gridDim = dim3(static_cast<unsigned>(tiles), num_splits, z);
   launch.blockDim = dim3(warps * 32);
   launch.dynamicSmemBytes = static_cast<size_t>(warps) * rt * mt * 128 * sizeof(float);
   launch.stream = static_cast<cudaStream_t>(stream);
@@ -201,7 +217,8 @@ int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* 
   KernelFn fn = dtype == 0 ? pick_m<__half>(m, cfg) : dtype == 1 ? pick_m<__nv_bfloat16>(m, cfg) : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0};
+           nullptr, nullptr, 0, 0,
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0.0f, 0.0f};
   return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk, warps,
                        num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -218,7 +235,8 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
   KernelFn fn = dtype == 0 ? pick_fp8_m<__half>(m, cfg) : dtype == 1 ? pick_fp8_m<__nv_bfloat16>(m, cfg) : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0,
-           scale, s_stride, block_scales, nullptr, nullptr, 0, 0};
+           scale, s_stride, block_scales, nullptr, nullptr, 0, 0,
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0.0f, 0.0f};
   return launch_kernel(fn, p, kFp8Configs[cfg].rt, static_cast<int64_t>(kFp8Configs[cfg].u) * skinny::Fp8W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -237,9 +255,36 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
   KernelFn fn = dtype == 0 ? pick_w4<__half>(fmt, m, cfg) : dtype == 1 ? pick_w4<__nv_bfloat16>(fmt, m, cfg) : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
-           qscale, qzero, q_stride, q_group};
+           qscale, qzero, q_stride, q_group,
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0.0f, 0.0f};
   return launch_kernel(fn, p, kW4Configs[cfg].rt, static_cast<int64_t>(kW4Configs[cfg].u) * skinny::Int4W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
+}
+
+int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, const float* weights, void* y,
+               float* workspace, int64_t workspace_bytes, int* counters, int64_t num_counters, int tokens, int top_k,
+               int n, int k, int64_t x_stride, int64_t w_stride, int64_t y_stride, int64_t w_expert_stride,
+               int64_t b_expert_stride, int down, int act, float alpha, float limit, int dtype, int cfg, int warps,
+               int splits, int pdl, void* stream) {
+  // Up: silu mode over (gate | up) rows, z = token-expert pairs. Down: z = tokens, every slot's splits.
+  const int silu = down ? 0 : 1;
+  if (cfg < 0 || cfg >= kNumConfigs || ids == nullptr || (down && weights == nullptr) || tokens < 1 ||
+      top_k < 1 || (act != 0 && act != 1) || (down && act != 0) || w_stride % 8 != 0 || w_expert_stride % 8 != 0 ||
+      (down && splits * top_k > kMaxSplits) ||
+      !common_args_ok(1, 32, n, k, warps, splits, x_stride, x, w, silu))
+    return static_cast<int>(cudaErrorInvalidValue);
+  KernelFn fn = dtype == 0   ? (down ? pick_moe<__half, true>(cfg) : pick_moe<__half, false>(cfg))
+                : dtype == 1 ? (down ? pick_moe<__nv_bfloat16, true>(cfg) : pick_moe<__nv_bfloat16, false>(cfg))
+                             : nullptr;
+  if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, 1, n, k, silu, 0, 0, nullptr, 0, 0,
+           nullptr, nullptr, 0, 0, ids, weights, w_expert_stride, b_expert_stride, top_k, down ? 2 : 1, splits,
+           act, alpha, limit};
+  const int64_t z = down ? tokens : static_cast<int64_t>(tokens) * top_k;
+  if (z > 65535) return static_cast<int>(cudaErrorInvalidValue);
+  return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk,
+                       warps, down ? splits * top_k : splits, workspace, workspace_bytes, counters, num_counters, pdl,
+                       stream, static_cast<int>(z), splits);
 }
 
 }  // namespace minisgl

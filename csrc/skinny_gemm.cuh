@@ -81,6 +81,25 @@ struct Params {
   const void* qzero;
   int64_t q_stride;
   int q_group;
+  // MoE experts (skinny_moe_kernel, 16-bit W; all zero for the dense kernels). w and bias point at
+  // expert 0; expert e's W is w + e * w_expert_stride elements, its bias bias + e * b_expert_stride.
+  // blockIdx.z is a token-expert pair (moe 1, the up projection: x row z / top_k, y row z) or a
+  // token (moe 2, the down projection: split s works on the token's expert slot j = s /
+  // splits_per_slot, x row z * top_k + j of inter [T * top_k, k], K range (s % splits_per_slot) *
+  // k_split.., its partial plus the expert's bias scaled by the routing weight; the sum over every
+  // slot is y row z, so the top-k sum needs no kernel of its own). m is 1 in both.
+  const int* moe_ids;        // [T, top_k] int32
+  const float* moe_weights;  // [T, top_k] fp32 (moe 2)
+  int64_t w_expert_stride;
+  int64_t b_expert_stride;
+  int top_k;
+  int moe;
+  int splits_per_slot;
+  // SiLU mode's activation: 0 silu(gate) * up; 1 GPT-OSS's clamped SwiGLU,
+  // (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
+  int act;
+  float alpha;
+  float limit;
 };
 
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
@@ -181,7 +200,12 @@ __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r
       lo += to_float(bias[j]);
       hi += to_float(bias[p.n + j]);
     }
-    y[j] = from_float<T>(lo / (1.0f + __expf(-lo)) * hi);
+    if (p.act == 1) {
+      const float g = fminf(lo, p.limit), u = fminf(fmaxf(hi, -p.limit), p.limit);
+      y[j] = from_float<T>(g / (1.0f + __expf(-p.alpha * g)) * (u + 1.0f));
+    } else {
+      y[j] = from_float<T>(lo / (1.0f + __expf(-lo)) * hi);
+    }
     return;
   }
   const int row = tile_row0 + 16 * r + g;
@@ -193,12 +217,21 @@ __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r
   if (row + 8 < p.n) y[row + 8] = from_float<T>(hi + (bias != nullptr ? to_float(bias[row + 8]) : 0.0f));
 }
 
+// A down-projection block's share of the top-k sum (moe 2): its routing weight, and the expert's
+// bias where this block is the slot's first split (else null).
+template <typename T>
+struct MoeSlot {
+  float weight;
+  const T* bias;
+};
+
 // The end of a block: its warps' accumulators summed in shared memory `red` (fixed order), then
 // either the epilogue, or (split-K) this split's partials to the workspace and, in the last
-// block of the tile to arrive, the sum over splits and the epilogue.
-template <typename T, bool kFp8, int MT, int RT>
+// block of the tile to arrive, the sum over splits and the epilogue. `tile` indexes the workspace
+// and the counters (a MoE launch's tiles of every z), tile_row0 is the tile's first output row.
+template <typename T, bool kFp8, int MT, int RT, bool kMoeDown = false>
 __device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)[RT][MT][4], float* red, int tile,
-                                             int split, int tile_row0) {
+                                             int split, int tile_row0, MoeSlot<T> slot = {1.0f, nullptr}) {
   using Tl = Tile<MT, RT>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   // Warp reduction in shared memory, laid out [warp][accumulator][lane] (conflict-free).
@@ -223,6 +256,15 @@ __device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)
     for (int wi = 0; wi < warps; ++wi) {  // fixed order: deterministic
       lo += red[(wi * RT * MT + rtm) * 128 + q * 32 + ln];
       hi += red[(wi * RT * MT + rtm) * 128 + (q + 2) * 32 + ln];
+    }
+    if constexpr (kMoeDown) {  // rows (g, g + 8) of row tile r; m is 1, so only q 0 holds a row
+      const int row = tile_row0 + 16 * (rtm / MT) + (ln >> 2);
+      if (slot.bias != nullptr) {
+        lo += row < p.n ? to_float(slot.bias[row]) : 0.0f;
+        hi += row + 8 < p.n ? to_float(slot.bias[row + 8]) : 0.0f;
+      }
+      lo *= slot.weight;
+      hi *= slot.weight;
     }
     if (part != nullptr) {
       part[it] = make_float2(lo, hi);
@@ -290,13 +332,17 @@ __device__ __forceinline__ void load_group_x(Group<W, MT, RT, U>& grp, const XRo
   }
 }
 
-template <typename W, int MT, int RT, int U>
-__global__ void __launch_bounds__(kMaxWarps * 32) skinny_kernel(const Params p) {
+// One block's work: row tile blockIdx.x over K split `split` (of p.k_split elements). kMoe: the
+// launch is a MoE one (skinny_moe_kernel): p is the block's own view (its expert's W and bias, its
+// x and y rows), it already waited for the previous kernel, `ws_tile` indexes its workspace and
+// counters and `slot` weights a down projection's partials.
+template <typename W, int MT, int RT, int U, bool kMoe, bool kMoeDown>
+__device__ __forceinline__ void skinny_block(const Params& p, int split, int ws_tile, MoeSlot<typename W::T> slot) {
   using T = typename W::T;
   extern __shared__ float red[];  // [warps][kPairs * 2][32]: the warps' accumulators
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int g = lane >> 2, quad = lane & 3;
-  const int tile = blockIdx.x, split = blockIdx.y;
+  const int tile = blockIdx.x;
   // First output column of the tile: 16 W rows per row tile, or 8 (gate, up) pairs in SiLU mode.
   const int tile_row0 = tile * RT * (p.silu ? 8 : 16);
 
@@ -345,12 +391,16 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_kernel(const Params p) 
   // inference, so the first group of W is loaded before griddepcontrol.wait; x, and every
   // global write (y, the workspace, the counters), only after it. And this grid lets the next
   // one launch as its blocks retire. Without the launch attribute both instructions are no-ops.
+  // (An up-projection MoE block waited before it read its expert id: W's address depends on the
+  // routing, which the previous kernel wrote. A down-projection block waits here, as the dense ones.)
   const bool has_work = k0 < k_end;
   Group<W, MT, RT, U> cur, nxt;
   if (has_work) W::load_w(cur.w, rows, p, k0, k_end, quad);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if constexpr (!kMoe || kMoeDown) {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  }
 #endif
   // Software pipeline: the next group's loads are issued before this group's MMAs, so a
   // thread always has a whole group in flight. (Without it, ptxas moved each load down to
@@ -366,7 +416,53 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_kernel(const Params p) 
     W::mma(acc, cur.w, cur.x);
   }
 
-  reduce_store<T, W::kChannelScale, MT, RT>(p, acc, red, tile, split, tile_row0);
+  reduce_store<T, W::kChannelScale, MT, RT, kMoeDown>(p, acc, red, ws_tile, blockIdx.y, tile_row0, slot);
+}
+
+template <typename W, int MT, int RT, int U>
+__global__ void __launch_bounds__(kMaxWarps * 32) skinny_kernel(const Params p) {
+  skinny_block<W, MT, RT, U, false, false>(p, blockIdx.y, blockIdx.x, {1.0f, nullptr});
+}
+
+// The routed experts of 1..few tokens (Params' MoE fields): each block reads its expert id, then
+// runs the dense block on that expert's W with m = 1. Up and down are separate instances
+// (kDown), so the up projection's blocks carry none of the top-k sum's code.
+// Programmatic dependent launch: the up launch follows the routing kernel, so it waits before it
+// reads the ids, and only then lets the down launch start. So when a down block starts, every up
+// block has passed its wait, the routing kernel has completed, and the ids and weights may be read
+// before the down block's own wait (for the intermediate): its expert's first W loads overlap the
+// up launch's tail, as a dense launch's do.
+template <typename W, int RT, int U, bool kDown>
+__global__ void __launch_bounds__(kMaxWarps * 32) skinny_moe_kernel(const Params p) {
+  using T = typename W::T;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (!kDown) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // the expert ids come from the previous kernel
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+#endif
+  const int z = blockIdx.z;
+  int pair = z, split = blockIdx.y;
+  if constexpr (kDown) {
+    pair = z * p.top_k + static_cast<int>(blockIdx.y) / p.splits_per_slot;
+    split = static_cast<int>(blockIdx.y) % p.splits_per_slot;
+  }
+  const int64_t e = p.moe_ids[pair];
+  Params q = p;
+  q.w = static_cast<const T*>(p.w) + e * p.w_expert_stride;
+  const T* bias = p.bias == nullptr ? nullptr : static_cast<const T*>(p.bias) + e * p.b_expert_stride;
+  q.x = static_cast<const T*>(p.x) + static_cast<int64_t>(kDown ? pair : z / p.top_k) * p.x_stride;
+  q.y = static_cast<T*>(p.y) + static_cast<int64_t>(z) * p.y_stride;
+  q.m = 1;
+  MoeSlot<T> slot{1.0f, nullptr};
+  if constexpr (kDown) {
+    slot.weight = p.moe_weights[pair];
+    slot.bias = split == 0 ? bias : nullptr;  // the bias once per slot, weighted with its partial
+    q.bias = nullptr;
+  } else {
+    q.bias = bias;
+  }
+  skinny_block<W, 1, RT, U, true, kDown>(q, split, z * gridDim.x + blockIdx.x, slot);
 }
 
 }  // namespace skinny

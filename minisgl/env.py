@@ -42,6 +42,10 @@ LOG_LEVEL: str = os.environ.get("MINISGL_LOG_LEVEL", "INFO").upper()
 TRITON_INTERPRET: bool = _flag("TRITON_INTERPRET")
 # Path of the libnccl to load (default: the nvidia-nccl package torch uses, else the loader's).
 NCCL_LIBRARY: str = os.environ.get("MINISGL_NCCL_LIBRARY", "")
+# The routed experts of decode steps up to this many tokens run on the skinny GEMM kernel
+# (minisgl/ops/gemm/skinny_moe.py; 0: never, always the Triton fused MoE). Optionally its up and
+# down launch configurations: "2:t2w4s1,t1w4s1".
+SKINNY_MOE: str = os.environ.get("MINISGL_SKINNY_MOE", "")
 # A fused-MoE tile config JSON to use instead of the installed kernels/fused_moe_configs.json.
 FUSED_MOE_CONFIGS: str = os.environ.get("MINISGL_FUSED_MOE_CONFIGS", "")
 # Largest all-reduce (bytes) sent through the one-shot peer-memory path instead of NCCL

@@ -16,6 +16,7 @@ from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.kernels.fused_moe_config import MoeTileConfig, get_config, use_config_file
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
+from minisgl.ops.gemm import skinny_moe as _skinny
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORING = ("softmax", "sigmoid")
@@ -123,6 +124,17 @@ def check_expert_biases(like: torch.Tensor, dtype: torch.dtype, shape13: tuple[i
         raise ValueError(f"act must be an ExpertAct of kind 'silu' or 'gpt_oss', got {act!r}")
 
 
+def check_layer(x: torch.Tensor, w13: object, w2: object, top_k: int, scoring: str, shared: object,
+                shared_gate: object, b13: object, b2: object, act: object) -> None:
+    """A MoE layer's arguments but its router logits (fused_moe and ops/moe_layer.py)."""
+    _check_experts(x, w13, w2, shared, shared_gate)
+    _check_biases(w13, w2, b13, b2, act)
+    if not 1 <= top_k <= w13.shape[0]:
+        raise ValueError(f"top_k must be in [1, {w13.shape[0]}] (the number of experts), got {top_k}")
+    if scoring not in SCORING:
+        raise ValueError(f"scoring must be one of {SCORING}, got {scoring!r}")
+
+
 def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, sorted_ids: torch.Tensor,
              expert_ids: torch.Tensor, top_k: int, cfg: MoeTileConfig, shared: torch.Tensor | None,
              shared_gate: torch.Tensor | None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
@@ -146,6 +158,8 @@ def fused_experts(
     (+ sigmoid(shared_gate [T, 1]) * shared [T, H], Qwen2-MoE's shared expert)."""
     _check_experts(x, w13, w2, shared, shared_gate)
     check_topk(x, topk_weights, topk_ids)
+    if _skinny.fits(x, w13, w2, topk_ids.shape[1], shared):
+        return _skinny.experts(x, w13, w2, topk_weights, topk_ids)
     if use_triton("fused_moe", x):
         top_k = topk_ids.shape[1]
         cfg = _config(x, w13, top_k)
@@ -163,10 +177,10 @@ def fused_moe(
 ) -> torch.Tensor:
     """A whole MoE layer's experts: routing (moe_route) then fused_experts. Nothing is read back
     to the host and every size depends on T only, so CUDA graphs capture it; a decode-sized
-    batch routes and aligns in one kernel. b13 [E, 2I], b2 [E, H]: expert biases; act: the
+    batch routes and aligns in one kernel, or (1..a few tokens, ops/gemm/skinny_moe.py) routes and
+    runs its experts on the skinny GEMM kernel. b13 [E, 2I], b2 [E, H]: expert biases; act: the
     gated activation (default SiLU; GPT-OSS's clamped SwiGLU)."""
-    _check_experts(x, w13, w2, shared, shared_gate)
-    _check_biases(w13, w2, b13, b2, act)
+    check_layer(x, w13, w2, top_k, scoring, shared, shared_gate, b13, b2, act)
     _check_routing(router_logits, top_k, scoring)
     check_shape("router_logits", router_logits, (x.shape[0], w13.shape[0]))
     check_same_device(x=x, router_logits=router_logits)
@@ -174,6 +188,9 @@ def fused_moe(
         log_cpu_reference_once("fused_moe")
         weights, ids = _route.route_reference(router_logits, top_k, renormalize, scoring)
         return _gemm.fused_experts_reference(x, w13, w2, weights, ids, shared, shared_gate, b13, b2, act)
+    if _skinny.fits(x, w13, w2, top_k, shared):  # a decode step's few tokens: route + up + down
+        weights, ids = _route.route(router_logits, top_k, renormalize, scoring)
+        return _skinny.experts(x, w13, w2, weights, ids, b13, b2, act)
     cfg = _config(x, w13, top_k)
     num_experts = w13.shape[0]
     if _align.small_route_align_fits(x.shape[0], num_experts, top_k):

@@ -1,0 +1,142 @@
+"""The routed experts of a decode step's few tokens on the skinny GEMM kernel (csrc/skinny_gemm.cuh,
+skinny_moe_kernel).
+
+At batch 1 a MoE layer is top_k matrix-vector products per projection. The Triton fused MoE
+(kernels/fused_moe.py) pads each expert's one row to a 16-row tile, needs the routing aligned
+into expert blocks first and a top-k sum kernel after; its GEMMs ran at ~89% of the read ceiling
+on GPT-OSS-20B's shape (RESULTS.md). Here each block reads its expert id and streams that
+expert's rows as the dense skinny kernel does: the up projection is one launch over (token,
+expert) pairs with the gated activation (SiLU or GPT-OSS's clamped SwiGLU) and the expert bias
+as its epilogue, and the down projection one launch per step whose split-K reduction sums a
+token's experts, weighted, in a fixed order. So a layer is route + up + down, three kernels.
+
+Pairs that share an expert read it once each: beyond a few tokens the Triton kernel's one read
+per expert wins, so `fits` takes MAX_TOKENS tokens at most (env MINISGL_SKINNY_MOE; default 2: on
+the H100 the routed experts took 0.98-1.10x the Triton path's time at 1-2 tokens and 0.81x at 4,
+benchmarks/kernels/skinny_moe.py). A CUDA graph bucket boundary (1, 2, 4, 8), so a padded batch
+takes the path its unpadded size would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl import env
+from minisgl.kernels.fused_moe import ExpertAct
+from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
+from minisgl.ops.gemm.skinny import _KERNEL_DTYPES, MAX_SPLITS, MAX_WARPS, PDL, SkinnyConfig, counters, num_tiles, \
+    tile_shapes
+
+
+def _parse(text: str) -> tuple[int, SkinnyConfig | None, SkinnyConfig | None]:
+    """MINISGL_SKINNY_MOE: "" (defaults), "N" (at most N tokens; 0 off) or "N:UP,DOWN" configs."""
+    text = text.strip()
+    if not text:
+        return 2, None, None
+    head, _, rest = text.partition(":")
+    try:
+        n = int(head)
+    except ValueError:
+        raise ValueError(f"MINISGL_SKINNY_MOE must be 'N' or 'N:UP,DOWN' (e.g. '4:t2w4s1,t1w4s1'), got {text!r}")
+    if not rest:
+        return n, None, None
+    up, _, down = rest.partition(",")
+    return n, SkinnyConfig.parse(up), SkinnyConfig.parse(down)
+
+
+MAX_TOKENS, UP_CONFIG, DOWN_CONFIG = _parse(env.SKINNY_MOE)
+
+
+def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, shared: torch.Tensor | None) -> bool:
+    """Whether fused_moe's checked arguments run here: a CUDA build, 16-bit x of 1..MAX_TOKENS
+    rows with 16-byte aligned rows, top_k <= 64 (one split-K slot each), and no shared expert
+    (Qwen2-MoE's goes through the Triton path's sum)."""
+    if not 1 <= x.shape[0] <= MAX_TOKENS or shared is not None or x.dtype not in _KERNEL_DTYPES:
+        return False
+    if top_k > MAX_SPLITS:
+        return False
+    if not use_cuda_kernel("skinny_moe", x) or not hasattr(compiled(), "skinny_moe"):
+        return False
+    h, inter = x.shape[1], w2.shape[2]
+    return (h % 8 == 0 and inter % 8 == 0 and x.stride(1) == 1 and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
+            and x.data_ptr() % 16 == 0 and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0)
+
+
+def _splits(blocks: int, k: int, group: int, warps: int, num_sms: int, limit: int) -> int:
+    """K splits for ~2 blocks per SM, each warp keeping >= 2 groups of K (default_config's rule)."""
+    splits = 1
+    while splits * 2 <= limit and blocks * splits < 2 * num_sms and k // (splits * 2) >= warps * group * 2:
+        splits *= 2
+    return splits
+
+
+def default_configs(top_k: int, hidden: int, inter: int, num_sms: int) -> tuple[SkinnyConfig, SkinnyConfig]:
+    """(up, down) launch configurations: tile 1 (16 rows, 4 chunks in flight), 4 warps, splits by
+    _splits for one token's planes. The same for every token count, so a token's row does not
+    depend on the batch it is in (CUDA graphs pad batches: eager and replay give the same bits)."""
+    tile, warps = 1, 4
+    group = tile_shapes()[tile][1] * 32
+    up_blocks = num_tiles(inter, True, tile) * top_k
+    down_blocks = num_tiles(hidden, False, tile) * top_k
+    up = SkinnyConfig(tile, warps, _splits(up_blocks, hidden, group, warps, num_sms, MAX_SPLITS))
+    down = SkinnyConfig(tile, warps, _splits(down_blocks, inter, group, warps, num_sms, MAX_SPLITS // top_k))
+    return up, down
+
+
+def _check_config(cfg: SkinnyConfig, per_slot_limit: int) -> None:
+    if not 0 <= cfg.tile < len(tile_shapes()):
+        raise ValueError(f"config tile must be in 0..{len(tile_shapes()) - 1}, got {cfg.tile}")
+    if not 1 <= cfg.warps <= MAX_WARPS:
+        raise ValueError(f"config warps must be in 1..{MAX_WARPS}, got {cfg.warps}")
+    if not 1 <= cfg.splits <= per_slot_limit:
+        raise ValueError(f"config splits must be in 1..{per_slot_limit} here, got {cfg.splits}")
+
+
+def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cfg: SkinnyConfig) -> None:
+    tokens, top_k = ids.shape
+    n = out.shape[1]
+    k = x.shape[1]
+    z = tokens if down else tokens * top_k
+    splits = cfg.splits * top_k if down else cfg.splits
+    ws, ws_bytes, ctr = None, 0, None
+    if splits > 1:
+        tiles = num_tiles(n, not down, cfg.tile) * z
+        ctr = counters(x.device)
+        if tiles > ctr.numel():
+            raise ValueError(f"skinny_moe: {tiles} row tiles exceed the {ctr.numel()} split-K counters")
+        items = tiles * splits * tile_shapes()[cfg.tile][0] * 2 * 32  # float2 per (tile, split, pair)
+        ws = torch.empty(2 * items, dtype=torch.float32, device=x.device)
+        ws_bytes = ws.numel() * 4
+    gpt_oss = act is not None and act.kind == "gpt_oss"
+    compiled().skinny_moe(
+        x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), ids.data_ptr(),
+        weights.data_ptr() if down else 0, out.data_ptr(), 0 if ws is None else ws.data_ptr(), ws_bytes,
+        0 if ctr is None else ctr.data_ptr(), 0 if ctr is None else ctr.numel(), tokens, top_k, n, k,
+        x.stride(0) if x.shape[0] > 1 else k, w.stride(1), out.stride(0) if out.shape[0] > 1 else n, w.stride(0),
+        0 if bias is None else bias.stride(0), down, 1 if gpt_oss else 0, act.alpha if gpt_oss else 0.0,
+        act.limit if gpt_oss else 0.0, _KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, cfg.splits, PDL,
+        current_stream(x.device),
+    )
+
+
+def experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: ExpertAct | None = None,
+    up: SkinnyConfig | None = None, down: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """x [T, H] (fits()), w13 [E, 2I, H], w2 [E, H, I], routing [T, k] (ops/moe.py checked them all)
+    -> [T, H] = sum_j weight_j * (act(x W13_j^T + b13_j) W2_j^T + b2_j). Expert ids must lie in
+    [0, E): the kernel reads them on the device, unchecked."""
+    tokens, h = x.shape
+    top_k, inter = topk_ids.shape[1], w2.shape[2]
+    if up is None or down is None:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        d_up, d_down = default_configs(top_k, h, inter, sms)
+        up, down = up or UP_CONFIG or d_up, down or DOWN_CONFIG or d_down
+    _check_config(up, MAX_SPLITS)
+    _check_config(down, MAX_SPLITS // top_k)
+    mid = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    _launch(x, w13, b13, topk_ids, topk_weights, mid, False, act, up)
+    out = torch.empty(tokens, h, dtype=x.dtype, device=x.device)
+    _launch(mid, w2, b2, topk_ids, topk_weights, out, True, None, down)
+    return out

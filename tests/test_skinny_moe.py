@@ -1,0 +1,197 @@
+"""The skinny MoE kernel (ops/gemm/skinny_moe.py, csrc/skinny_gemm.cuh skinny_moe_kernel) against an
+independent fp32 torch computation of the same routed experts, on fresh random data. The experts
+no token chose are NaN-poisoned, so a block that read the wrong expert (or the wrong row of x or
+of the intermediate) shows as NaN; the kernel's output buffers are fresh. CPU: the choice of path
+and the argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl.kernels.fused_moe import ExpertAct
+from minisgl.ops import moe as moe_ops
+from minisgl.ops.gemm import skinny_moe
+from minisgl.ops.gemm.skinny import SkinnyConfig
+
+gpu = pytest.mark.gpu
+
+
+def _reference(x, w13, w2, weights, ids, b13, b2, act, dtype):
+    """Per token and slot in fp32: gate/up rows, the activation rounded to `dtype` (the kernel's
+    intermediate), the down rows, then the weighted sum over slots, rounded once."""
+    t, k = ids.shape
+    inter = w2.shape[2]
+    out = torch.zeros(t, x.shape[1], dtype=torch.float64, device=x.device)
+    for i in range(t):
+        for j in range(k):
+            e = int(ids[i, j])
+            h = x[i].double() @ w13[e].double().T
+            if b13 is not None:
+                h = h + b13[e].double()
+            gate, up = h[:inter], h[inter:]
+            if act is not None and act.kind == "gpt_oss":
+                g = gate.clamp(max=act.limit)
+                a = g * torch.sigmoid(act.alpha * g) * (up.clamp(-act.limit, act.limit) + 1)
+            else:
+                a = gate * torch.sigmoid(gate) * up
+            a = a.to(dtype).double()
+            y = a @ w2[e].double().T
+            if b2 is not None:
+                y = y + b2[e].double()
+            out[i] += float(weights[i, j]) * y
+    return out
+
+
+def _case(tokens, top_k, experts, hidden, inter, dtype, biases, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    x = torch.randn(tokens, hidden, generator=g, device=dev).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g, device=dev) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=g, device=dev) / inter**0.5).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g, device=dev)[:top_k] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, top_k, generator=g, device=dev) + 0.1
+    b13 = (torch.randn(experts, 2 * inter, generator=g, device=dev) * 0.5).to(dtype) if biases else None
+    b2 = (torch.randn(experts, hidden, generator=g, device=dev) * 0.5).to(dtype) if biases else None
+    unused = torch.ones(experts, dtype=torch.bool, device=dev)
+    unused[ids.long().flatten()] = False
+    w13[unused] = float("nan")  # poison: a wrong expert read shows
+    w2[unused] = float("nan")
+    if biases:
+        b13[unused] = float("nan")
+        b2[unused] = float("nan")
+    return x, w13, w2, weights, ids.contiguous(), b13, b2
+
+
+def _check(out, ref, dtype):
+    assert not out.isnan().any(), "NaN: a block read an expert no token chose"
+    scale = ref.abs().max().item()
+    tol = (2e-2 if dtype == torch.bfloat16 else 4e-3) * scale
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol, f"max error {err:.4g} > {tol:.4g} (scale {scale:.4g})"
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("top_k,experts", [(1, 4), (4, 32), (8, 64)])
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_kernel_matches_reference(tokens: int, top_k: int, experts: int, gpt_oss: bool) -> None:
+    dtype = torch.bfloat16
+    hidden, inter = 392, 200  # row tiles and K splits that end mid-tile / mid-group
+    x, w13, w2, weights, ids, b13, b2 = _case(tokens, top_k, experts, hidden, inter, dtype, gpt_oss, seed=tokens)
+    act = ExpertAct("gpt_oss", 1.702, 7.0) if gpt_oss else None
+    out = skinny_moe.experts(x, w13, w2, weights, ids, b13, b2, act)
+    _check(out, _reference(x, w13, w2, weights, ids, b13, b2, act, dtype), dtype)
+
+
+@gpu
+@pytest.mark.parametrize("up,down", [("t0w1s1", "t0w1s1"), ("t1w4s3", "t1w8s2"), ("t2w2s1", "t2w4s4"),
+                                     ("t3w8s8", "t3w2s16"), ("t1w4s1", "t0w4s1")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_tile_warp_and_split(up: str, down: str, dtype: torch.dtype) -> None:
+    x, w13, w2, weights, ids, b13, b2 = _case(3, 4, 16, 2880 // 4, 2880 // 4 + 8, dtype, True, seed=7)
+    act = ExpertAct("gpt_oss", 1.702, 7.0)
+    out = skinny_moe.experts(x, w13, w2, weights, ids, b13, b2, act, SkinnyConfig.parse(up), SkinnyConfig.parse(down))
+    _check(out, _reference(x, w13, w2, weights, ids, b13, b2, act, dtype), dtype)
+
+
+@gpu
+def test_gpt_oss_shape_and_repeated_launches() -> None:
+    """GPT-OSS-20B's layer (H = I = 2880, 32 experts, top 4); the split-K counters reset themselves,
+    so launch after launch (and the same routing twice) gives the same bits."""
+    dtype = torch.bfloat16
+    x, w13, w2, weights, ids, b13, b2 = _case(1, 4, 32, 2880, 2880, dtype, True, seed=3)
+    act = ExpertAct("gpt_oss", 1.702, 7.0)
+    first = skinny_moe.experts(x, w13, w2, weights, ids, b13, b2, act)
+    _check(first, _reference(x, w13, w2, weights, ids, b13, b2, act, dtype), dtype)
+    for _ in range(3):
+        assert torch.equal(skinny_moe.experts(x, w13, w2, weights, ids, b13, b2, act), first)
+
+
+@gpu
+def test_cuda_graph_replays_new_routing() -> None:
+    """The expert ids are read on the device: a captured launch follows the routing of each replay,
+    and a token's row is the same whatever the batch (the launch configuration ignores T)."""
+    dtype = torch.bfloat16
+    experts, top_k = 16, 4
+    x, w13, w2, weights, ids, b13, b2 = _case(4, top_k, experts, 256, 128, dtype, False, seed=5)
+    w13 = torch.randn_like(w13, dtype=torch.float32).to(dtype) / 16  # every expert live: routing changes
+    w2 = torch.randn_like(w2, dtype=torch.float32).to(dtype) / 12
+    skinny_moe.experts(x, w13, w2, weights, ids)  # counters allocated outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_moe.experts(x, w13, w2, weights, ids)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for _ in range(3):
+        ids.copy_(torch.stack([torch.randperm(experts, generator=g, device="cuda")[:top_k] for _ in range(4)]))
+        weights.copy_(torch.rand(4, top_k, generator=g, device="cuda"))
+        x.copy_(torch.randn(4, 256, generator=g, device="cuda"))
+        graph.replay()
+        _check(out, _reference(x, w13, w2, weights, ids, None, None, None, dtype), dtype)
+        alone = skinny_moe.experts(x[2:3], w13, w2, weights[2:3], ids[2:3])
+        assert torch.equal(alone, out[2:3]), "a token's row depends on the batch it is in"
+
+
+@gpu
+def test_fused_moe_takes_the_skinny_path_up_to_max_tokens(monkeypatch) -> None:
+    """ops.fused_moe routes and runs 1..MAX_TOKENS tokens here (against the Triton path's result on
+    the same routing), and the Triton path beyond."""
+    calls = []
+    real = skinny_moe.experts
+    monkeypatch.setattr(skinny_moe, "experts", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w13 = (torch.randn(8, 256, 128, generator=g, device="cuda") / 11).to(dtype)
+    w2 = (torch.randn(8, 128, 128, generator=g, device="cuda") / 11).to(dtype)
+    for t in (1, skinny_moe.MAX_TOKENS, skinny_moe.MAX_TOKENS + 1):
+        x = torch.randn(t, 128, generator=g, device="cuda").to(dtype)
+        logits = torch.randn(t, 8, generator=g, device="cuda").to(dtype)
+        out = moe_ops.fused_moe(x, logits, w13, w2, 2, True)
+        weights, ids = moe_ops.moe_route(logits, 2, True)
+        ref = _reference(x, w13, w2, weights, ids, None, None, None, dtype)
+        _check(out, ref, dtype)
+    assert calls == [1, skinny_moe.MAX_TOKENS]
+
+
+def test_env_setting_is_parsed_or_refused() -> None:
+    assert skinny_moe._parse("") == (2, None, None)
+    assert skinny_moe._parse("0") == (0, None, None)
+    assert skinny_moe._parse("2:t2w4s1,t1w8s2") == (2, SkinnyConfig(2, 4, 1), SkinnyConfig(1, 8, 2))
+    with pytest.raises(ValueError, match="MINISGL_SKINNY_MOE"):
+        skinny_moe._parse("many")
+    with pytest.raises(ValueError, match="not a skinny GEMM config"):
+        skinny_moe._parse("4:t2w4s1,oops")
+
+
+def test_cpu_tensors_never_take_the_kernel() -> None:
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    w13, w2 = torch.randn(4, 64, 64, dtype=torch.bfloat16), torch.randn(4, 64, 32, dtype=torch.bfloat16)
+    assert not skinny_moe.fits(x, w13, w2, 2, None)
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_moe_layer_routes_with_its_router_in_one_kernel(monkeypatch, tokens: int) -> None:
+    """ops.fused_moe_layer (the router GEMM included) against the router through ops.linear and
+    then fused_moe, GPT-OSS-style (router bias, expert biases, clamped SwiGLU): the same routing
+    and outputs within bf16 rounding; the one-kernel routing runs where the skinny experts do."""
+    from minisgl import ops
+    from minisgl.kernels import moe_routing
+
+    used = []
+    real = moe_routing.route_linear
+    monkeypatch.setattr(moe_routing, "route_linear", lambda *a, **k: used.append(a[0].shape[0]) or real(*a, **k))
+    dtype = torch.bfloat16
+    x, w13, w2, _, _, b13, b2 = _case(tokens, 4, 32, 512, 256, dtype, True, seed=21)
+    w13 = torch.randn_like(w13, dtype=torch.float32).to(dtype) / 22  # every expert may be chosen
+    w2 = torch.randn_like(w2, dtype=torch.float32).to(dtype) / 16
+    b13, b2 = torch.randn_like(b13, dtype=torch.float32).to(dtype) * 0.1, torch.randn_like(b2, dtype=torch.float32).to(dtype) * 0.1
+    g = torch.Generator(device="cuda").manual_seed(4)
+    gate_w = torch.randn(32, 512, generator=g, device="cuda").to(dtype) / 8
+    gate_b = torch.randn(32, generator=g, device="cuda").to(dtype)
+    act = ExpertAct("gpt_oss", 1.702, 7.0)
+    out = ops.fused_moe_layer(x, gate_w, gate_b, w13, w2, 4, True, b13=b13, b2=b2, act=act)
+    logits = ops.linear(x, gate_w, gate_b)
+    weights, ids = ops.moe_route(logits, 4, True)
+    _check(out, _reference(x, w13, w2, weights, ids, b13, b2, act, dtype), dtype)
+    assert used == ([tokens] if tokens <= skinny_moe.MAX_TOKENS else [])
