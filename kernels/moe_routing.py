@@ -6,6 +6,13 @@ with `renormalize` the chosen scores are divided by their sum (Qwen's `norm_topk
 on for Mixtral). Outputs: weights [T, top_k] fp32, expert ids [T, top_k] int32.
 
 Traffic: read T * E logits, write 8 * T * top_k bytes; one program handles BLOCK_T rows.
+
+`route_linear` takes the router's GEMM too, for a decode step's few tokens: per token, programs
+split H (~4k weight elements each: GPT-OSS's 32 x 2880 router is 23 programs) and write fp32
+partial logits; the last to arrive (a counter) sums them in a fixed order, rounds the logits to x's
+dtype as the router's own linear layer would, and routes them. One launch instead of two (router
+GEMM, routing); each token re-reads the weight (from L2 after the first), so it is for small T and
+small routers. (One program per token reading the whole weight took 10.6 us on the H100.)
 """
 
 from __future__ import annotations
@@ -58,6 +65,70 @@ def _route_kernel(Logits, Weights, Ids, T, E, stride_l, TOP_K: tl.constexpr, BLO
     ok = row_ok[:, None] & (slots[None, :] < TOP_K)
     tl.store(Weights + out, weights, mask=ok)
     tl.store(Ids + out, ids, mask=ok)
+
+
+@triton.jit
+def _route_linear_kernel(X, W, B, Part, Counters, Weights, Ids, H, E, stride_x, stride_w, TOP_K: tl.constexpr,
+                         SPLITS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr,
+                         RENORMALIZE: tl.constexpr):
+    """Program (t, s): token t's logits over H range [s * BLOCK_H, ...) into Part[t, s]; the last
+    of the token's SPLITS programs to arrive (a counter, reset by it) sums them in split order."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    cols = tl.arange(0, BLOCK_E)
+    hs = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    xv = tl.load(X + t * stride_x + hs, mask=hs < H, other=0.0).to(tl.float32)
+    wv = tl.load(W + cols.to(tl.int64)[:, None] * stride_w + hs[None, :],
+                 mask=(cols[:, None] < E) & (hs[None, :] < H), other=0.0).to(tl.float32)
+    tl.store(Part + (t * SPLITS + s) * BLOCK_E + cols, tl.sum(wv * xv[None, :], axis=1))
+    # Every thread's partial is stored before one thread's release: the split-K semaphore pattern.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Counters + t, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        logits = tl.zeros((BLOCK_E,), dtype=tl.float32)
+        for j in tl.static_range(SPLITS):  # fixed order: the same bits whichever program is last
+            logits += tl.load(Part + (t * SPLITS + j) * BLOCK_E + cols, cache_modifier=".cg")
+        if HAS_BIAS:
+            logits += tl.load(B + cols, mask=cols < E, other=0.0).to(tl.float32)
+        # The router layer's output dtype: the same rounding as routing its linear output.
+        logits = logits.to(X.dtype.element_ty).to(tl.float32)
+        weights, ids = topk_rows(tl.reshape(logits, (1, BLOCK_E)), cols, E, TOP_K, BLOCK_K, SIGMOID, RENORMALIZE)
+        slots = tl.arange(0, BLOCK_K)
+        out = t * TOP_K + slots[None, :]
+        ok = slots[None, :] < TOP_K
+        tl.store(Weights + out, weights, mask=ok)
+        tl.store(Ids + out, ids, mask=ok)
+        tl.store(Counters + t, 0)  # every program of this token has arrived: ready for the next launch
+
+
+def route_linear_splits(num_experts: int, hidden: int) -> tuple[int, int]:
+    """(BLOCK_H, programs per token): ~4k weight elements per program."""
+    block_h = max(16, min(1024, 4096 // triton.next_power_of_2(num_experts), triton.next_power_of_2(hidden)))
+    return block_h, triton.cdiv(hidden, block_h)
+
+
+def route_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool,
+                 counters: torch.Tensor, scoring: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (last dim packed), router weight [E, H] (rows packed), bias [E] or None ->
+    route(x W^T + b) as (weights [T, top_k] fp32, ids [T, top_k] int32). counters: int32 [>= T],
+    zero, left zero (allocated outside any CUDA-graph capture)."""
+    t, h = x.shape
+    e = weight.shape[0]
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=x.device)
+    if t == 0:
+        return weights, ids
+    block_e = triton.next_power_of_2(e)
+    block_h, splits = route_linear_splits(e, h)
+    part = torch.empty(t, splits, block_e, dtype=torch.float32, device=x.device)
+    _route_linear_kernel[(t, splits)](
+        x, weight, weight if bias is None else bias, part, counters, weights, ids, h, e, x.stride(0),
+        weight.stride(0), TOP_K=top_k, SPLITS=splits, BLOCK_E=block_e, BLOCK_H=block_h,
+        BLOCK_K=triton.next_power_of_2(top_k), HAS_BIAS=bias is not None, SIGMOID=scoring == "sigmoid",
+        RENORMALIZE=renormalize, num_warps=4,
+    )
+    return weights, ids
 
 
 def route_block_t(num_experts: int) -> int:

@@ -55,6 +55,34 @@ def test_route_matches_reference(t: int, e: int, k: int, scoring: str, renormali
         torch.testing.assert_close(weights.sum(-1), torch.ones(t, device=DEV))
 
 
+@needs_triton
+@pytest.mark.parametrize("t,e,h,k", [(1, 32, 200, 4), (3, 8, 64, 2), (2, 60, 136, 8), (2, 32, 2880, 4)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_route_linear_matches_linear_then_route(t: int, e: int, h: int, k: int, bias: bool) -> None:
+    """The router GEMM and the routing in one kernel: the logits rounded to x's dtype as the router's
+    linear layer rounds them, then route()'s ids and weights. The inputs are drawn until no two of
+    the top k + 1 logits are near-ties, so the ids (in order) must be exact."""
+    dtype = torch.float16
+    gen = torch.Generator().manual_seed(7 * t + e)
+    for _ in range(100):  # the first draw (fixed seed) whose top-k + 1 logits are 4 fp16 ulps apart or more
+        x = torch.randn(t, h + 8, generator=gen).to(DEV, dtype)[:, :h]  # row stride != H
+        w = (torch.randn(e, h, generator=gen) / h**0.5).to(DEV, dtype)
+        b = (torch.randn(e, generator=gen) * 0.3).to(DEV, dtype) if bias else None
+        logits = (x.float() @ w.float().T + (b.float() if bias else 0)).to(dtype)
+        top = logits.float().sort(dim=1, descending=True).values[:, : k + 1]
+        if (top[:, :-1] - top[:, 1:]).min() > 4e-3 * top.abs().max():
+            break
+    else:
+        raise AssertionError("no draw without near-ties in 100")
+    ctr = torch.zeros(8, dtype=torch.int32, device=DEV)
+    for _ in range(2):  # the counters reset themselves: a second launch routes the same
+        weights, ids = R.route_linear(x, w, b, k, True, ctr)
+    assert not ctr.any()
+    ref_w, ref_ids = R.route_reference(logits, k, True)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-2, atol=1e-3)  # fp32 sums of fp16 logits one ulp apart
+
+
 # ---- alignment -----------------------------------------------------------------------------
 
 

@@ -282,8 +282,9 @@ class SparseMoeBlock(nn.Module):
                                           self.act)
             return self.comm.all_reduce(out)
         w13, w2 = self.experts.weights(x)
-        out = ops.fused_moe(
-            x, self.gate(x), w13, w2, self.top_k, self.renormalize,
+        # The router GEMM inside: a decode step's few tokens route in one kernel (ops/moe_layer.py).
+        out = ops.fused_moe_layer(
+            x, self.gate.weight, self.gate.bias, w13, w2, self.top_k, self.renormalize,
             shared=shared, shared_gate=shared_gate, b13=self.experts.b13, b2=self.experts.b2, act=self.act,
         )
         return self.comm.all_reduce(out)

@@ -21,9 +21,10 @@ from minisgl.ops.linear_attention import (
 )
 from minisgl.ops.logprobs import top_logprobs
 from minisgl.ops.moe import fused_experts, fused_moe, moe_align, moe_route
+from minisgl.ops.moe_layer import fused_moe_layer
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
 from minisgl.ops.penalties import apply_penalties
-from minisgl.ops.rope import apply_rope, qk_norm_rope
+from minisgl.ops.rope import apply_rope, apply_rope_and_store, qk_norm_rope
 from minisgl.ops.sampling import sample
 from minisgl.ops.spec_accept import spec_accept
 from minisgl.ops.store import store_kv, store_kv_reference
@@ -33,6 +34,7 @@ __all__ = [
     "apply_penalties",
     "apply_token_bitmask",
     "apply_rope",
+    "apply_rope_and_store",
     "causal_conv1d_decode",
     "causal_conv1d_prefill",
     "decode_attention_triton",
@@ -45,6 +47,7 @@ __all__ = [
     "fused_add_rmsnorm",
     "fused_experts",
     "fused_moe",
+    "fused_moe_layer",
     "gated_delta_rule_decode",
     "gated_delta_rule_prefill",
     "gelu_tanh_and_mul",
