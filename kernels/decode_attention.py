@@ -9,7 +9,7 @@ slice of the request's keys, so every K/V row is read once per group. It writes 
 normalized partial output and its log2-sum-exp to fp32 scratch.
 With a sliding window W the splits cover positions max(0, seq - W) .. seq - 1 only (older slots
 may be freed: never read); a sink logit per head joins stage 2's denominator.
-Stage 2, grid (B, Hq): merges the splits. NUM_SPLITS is a function of the host-side bound
+Stage 2, grid (B, Hq): merges the splits (with one split, stage 1 writes the output itself). NUM_SPLITS is a function of the host-side bound
 max_seq_len only (the per-row slice length comes from seq_lens on the device), so a captured
 CUDA graph stays valid for any lengths up to that bound.
 """
@@ -30,9 +30,9 @@ from minisgl.kernels.extend_attention import dot_precision
 def _decode_split_kernel(
     Q, KCache, VCache, ReqToSlot, ReqRows, SeqLens, Mid, MidLse, qk_scale,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_rt,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, window,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, window, Out, stride_ob, stride_oh, Sinks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -74,6 +74,15 @@ def _decode_split_kernel(
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
+    if NUM_SPLITS == 1:  # the whole row in this program: the final output, no stage 2
+        denom = l_i
+        if HAS_SINKS:  # the sink's weight 2^(sink log2 e - m) joins the denominator
+            sink = tl.load(Sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * 1.4426950408889634
+            denom += tl.where(l_i > 0, tl.exp2(sink - m_i), 0.0)
+        final = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, denom, 1.0)[:, None], 0.0)
+        tl.store(Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 final.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        return
     # An empty slice (short request) leaves l_i = 0: it gets lse = -inf and weight 0 in stage 2.
     nonempty = l_i > 0
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
@@ -157,15 +166,18 @@ def decode_attention(
         q, k_cache, v_cache, req_to_slot, req_rows, seq_lens, mid, lse, scale * k_scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), req_to_slot.stride(0), mid.stride(0), mid.stride(1), mid.stride(2),
-        lse.stride(0), lse.stride(1), window if window > 0 else 1 << 30,
+        lse.stride(0), lse.stride(1), window if window > 0 else 1 << 30, out, out.stride(0), out.stride(1),
+        lse if sinks is None else sinks,
         GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=cfg["block_n"],
-        NUM_SPLITS=splits, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        NUM_SPLITS=splits, DOT_PREC=dot_precision(q.dtype), HAS_SINKS=sinks is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    _decode_merge_kernel[(b, hq)](
-        mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), lse if sinks is None else sinks, HEAD_DIM=d, BLOCK_D=block_d,
-        NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=sinks is not None, num_warps=4,
-    )
+    if splits > 1:  # one split wrote the output itself (a sliding window's 128 keys: one launch)
+        _decode_merge_kernel[(b, hq)](
+            mid, lse, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), lse if sinks is None else sinks, HEAD_DIM=d, BLOCK_D=block_d,
+            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), HAS_SINKS=sinks is not None, num_warps=4,
+        )
     if v_scale != 1.0:
         out.mul_(v_scale)
     return out

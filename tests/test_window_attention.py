@@ -91,7 +91,8 @@ def test_extend_window_and_sinks(case, page_size: int, with_sinks: bool, tiled: 
 
 
 @needs_triton
-@pytest.mark.parametrize("seq,window", [([1, 17, 64, 100], 16), ([5, 300], 50), ([33], 1), ([20, 9], 64)])
+@pytest.mark.parametrize("seq,window", [([1, 17, 64, 100], 16), ([5, 300], 50), ([33], 1), ([20, 9], 64),
+                                        ([5, 300], 200)])  # the last: two splits and a merge
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_decode_window_and_sinks(seq: list[int], window: int, with_sinks: bool, page_size: int) -> None:
