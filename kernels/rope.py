@@ -6,6 +6,8 @@ dims of each head rotate. For i < R/2: x1 = x[i], x2 = x[i + R/2];
     x[i] = x1*cos - x2*sin,   x[i + R/2] = x2*cos + x1*sin      (fp32 math, one rounding).
 
 One program rotates every q and k head of one token: the token's cos/sin row is read once.
+`apply_rope_and_store` also writes the rotated k and v into the KV cache (the store kernel's job:
+a decode step's layer saves a launch).
 Traffic per token: read + write of (Hq + Hkv) * R elements, plus one R-float table row.
 `qk_norm_rope` is the same kernel with Qwen3's per-head RMSNorm of q and k first (QK_NORM).
 """
@@ -33,15 +35,19 @@ def _rotate_heads(Base, stride_h, n_heads, W, eps, cos, sin, offs_d, mask_d, HAL
         w2 = tl.load(W + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
         x1 = ((x1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    tl.store(p1, (x1 * cos - x2 * sin).to(dt), mask=mask)
-    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(dt), mask=mask)
+    y1 = (x1 * cos - x2 * sin).to(dt)
+    y2 = (x2 * cos + x1 * sin).to(dt)
+    tl.store(p1, y1, mask=mask)
+    tl.store(p1 + HALF, y2, mask=mask)
+    return y1, y2
 
 
 @triton.jit
 def _rope_kernel(
     Q, K, Pos, Cache, WQ, WK, stride_qt, stride_qh, stride_kt, stride_kh, stride_c, HQ, HKV, eps,
+    V, KC, VC, Slots, stride_vt, stride_vh, stride_kvc,
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    QK_NORM: tl.constexpr,
+    QK_NORM: tl.constexpr, STORE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t)
@@ -50,11 +56,23 @@ def _rope_kernel(
     cos = tl.load(Cache + pos * stride_c + offs_d, mask=mask_d, other=0.0)[None, :]
     sin = tl.load(Cache + pos * stride_c + HALF + offs_d, mask=mask_d, other=0.0)[None, :]
     _rotate_heads(Q + t * stride_qt, stride_qh, HQ, WQ, eps, cos, sin, offs_d, mask_d, HALF, BLOCK_HQ, QK_NORM)
-    _rotate_heads(K + t * stride_kt, stride_kh, HKV, WK, eps, cos, sin, offs_d, mask_d, HALF, BLOCK_HK, QK_NORM)
+    k1, k2 = _rotate_heads(K + t * stride_kt, stride_kh, HKV, WK, eps, cos, sin, offs_d, mask_d, HALF, BLOCK_HK,
+                           QK_NORM)
+    if STORE:  # the rotated k and v into the cache row of the token's slot (full rotary: D = 2 * HALF)
+        slot = tl.load(Slots + t).to(tl.int64)
+        offs_h = tl.arange(0, BLOCK_HK)
+        mask = (offs_h < HKV)[:, None] & mask_d[None, :]
+        row = slot * stride_kvc + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+        tl.store(KC + row, k1, mask=mask)
+        tl.store(KC + row + HALF, k2, mask=mask)
+        vp = V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+        tl.store(VC + row, tl.load(vp, mask=mask, other=0.0), mask=mask)
+        tl.store(VC + row + HALF, tl.load(vp + HALF, mask=mask, other=0.0), mask=mask)
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float) -> None:
+            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+            store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     t, hq, _ = q.shape
     if t == 0:
         return
@@ -64,10 +82,13 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_c
     block_d = triton.next_power_of_2(half)
     num_warps = 4 if block_hq * block_d <= 2048 else 8
     norm = q_weight is not None
+    v, k_cache, v_cache, slots = store if store is not None else (k, k, k, positions)
     _rope_kernel[(t,)](
         q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), hq, hkv, eps,
-        HALF=half, BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, QK_NORM=norm, num_warps=num_warps,
+        v, k_cache, v_cache, slots, v.stride(0), v.stride(1), k_cache.stride(0),
+        HALF=half, BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, QK_NORM=norm, STORE=store is not None,
+        num_warps=num_warps,
     )
 
 
@@ -76,6 +97,15 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """q [T, Hq, D], k [T, Hkv, D] (last dim packed, any head/row strides), positions [T],
     cos_sin_cache [max_pos, R] fp32 with R even, R <= D. Rotates q and k in place."""
     _launch(q, k, positions, cos_sin_cache, None, None, 0.0)
+
+
+def apply_rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor) -> None:
+    """apply_rope, then the rotated k and v [T, Hkv, D] stored at cache rows `slots` of k_cache /
+    v_cache [num_slots, Hkv, D] (k's dtype, heads packed) in the same kernel: one launch, k read
+    once. Full rotary only (R = D)."""
+    _launch(q, k, positions, cos_sin_cache, None, None, 0.0, (v, k_cache, v_cache, slots))
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,

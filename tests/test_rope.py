@@ -180,3 +180,35 @@ def test_gpu_bf16_real_sizes(d: int) -> None:
 @pytest.mark.parametrize("d", [64, 128])
 def test_gpu_qk_norm_rope_bf16_real_sizes(d: int) -> None:
     _check(torch.bfloat16, 4096, 32, 8, d, d, seed=d, norm=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 64, 8, 64), (5, 4, 1, 16), (9, 6, 2, 128)])
+def test_rope_and_store_in_one_kernel(dtype: torch.dtype, t: int, hq: int, hkv: int, d: int) -> None:
+    """ops.apply_rope_and_store (one kernel for a 16-bit cache under full rotary; the two ops for
+    fp32) against the torch references: q and k rotated in place on strided views of one qkv
+    output, the rotated k and v in the cache rows of `slots`, every other cache row NaN as before."""
+    gen = torch.Generator().manual_seed(t * 31 + d)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(DEV, dtype)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    positions = torch.randint(0, 2048, (t,), generator=gen).to(DEV)
+    cache = K.build_cos_sin_cache(_inv_freq(d), 2048).to(DEV)
+    want_q, want_k = q.clone(), k.clone()
+    K.apply_rope_reference(want_q, want_k, positions, cache)
+    want_v = v.clone()
+    slots = torch.randperm(40, generator=gen)[:t].to(DEV, torch.int32)
+    k_cache = torch.full((40, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    v_cache = torch.full((40, hkv, d), float("nan"), dtype=dtype, device=DEV)
+    ops.apply_rope_and_store(q, k, v, positions, cache, k_cache, v_cache, slots)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype != torch.float32 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(k, want_k, **tol)
+    assert torch.equal(v, want_v)
+    rows = slots.long()
+    assert torch.equal(k_cache[rows], k) and torch.equal(v_cache[rows], v), "the cache holds other than k and v"
+    others = torch.ones(40, dtype=torch.bool, device=DEV)
+    others[rows] = False
+    assert k_cache[others].isnan().all() and v_cache[others].isnan().all(), "a row outside `slots` was written"

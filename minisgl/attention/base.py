@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from minisgl import ops
 from minisgl.core.batch import ForwardBatch
 from minisgl.kvcache.pool import KVPool
 
@@ -43,17 +44,31 @@ class AttentionBackend(ABC):
             return batch.req_to_swa_slot, batch.out_slots_swa
         return batch.req_to_slot, batch.out_slots
 
+    def store(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, out_slots: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """The new tokens' k, v into layer `layer`'s cache rows `out_slots`; with `rope`
+        (positions, cos_sin_cache) q and k are rotated first, in the same kernel where it can."""
+        k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
+        ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]  # FP8 cache: K / ks, V / vs
+        if rope is None:
+            ops.store_kv(k_cache, v_cache, k, v, out_slots, ks, vs)
+        else:
+            ops.apply_rope_and_store(q, k, v, rope[0], rope[1], k_cache, v_cache, out_slots, ks, vs)
+
     def prepare(self, batch: ForwardBatch) -> None:
         """Build `batch.attn_metadata` once per step (default: nothing needed)."""
 
     @abstractmethod
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """q: [T, q_heads, head_dim]; k, v: [T, kv_heads, head_dim] for the step's new tokens
         (row strides may be anything: they are slices of the fused qkv output).
-        Stores k, v at `batch.out_slots` of layer `layer`, then returns attention of each new
-        token over its request's context (causal; within `window_of(layer)` keys where that is
-        > 0), [T, q_heads, head_dim], q's dtype. sinks: fp32 [q_heads], one learned logit per
-        head added to every softmax denominator (GPT-OSS; not multiplied by `scale`)."""
+        Stores k, v at `batch.out_slots` of layer `layer` (self.store), then returns attention of
+        each new token over its request's context (causal; within `window_of(layer)` keys where
+        that is > 0), [T, q_heads, head_dim], q's dtype. sinks: fp32 [q_heads], one learned logit
+        per head added to every softmax denominator (GPT-OSS; not multiplied by `scale`). rope:
+        (positions, cos_sin_cache): q and k are not rotated yet; the store rotates them (in place)."""

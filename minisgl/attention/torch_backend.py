@@ -44,12 +44,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
         ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]
         req_to_slot, out_slots = self.tables(layer, batch)
-        ops.store_kv(k_cache, v_cache, k, v, out_slots, ks, vs)
+        self.store(q, k, v, layer, out_slots, rope)
         window = self.window_of(layer)
         out = torch.empty_like(q)
         starts = [0]  # offsets of each request's new tokens, from host lengths (no device sync)

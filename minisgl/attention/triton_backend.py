@@ -40,12 +40,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
-        sinks: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
         ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]  # FP8 cache: K / ks, V / vs
         req_to_slot, out_slots = self.tables(layer, batch)
-        ops.store_kv(k_cache, v_cache, k, v, out_slots, ks, vs)
+        self.store(q, k, v, layer, out_slots, rope)
         window = self.window_of(layer)
         if batch.is_decode and not self.deterministic:
             return self._decode(q, k_cache, v_cache, req_to_slot, batch.req_rows, batch.seq_lens,

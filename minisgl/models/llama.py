@@ -69,11 +69,12 @@ class LlamaAttention(nn.Module):
         q = qkv[:, :q_size].view(t, self.num_heads, d)
         k = qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, d)
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, d)
+        rope = None
         if self.qk_norm:  # in place on the qkv views: no copies of q and k, one launch
             self.rope.forward_with_qk_norm(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        else:
-            self.rope(positions, q, k)
-        o = attn.forward(q, k, v, self.layer_id, batch, sinks=self.sinks).reshape(t, q_size)
+        else:  # the backend's KV store rotates q and k (one kernel for both where it can)
+            rope = (positions, self.rope.cos_sin_cache)
+        o = attn.forward(q, k, v, self.layer_id, batch, sinks=self.sinks, rope=rope).reshape(t, q_size)
         return self.o_proj.partial(o) if partial else self.o_proj(o)
 
 

@@ -8,6 +8,7 @@ from minisgl.kernels import rope as _k
 from minisgl.ops import _checks
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
+from minisgl.ops.store import check_store, store_kv
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -71,3 +72,23 @@ def qk_norm_rope(
         return
     log_cpu_reference_once("qk_norm_rope")
     _k.qk_norm_rope_reference(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
+
+
+def apply_rope_and_store(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+) -> None:
+    """apply_rope(q, k, ...) then store_kv(k_cache, v_cache, k, v, slots, k_scale, v_scale) (arguments
+    as theirs). A 16-bit cache of k's dtype under full rotary (R = D) takes one Triton kernel for
+    both; anything else (FP8 caches, partial rotary, no Triton) the two ops."""
+    if _checks.enabled():
+        _check(q, k, positions, cos_sin_cache)
+    fused = (k_cache.dtype == k.dtype and k.dtype in (torch.float16, torch.bfloat16)
+             and cos_sin_cache.shape[1] == k.shape[2] and use_triton("apply_rope", q))
+    if not fused:
+        apply_rope(q, k, positions, cos_sin_cache)
+        store_kv(k_cache, v_cache, k, v, slots, k_scale, v_scale)
+        return
+    if _checks.enabled():
+        check_store(k_cache, v_cache, k, v, slots)
+    _k.apply_rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots)

@@ -36,7 +36,7 @@ def store_kv(
     ):
         k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
     if _checks.enabled():
-        _check(k_cache, v_cache, k, v, slots)
+        check_store(k_cache, v_cache, k, v, slots)
     n, heads, dim = k.shape
     if not use_cuda_kernel("store_kv", k):
         store_kv_reference(k_cache, v_cache, k, v, slots)
@@ -49,7 +49,8 @@ def store_kv(
     )
 
 
-def _check(k_cache: object, v_cache: object, k: object, v: object, slots: object) -> None:
+def check_store(k_cache: object, v_cache: object, k: object, v: object, slots: object) -> None:
+    """store_kv's arguments (and ops/rope.py's fused rope and store)."""
     check_tensor("k_cache", k_cache, dtype=(*_DTYPES, _FP8), ndim=3)
     check_tensor("v_cache", v_cache, dtype=k_cache.dtype, ndim=3)
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
