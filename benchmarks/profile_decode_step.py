@@ -120,7 +120,7 @@ def profile(fn) -> None:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
 
 
 if __name__ == "__main__":

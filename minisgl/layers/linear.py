@@ -257,6 +257,9 @@ class RowParallelLinear(_QuantMixin):
             )
         self._make_weight(out_features, self.local_in, quant, (self.in_start, self.local_in))
         # The bias is added once, after the reduction (rank 0's copy would be summed N times).
+        # (With one rank it could be the GEMM's epilogue, one kernel fewer per GPT-OSS layer; tried
+        # 2026-11-27: the tiny GPT-OSS engine test then left transformers' tokens on the H100
+        # (step 2, gap 3% of the logit scale) while the CPU matched: not understood, not kept.)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def load(self, name: str, param: str, full: torch.Tensor) -> None:
