@@ -99,11 +99,11 @@ def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
     fresh = list(range(n + 1, 2 * n + 1))
     # Device index tensors made first: indexing with a host list would synchronise the host.
     idx, fresh_idx = torch.tensor(pages, device="cuda"), torch.tensor(fresh, device="cuda")
-    for _ in range(2):  # two pinned staging blocks of the slot lists' size, cached for the copies below
-        copy_slots(pool._k, pool._v, pages, pool._k, pool._v, pages)
+    copy_slots(pool._k, pool._v, pages, pool._k, pool._v, pages)  # the copy path's first-call work
     torch.cuda.synchronize()
-    # ~1 s of compute-stream work ahead of everything below (0.1 s failed once on an H100: the
-    # host's first calls of the copy path are the suspect)
+    # ~1 s of compute-stream work ahead of everything below. (This failed on an H100 while each copy
+    # took a fresh block of torch's pinned allocator for its slot lists: a page-locked allocation
+    # waits for the device. The slot lists now use one pinned ring, registered with the tier.)
     torch.cuda._sleep(2_000_000_000)
     truth = torch.randn(layers, n, heads, dim, device="cuda").to(torch.bfloat16)
     pool._k.index_copy_(1, idx, truth)  # "the in-flight step writes the prefix's KV"

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from minisgl.kvcache.pool import KVPool
-from minisgl.ops.kv_copy import copy_slots, pinned_empty
+from minisgl.ops.kv_copy import copy_slots, pinned_empty, prepare_kernel_copies
 
 
 class _HNode:
@@ -62,6 +62,8 @@ class HostKVTier:
         shape = (2, pool.num_full_layers, self.num_pages * ps, pool.kv_heads, pool.head_dim)  # the full group
         cuda = pool.device.type == "cuda"
         self._kv = pinned_empty(shape, pool.dtype) if cuda else torch.empty(shape, dtype=pool.dtype)
+        if cuda:
+            prepare_kernel_copies()
         self._k, self._v = self._kv[0], self._kv[1]
         self._copier = _Copier(pool.device)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))

@@ -9,7 +9,10 @@ Paths, picked per call and logged once each with the reason:
   pinned host memory, same dtype and row shape, heads x dim contiguous. One launch moves every
   (tensor, layer, slot) row with 16-byte loads/stores, reading or writing the pinned host pool
   directly through its device address (UVA): no staging copy, no per-page cudaMemcpyAsync. The
-  two slot lists travel to the GPU as one int32 [2, n] tensor (one copy from pinned memory).
+  two slot lists travel to the GPU as one int32 [2, n] tensor, copied from a region of one pinned
+  ring registered once (`_SlotRing`): a copy never allocates page-locked memory, because a fresh
+  page-locked allocation (torch's pinned caching allocator, when its cache has no free block) is
+  an implicit device synchronisation: the host would wait for every queued step.
 - torch: anything else (the CPU engine's second CPU tensor, pageable host memory, a build
   without CUDA kernels). One gather (index_select over all layers), one transfer, one scatter
   (index_copy_) per tensor, on byte views so any dtype (FP8 too) copies bit-exactly. Measured
@@ -23,7 +26,9 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections import deque
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -117,14 +122,70 @@ def _device_address(t: torch.Tensor) -> int:
     return compiled().host_device_pointer(t.data_ptr()) if t.device.type == "cpu" else t.data_ptr()
 
 
+class _Event(Protocol):
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+
+
+class _SlotRing:
+    """Pinned int32 staging for the slot lists, reused in a ring: `take` hands out the next free
+    region, `release` marks it in use until `event` (recorded after the copy that reads it) has
+    run. A region still in flight when the ring comes round again is waited for (logged once:
+    the ring is too small for the copies in flight); a request larger than the ring gets None."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.head = 0
+        self.inflight: deque[tuple[int, int, _Event]] = deque()
+
+    def take(self, count: int) -> tuple[torch.Tensor, int, int] | None:
+        cap = self.buf.numel()
+        if count > cap:
+            return None
+        start = self.head if self.head + count <= cap else 0
+        end = start + count
+        for s, e, event in self.inflight:
+            if s < end and start < e and not event.query():
+                log_once("kv_copy:ring", f"KV copy: the {cap}-slot pinned ring is full of copies in flight; "
+                         "the host waits for the oldest", logging.WARNING)
+                event.synchronize()
+        self.inflight = deque(x for x in self.inflight if not x[2].query())
+        self.head = end
+        return self.buf[start:end], start, end
+
+    def release(self, start: int, end: int, event: _Event) -> None:
+        self.inflight.append((start, end, event))
+
+
+SLOT_RING_INTS = 1 << 21  # 8 MiB: a million (source, destination) pairs in flight
+
+
+@functools.cache
+def _slot_ring() -> _SlotRing:
+    return _SlotRing(pinned_empty((SLOT_RING_INTS,), torch.int32))
+
+
+def prepare_kernel_copies() -> None:
+    """Registers the slot ring now (the host tier's construction), not in the first copy: pinning
+    memory may wait for the GPU."""
+    _slot_ring()
+
+
 def _kernel_copy(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
                  idx: np.ndarray) -> None:
     gpu = next(t.device for t in (src_k, dst_k) if t.device.type == "cuda")
     n = idx.shape[1]
-    staged = torch.empty((2, n), dtype=torch.int32, pin_memory=True)
+    ring = _slot_ring()
+    region = ring.take(2 * n)
+    # More slots than the ring holds: a one-off block of torch's pinned allocator (it may wait).
+    staged = torch.empty((2, n), dtype=torch.int32, pin_memory=True) if region is None else region[0].view(2, n)
     staged.numpy()[:] = idx
-    # Pinned -> device on the current stream; torch keeps the pinned block until the copy ran.
+    # Pinned -> device on the current stream; the ring region is free again once this copy ran.
     dev_idx = staged.to(gpu, non_blocking=True)
+    if region is not None:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(gpu))
+        ring.release(region[1], region[2], done)
     es = src_k.element_size()
     compiled().kv_copy_slots(
         _device_address(src_k), _device_address(src_v), _device_address(dst_k), _device_address(dst_v),
