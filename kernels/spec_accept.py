@@ -7,10 +7,13 @@ the j-th input, i.e. the position of d_{j+1}; the last row predicts the token af
 Per row j (one program each; rows of one request run in parallel):
   p = the target distribution after temperature, top-k, top-p and min-p (the sampler's
       filters, kernels/sampling.py; greedy: one-hot on the argmax);
-  j < k_b:  accept d_{j+1} with probability min(1, p(x) / q(x)) (x = d_{j+1}; q = the draft's
-            distribution, one-hot on x for greedy drafters, so the test is u < p(x)); the
-            fallback, used when row j holds the first rejection, is a draw from
-            normalize(max(0, p - q)) (one-hot q: p without x);
+  j < k_b:  with the draft's distribution q (x = d_{j+1}): accept x with probability
+            min(1, p(x) / q(x)); the fallback, used when row j holds the first rejection, is a
+            draw from normalize(max(0, p - q)). A greedy drafter (q one-hot on x): the row draws
+            from p exactly as the plain sampler would, accepts x when that draw is x (probability
+            p(x), as the rejection test u < p(x)), and otherwise the draw is the fallback (a draw
+            from p conditioned on not x: the same law as p without x). So a seeded request's
+            tokens are the plain sampler's tokens, with or without a draft (logits equal);
   j == k_b: the bonus token, a draw from p.
 num_accepted[b] = the first rejected row (k_b when all pass; an atomic min over the rows),
 and tokens[b, :num_accepted[b] + 1] are the request's new tokens: d_1..d_n, then the fallback
@@ -19,7 +22,8 @@ the non-speculative sampler's (Leviathan et al. 2023).
 
 Random numbers: row j of a request at generation step s (tokens generated so far) uses the
 Philox counter (seed, s + j), the sampling kernel's: output 0 draws (so a request with no
-draft samples exactly the token the plain sampler would), output 1 decides acceptance. Each
+draft, or a greedy drafter's, samples exactly the tokens the plain sampler would), output 1
+decides acceptance against a non-one-hot q. Each
 step's counter decides that step's token only once, so draws stay independent across steps.
 """
 
@@ -52,7 +56,6 @@ def _accept_kernel(
     Logits, stride_l, V, Cu, Drafts, stride_d, Q, stride_q, Temp, TopK, TopP, MinP, Seeds, Steps,
     OutTok, OutLogp, stride_o, NumAcc, Scratch, stride_s, BLOCK: tl.constexpr, NB: tl.constexpr,
     PER_LANE: tl.constexpr, WALK: tl.constexpr, MAX_PASSES: tl.constexpr, HAS_Q: tl.constexpr,
-    EXCL: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
@@ -84,13 +87,19 @@ def _accept_kernel(
             zero = tl.zeros([], tl.uint32)
             r0, r1, _, _ = tl.philox(tl.load(Seeds + b), (step & 0xFFFFFFFF).to(tl.uint32),
                                      ((step >> 32) & 0xFFFFFFFF).to(tl.uint32), zero, zero)
-            accept = is_draft & (tl.uint_to_uniform_float(r1) * q_x < p_x)
-            if accept == 0:
-                # Bonus row: a draw from p. Draft row: from max(0, p - q); one-hot q removes x.
-                excl = tl.where(is_draft, x, -1)
-                tok = _draw(row, V, thr, m, inv_t, min_p, tl.uint_to_uniform_float(r0), q_row, is_draft, inv_S,
-                            excl, HAS_Q, EXCL, BLOCK, WALK)
-                tok = tl.where(tok >= 0, tok, x)  # p == q up to rounding: nothing left to draw
+            if HAS_Q:
+                accept = is_draft & (tl.uint_to_uniform_float(r1) * q_x < p_x)
+                if accept == 0:
+                    # Bonus row: a draw from p. Draft row: from max(0, p - q).
+                    tok = _draw(row, V, thr, m, inv_t, min_p, tl.uint_to_uniform_float(r0), q_row, is_draft,
+                                inv_S, -1, HAS_Q, False, BLOCK, WALK)
+                    tok = tl.where(tok >= 0, tok, x)  # p == q up to rounding: nothing left to draw
+            else:
+                # One-hot q: the plain sampler's own draw from p, accepted when it is the draft.
+                tok = _draw(row, V, thr, m, inv_t, min_p, tl.uint_to_uniform_float(r0), q_row, False, inv_S, -1,
+                            HAS_Q, False, BLOCK, WALK)
+                tok = tl.where(tok >= 0, tok, amax)  # no kept weight (rounding): the argmax
+                accept = is_draft & (tok == x)
         tok = tl.where(accept, x, tok)
         tl.store(OutTok + b * stride_o + j, tok.to(tl.int64))
         tl.store(OutLogp + b * stride_o + j, tl.load(row + tok) - m - tl.log(s))
@@ -125,7 +134,7 @@ def accept(
     _accept_kernel[(b, kmax + 1)](
         logits, logits.stride(0), v, cu, dd, dd.stride(0), qq, qq.stride(0), temperature, top_k, top_p,
         min_p, seeds, steps, tokens, logprobs, tokens.stride(0), num_acc, scratch, scratch.stride(0),
-        BLOCK=block, NB=cfg["NB"], PER_LANE=per_lane, WALK=walk, MAX_PASSES=40, HAS_Q=q is not None, EXCL=q is None,
+        BLOCK=block, NB=cfg["NB"], PER_LANE=per_lane, WALK=walk, MAX_PASSES=40, HAS_Q=q is not None,
         num_warps=cfg["num_warps"],
     )
     return tokens, logprobs, num_acc
@@ -170,11 +179,14 @@ def lane_major_order(v: int, block: int) -> torch.Tensor:
 def accept_reference(
     logits: torch.Tensor, cu: torch.Tensor, drafts: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-    q: torch.Tensor | None = None, block: int | None = None,
+    q: torch.Tensor | None = None, block: int | None = None, uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same contract and random numbers as `accept`, vectorized over rows in torch (sort-based
     filters). `block`: draw in the kernel's lane-major order for that many lanes (tests compare
-    tokens with the kernel's); None draws in vocabulary order (an equally exact sampler)."""
+    tokens with the kernel's); None draws in vocabulary order (an equally exact sampler).
+    `uniforms` fp64 [T]: each row's draw uniform instead of Philox output 0 (the CPU engine passes
+    its plain sampler's, ops/spec_accept.py, so a greedy drafter leaves seeded tokens as that
+    sampler draws them)."""
     dev = logits.device
     t_rows, v = logits.shape
     b, kmax = drafts.shape
@@ -202,18 +214,22 @@ def accept_reference(
         u0, u1 = philox_uniforms(seeds.cpu().numpy()[req.numpy()[s_h]], steps.cpu().numpy()[req.numpy()[s_h]]
                                  + pos.numpy()[s_h])
         u0_t, u1_t = torch.from_numpy(u0).to(dev), torch.from_numpy(u1).to(dev)
-        acc = ds & (u1_t * q_x < p_x)
-        if q is None:  # one-hot q: the residual is p without x
-            resid = probs.clone()
-            resid[ar[ds], xs[ds]] = 0.0
+        if uniforms is not None:
+            u0_t = uniforms.to(dev)[s]
+        if q is None:  # one-hot q: the plain draw from p, accepted when it is the draft (below)
+            resid = probs
         else:
             resid = torch.where(ds[:, None], (probs - q[s].float()).clamp(min=0.0), probs)
         order = lane_major_order(v, block).to(dev) if block is not None else torch.arange(v, device=dev)
         cdf = resid[:, order].double().cumsum(dim=-1)
         target = (u0_t.double() * cdf[:, -1])[:, None]
         pick = order[torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=v - 1)]
-        tok[s] = torch.where(cdf[:, -1] > 0, pick, xs)  # nothing left to draw: p == q
-        accept_row[s] = acc
+        if q is None:
+            tok[s] = torch.where(cdf[:, -1] > 0, pick, amax[s])
+            accept_row[s] = ds & (tok[s] == xs)
+        else:
+            tok[s] = torch.where(cdf[:, -1] > 0, pick, xs)  # nothing left to draw: p == q
+            accept_row[s] = ds & (u1_t * q_x < p_x)
     rows = torch.arange(t_rows, device=dev)
     tok = torch.where(accept_row, x_d, tok)
     logp = logits.float()[rows, tok] - logits.float().logsumexp(dim=-1)

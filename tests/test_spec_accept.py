@@ -93,6 +93,40 @@ def test_empty_draft_samples_what_the_sampler_samples() -> None:
 
 @pytest.mark.triton
 @needs_triton
+def test_a_greedy_drafter_leaves_seeded_tokens_as_the_sampler_draws_them() -> None:
+    """One-hot q: every emitted token (accepted drafts, then the fallback or bonus) is the token
+    the plain sampler draws from that row at (seed, step + j), whatever was drafted: so a seeded
+    request samples the same tokens with and without speculation. Drafts here are the sampler's
+    own token half the time (accepted) and a random token otherwise (mostly rejected)."""
+    gen = torch.Generator().manual_seed(17)
+    rows = [r for r in ROWS if r[0] > 0] * 2
+    ks = [3, 2, 4, 1, 3, 2, 4, 1][: len(rows)]
+    args = make_batch(gen, ks, 120, rows, False)
+    cu = args["cu"].cpu().tolist()
+    p = {k: args[k] for k in ("temperature", "top_k", "top_p", "min_p", "seeds")}
+    plain = []  # the sampler's token for every row j of request b, at step steps[b] + j
+    for b in range(len(ks)):
+        idx = torch.arange(cu[b], cu[b + 1], device=DEV)
+        n = len(idx)
+        per = {k: v[b : b + 1].expand(n).contiguous() for k, v in p.items()}
+        steps = args["steps"][b] + torch.arange(n, device=DEV)
+        plain.append(S.sample(args["logits"][idx], **per, steps=steps, config=SMALL)[0].tolist())
+    drafts = args["drafts"].clone()
+    for b, k in enumerate(ks):
+        for j in range(k):
+            if torch.rand((), generator=gen) < 0.5:
+                drafts[b, j] = plain[b][j]
+    args["drafts"] = drafts
+    for out in (K.accept(**args, config=SMALL), K.accept_reference(**args, block=SMALL["BLOCK"])):
+        got = new_tokens(out)
+        for b in range(len(ks)):
+            assert got[b] == plain[b][: len(got[b])], f"request {b}: {got[b]} vs the sampler's {plain[b]}"
+    accepted = sum(int(n) for n in K.accept_reference(**args, block=SMALL["BLOCK"])[2])
+    assert 0 < accepted < sum(ks), "the batch should accept some drafts and reject others"
+
+
+@pytest.mark.triton
+@needs_triton
 def test_philox_port_matches_triton() -> None:
     import triton
     import triton.language as tl

@@ -109,6 +109,26 @@ def test_greedy_output_is_lossless(target, drafts, workload, reference, algo: st
     assert llm.engine.allocator.free_pages + llm.scheduler.cache.cached_pages == llm.engine.allocator.total_pages
 
 
+@pytest.mark.parametrize("algo", ["ngram", "draft-self"])
+def test_seeded_sampling_is_the_same_with_and_without_speculation(target, drafts, workload, plain, algo: str) -> None:
+    """Every drafter is greedy (one-hot q): a verify row draws its token as the plain sampler draws
+    it at (seed, step) and accepts the draft when they agree (kernels/spec_accept.py), so seeded
+    sampled output is the plain output token for token (fp32 on the CPU: the verify and decode
+    logits differ only in rounding, which a draw meets with negligible probability). A low
+    temperature, so that the tiny random model's drafts are accepted at all, but not greedy."""
+    sp = [SamplingParams(max_tokens=m, temperature=0.05, top_p=0.95, top_k=20, seed=100 + i, ignore_eos=True)
+          for i, (_, m) in enumerate(workload)]
+    prompts = [p for p, _ in workload]
+    want = plain.generate(prompts, sp, use_tqdm=False)
+    greedy = plain.generate(prompts, params(workload), use_tqdm=False)
+    assert [o["token_ids"] for o in want] != [o["token_ids"] for o in greedy], "the sampling must not be greedy"
+    llm = spec_llm(target, drafts, algo)
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+    st = llm.scheduler.stats()
+    assert st["spec_verified"] > 0 and st["spec_accepted"] > 0, "no draft was accepted: the test shows nothing"
+
+
 def test_target_as_own_draft_accepts_k_plus_one(target, drafts) -> None:
     """Prefill makes 1 token, then each verify step 1 + K: a mean accepted length of K + 1."""
     llm = spec_llm(target, drafts, "draft-self", speculative_num_draft_tokens=4)

@@ -22,9 +22,9 @@ def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
         raise ValueError("deterministic mode does not cover FP8 weights yet: leave out --quantization "
                          "(quantization=) or use a 16-bit checkpoint")
     if cfg.spec is not None:
-        # A seeded request's tokens would depend on what the drafter proposed (rejection
-        # sampling draws differently from plain sampling), and the drafter's proposals on its
-        # batch; greedy output would be invariant, sampled output not.
+        # A seeded request's draws no longer depend on the draft (kernels/spec_accept.py: a
+        # greedy drafter's rows draw as the plain sampler does); what is not shown yet is that
+        # a verify step's logits equal a plain decode's bit for bit on the GPU.
         raise ValueError("deterministic mode does not cover speculative decoding yet: leave out "
                          "--speculative-algorithm (speculative_algorithm=) or --deterministic")
     if tp.size > 1:

@@ -1,5 +1,5 @@
-"""Speculative acceptance for a verify batch (rejection sampling, greedy as its one-hot case):
-Triton where it can run, else the torch reference (the CPU engine path)."""
+"""Speculative acceptance for a verify batch (rejection sampling; a greedy drafter's rows draw as the
+plain sampler does): Triton where it can run, else the torch reference (the CPU engine path)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from minisgl.kernels import spec_accept as _k
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_same_device, check_shape, check_tensor
-from minisgl.ops.sampling import check_sampling_params
+from minisgl.ops.sampling import check_sampling_params, row_uniforms
 
 
 def spec_accept(
@@ -43,4 +43,11 @@ def spec_accept(
     if use_triton("spec_accept", logits):
         return _k.accept(logits, cu, drafts, temperature, top_k, top_p, min_p, seeds, steps, q)
     log_cpu_reference_once("spec_accept")
-    return _k.accept_reference(logits, cu, drafts, temperature, top_k, top_p, min_p, seeds, steps, q)
+    # The CPU sampler's own (seed, step) uniforms (ops/sampling.py), row j of a request at step + j:
+    # with a greedy drafter the emitted tokens are the ones it draws (the kernels share Philox).
+    cu_l = cu.long().cpu()
+    counts = cu_l[1:] - cu_l[:-1]
+    req = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    pos = torch.arange(int(cu_l[-1])) - cu_l[req]
+    u = row_uniforms(seeds.cpu()[req].tolist(), (steps.cpu()[req] + pos).tolist())
+    return _k.accept_reference(logits, cu, drafts, temperature, top_k, top_p, min_p, seeds, steps, q, uniforms=u)
