@@ -154,10 +154,10 @@ namespace {
 
 // Checks shared by both weight types, the split arithmetic (each split covers whole warp groups
 // of `group` K elements, so every group starts at a multiple of it) and the launch.
-// A MoE launch (z > 1 or p.moe) has z planes of tiles, and its K splits per slot: k_splits
-// (= num_splits but for the down projection, whose num_splits counts every slot's).
+// A MoE launch has z planes of tiles (token-expert pairs or tokens), and its K splits per slot:
+// k_splits (= num_splits but for the down projection, whose num_splits counts every slot's).
 int launch_kernel(KernelFn fn, Params p, int rt, int64_t group, int warps, int num_splits, float* workspace,
-                  int64_t workspace_bytes, int* counters, int64_t num_counters, int pdl, void* stream, int z = 1,
+                  int64_t workspace_bytes, int* counters, int64_t num_counters, int pdl, void* stream, int64_t z = 1,
                   int k_splits = 0) {
   const int mt = (p.m + 7) / 8;
   const int64_t rows_per_block = static_cast<int64_t>(rt) * (p.silu ? 8 : 16);
@@ -176,7 +176,7 @@ int launch_kernel(KernelFn fn, Params p, int rt, int64_t group, int warps, int n
   p.k_split = static_cast<int>(per_split);
   p.num_splits = num_splits;
   cudaLaunchConfig_t launch = {};
-  launch.gridDim = dim3(static_cast<unsigned>(tiles), num_splits, z);
+  launch.gridDim = dim3(static_cast<unsigned>(tiles), num_splits, static_cast<unsigned>(z));
   launch.blockDim = dim3(warps * 32);
   launch.dynamicSmemBytes = static_cast<size_t>(warps) * rt * mt * 128 * sizeof(float);
   launch.stream = static_cast<cudaStream_t>(stream);
@@ -218,7 +218,7 @@ int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* 
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
            nullptr, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0.0f, 0.0f};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f};
   return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk, warps,
                        num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -236,7 +236,7 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0,
            scale, s_stride, block_scales, nullptr, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0.0f, 0.0f};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f};
   return launch_kernel(fn, p, kFp8Configs[cfg].rt, static_cast<int64_t>(kFp8Configs[cfg].u) * skinny::Fp8W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -256,7 +256,7 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
            qscale, qzero, q_stride, q_group,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0, 0.0f, 0.0f};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f};
   return launch_kernel(fn, p, kW4Configs[cfg].rt, static_cast<int64_t>(kW4Configs[cfg].u) * skinny::Int4W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -278,13 +278,12 @@ int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, c
                              : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, 1, n, k, silu, 0, 0, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, ids, weights, w_expert_stride, b_expert_stride, top_k, down ? 2 : 1, splits,
-           act, alpha, limit};
+           nullptr, nullptr, 0, 0, ids, weights, w_expert_stride, b_expert_stride, top_k, splits, act, alpha,
+           limit};
   const int64_t z = down ? tokens : static_cast<int64_t>(tokens) * top_k;
-  if (z > 65535) return static_cast<int>(cudaErrorInvalidValue);
   return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk,
                        warps, down ? splits * top_k : splits, workspace, workspace_bytes, counters, num_counters, pdl,
-                       stream, static_cast<int>(z), splits);
+                       stream, z, splits);
 }
 
 }  // namespace minisgl
