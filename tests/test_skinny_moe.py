@@ -43,7 +43,7 @@ def _reference(x, w13, w2, weights, ids, b13, b2, act, dtype):
     return out
 
 
-def _case(tokens, top_k, experts, hidden, inter, dtype, biases, seed):
+def _case(tokens, top_k, experts, hidden, inter, dtype, biases, seed, poison=True):
     g = torch.Generator(device="cuda").manual_seed(seed)
     dev = "cuda"
     x = torch.randn(tokens, hidden, generator=g, device=dev).to(dtype)
@@ -53,6 +53,8 @@ def _case(tokens, top_k, experts, hidden, inter, dtype, biases, seed):
     weights = torch.rand(tokens, top_k, generator=g, device=dev) + 0.1
     b13 = (torch.randn(experts, 2 * inter, generator=g, device=dev) * 0.5).to(dtype) if biases else None
     b2 = (torch.randn(experts, hidden, generator=g, device=dev) * 0.5).to(dtype) if biases else None
+    if not poison:  # every expert live: tests whose routing changes after the draw
+        return x, w13, w2, weights, ids.contiguous(), b13, b2
     unused = torch.ones(experts, dtype=torch.bool, device=dev)
     unused[ids.long().flatten()] = False
     w13[unused] = float("nan")  # poison: a wrong expert read shows
@@ -114,9 +116,7 @@ def test_cuda_graph_replays_new_routing() -> None:
     and a token's row is the same whatever the batch (the launch configuration ignores T)."""
     dtype = torch.bfloat16
     experts, top_k = 16, 4
-    x, w13, w2, weights, ids, b13, b2 = _case(4, top_k, experts, 256, 128, dtype, False, seed=5)
-    w13 = torch.randn_like(w13, dtype=torch.float32).to(dtype) / 16  # every expert live: routing changes
-    w2 = torch.randn_like(w2, dtype=torch.float32).to(dtype) / 12
+    x, w13, w2, weights, ids, b13, b2 = _case(4, top_k, experts, 256, 128, dtype, False, seed=5, poison=False)
     skinny_moe.experts(x, w13, w2, weights, ids)  # counters allocated outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -182,10 +182,7 @@ def test_moe_layer_routes_with_its_router_in_one_kernel(monkeypatch, tokens: int
     real = moe_routing.route_linear
     monkeypatch.setattr(moe_routing, "route_linear", lambda *a, **k: used.append(a[0].shape[0]) or real(*a, **k))
     dtype = torch.bfloat16
-    x, w13, w2, _, _, b13, b2 = _case(tokens, 4, 32, 512, 256, dtype, True, seed=21)
-    w13 = torch.randn_like(w13, dtype=torch.float32).to(dtype) / 22  # every expert may be chosen
-    w2 = torch.randn_like(w2, dtype=torch.float32).to(dtype) / 16
-    b13, b2 = torch.randn_like(b13, dtype=torch.float32).to(dtype) * 0.1, torch.randn_like(b2, dtype=torch.float32).to(dtype) * 0.1
+    x, w13, w2, _, _, b13, b2 = _case(tokens, 4, 32, 512, 256, dtype, True, seed=21, poison=False)
     g = torch.Generator(device="cuda").manual_seed(4)
     gate_w = torch.randn(32, 512, generator=g, device="cuda").to(dtype) / 8
     gate_b = torch.randn(32, generator=g, device="cuda").to(dtype)

@@ -91,12 +91,17 @@ def default_config(m: int, n_out: int, k: int, silu: bool, num_sms: int, fmt: st
     shapes = tile_shapes(fmt)
     tile = 1 if m <= shapes[1][2] else 0
     warps = 4
-    group = shapes[tile][1] * 32
-    blocks = num_tiles(n_out, silu, tile, fmt)
-    splits = 1
-    while splits * 2 <= MAX_SPLITS and blocks * splits < 2 * num_sms and k // (splits * 2) >= warps * group * 2:
-        splits *= 2
+    splits = split_count(num_tiles(n_out, silu, tile, fmt), k, shapes[tile][1] * 32, warps, num_sms)
     return SkinnyConfig(tile, warps, splits)
+
+
+def split_count(blocks: int, k: int, group: int, warps: int, num_sms: int, limit: int = MAX_SPLITS) -> int:
+    """default_config's K splits: doubled while the launch has under ~2 blocks per SM, every warp
+    keeps at least 2 groups of K, and the count stays <= limit."""
+    splits = 1
+    while splits * 2 <= limit and blocks * splits < 2 * num_sms and k // (splits * 2) >= warps * group * 2:
+        splits *= 2
+    return splits
 
 
 def vector_aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -182,7 +187,7 @@ def _check(x, weight, scale, block_k, bias, silu, out) -> int:
     return n_out
 
 
-def _check_config(cfg: SkinnyConfig, m: int, fmt: str) -> None:
+def check_config(cfg: SkinnyConfig, m: int, fmt: str = DENSE) -> None:
     shapes = tile_shapes(fmt)
     if not 0 <= cfg.tile < len(shapes):
         raise ValueError(f"config tile must be in 0..{len(shapes) - 1}, got {cfg.tile}")
@@ -205,7 +210,7 @@ def _run(x, weight, scale, bias, out, silu, config, n_out) -> torch.Tensor:
     if config is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         config = default_config(m, n_out, k, silu, sms, fmt)
-    _check_config(config, m, fmt)
+    check_config(config, m, fmt)
     launch(x, weight, bias, out, silu, config, scale=scale)
     return out
 

@@ -19,13 +19,24 @@ takes the path its unpadded size would.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from minisgl import env
 from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
-from minisgl.ops.gemm.skinny import _KERNEL_DTYPES, MAX_SPLITS, MAX_WARPS, PDL, SkinnyConfig, counters, num_tiles, \
-    tile_shapes
+from minisgl.ops.gemm.skinny import (
+    _KERNEL_DTYPES,
+    MAX_SPLITS,
+    PDL,
+    SkinnyConfig,
+    check_config,
+    counters,
+    num_tiles,
+    split_count,
+    tile_shapes,
+)
 
 
 def _parse(text: str) -> tuple[int, SkinnyConfig | None, SkinnyConfig | None]:
@@ -36,8 +47,8 @@ def _parse(text: str) -> tuple[int, SkinnyConfig | None, SkinnyConfig | None]:
     head, _, rest = text.partition(":")
     try:
         n = int(head)
-    except ValueError:
-        raise ValueError(f"MINISGL_SKINNY_MOE must be 'N' or 'N:UP,DOWN' (e.g. '4:t2w4s1,t1w4s1'), got {text!r}")
+    except ValueError as e:
+        raise ValueError(f"MINISGL_SKINNY_MOE must be 'N' or 'N:UP,DOWN' (e.g. '4:t2w4s1,t1w4s1'), got {text!r}") from e
     if not rest:
         return n, None, None
     up, _, down = rest.partition(",")
@@ -62,34 +73,24 @@ def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, share
             and x.data_ptr() % 16 == 0 and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0)
 
 
-def _splits(blocks: int, k: int, group: int, warps: int, num_sms: int, limit: int) -> int:
-    """K splits for ~2 blocks per SM, each warp keeping >= 2 groups of K (default_config's rule)."""
-    splits = 1
-    while splits * 2 <= limit and blocks * splits < 2 * num_sms and k // (splits * 2) >= warps * group * 2:
-        splits *= 2
-    return splits
-
-
+@functools.cache
 def default_configs(top_k: int, hidden: int, inter: int, num_sms: int) -> tuple[SkinnyConfig, SkinnyConfig]:
-    """(up, down) launch configurations: tile 1 (16 rows, 4 chunks in flight), 4 warps, splits by
-    _splits for one token's planes. The same for every token count, so a token's row does not
-    depend on the batch it is in (CUDA graphs pad batches: eager and replay give the same bits)."""
+    """(up, down) launch configurations: tile 1 (16 rows, 4 chunks in flight), 4 warps, the dense
+    default's K splits over one token's planes. The same for every token count, so a token's row
+    does not depend on the batch it is in (CUDA graphs pad batches: eager and replay give the same
+    bits). Cached: the decode step's layers ask it per call."""
     tile, warps = 1, 4
     group = tile_shapes()[tile][1] * 32
     up_blocks = num_tiles(inter, True, tile) * top_k
     down_blocks = num_tiles(hidden, False, tile) * top_k
-    up = SkinnyConfig(tile, warps, _splits(up_blocks, hidden, group, warps, num_sms, MAX_SPLITS))
-    down = SkinnyConfig(tile, warps, _splits(down_blocks, inter, group, warps, num_sms, MAX_SPLITS // top_k))
+    up = SkinnyConfig(tile, warps, split_count(up_blocks, hidden, group, warps, num_sms))
+    down = SkinnyConfig(tile, warps, split_count(down_blocks, inter, group, warps, num_sms, MAX_SPLITS // top_k))
     return up, down
 
 
-def _check_config(cfg: SkinnyConfig, per_slot_limit: int) -> None:
-    if not 0 <= cfg.tile < len(tile_shapes()):
-        raise ValueError(f"config tile must be in 0..{len(tile_shapes()) - 1}, got {cfg.tile}")
-    if not 1 <= cfg.warps <= MAX_WARPS:
-        raise ValueError(f"config warps must be in 1..{MAX_WARPS}, got {cfg.warps}")
-    if not 1 <= cfg.splits <= per_slot_limit:
-        raise ValueError(f"config splits must be in 1..{per_slot_limit} here, got {cfg.splits}")
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cfg: SkinnyConfig) -> None:
@@ -130,11 +131,13 @@ def experts(
     tokens, h = x.shape
     top_k, inter = topk_ids.shape[1], w2.shape[2]
     if up is None or down is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        d_up, d_down = default_configs(top_k, h, inter, sms)
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        d_up, d_down = default_configs(top_k, h, inter, _num_sms(index))
         up, down = up or UP_CONFIG or d_up, down or DOWN_CONFIG or d_down
-    _check_config(up, MAX_SPLITS)
-    _check_config(down, MAX_SPLITS // top_k)
+    check_config(up, 1)
+    check_config(down, 1)
+    if down.splits * top_k > MAX_SPLITS:  # the down launch's splits are per expert slot
+        raise ValueError(f"down config splits must be in 1..{MAX_SPLITS // top_k} at top_k {top_k}, got {down.splits}")
     mid = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _launch(x, w13, b13, topk_ids, topk_weights, mid, False, act, up)
     out = torch.empty(tokens, h, dtype=x.dtype, device=x.device)
