@@ -184,6 +184,15 @@ def fused_moe(
     _check_routing(router_logits, top_k, scoring)
     check_shape("router_logits", router_logits, (x.shape[0], w13.shape[0]))
     check_same_device(x=x, router_logits=router_logits)
+    return run_layer(x, router_logits, w13, w2, top_k, renormalize, scoring, shared, shared_gate, b13, b2, act)
+
+
+def run_layer(
+    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+    renormalize: bool, scoring: str, shared: torch.Tensor | None, shared_gate: torch.Tensor | None,
+    b13: torch.Tensor | None, b2: torch.Tensor | None, act: ExpertAct | None,
+) -> torch.Tensor:
+    """fused_moe after its checks (ops/moe_layer.py checked the same and built the logits)."""
     if not use_triton("fused_moe", x):
         log_cpu_reference_once("fused_moe")
         weights, ids = _route.route_reference(router_logits, top_k, renormalize, scoring)

@@ -19,10 +19,10 @@ from minisgl.ops._checks import check_same_device, check_shape, check_tensor
 from minisgl.ops.gemm import linear
 from minisgl.ops.gemm import skinny_moe as _skinny
 from minisgl.ops.gemm.skinny import counters
-from minisgl.ops.moe import check_layer, fused_moe
+from minisgl.ops.moe import check_layer, run_layer
 
-# Router weights up to this many elements take the one-program-per-token routing kernel (each
-# program reads the whole weight): GPT-OSS's 92k; Qwen3-30B-A3B's 262k stay on the GEMM.
+# Router weights up to this many elements take the one-kernel routing (each token's programs read
+# the whole weight between them): GPT-OSS's 92k; Qwen3-30B-A3B's 262k stay on the GEMM.
 ROUTE_LINEAR_MAX_ELEMENTS = 1 << 17
 
 
@@ -46,5 +46,5 @@ def fused_moe_layer(
         ctr = counters(x.device)  # the skinny GEMM's split-K counters: zero between launches on this stream
         weights, ids = _route.route_linear(x, gate_weight, gate_bias, top_k, renormalize, ctr, scoring)
         return _skinny.experts(x, w13, w2, weights, ids, b13, b2, act)
-    logits = linear(x, gate_weight, gate_bias)
-    return fused_moe(x, logits, w13, w2, top_k, renormalize, scoring, shared, shared_gate, b13, b2, act)
+    logits = linear(x, gate_weight, gate_bias)  # [T, E] in x's dtype, as fused_moe checks them
+    return run_layer(x, logits, w13, w2, top_k, renormalize, scoring, shared, shared_gate, b13, b2, act)
