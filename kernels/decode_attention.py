@@ -9,9 +9,10 @@ slice of the request's keys, so every K/V row is read once per group. It writes 
 normalized partial output and its log2-sum-exp to fp32 scratch.
 With a sliding window W the splits cover positions max(0, seq - W) .. seq - 1 only (older slots
 may be freed: never read); a sink logit per head joins stage 2's denominator.
-Stage 2, grid (B, Hq): merges the splits (with one split, stage 1 writes the output itself). NUM_SPLITS is a function of the host-side bound
-max_seq_len only (the per-row slice length comes from seq_lens on the device), so a captured
-CUDA graph stays valid for any lengths up to that bound.
+Stage 2, grid (B, Hq): merges the splits (with one split, stage 1 writes the output itself and
+there is no stage 2). NUM_SPLITS is a function of the host-side bound max_seq_len only (the
+per-row slice length comes from seq_lens on the device), so a captured CUDA graph stays valid
+for any lengths up to that bound.
 """
 
 from __future__ import annotations

@@ -44,14 +44,14 @@ class AttentionBackend(ABC):
             return batch.req_to_swa_slot, batch.out_slots_swa
         return batch.req_to_slot, batch.out_slots
 
+    @staticmethod
     def store(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, out_slots: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        out_slots: torch.Tensor, ks: float, vs: float, rope: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
-        """The new tokens' k, v into layer `layer`'s cache rows `out_slots`; with `rope`
-        (positions, cos_sin_cache) q and k are rotated first, in the same kernel where it can."""
-        k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
-        ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]  # FP8 cache: K / ks, V / vs
+        """The new tokens' k, v into a layer's cache rows `out_slots` (an FP8 cache holds K / ks,
+        V / vs); with `rope` (positions, cos_sin_cache) q and k are rotated first, in the same
+        kernel where it can."""
         if rope is None:
             ops.store_kv(k_cache, v_cache, k, v, out_slots, ks, vs)
         else:

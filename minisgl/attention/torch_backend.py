@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from minisgl import ops
 from minisgl.attention.base import AttentionBackend
 from minisgl.core.batch import ForwardBatch
 
@@ -49,7 +48,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
         ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]
         req_to_slot, out_slots = self.tables(layer, batch)
-        self.store(q, k, v, layer, out_slots, rope)
+        self.store(q, k, v, k_cache, v_cache, out_slots, ks, vs, rope)
         window = self.window_of(layer)
         out = torch.empty_like(q)
         starts = [0]  # offsets of each request's new tokens, from host lengths (no device sync)

@@ -81,14 +81,13 @@ def apply_rope_and_store(
     """apply_rope(q, k, ...) then store_kv(k_cache, v_cache, k, v, slots, k_scale, v_scale) (arguments
     as theirs). A 16-bit cache of k's dtype under full rotary (R = D) takes one Triton kernel for
     both; anything else (FP8 caches, partial rotary, no Triton) the two ops."""
-    if _checks.enabled():
-        _check(q, k, positions, cos_sin_cache)
-    fused = (k_cache.dtype == k.dtype and k.dtype in (torch.float16, torch.bfloat16)
-             and cos_sin_cache.shape[1] == k.shape[2] and use_triton("apply_rope", q))
-    if not fused:
+    fused = (k_cache.dtype == k.dtype and k.dtype in (torch.float16, torch.bfloat16) and k.dim() == 3
+             and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == k.shape[2] and use_triton("apply_rope", q))
+    if not fused:  # each op checks its own arguments
         apply_rope(q, k, positions, cos_sin_cache)
         store_kv(k_cache, v_cache, k, v, slots, k_scale, v_scale)
         return
     if _checks.enabled():
+        _check(q, k, positions, cos_sin_cache)
         check_store(k_cache, v_cache, k, v, slots)
     _k.apply_rope_and_store(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slots)
