@@ -29,6 +29,8 @@ step's counter decides that step's token only once, so draws stay independent ac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 import triton
@@ -179,14 +181,15 @@ def lane_major_order(v: int, block: int) -> torch.Tensor:
 def accept_reference(
     logits: torch.Tensor, cu: torch.Tensor, drafts: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-    q: torch.Tensor | None = None, block: int | None = None, uniforms: torch.Tensor | None = None,
+    q: torch.Tensor | None = None, block: int | None = None,
+    draw_uniforms: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same contract and random numbers as `accept`, vectorized over rows in torch (sort-based
     filters). `block`: draw in the kernel's lane-major order for that many lanes (tests compare
     tokens with the kernel's); None draws in vocabulary order (an equally exact sampler).
-    `uniforms` fp64 [T]: each row's draw uniform instead of Philox output 0 (the CPU engine passes
-    its plain sampler's, ops/spec_accept.py, so a greedy drafter leaves seeded tokens as that
-    sampler draws them)."""
+    `draw_uniforms(seeds, counters)`: the draw's uniform per row instead of Philox output 0 (the
+    CPU engine passes its plain sampler's, ops/spec_accept.py, so a greedy drafter leaves seeded
+    tokens as that sampler draws them)."""
     dev = logits.device
     t_rows, v = logits.shape
     b, kmax = drafts.shape
@@ -211,11 +214,12 @@ def accept_reference(
         p_x = probs[ar, xs]
         q_x = torch.ones_like(p_x) if q is None else q[s, xs].float()
         s_h = s.cpu().numpy()
-        u0, u1 = philox_uniforms(seeds.cpu().numpy()[req.numpy()[s_h]], steps.cpu().numpy()[req.numpy()[s_h]]
-                                 + pos.numpy()[s_h])
+        row_seeds = seeds.cpu().numpy()[req.numpy()[s_h]]
+        counters = steps.cpu().numpy()[req.numpy()[s_h]] + pos.numpy()[s_h]
+        u0, u1 = philox_uniforms(row_seeds, counters)
+        if draw_uniforms is not None:
+            u0 = draw_uniforms(row_seeds, counters)
         u0_t, u1_t = torch.from_numpy(u0).to(dev), torch.from_numpy(u1).to(dev)
-        if uniforms is not None:
-            u0_t = uniforms.to(dev)[s]
         if q is None:  # one-hot q: the plain draw from p, accepted when it is the draft (below)
             resid = probs
         else:

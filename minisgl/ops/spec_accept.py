@@ -43,11 +43,7 @@ def spec_accept(
     if use_triton("spec_accept", logits):
         return _k.accept(logits, cu, drafts, temperature, top_k, top_p, min_p, seeds, steps, q)
     log_cpu_reference_once("spec_accept")
-    # The CPU sampler's own (seed, step) uniforms (ops/sampling.py), row j of a request at step + j:
-    # with a greedy drafter the emitted tokens are the ones it draws (the kernels share Philox).
-    cu_l = cu.long().cpu()
-    counts = cu_l[1:] - cu_l[:-1]
-    req = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    pos = torch.arange(int(cu_l[-1])) - cu_l[req]
-    u = row_uniforms(seeds.cpu()[req].tolist(), (steps.cpu()[req] + pos).tolist())
-    return _k.accept_reference(logits, cu, drafts, temperature, top_k, top_p, min_p, seeds, steps, q, uniforms=u)
+    # The CPU sampler's own (seed, step) uniforms (ops/sampling.py) for row j of a request at
+    # step + j: with a greedy drafter the emitted tokens are the ones it draws (the kernels share Philox).
+    return _k.accept_reference(logits, cu, drafts, temperature, top_k, top_p, min_p, seeds, steps, q,
+                               draw_uniforms=lambda s, c: row_uniforms(s.tolist(), c.tolist()).numpy())
