@@ -8,13 +8,12 @@ DeltaNet, partial rotary 0.25, GQA in both layer kinds."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from model_compare import greedy, hf_model, random_prompts, record_prefix_hits
+from model_compare import greedy, hf_model, multimodal_folder, random_prompts, record_prefix_hits
 from test_models_hf import hf_greedy
 
 from minisgl import LLM, SamplingParams
@@ -132,21 +131,13 @@ def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(tiny_model_path: Ca
                                                               hf_models: dict[str, object]) -> None:
     """A Qwen3_5ForConditionalGeneration folder: the text config under text_config, the language
     model's tensors under model.language_model., a vision tower and an MTP head that are skipped."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     src = tiny_model_path("qwen3_5")
     dst = tmp_path / "qwen3_5_mm"
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            (dst / f.name).write_bytes(f.read_bytes())
-    text_cfg = json.loads((src / "config.json").read_text())
-    cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-           "text_config": {k: v for k, v in text_cfg.items() if k != "architectures"},
-           "vision_config": {"hidden_size": 8}, "tie_word_embeddings": text_cfg.get("tie_word_embeddings", False)}
-    (dst / "config.json").write_text(json.dumps(cfg))
+    text = multimodal_folder(src, dst, "Qwen3_5ForConditionalGeneration", "qwen3_5", {"tie_word_embeddings": False})
     tensors = {(k if k.startswith("lm_head.") else "model.language_model." + k.removeprefix("model.")): v
-               for k, v in load_file(str(src / "model.safetensors")).items()}
+               for k, v in text.items()}
     tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2)
     tensors["mtp.fc.weight"] = torch.randn(8, 8)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_compare import greedy, hf_model, random_prompts, record_prefix_hits
+from model_compare import greedy, hf_model, multimodal_folder, random_prompts, record_prefix_hits
 from test_models_hf import hf_greedy
 
 from minisgl import LLM
@@ -64,21 +64,13 @@ def test_multimodal_gemma3_checkpoint_serves_its_text_model(tiny_model_path: Cal
                                                             tmp_path: Path, hf_models: dict[str, object]) -> None:
     """A Gemma3ForConditionalGeneration folder: the text config under text_config, the language
     model's tensors under model.language_model., a vision tower that is skipped."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     src = tiny_model_path("gemma3")
     dst = tmp_path / "gemma3_mm"
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            (dst / f.name).write_bytes(f.read_bytes())
-    text_cfg = json.loads((src / "config.json").read_text())
-    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-           "text_config": {k: v for k, v in text_cfg.items() if k != "architectures"},
-           "vision_config": {"hidden_size": 8}, "eos_token_id": text_cfg.get("eos_token_id")}
-    (dst / "config.json").write_text(json.dumps(cfg))
+    text = multimodal_folder(src, dst, "Gemma3ForConditionalGeneration", "gemma3", {"eos_token_id": None})
     tensors = {("model.language_model." + k.removeprefix("model.")): v
-               for k, v in load_file(str(src / "model.safetensors")).items() if k != "lm_head.weight"}
+               for k, v in text.items() if k != "lm_head.weight"}
     tensors["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.randn(8, 3, 2, 2)
     tensors["model.multi_modal_projector.mm_input_projection_weight"] = torch.randn(8, 64)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
