@@ -133,13 +133,14 @@ def _routing(t: int, e: int, top_k: int, gen: torch.Generator):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+@pytest.mark.parametrize("fmt,gpt_oss", [("int4", False), ("mxfp4", False), ("mxfp4", True)])
 @pytest.mark.parametrize("t", [1, 7])
-def test_fused_moe_w4(fmt: str, t: int) -> None:
+def test_fused_moe_w4(fmt: str, gpt_oss: bool, t: int) -> None:
     """Triton where it runs, else the CPU reference; against a per-expert loop over the weights
-    dequantised here (the fp32 ones the test built, not the kernels' dequantisation)."""
+    dequantised here (the fp32 ones the test built, not the kernels' dequantisation). gpt_oss:
+    GPT-OSS's expert biases and clamped SwiGLU (a limit the gate and up values cross)."""
     e, top_k, h, inter = 5, 2, 96, 64
-    gen = torch.Generator().manual_seed(t * 13 + len(fmt))
+    gen = torch.Generator().manual_seed(t * 13 + len(fmt) + gpt_oss)
     dtype = torch.float32
     if fmt == "int4":
         a = [make_int4(2 * inter, h, 32, dtype, gen) for _ in range(e)]
@@ -154,8 +155,15 @@ def test_fused_moe_w4(fmt: str, t: int) -> None:
         z13 = z2 = None
     x = torch.randn(t, h, generator=gen).to(DEV, dtype)
     weights, ids = _routing(t, e, top_k, gen)
-    out = w4.fused_moe_w4(x, fmt, w13, s13, z13, w2, s2, z2, weights, ids)
-    ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids)
+    b13 = b2 = act = None
+    if gpt_oss:
+        b13 = torch.randn(e, 2 * inter, generator=gen).to(DEV, dtype)
+        b2 = torch.randn(e, h, generator=gen).to(DEV, dtype)
+        act = G.ExpertAct("gpt_oss", alpha=1.702, limit=0.5)
+    out = w4.fused_moe_w4(x, fmt, w13, s13, z13, w2, s2, z2, weights, ids, b13=b13, b2=b2, act=act)
+    ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids,
+                                    b13=None if b13 is None else b13.double(),
+                                    b2=None if b2 is None else b2.double(), act=act)
     assert out.shape == (t, h)
     assert_close(out, ref)
 
