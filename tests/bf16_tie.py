@@ -35,3 +35,37 @@ def assert_same_or_bf16_tie(
 def engine_scorer(llm) -> Callable[[list[int]], torch.Tensor]:  # noqa: ANN001 - a minisgl.LLM
     """Next-token logits from a minisgl LLM's engine."""
     return lambda ids: llm.engine.score([ids])[0][-1]
+
+
+# An MoE router's k-th and (k+1)-th expert this close (relative to the position's largest
+# router logit) may swap in bf16: the expert outputs differ wholesale, not by rounding.
+ROUTER_TIE = 0.03
+
+
+def first_router_tie(hf, ids: list[int]) -> int:  # noqa: ANN001 - a transformers MoE model
+    """The first position of `ids` at which some MoE router of `hf` (the reference, run here)
+    nearly ties its top-k boundary; len(ids) if none does. From that position on, a bf16 engine
+    may route differently (attention carries the difference forward), so logits compare before
+    it only. Routers: transformers 5's `*TopKRouter` modules (weight, optional bias, top_k)."""
+    first = len(ids)
+
+    def hook(mod, inp, _out) -> None:  # noqa: ANN001
+        nonlocal first
+        x = inp[0].reshape(-1, inp[0].shape[-1]).float()
+        bias = getattr(mod, "bias", None)
+        logits = torch.nn.functional.linear(x, mod.weight.float(), None if bias is None else bias.float())
+        k = getattr(mod, "top_k", None) or hf.config.num_experts_per_tok
+        v = logits.sort(dim=-1, descending=True).values
+        tied = (v[:, k - 1] - v[:, k]) <= ROUTER_TIE * v.abs().max(dim=-1).values
+        if tied.any():
+            first = min(first, int(tied.nonzero()[0]))
+
+    routers = [m for m in hf.modules() if type(m).__name__.endswith("TopKRouter")]
+    handles = [m.register_forward_hook(hook) for m in routers]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    return first

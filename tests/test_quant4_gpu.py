@@ -1,7 +1,9 @@
 """4-bit checkpoints on the GPU, end to end: the INT4 linear layers (skinny template or the Triton
 W4A16 GEMM, by M) and the 4-bit fused MoE (INT4 experts; GPT-OSS's MXFP4 ones), in bf16, against
 transformers running the same weights dequantized, in fp32. Greedy tokens must agree up to a
-bf16 near-tie of the reference (tests/bf16_tie.py), and prefill logits within 5% (max abs error over max |logit|)."""
+bf16 near-tie of the reference (tests/bf16_tie.py), and prefill logits within 5% (max abs error over max |logit|)
+up to the first position where an MoE router of the reference nearly ties (bf16 may pick another expert:
+the tiny GPT-OSS in transformers itself moves 0.74 of its logit scale in bf16 at such a prompt)."""
 
 from __future__ import annotations
 
@@ -40,9 +42,12 @@ def _check(q: Path, deq: Path) -> None:
         scores = llm.engine.score(PROMPTS)
     finally:
         llm.shutdown()
-    for ours, ref in zip(scores, want_logits, strict=True):
-        rel = (ours.float().cpu() - ref).abs().max() / ref.abs().max()
-        assert rel <= 0.05, f"prefill logits: rel err {rel:.3f}"
+    # MoE: positions from a near-tied routing on compare through the tokens' tie rule only.
+    ends = [bf16_tie.first_router_tie(hf, p) for p in PROMPTS]
+    assert 3 * sum(ends) >= sum(map(len, PROMPTS)), f"routing near-ties leave under a third of the positions: {ends}"
+    for ours, ref, end in zip(scores, want_logits, ends, strict=True):
+        rel = (ours[:end].float().cpu() - ref[:end]).abs().max() / ref[:end].abs().max() if end else 0.0
+        assert rel <= 0.05, f"prefill logits: rel err {rel:.3f} over the first {end} positions"
 
     def score(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
