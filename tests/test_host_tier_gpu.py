@@ -100,14 +100,17 @@ def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
     # Device index tensors made first: indexing with a host list would synchronise the host.
     idx, fresh_idx = torch.tensor(pages, device="cuda"), torch.tensor(fresh, device="cuda")
     copy_slots(pool._k, pool._v, pages, pool._k, pool._v, pages)  # the copy path's first-call work
-    torch.cuda.synchronize()
-    # ~1 s of compute-stream work ahead of everything below. (This failed on an H100 while each copy
-    # took a fresh block of torch's pinned allocator for its slot lists: a page-locked allocation
-    # waits for the device. The slot lists now use one pinned ring, registered with the tier.)
-    torch.cuda._sleep(2_000_000_000)
+    # Every tensor the test itself needs is allocated before the GPU is kept busy: a first
+    # allocation of a size may cudaMalloc, which waits for the device (measured on an H100: the
+    # index_select after the load drained the stream the first time and not the second, while
+    # the tier's own calls returned with it busy both times).
     truth = torch.randn(layers, n, heads, dim, device="cuda").to(torch.bfloat16)
+    neg = -truth
+    got_k, got_v = torch.empty_like(truth), torch.empty_like(truth)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of compute-stream work ahead of everything below
     pool._k.index_copy_(1, idx, truth)  # "the in-flight step writes the prefix's KV"
-    pool._v.index_copy_(1, idx, -truth)
+    pool._v.index_copy_(1, idx, neg)
     tier.on_evict(tokens, pages)  # write-back on the copy stream
     assert not torch.cuda.current_stream().query(), "the host waited for the GPU"
     _bytes(pool._k).index_fill_(1, idx, POISON)  # "a later step reuses the freed pages"
@@ -115,10 +118,12 @@ def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
     nodes = tier.lookup(tokens, 0)
     assert len(nodes) == n
     tier.load(nodes, fresh)
-    got_k, got_v = pool._k.index_select(1, fresh_idx), pool._v.index_select(1, fresh_idx)  # "the next step"
+    assert not torch.cuda.current_stream().query(), "the host waited for the GPU"
+    torch.index_select(pool._k, 1, fresh_idx, out=got_k)  # "the next step"
+    torch.index_select(pool._v, 1, fresh_idx, out=got_v)
     assert not torch.cuda.current_stream().query(), "the host waited for the GPU"
     torch.cuda.synchronize()
-    assert torch.equal(got_k, truth) and torch.equal(got_v, -truth)
+    assert torch.equal(got_k, truth) and torch.equal(got_v, neg)
     assert tier.load_seconds > 0 and tier.tokens_loaded == n
 
 
