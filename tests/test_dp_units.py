@@ -203,6 +203,23 @@ def test_replica_stats_total_and_per_replica_series() -> None:
     assert 'minisgl_replica_load_tokens{dp_rank="1"} 90.0' in text
 
 
+def test_state_slot_and_snapshot_gauges_sum_over_replicas() -> None:
+    """A hybrid model's state slots and prefix-cache snapshots reach /metrics, read back through
+    the Prometheus parser, summed over replicas."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from minisgl.server.metrics import Metrics
+
+    m = Metrics()
+    m.on_stats(StatsMsg(1, 0, 10, 100, 0, 0, dp_rank=0, state_used=1, state_total=4, state_snapshots=3,
+                        state_snapshots_total=4))
+    m.on_stats(StatsMsg(2, 0, 10, 100, 0, 0, dp_rank=1, state_used=2, state_total=4, state_snapshots=1,
+                        state_snapshots_total=4))
+    got = {s.name: s.value for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    assert got["minisgl_state_slots_used"] == 3 and got["minisgl_state_slots_total"] == 8
+    assert got["minisgl_state_snapshots"] == 4 and got["minisgl_state_snapshots_total"] == 8
+
+
 def test_router_neutral_fields_are_dropped_only_at_their_neutral_value() -> None:
     body = {"prompt": "x", "no_stop_trim": False, "return_hidden_states": False, "ignore_eos": False}
     assert strip_neutral_fields("/v1/completions", body) == {"prompt": "x", "ignore_eos": False}

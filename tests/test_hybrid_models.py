@@ -61,16 +61,18 @@ def test_chunked_prefill_and_mixed_batches(name: str, chunk: int, tiny_model_pat
     assert pool.free_slots == pool.num_slots, "a state slot leaked"
 
 
-def test_no_prefix_hits_and_retraction_resumes(tiny_model_path: Callable[[str], Path],
-                                               hf_models: dict[str, object]) -> None:
-    """Requests sharing a 40-token prefix take no prefix-cache hit (the radix cache holds the
-    first one's KV, but no state to resume from), and a KV pool too small for all of them at
-    once forces retractions: a retracted request recomputes its state and still gives
-    transformers' tokens."""
+@pytest.mark.parametrize("snapshots", [0, None])
+def test_prefix_hits_resume_snapshots_and_retraction_resumes(
+        tiny_model_path: Callable[[str], Path], hf_models: dict[str, object], snapshots: int | None) -> None:
+    """Requests sharing a 40-token prefix: with state snapshots (the default) later ones resume
+    the recurrence from a snapshot (the second one recomputes up to the branch point and
+    snapshots it there); with `state_snapshots=0` none takes a hit (the radix cache still holds
+    the KV). A KV pool too small for all of them at once forces retractions: a retracted request
+    recomputes (or resumes) its state. Either way every request gives transformers' tokens."""
     path = tiny_model_path("qwen3_next")
     hf = hf_model(path, hf_models)
     llm = LLM(str(path), device="cpu", dtype="float32", page_size=4, num_pages=41, max_running_requests=4,
-              max_prefill_tokens=32)
+              max_prefill_tokens=32, state_snapshots=snapshots)
     # Admit on the prompts alone (no room counted for the outputs): decodes then run the pool out.
     sched = llm.scheduler
     sched.cfg = dataclasses.replace(sched.cfg, init_new_token_ratio=0.0, min_new_token_ratio=0.0)
@@ -78,33 +80,44 @@ def test_no_prefix_hits_and_retraction_resumes(tiny_model_path: Callable[[str], 
     shared = random_prompts(5, (40,))[0]
     prompts = [shared + tail for tail in random_prompts(6, (3, 9, 5, 12))]
     hits = record_prefix_hits(llm)
-    outs = llm.generate(prompts, greedy(40), use_tqdm=False)
-    for p, o in zip(prompts, outs, strict=True):
-        assert o["token_ids"] == hf_greedy(hf, p, 40), f"prompt of {len(p)} tokens"
-    assert hits and set(hits) == {0}, f"a hybrid model took a prefix hit: {hits}"
-    assert sched.cache.match_prefix(shared).matched_tokens >= 36, "the KV of the shared prefix was not cached"
+    # The first two alone (the second caches the branch point), then all four at once.
+    asked = [prompts[0], prompts[1], *prompts]
+    groups = (prompts[:1], prompts[1:2], prompts)
+    outs = [o for group in groups for o in llm.generate(group, greedy(40), use_tqdm=False)]
+    want = {tuple(p): hf_greedy(hf, p, 40) for p in prompts}
+    for p, o in zip(asked, outs, strict=True):
+        assert o["token_ids"] == want[tuple(p)], f"prompt of {len(p)} tokens"
+    if snapshots == 0:
+        assert hits and set(hits) == {0}, f"a hybrid model took a prefix hit without snapshots: {hits}"
+    else:
+        assert max(hits) >= 40, f"no request resumed the shared prefix's snapshot: {hits}"
+        assert sched.cache.num_snapshots > 0
+    assert sched.cache.match_prefix(shared, whole=True).matched_tokens >= 36, "the shared prefix's KV was not cached"
     assert sched.num_retractions > 0, "the tight KV pool should have forced a retraction"
     sched.check_integrity()
     assert llm.engine.state_pool.free_slots == llm.engine.state_pool.num_slots
 
 
 def test_state_pool_no_leak_after_random_requests(tiny_model_path: Callable[[str], Path]) -> None:
-    """120 random requests (random lengths and arrivals, aborts at random points, a tight KV
-    pool: retractions) on 4 state slots: after every few steps every slot is free or held by
-    exactly one admitted request, and at the end all are free."""
+    """1,000 random requests (prompts on a few shared prefixes with random tails, random
+    lengths and arrivals, aborts at random points, a tight KV pool: retractions) on 4 state
+    slots and 3 snapshot slots (so snapshots are dropped LRU and evicted with their KV): after
+    every few steps every state slot is free or held by exactly one admitted request and every
+    snapshot slot free or held by one radix node; at the end all running slots are free."""
     import random
 
     llm = LLM(str(tiny_model_path("qwen3_next")), device="cpu", dtype="float32", page_size=4, num_pages=31,
-              max_running_requests=4, max_prefill_tokens=16)
+              max_running_requests=4, max_prefill_tokens=16, state_snapshots=3, state_snapshot_interval=8)
     sched, pool = llm.scheduler, llm.engine.state_pool
     rng = random.Random(3)
-    n, live, steps, peak = 0, [], 0, 0
-    while n < 120 or sched.has_work:
+    heads = [[rng.randrange(10, 900) for _ in range(k)] for k in (0, 8, 12, 24)]
+    total, n, live, steps, peak, hits = 1000, 0, [], 0, 0, record_prefix_hits(llm)
+    while n < total or sched.has_work:
         for _ in range(rng.choice([0, 1, 2, 3])):
-            if n < 120:
-                prompt = [rng.randrange(10, 900) for _ in range(rng.choice([1, 3, 9, 20, 40]))]
-                req = llm._make_request(prompt, SamplingParams(max_tokens=rng.choice([1, 2, 4, 20]),
-                                                               temperature=0.0, ignore_eos=True))
+            if n < total:
+                tail = [rng.randrange(10, 900) for _ in range(rng.choice([1, 3, 9, 20]))]
+                req = llm._make_request(rng.choice(heads) + tail, SamplingParams(
+                    max_tokens=rng.choice([1, 2, 4, 20]), temperature=0.0, ignore_eos=True))
                 sched.add(req)
                 live.append(req)
                 n += 1
@@ -116,13 +129,16 @@ def test_state_pool_no_leak_after_random_requests(tiny_model_path: Callable[[str
         sched.step()
         peak = max(peak, pool.num_slots - pool.free_slots)
         steps += 1
-        assert steps < 20000, "scheduler made no progress"
+        assert steps < 100000, "scheduler made no progress"
         if steps % 5 == 0:
             sched.check_integrity()
     sched.check_integrity()
     assert pool.free_slots == pool.num_slots, "a state slot leaked"
     assert peak == pool.num_slots, "the state pool never filled"
-    assert sched.stats()["state_slots_total"] == 4 and sched.stats()["state_slots_used"] == 0
+    assert sum(h > 0 for h in hits) > 100, f"only {sum(h > 0 for h in hits)} snapshot hits"
+    stats = sched.stats()
+    assert stats["state_slots_total"] == 4 and stats["state_slots_used"] == 0
+    assert stats["state_snapshots_total"] == 3 and stats["state_snapshots"] == sched.cache.num_snapshots > 0
     assert sched.num_retractions > 0, "the tight KV pool should have forced a retraction"
     llm.shutdown()
 
@@ -157,3 +173,33 @@ def test_what_is_not_built_yet_is_refused_by_name(tiny_model_path: Callable[[str
         mc.check_tp(2)
     with pytest.raises(ValueError, match="speculative decoding is not built"):
         LLM(str(path), device="cpu", dtype="float32", speculative_algorithm="ngram")
+
+
+@pytest.mark.parametrize(("name", "chunk"), [("qwen3_next", None), ("qwen3_5", None), ("qwen3_next", 48)])
+def test_shared_prefix_hits_its_snapshot_and_equals_no_hit(tiny_model_path: Callable[[str], Path], name: str,
+                                                           chunk: int | None) -> None:
+    """64 requests sharing a 100-token system prompt (the first alone, then the other 63 at
+    once): the second recomputes up to the branch point and snapshots it, the other 62 resume
+    there (hit rate > 90%). Tokens identical and logprobs within 1e-4 of the same requests with
+    no snapshots (every prompt computed from its first token); also with prompts chunked by 48
+    (snapshots every 32 tokens: the branch point is not a chunk boundary of the first request)."""
+    path = str(tiny_model_path(name))
+    opts = {} if chunk is None else {"max_prefill_tokens": chunk, "state_snapshot_interval": 32}
+    system = random_prompts(11, (100,))[0]
+    prompts = [system + tail for tail in random_prompts(12, tuple(3 + i % 7 for i in range(64)))]
+    params = greedy(3)
+    outs = {}
+    for snaps in (None, 0):
+        llm = LLM(path, device="cpu", dtype="float32", page_size=1, max_running_requests=64, state_snapshots=snaps,
+                  **opts)
+        hits = record_prefix_hits(llm)
+        outs[snaps] = [o for group in (prompts[:1], prompts[1:]) for o in llm.generate(group, params, use_tqdm=False)]
+        llm.scheduler.check_integrity()
+        if snaps is None:
+            rate = sum(h >= 100 for h in hits) / len(prompts)
+            assert rate > 0.9, f"prefix-cache hit rate {rate:.2f} on the shared system prompt (hits {hits})"
+        else:
+            assert set(hits) == {0}
+    for a, b in zip(outs[None], outs[0], strict=True):
+        assert a["token_ids"] == b["token_ids"]
+        torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-4, rtol=0)

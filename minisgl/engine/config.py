@@ -57,6 +57,11 @@ class EngineConfig:
     # Sliding-window layers' pool (models with windows < the context): its tokens = this x the
     # full pool's. None: enough for every running request's window plus one step (pool.py).
     swa_full_tokens_ratio: float | None = None
+    # Hybrid linear-attention models: recurrent-state snapshot slots for prefix-cache resumes
+    # (kvcache/radix_snap.py; None: as many as max_running_requests, 0: no prefix hits), and the
+    # prompt positions a snapshot is taken every (besides each prompt's end and branch points).
+    state_snapshots: int | None = None
+    state_snapshot_interval: int = 1024
     # Batch-invariant kernels: a request's tokens and logprobs do not depend on what is
     # batched with it, on chunking or on prefix-cache hits (README "Determinism").
     deterministic: bool = False
@@ -76,6 +81,11 @@ class EngineConfig:
             raise ValueError(f"unknown task {self.task!r}; choose from {', '.join(TASKS)}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose auto or one of {', '.join(DTYPES)}")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise ValueError(f"state_snapshots must be >= 0 (0: no prefix-cache hits for hybrid models), "
+                             f"got {self.state_snapshots}")
+        if self.state_snapshot_interval < 1:
+            raise ValueError(f"state_snapshot_interval must be >= 1 token, got {self.state_snapshot_interval}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose from {ATTENTION_BACKENDS}")
         if self.load_format not in LOAD_FORMATS:

@@ -157,12 +157,14 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         la, cfg = self.model_config.linear_attn, self.cfg
         if la is None:
             return None
+        snaps = cfg.max_running_requests if cfg.state_snapshots is None else cfg.state_snapshots
         pool = StatePool(la.num_linear_layers, cfg.max_running_requests, la.conv_kernel, la.conv_dim, la.num_v_heads,
-                         la.k_head_dim, la.v_head_dim, self.dtype, self.device)
+                         la.k_head_dim, la.v_head_dim, self.dtype, self.device, num_snapshots=snaps)
         self.model.bind_state_pool(pool)
-        log.info("recurrent-state pool: %d Gated DeltaNet layers x %d requests, %.1f MiB per request (%.2f GiB); "
-                 "prefix-cache hits are off for this model (no state snapshots yet)", la.num_linear_layers,
-                 pool.num_slots, pool.bytes_per_slot / 2**20, pool.bytes_per_slot * pool.num_slots / 2**30)
+        log.info("recurrent-state pool: %d Gated DeltaNet layers x (%d requests + %d prefix-cache snapshots), "
+                 "%.1f MiB a slot (%.2f GiB)%s", la.num_linear_layers, pool.num_slots, snaps,
+                 pool.bytes_per_slot / 2**20, pool.bytes_per_slot * pool.total_slots / 2**30,
+                 "; no snapshots: prefix-cache hits are off for this model" if not snaps else "")
         return pool
 
     def _startup_phase(self, what: str) -> AbstractContextManager[None]:
@@ -236,7 +238,7 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
             used = total - free
             return total * self.cfg.gpu_memory_fraction - used - (1 << 30)  # 1 GiB for activations
         # On the CPU the state pool comes out of the same budget (on a GPU it is already used).
-        states = self.state_pool.bytes_per_slot * self.state_pool.num_slots if self.state_pool is not None else 0
+        states = self.state_pool.bytes_per_slot * self.state_pool.total_slots if self.state_pool is not None else 0
         return self.cfg.cpu_kv_cache_gb * (1 << 30) - states
 
     def _default_num_pages(self, kv_heads: int) -> int:

@@ -38,6 +38,11 @@ class MatchResult:
     pages: list[int]
     matched_tokens: int
     swa_pages: list[int] = field(default_factory=list)
+    # With recurrent-state snapshots (kvcache/radix_snap.py): the snapshot slot holding the state
+    # after `matched_tokens` (-1: none, resume from zeros), and where the KV-only match ended when
+    # the snapshot rule cut it shorter (0: it did not).
+    snapshot: int = -1
+    branch_tokens: int = 0
 
 
 class PrefixCache(ABC):

@@ -23,6 +23,9 @@ Sliding-window group (`window` W > 0): each node also holds `swa`, its pages' sl
 a tombstone, that sliding KV freed). A match ends at the largest page boundary m whose window
 positions [m - W + 1, m) all have sliding pages (what a request with m cached tokens reads);
 eviction frees both kinds; `trim_swa` tombstones sliding pages no reader's window reaches.
+
+Recurrent-state snapshots (`snapshots`, hybrid models; kvcache/radix_snap.py): a node may hold
+the snapshot of the state after its end; a match ends at the deepest one on its path.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from collections.abc import Callable, Sequence
 
 from minisgl.kvcache.events import CacheEvents
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
+from minisgl.kvcache.radix_snap import StateSnapshots
 from minisgl.kvcache.radix_swa import SlidingPages
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "in_heap", "hashes", "swa")
+    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "in_heap", "hashes", "swa", "snap")
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: _Node | None, now: int) -> None:
         self.key = key
@@ -49,20 +53,24 @@ class _Node:
         self.in_heap = False
         self.hashes: list[int] = []  # the pages' chained hashes, with KV events on
         self.swa: list[int] = []  # with a sliding group: each page's sliding page (0: tombstone)
+        self.snap = -1  # with snapshots: the state snapshot slot after this node's end (-1: none)
 
     @property
     def nswa(self) -> int:
         return sum(1 for p in self.swa if p)
 
 
-class RadixCache(SlidingPages, PrefixCache):
-    def __init__(self, page_size: int, events: CacheEvents | None = None, window: int = 0) -> None:
+class RadixCache(SlidingPages, StateSnapshots, PrefixCache):
+    def __init__(self, page_size: int, events: CacheEvents | None = None, window: int = 0,
+                 snapshots: bool = False) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if events is not None and events.page_size != page_size:
             raise ValueError(f"events hash blocks of {events.page_size} tokens, the cache's pages hold {page_size}")
         self.page_size = page_size
         self.window = window  # the sliding group's window W (0: no sliding group)
+        self.snapshots = snapshots
+        self.free_snapshot: Callable[[int], None] | None = None
         self.events = events
         self.heap_pops = 0  # eviction work counter (tests and metrics)
         # Called with (the evicted leaf's whole prefix, its pages) before they are freed: the
@@ -82,6 +90,7 @@ class RadixCache(SlidingPages, PrefixCache):
         self._swa_pages: set[int] = set()
         self._swa_evictable = 0
         self._swa_protected = 0
+        self._init_snapshots()
 
     # ---- lookups -------------------------------------------------------------------------
 
@@ -96,7 +105,24 @@ class RadixCache(SlidingPages, PrefixCache):
             if m < len(pages):  # walk again to split the edge at the cut
                 handle, matched = self._walk(ids[: m * ps], self._clock)
                 pages, swa = pages[:m], swa[:m]
-        return MatchResult(handle=handle, pages=pages, matched_tokens=matched, swa_pages=swa if self.window else [])
+        snap, branch = -1, 0
+        if self.snapshots and not whole:
+            cut = self._snapshot_cut(handle)
+            if cut is not handle:
+                branch, matched = matched, matched - sum(len(n.key) for n in self._nodes_between(cut, handle))
+                handle, pages, swa = cut, pages[: matched // ps], swa[: matched // ps]
+            snap = cut.snap if cut is not self._root else -1
+        return MatchResult(handle=handle, pages=pages, matched_tokens=matched,
+                           swa_pages=swa if self.window else [], snapshot=snap, branch_tokens=branch)
+
+    def _nodes_between(self, top: _Node, node: _Node) -> list[_Node]:
+        """The nodes below `top` down to `node` (its descendant), `node` included."""
+        out = []
+        while node is not top:
+            out.append(node)
+            assert node.parent is not None
+            node = node.parent
+        return out
 
     def _path(self, node: _Node) -> tuple[list[int], list[int]]:
         runs: list[_Node] = []
@@ -247,6 +273,7 @@ class RadixCache(SlidingPages, PrefixCache):
                 continue
             if self.on_evict is not None:
                 self.on_evict(self._prefix_of(node), node.pages)
+            self._release_snapshot(node)
             del parent.children[node.key[: self.page_size]]
             node.parent = None
             freed.extend(node.pages)
@@ -301,6 +328,7 @@ class RadixCache(SlidingPages, PrefixCache):
             raise RuntimeError(f"cannot reset the cache: {self._protected} pages are locked")
         pages = list(self._pages)
         swa = list(self._swa_pages)
+        self._reset_snapshots()
         self._clear()
         self._swa_out.extend(swa)
         if self.events is not None:
@@ -327,6 +355,7 @@ class RadixCache(SlidingPages, PrefixCache):
         seen: set[int] = set()
         evictable = protected = in_heap = 0
         seen_swa: set[int] = set()
+        snapped: list[_Node] = []
         swa_counts = [0, 0]
         stack = [root]
         while stack:
@@ -356,6 +385,8 @@ class RadixCache(SlidingPages, PrefixCache):
                     _require(not seen_swa.intersection(live), f"{where}: a sliding page cached twice")
                     seen_swa.update(live)
                     swa_counts[child.ref > 0] += len(live)
+                if child.snap >= 0:
+                    snapped.append(child)
                 if child.ref:
                     protected += len(child.pages)
                 else:
@@ -369,6 +400,10 @@ class RadixCache(SlidingPages, PrefixCache):
         _require(seen == self._pages, "page set differs from the tree's pages")
         _require(in_heap == len(self._heap), f"{len(self._heap)} heap entries, {in_heap} marked")
         _require(seen_swa == self._swa_pages, "sliding page set differs from the tree's")
+        _require(set(snapped) == set(self._snaps) and len(snapped) == len(self._snaps),
+                 "snapshot list differs from the tree's snapshots")
+        slots = [n.snap for n in snapped]
+        _require(len(set(slots)) == len(slots), "a snapshot slot held by two nodes")
         _require(swa_counts == [self._swa_evictable, self._swa_protected],
                  f"sliding pages evictable/protected {swa_counts}, counted {self._swa_evictable}/{self._swa_protected}")
 

@@ -12,8 +12,12 @@ row and the padding row), so a step gathers its slots on the device from its row
 as req_to_swa_slot). A slot is taken at admission and given back when its request finishes, is
 aborted or is retracted (a retracted request recomputes its state from its prompt on resume,
 like its KV). A fresh slot is never cleared: the kernels start a sequence whose prefix is 0
-from zeros without reading it (`has_state`). Snapshots for prefix-cache resumes are the next
-step: they will be more slots of this pool, held by radix nodes.
+from zeros without reading it (`has_state`).
+
+Snapshot slots (`num_snapshots` more, after the running ones, with their own free list): the
+state after some cached prefix, held by a radix node (kvcache/radix_snap.py). `copy` moves a
+slot's conv and recurrent state to another on the current stream, so it falls between the step
+that wrote the source and the step that reads the destination.
 """
 
 from __future__ import annotations
@@ -23,15 +27,20 @@ import torch
 
 class StatePool:
     def __init__(self, num_layers: int, num_slots: int, conv_kernel: int, conv_dim: int, num_v_heads: int,
-                 k_head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+                 k_head_dim: int, v_head_dim: int, dtype: torch.dtype, device: torch.device,
+                 num_snapshots: int = 0) -> None:
         if num_slots < 1:
             raise ValueError(f"the state pool needs at least 1 slot, got {num_slots}")
-        self.num_layers, self.num_slots = num_layers, num_slots
-        self.conv = torch.empty((num_layers, num_slots, conv_kernel - 1, conv_dim), dtype=dtype, device=device)
-        self.state = torch.empty((num_layers, num_slots, num_v_heads, k_head_dim, v_head_dim), dtype=torch.float32,
+        if num_snapshots < 0:
+            raise ValueError(f"num_snapshots must be >= 0, got {num_snapshots}")
+        self.num_layers, self.num_slots, self.num_snapshots = num_layers, num_slots, num_snapshots
+        total = num_slots + num_snapshots
+        self.conv = torch.empty((num_layers, total, conv_kernel - 1, conv_dim), dtype=dtype, device=device)
+        self.state = torch.empty((num_layers, total, num_v_heads, k_head_dim, v_head_dim), dtype=torch.float32,
                                  device=device)
         # Pop from the end: low slots first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._snap_free: list[int] = list(range(total - 1, num_slots - 1, -1))
 
     @staticmethod
     def bytes_per_slot_for(num_layers: int, conv_kernel: int, conv_dim: int, num_v_heads: int, k_head_dim: int,
@@ -57,3 +66,29 @@ class StatePool:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+    # ---- snapshots -----------------------------------------------------------------------
+
+    @property
+    def total_slots(self) -> int:
+        return self.num_slots + self.num_snapshots
+
+    @property
+    def free_snapshots(self) -> int:
+        return len(self._snap_free)
+
+    def free_snapshot_ids(self) -> list[int]:
+        return list(self._snap_free)
+
+    def allocate_snapshot(self) -> int | None:
+        return self._snap_free.pop() if self._snap_free else None
+
+    def free_snapshot(self, slot: int) -> None:
+        if not self.num_slots <= slot < self.total_slots:
+            raise ValueError(f"slot {slot} is not a snapshot slot ([{self.num_slots}, {self.total_slots}))")
+        self._snap_free.append(slot)
+
+    def copy(self, src: int, dst: int) -> None:
+        """Slot `dst` := slot `src` (every layer's conv and recurrent state)."""
+        self.conv[:, dst].copy_(self.conv[:, src])
+        self.state[:, dst].copy_(self.state[:, src])

@@ -57,6 +57,8 @@ class ServerArgs:
     gpu_memory_fraction: float = 0.85
     cpu_kv_cache_gb: float = 1.0
     swa_full_tokens_ratio: float | None = None
+    state_snapshots: int | None = None
+    state_snapshot_interval: int = 1024
     deterministic: bool = False
     # scheduler (None / False = the scheduler's own default)
     max_prefill_tokens: int | None = None

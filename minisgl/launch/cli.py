@@ -188,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: every running request's window plus one prefill step, at most half the KV memory)",
     )
     g.add_argument(
+        "--state-snapshots",
+        type=int,
+        default=d.state_snapshots,
+        help="hybrid linear-attention models (Qwen3-Next, Qwen3.5): recurrent-state snapshot slots kept for "
+        "prefix-cache hits (default: --max-running-requests; 0: no prefix hits for them)",
+    )
+    g.add_argument(
+        "--state-snapshot-interval",
+        type=int,
+        default=d.state_snapshot_interval,
+        help="hybrid models: also snapshot the recurrent state every this many prompt tokens (besides each "
+        "prompt's end and where a prompt leaves a cached prefix)",
+    )
+    g.add_argument(
         "--deterministic",
         action="store_true",
         help="batch-invariant kernels: a request's tokens and logprobs do not depend on its batch (README)",

@@ -126,6 +126,9 @@ class StatsMsg:
     # requests, and in all.
     state_used: int = 0
     state_total: int = 0
+    # Its state snapshots for prefix-cache hits (kvcache/radix_snap.py): held by the radix cache, and slots.
+    state_snapshots: int = 0
+    state_snapshots_total: int = 0
 
     @property
     def kv_usage(self) -> float:

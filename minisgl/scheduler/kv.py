@@ -7,9 +7,14 @@ pages (`req.swa_pages`, one per page of `req.pages`, 0 where freed) and its own 
 
 Recurrent states (a hybrid model's Gated DeltaNet layers, kvcache/state_pool.py): a request
 holds one state slot from admission (`attach`) to `release` (finish, abort, retraction), so a
-table row is free for admission only with a state slot free. The slots hold no prefix: such a
-model takes no prefix-cache hit (`match` at length 0) until the radix cache keeps state
-snapshots (the next step of issue 34); its KV still goes to the cache.
+table row is free for admission only with a state slot free. Prefix hits need a snapshot of
+the state where the hit ends (kvcache/radix_snap.py: a match ends at the deepest snapshot on its
+path): `attach` copies it into the request's slot. `snapshot` takes one after the step that
+computed a prompt up to a position (launched, so the copy follows it on the stream): at each
+prompt's end, where its KV match went past its snapshot (the chunk ends there: the next request
+sharing that prefix resumes it whole), and at chunk ends every `state_snapshot_interval` tokens.
+Without snapshot slots (`--state-snapshots 0`) such a model takes no prefix hit; its KV still
+goes to the cache.
 
 Sliding window W: before a step with `prefix` cached tokens a request needs sliding slots for
 positions >= prefix - W + 1 only (what its sliding layers read); whenever the scheduler next
@@ -42,9 +47,9 @@ def make_host_tier(engine: Engine, cache: PrefixCache, gb: float) -> HostKVTier 
         # full pool (no sliding group), and those are served.
         raise ValueError(f"--host-kv-cache-gb does not support {engine.model_config.architecture}: its sliding-window "
                          "layers keep a window-sized KV pool group, which has no host tier yet; run without it")
-    if getattr(engine, "state_pool", None) is not None:  # a host hit would need a state snapshot too
+    if getattr(engine, "state_pool", None) is not None:  # a host hit would need its state snapshot on the host too
         raise ValueError(f"--host-kv-cache-gb does not support {engine.model_config.architecture}: its prefix hits "
-                         "need recurrent-state snapshots, not built yet; run without it")
+                         "need recurrent-state snapshots, which have no host tier yet; run without it")
     if engine.drafter is not None and engine.cfg.speculative_algorithm != "ngram":
         raise ValueError("--host-kv-cache-gb does not restore a draft model's KV yet; use it without "
                          f"--speculative-algorithm {engine.cfg.speculative_algorithm}")
@@ -71,8 +76,13 @@ class RequestKV:
         self._pending_swa: dict[tuple[int, int], int] = {}
         self.states = getattr(engine, "state_pool", None)  # recurrent-state slots (None: no linear layers)
         self._pending_states: dict[int, int] = {}  # row -> state slot (-1: none), flushed with the rest
-        if self.states is not None:
-            logger.info("%s: prefix-cache hits are off (its Gated DeltaNet layers' states have no snapshots yet); "
+        # Hybrid models: prefix hits resume from state snapshots held by the radix cache.
+        self.snapshots = self.states is not None and self.states.num_snapshots > 0 and isinstance(cache, RadixCache)
+        self.snapshot_interval = engine.cfg.state_snapshot_interval if self.snapshots else 0
+        if self.snapshots:
+            cache.free_snapshot = self.states.free_snapshot  # type: ignore[attr-defined]
+        elif self.states is not None:
+            logger.info("%s: prefix-cache hits are off (no state snapshot slots, or not the radix cache); "
                         "every prompt is computed from its first token", engine.model_config.architecture)
 
     def _write(self, row: int, start: int, pages: list[int], swa: bool = False) -> None:
@@ -126,11 +136,14 @@ class RequestKV:
         return {"kv_swa_slots_total": total * ps, "kv_swa_slots_used": used * ps}
 
     def state_stats(self) -> dict[str, int]:
-        """Recurrent-state slots in all and held by requests (StatsMsg, /metrics); empty without."""
+        """Recurrent-state slots in all and held by requests, snapshot slots in all and held by the
+        prefix cache (StatsMsg, /metrics); empty without."""
         if self.states is None:
             return {}
         return {"state_slots_total": self.states.num_slots,
-                "state_slots_used": self.states.num_slots - self.states.free_slots}
+                "state_slots_used": self.states.num_slots - self.states.free_slots,
+                "state_snapshots_total": self.states.num_snapshots,
+                "state_snapshots": self.states.num_snapshots - self.states.free_snapshots}
 
     @property
     def free_rows(self) -> int:
@@ -160,8 +173,8 @@ class RequestKV:
 
     def match(self, req: Request) -> MatchResult:
         # Prompt logprobs need every prompt position's logits; an embedding, its hidden states.
-        # A hybrid model: no state snapshot to resume from (module docstring).
-        if req.needs_prompt_logprobs or req.pooling is not None or self.states is not None:
+        # A hybrid model without snapshots: nothing to resume its state from (module docstring).
+        if req.needs_prompt_logprobs or req.pooling is not None or (self.states is not None and not self.snapshots):
             return self.cache.match_prefix([])
         # At least one token must be computed (its logits pick the next token).
         return self.cache.match_prefix(req.tokens()[:-1])
@@ -206,6 +219,33 @@ class RequestKV:
         if self.states is not None:  # free_rows counted it: a slot is free
             req.state_slot = self.states.allocate()
             self._pending_states[req.row] = req.state_slot
+            if match.snapshot >= 0:  # the state after the hit (the KV match cut to it)
+                self.states.copy(match.snapshot, req.state_slot)
+            req.snap_at = match.branch_tokens if self.snapshots else 0
+
+    def snapshot(self, req: Request, prefix: int) -> None:
+        """After the launch of the step that computed `req`'s prompt from `prefix` to
+        `req.cached_len`: snapshot its state there, if that is a snapshot point (module
+        docstring). Its KV up to there goes to the cache first (the node the snapshot hangs on)."""
+        pos = req.cached_len
+        if not self.snapshots or req.pooling is not None or pos % self.page_size:
+            return
+        prompt_end = pos == len(req.prompt)
+        branch = pos == req.snap_at
+        if branch:
+            req.snap_at = 0
+        if not (prompt_end or branch or pos // self.snapshot_interval > prefix // self.snapshot_interval):
+            return
+        self.cache_progress(req)
+        slot = self.states.allocate_snapshot()
+        if slot is None and self.cache.drop_lru_snapshot():  # type: ignore[attr-defined]
+            slot = self.states.allocate_snapshot()
+        if slot is None:
+            return
+        if self.cache.set_snapshot(req.tokens()[:pos], slot):  # type: ignore[attr-defined]
+            self.states.copy(req.state_slot, slot)
+        else:  # that prefix has one already
+            self.states.free_snapshot(slot)
 
     def grow(self, req: Request, tokens: int) -> bool:
         """Ensures slots for positions [0, tokens); evicts cached prefixes if it must.
@@ -341,6 +381,12 @@ class RequestKV:
             assert not set(self.states.free_slot_ids()).intersection(held), "a state slot is free and held"
             assert self.states.free_slots + len(held) == self.states.num_slots, (
                 f"state accounting broken: free {self.states.free_slots} + held {len(held)} != {self.states.num_slots}"
+            )
+            snaps = self.cache.snapshot_slots() if self.snapshots else []  # type: ignore[attr-defined]
+            free_snaps = self.states.free_snapshot_ids()
+            assert sorted(snaps + free_snaps) == list(range(self.states.num_slots, self.states.total_slots)), (
+                f"snapshot slots leaked or doubled: {len(snaps)} held by the cache + {len(free_snaps)} free != "
+                f"{self.states.num_snapshots}"
             )
         if self.swa is not None:
             mine = [p for r in active if r.match is not None for p in r.swa_pages[len(r.match.pages) :] if p]

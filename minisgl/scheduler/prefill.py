@@ -66,6 +66,8 @@ def admit(queues: RequestQueues, kv: RequestKV, budget: int, new_token_ratio: fl
             break
         tokens = req.tokens()
         chunk = min(len(tokens) - req.cached_len, budget)
+        if req.snap_at > req.cached_len:  # a branch point to snapshot (kv.snapshot): the chunk ends there
+            chunk = min(chunk, req.snap_at - req.cached_len)
         if req.needs_prompt_logprobs:
             chunk = min(chunk, logit_rows)
             logit_rows -= chunk
@@ -92,9 +94,11 @@ def admit(queues: RequestQueues, kv: RequestKV, budget: int, new_token_ratio: fl
 
 def finish_admitted(kv: RequestKV, plan: PrefillPlan) -> None:
     """After the launch: a completed prompt awaits its first token; a chunk's KV goes to the
-    prefix cache (other requests sharing the prompt can reuse it)."""
-    for req, sampled in zip(plan.reqs, plan.samples):
+    prefix cache (other requests sharing the prompt can reuse it); a hybrid model's state is
+    snapshotted where the step ended at a snapshot point (kv.snapshot)."""
+    for req, prefix, sampled in zip(plan.reqs, plan.prefix, plan.samples):
         if sampled:
             req.num_pending += 1
         else:
             kv.cache_progress(req)
+        kv.snapshot(req, prefix)

@@ -310,6 +310,8 @@ class SchedulerProcess:
             *host_tier_stats(self.sched.kv.tier),
             state_used=st.get("state_slots_used", 0),
             state_total=st.get("state_slots_total", 0),
+            state_snapshots=st.get("state_snapshots", 0),
+            state_snapshots_total=st.get("state_snapshots_total", 0),
         )
         send(self.to_stats, msg)
 

@@ -28,6 +28,9 @@ class Request:
     swa_lo: int = 0
     # A hybrid model's recurrent-state slot (kvcache/state_pool.py) while it holds one; -1: none.
     state_slot: int = -1
+    # With state snapshots: the prompt position where its KV match went past its snapshot (a
+    # branch point): its prefill chunk ends there and the state is snapshotted (0: none).
+    snap_at: int = 0
     cached_len: int = 0  # tokens whose K/V are in the cache (or being computed in flight)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # Prefix-cache state: the locked match whose pages start `pages`.

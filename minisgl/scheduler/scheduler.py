@@ -63,7 +63,9 @@ class Scheduler:
         self.cfg = cfg or SchedulerConfig()
         mc, ec = engine.model_config, engine.cfg
         self.grammar = GrammarRows(grammars, mc.vocab_size, ec.max_running_requests, engine.device)
-        self.cache = make_prefix_cache(self.cfg.cache, ec.page_size, events, getattr(engine, "swa_window", 0))
+        states = getattr(engine, "state_pool", None)
+        self.cache = make_prefix_cache(self.cfg.cache, ec.page_size, events, getattr(engine, "swa_window", 0),
+                                       snapshots=states is not None and states.num_snapshots > 0)
         self.kv = RequestKV(engine, self.cache, self.cfg.host_kv_cache_gb)
         self.queues = RequestQueues(self.cfg.scheduling_policy)
         self.inflight: deque[_InFlight] = deque()

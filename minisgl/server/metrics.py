@@ -72,6 +72,10 @@ class Metrics:
         self.state_used = Gauge("minisgl_state_slots_used", "Recurrent-state slots held by requests (hybrid "
                                 "linear-attention models)", registry=r)
         self.state_total = Gauge("minisgl_state_slots_total", "Recurrent-state slots in all", registry=r)
+        self.state_snapshots = Gauge("minisgl_state_snapshots", "Recurrent-state snapshots the prefix cache holds "
+                                     "(hybrid linear-attention models)", registry=r)
+        self.state_snapshots_total = Gauge("minisgl_state_snapshots_total", "Recurrent-state snapshot slots in all",
+                                           registry=r)
         self.cache_hit_rate = Gauge(
             "minisgl_prefix_cache_hit_rate", "Share of admitted prompt tokens served from the prefix cache", registry=r
         )
@@ -111,6 +115,8 @@ class Metrics:
         self.kv_swa_total.set(s.kv_swa_total)
         self.state_used.set(s.state_used)
         self.state_total.set(s.state_total)
+        self.state_snapshots.set(s.state_snapshots)
+        self.state_snapshots_total.set(s.state_snapshots_total)
         self.cache_hit_rate.set(s.cache_hit_rate)
         for field, gauge in self.host_kv.items():
             gauge.set(getattr(s, field))

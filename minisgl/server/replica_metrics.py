@@ -46,7 +46,7 @@ class ReplicaStats:
         fields = ("running", "queued", "kv_used", "kv_total", "prompt_tokens", "cache_hit_tokens",
                   "spec_proposed", "spec_accepted", "spec_verified", "kv_swa_used", "kv_swa_total",
                   "host_kv_bytes", "host_kv_hits", "host_kv_tokens_loaded", "host_kv_load_s", "state_used",
-                  "state_total")
+                  "state_total", "state_snapshots", "state_snapshots_total")
         sums = {f: sum(getattr(s, f) for s in self.latest.values()) for f in fields}
         load = sum(s.load_tokens for s in self.latest.values())
         received = sum(s.received for s in self.latest.values())
