@@ -17,12 +17,14 @@ writing the pinned host pool through its device address) run on the tier's own C
 never block the host. Ordering, per copy: the copy stream first waits for everything already
 enqueued on the compute stream (a write-back reads KV that an in-flight step may still be
 writing; a load fills pages that an in-flight step may still touch, e.g. those of a request
-aborted meanwhile), then the compute stream waits for an event recorded after the copy, so the
-next step's forward (a load's reader; for a write-back, the first step that may reuse the freed
-pages) starts once the copy is done. Host-pool slots are only touched on the copy stream, so
-stores and loads of the same slot stay in order. The step waits once for all layers (no
-per-layer overlap yet): the gain is a host that schedules and launches on while the copy runs,
-and a copy at PCIe speed. On the CPU (a second CPU tensor) the same calls run synchronously.
+aborted meanwhile). After a write-back the compute stream waits for an event recorded after
+the copy, so the first step that may reuse the freed pages starts once it read them. A load
+(`load(..., wait=False)`, one GPU) makes nothing wait: RequestKV keeps its pages from every
+reader and its request aside until the event has completed (the batch goes on meanwhile); with
+TP (`wait=True`) the next step's forward waits for it, once for all layers. Host-pool slots are
+only touched on the copy stream, so stores and loads of the same slot stay in order. No
+per-layer overlap (graphs capture whole forwards). On the CPU (a second CPU tensor) the same
+calls run synchronously.
 """
 
 from __future__ import annotations
@@ -179,23 +181,27 @@ class HostKVTier:
     def unpin(self, nodes: list[_HNode]) -> None:
         self._busy.difference_update(nodes)
 
-    def load(self, nodes: list[_HNode], gpu_pages: list[int]) -> None:
-        """Copies the host pages of `nodes` into `gpu_pages` (ordered before the next step)."""
+    def load(self, nodes: list[_HNode], gpu_pages: list[int], wait: bool = True) -> Callable[[], bool]:
+        """Copies the host pages of `nodes` into `gpu_pages`. wait: the next step's forward waits
+        for the copy (the compute stream waits on it); else nothing waits and the caller keeps
+        the pages from every reader until the returned `done()` is true (RequestKV's loads in
+        flight). On the CPU the copy is synchronous: done at once."""
         slots = [n.slot for n in nodes]
         assert None not in slots, "load of a node without a host page"
-        self._copy(gpu_pages, slots, to_host=False)  # type: ignore[arg-type]
+        done = self._copy(gpu_pages, slots, to_host=False, wait=wait)  # type: ignore[arg-type]
         self.hits += 1
         self.tokens_loaded += len(nodes) * self.page_size
+        return done
 
-    def _copy(self, gpu_pages: list[int], host_pages: list[int], to_host: bool) -> None:
+    def _copy(self, gpu_pages: list[int], host_pages: list[int], to_host: bool, wait: bool = True
+              ) -> Callable[[], bool]:
         ps = self.page_size
         g = _slots(gpu_pages, ps)
         h = _slots(host_pages, ps)
         pool_k, pool_v = self.pool._k, self.pool._v
         if to_host:
-            self._copier.run(lambda: copy_slots(pool_k, pool_v, g, self._k, self._v, h), timed=False)
-        else:
-            self._copier.run(lambda: copy_slots(self._k, self._v, h, pool_k, pool_v, g), timed=True)
+            return self._copier.run(lambda: copy_slots(pool_k, pool_v, g, self._k, self._v, h), timed=False)
+        return self._copier.run(lambda: copy_slots(self._k, self._v, h, pool_k, pool_v, g), timed=True, wait=wait)
 
     def synchronize(self) -> None:
         """Waits for every copy enqueued so far (tests and benchmarks)."""
@@ -237,13 +243,15 @@ class _Copier:
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # timed copies not yet read
         self._seconds = 0.0
 
-    def run(self, copy: Callable[[], None], timed: bool) -> None:
+    def run(self, copy: Callable[[], None], timed: bool, wait: bool = True) -> Callable[[], bool]:
+        """Runs `copy`; returns whether it has completed (a query of its event). wait: the
+        compute stream waits for it (else the caller orders its readers, by that query)."""
         if self.stream is None:
             t0 = time.perf_counter()
             copy()
             if timed:
                 self._seconds += time.perf_counter() - t0
-            return
+            return lambda: True
         compute = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
@@ -253,11 +261,13 @@ class _Copier:
             copy()
             done = torch.cuda.Event(enable_timing=timed)
             done.record()
-        compute.wait_event(done)
+        if wait:
+            compute.wait_event(done)
         if start is not None:
             self._pending.append((start, done))
             if len(self._pending) > 64:  # nothing read the time lately (an offline LLM): fold it in
                 _ = self.seconds
+        return done.query
 
     @property
     def seconds(self) -> float:

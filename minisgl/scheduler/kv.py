@@ -25,6 +25,8 @@ offered to `cache.trim_swa`) and their table entries point at the dummy slot.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from minisgl.engine.engine import Engine
 from minisgl.kvcache.host_tier import HostKVTier
@@ -33,6 +35,21 @@ from minisgl.kvcache.radix_cache import RadixCache
 from minisgl.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Load:
+    """A host-tier load in flight: `pages` (fresh, held here) fill with the KV of `tokens`
+    past the locked GPU `match`, from the pinned host `nodes`; `req` (None once aborted) and
+    `waiters` (requests that need the same host pages) wait for `done()`."""
+
+    req: Request | None
+    tokens: tuple[int, ...]
+    match: MatchResult
+    nodes: list
+    pages: list[int]
+    done: Callable[[], bool]
+    waiters: list[Request] = field(default_factory=list)
 
 
 def make_host_tier(engine: Engine, cache: PrefixCache, gb: float) -> HostKVTier | None:
@@ -65,6 +82,10 @@ class RequestKV:
         self.engine = engine
         self.cache = cache
         self.tier = make_host_tier(engine, cache, host_kv_cache_gb)
+        # Host-tier loads in flight (one GPU): their requests wait aside, the batch goes on.
+        self._loads: list[_Load] = []
+        tp = getattr(engine, "tp", None)
+        self.defer_loads = tp is None or tp.size == 1
         self.page_size = engine.cfg.page_size
         self.allocator = engine.allocator
         self.swa = getattr(engine, "swa_allocator", None)  # the sliding group's pages (or None)
@@ -110,6 +131,8 @@ class RequestKV:
         """Empties the prefix cache unless an `active` request holds some of its pages; returns
         why not, or None once flushed. (A step in flight writes only pages its requests hold,
         or later the same stream's work does: nothing to wait for.)"""
+        if self._loads:
+            return f"{len(self._loads)} host KV tier load(s) in flight; retry in a moment"
         held = self.cache.protected_pages
         if held:
             holders = sum(1 for r in active if r.match is not None and r.match.pages)
@@ -179,9 +202,12 @@ class RequestKV:
         # At least one token must be computed (its logits pick the next token).
         return self.cache.match_prefix(req.tokens()[:-1])
 
-    def match_and_load(self, req: Request) -> MatchResult:
+    def match_and_load(self, req: Request) -> MatchResult | None:
         """`match`, extended by the host tier: host pages continuing the GPU match are copied
-        into fresh GPU pages and inserted into the prefix cache (when the pool has room)."""
+        into fresh GPU pages and inserted into the prefix cache (when the pool has room).
+        None: the copy is in flight and `req` waits for it (`finished_loads`; one GPU). With TP
+        the ranks must admit in lockstep, which a copy's completion time is not: there the
+        next step's forward waits for the copy instead."""
         match = self.match(req)
         if self.tier is None or req.needs_prompt_logprobs or req.pooling is not None:
             return match
@@ -189,19 +215,53 @@ class RequestKV:
         nodes = self.tier.lookup(tokens, len(match.pages))
         if not nodes:
             return match
+        busy = next((ld for ld in self._loads if nodes[0] in ld.nodes), None)
+        if busy is not None:  # its next host page is coming back already: wait for that load
+            busy.waiters.append(req)
+            return None
         self.cache.lock(match.handle)  # the GPU part must survive the eviction reserve() may do
         self.tier.pin(nodes)  # and the host part the host eviction that eviction may cause
-        try:
-            if not self.reserve(len(nodes)):
-                return match
-            pages = self.allocator.allocate(len(nodes))
-            self.tier.load(nodes, pages)
-            end = (len(match.pages) + len(nodes)) * self.page_size
-            self.cache.insert(tokens[:end], list(match.pages) + pages)
-        finally:
+        if not self.reserve(len(nodes)):
             self.tier.unpin(nodes)
             self.cache.unlock(match.handle)
-        return self.match(req)
+            return match
+        pages = self.allocator.allocate(len(nodes))
+        end = (len(match.pages) + len(nodes)) * self.page_size
+        load = _Load(req, tuple(tokens[:end]), match, nodes, pages,
+                     self.tier.load(nodes, pages, wait=not self.defer_loads))
+        if not self.defer_loads or load.done():
+            self._finish_load(load)
+            return self.match(req)
+        self._loads.append(load)
+        return None
+
+    def _finish_load(self, load: _Load) -> None:
+        """The copy is done: its pages join the prefix cache (those some request cached
+        meanwhile are duplicates, freed), the locks go."""
+        m = len(load.match.pages)
+        n = self.cache.insert(load.tokens, list(load.match.pages) + load.pages) // self.page_size
+        self.allocator.free(load.pages[: max(0, n - m)])
+        assert self.tier is not None
+        self.tier.unpin(load.nodes)
+        self.cache.unlock(load.match.handle)
+
+    def finished_loads(self) -> list[Request]:
+        """Completes the loads whose copies are done; the requests waiting for them (not
+        aborted meanwhile), to be queued again."""
+        out: list[Request] = []
+        for load in [ld for ld in self._loads if ld.done()]:
+            self._loads.remove(load)
+            self._finish_load(load)
+            out.extend(r for r in (load.req, *load.waiters) if r is not None)
+        return out
+
+    def _forget_load(self, req: Request) -> None:
+        """An aborted request stops waiting; its load runs on (its pages end up cached)."""
+        for load in self._loads:
+            if load.req is req:
+                load.req = None
+            if req in load.waiters:
+                load.waiters.remove(req)
 
     def attach(self, req: Request, match: MatchResult) -> None:
         """Gives a new (or requeued) request its table row and its cached prefix, locked."""
@@ -320,6 +380,8 @@ class RequestKV:
         """A finished, aborted or retracted request hands its computed KV to the prefix cache
         and frees the rest, plus its table row."""
         if req.match is None:
+            if self._loads:
+                self._forget_load(req)
             return
         # An embedding's KV is not kept: no later request could use it (they match nothing).
         computed = [] if req.pooling is not None else req.tokens()[: req.cached_len]
@@ -359,7 +421,7 @@ class RequestKV:
         self.cache.check_integrity()
         if self.tier is not None:
             self.tier.check_integrity()
-        private: list[int] = []
+        private: list[int] = [p for ld in self._loads for p in ld.pages]  # host-tier loads in flight
         for r in active:
             if r.match is not None:
                 head = r.pages[: len(r.match.pages)]
