@@ -68,6 +68,11 @@ def test_deterministic_refuses_moe(tiny_model_path) -> None:
         LLM(str(tiny_model_path("qwen3_moe")), device="cpu", dtype="float32", deterministic=True)
 
 
+def test_deterministic_refuses_hybrid_linear_attention(tiny_model_path) -> None:
+    with pytest.raises(ValueError, match="deterministic mode does not cover hybrid linear-attention"):
+        LLM(str(tiny_model_path("qwen3_next")), device="cpu", dtype="float32", deterministic=True)
+
+
 def test_deterministic_refuses_fp8_weights(tiny_model_path) -> None:
     with pytest.raises(ValueError, match="deterministic mode does not cover FP8 weights"):
         LLM(str(tiny_model_path("qwen3")), device="cpu", dtype="float32", deterministic=True, quantization="fp8")

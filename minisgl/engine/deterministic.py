@@ -11,6 +11,11 @@ from minisgl.engine.config import EngineConfig
 
 def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
     """Deterministic mode covers what its kernels cover; refuse the rest by name."""
+    if mc.linear_attn is not None:
+        # The Gated DeltaNet scan sums in 64-token chunks that start where each prefill chunk,
+        # or a prefix-cache resume from a state snapshot, starts: its bits depend on both.
+        raise ValueError(f"deterministic mode does not cover hybrid linear-attention models yet "
+                         f"({mc.architecture}); leave out --deterministic for this model")
     if mc.moe is not None:
         raise ValueError("deterministic mode does not cover MoE models yet (the grouped GEMM's tiles depend on M)")
     if mc.has_sliding_layers or mc.attn_sinks:
