@@ -109,20 +109,14 @@ class RadixCache(SlidingPages, StateSnapshots, PrefixCache):
         if self.snapshots and not whole:
             cut = self._snapshot_cut(handle)
             if cut is not handle:
-                branch, matched = matched, matched - sum(len(n.key) for n in self._nodes_between(cut, handle))
+                branch, node = matched, handle
+                while node is not cut:  # the tokens between the snapshot and the KV match's end
+                    matched -= len(node.key)
+                    node = node.parent
                 handle, pages, swa = cut, pages[: matched // ps], swa[: matched // ps]
             snap = cut.snap if cut is not self._root else -1
         return MatchResult(handle=handle, pages=pages, matched_tokens=matched,
                            swa_pages=swa if self.window else [], snapshot=snap, branch_tokens=branch)
-
-    def _nodes_between(self, top: _Node, node: _Node) -> list[_Node]:
-        """The nodes below `top` down to `node` (its descendant), `node` included."""
-        out = []
-        while node is not top:
-            out.append(node)
-            assert node.parent is not None
-            node = node.parent
-        return out
 
     def _path(self, node: _Node) -> tuple[list[int], list[int]]:
         runs: list[_Node] = []

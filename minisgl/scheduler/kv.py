@@ -296,7 +296,8 @@ class RequestKV:
             req.snap_at = 0
         if not (prompt_end or branch or pos // self.snapshot_interval > prefix // self.snapshot_interval):
             return
-        self.cache_progress(req)
+        if req.match is None or req.match.matched_tokens < pos:  # a chunk's KV is cached already
+            self.cache_progress(req)
         slot = self.states.allocate_snapshot()
         if slot is None and self.cache.drop_lru_snapshot():  # type: ignore[attr-defined]
             slot = self.states.allocate_snapshot()
