@@ -4,8 +4,9 @@ A request is in at most one place: `waiting` (FIFO, a retracted or un-admitted r
 back to its front; under the priority policy ordered by (priority, arrival), so that it goes
 back to its own place), `loading` (set aside while its prefix's KV comes back from the host
 tier: the requests behind it are admitted meanwhile; it goes back to the front when the load is
-done), `prefilling` (the one request mid chunked prefill) or `running` (prefilled, decoding). Admission (prefill.py), the speculative step and the scheduler itself
-change states through these calls alone, so each transition is written once.
+done), `prefilling` (the one request mid chunked prefill) or `running` (prefilled, decoding).
+Admission (prefill.py), the speculative step and the scheduler itself change states through
+these calls alone, so each transition is written once.
 """
 
 from __future__ import annotations
