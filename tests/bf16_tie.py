@@ -19,16 +19,18 @@ def assert_near_tie(logits: torch.Tensor, want: int, got: int, step: int) -> Non
 
 
 def assert_same_or_bf16_tie(
-    score: Callable[[list[int]], torch.Tensor], want: list[list[int]], got: list[list[int]], prompts: list[list[int]]
+    score: Callable[[list[int]], torch.Tensor], want: list[list[int]], got: list[list[int]], prompts: list[list[int]],
+    router_tie: Callable[[list[int]], bool] | None = None,
 ) -> None:
     """Sequences must match up to their first difference, and that difference must be a near-tie
     in the reference's logits at that step (after it, the contexts differ). `score(ids)` gives
-    the reference's next-token logits after `ids`."""
+    the reference's next-token logits after `ids`. For an MoE model, `router_tie(ids)` (see
+    `router_tie_in`) may instead show that some router nearly tied within `ids`."""
     assert len(want) == len(got) == len(prompts), (len(want), len(got), len(prompts))
     for prompt, w, g in zip(prompts, want, got):
         assert len(g) == len(w), f"{len(g)} tokens, want {len(w)}"  # a short or empty answer is no tie
         i = next((j for j, (a, b) in enumerate(zip(w, g)) if a != b), None)
-        if i is not None:
+        if i is not None and not (router_tie is not None and router_tie(prompt + w[:i])):
             assert_near_tie(score(prompt + w[:i]), w[i], g[i], i)
 
 
@@ -64,8 +66,16 @@ def first_router_tie(hf, ids: list[int]) -> int:  # noqa: ANN001 - a transformer
     handles = [m.register_forward_hook(hook) for m in routers]
     try:
         with torch.no_grad():
-            hf(torch.tensor([ids]))
+            hf(torch.tensor([ids], device=next(hf.parameters()).device))
     finally:
         for h in handles:
             h.remove()
     return first
+
+
+def router_tie_in(hf) -> Callable[[list[int]], bool]:  # noqa: ANN001 - a transformers MoE model
+    """`router_tie(ids)`: whether some router of `hf` nearly ties at a position of `ids`. A
+    greedy token that follows such a position may differ by more than a logit near-tie (the
+    expert outputs differ wholesale), so the token tests excuse it; the logits test of
+    test_quant4_gpu holds the positions before the tie to 5%."""
+    return lambda ids: first_router_tie(hf, ids) < len(ids)

@@ -21,8 +21,15 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o["token_ids"] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def assert_same_or_bf16_tie(ref: LLM, want: list[list[int]], got: list[list[int]]) -> None:
-    bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(ref), want, got, PROMPTS)
+# The MoE models: a bf16 engine may route a near-tied token to other experts than the fp32
+# reference (the tiny GPT-OSS's routers tie within 3% at some positions), after which greedy
+# tokens may differ by more than a logit near-tie.
+MOE = {"gpt_oss"}
+
+
+def assert_same_or_bf16_tie(ref: LLM, want: list[list[int]], got: list[list[int]], hf=None) -> None:  # noqa: ANN001
+    router_tie = None if hf is None else bf16_tie.router_tie_in(hf)
+    bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(ref), want, got, PROMPTS, router_tie)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -44,7 +51,8 @@ def test_default_gpu_path_matches_transformers(tiny_model_path, name: str) -> No
             want = int(logits.argmax())
             assert i < len(g), f"{len(g)} tokens, want {GREEDY.max_tokens}"
             if g[i] != want:
-                bf16_tie.assert_near_tie(logits, want, g[i], i)
+                if name not in MOE or bf16_tie.first_router_tie(hf, ids[0].tolist()) == ids.shape[1]:
+                    bf16_tie.assert_near_tie(logits, want, g[i], i)
                 break  # after a tie the contexts differ
             ids = torch.cat([ids, torch.tensor([[want]], device="cuda")], dim=1)
 
@@ -88,7 +96,12 @@ def test_kernel_backends_equal_torch(tiny_model_path, backend: str, name: str, d
     got = greedy(LLM(path, device="cuda", dtype=dtype, attention_backend=backend, disable_cuda_graph=True))
     # fp16 as bf16: our attention kernels and torch's SDPA round differently, so a near-tie in
     # the reference's logits may flip (seen on the H100: llama3 fp16, triton, one prompt).
-    assert_same_or_bf16_tie(ref, want, got)
+    hf = None
+    if name in MOE:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert_same_or_bf16_tie(ref, want, got, hf)
 
 
 @pytest.mark.parametrize("name", ["llama3", "qwen3"])
