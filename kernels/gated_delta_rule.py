@@ -322,6 +322,7 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
     u = torch.empty((t, hv, dv), dtype=torch.float32, device=dev)
     chunk_seq, chunk_start = _chunk_table(cu_seqlens, t, CHUNK)
     group = hv // hk
+    half = q.dtype != torch.float32
     if chunk_seq.numel():
         _gdr_prep_kernel[(chunk_seq.numel(), hv)](
             k, v, g, beta, cu_seqlens, chunk_seq, chunk_start, gc, w, u,
@@ -330,10 +331,11 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
             **PREP_LAUNCH_OPTIONS,
         )
     bv = min(64, triton.next_power_of_2(max(dv, 16)))
-    half = q.dtype != torch.float32
     # The scan is serial over chunks: split the v columns finer when (sequences x heads) alone
     # would leave SMs idle (one long prompt); each split recomputes only the small Q K^T tile.
-    if dev.type == "cuda" and bv > 32 and n * hv * triton.cdiv(dv, bv) < _sm_count(dev):
+    # fp32 only: with 16-bit dots at BV 32 (d 128) Triton 3.6's sm_90 code makes out-of-range
+    # shared-memory accesses (compute-sanitizer, H200, 2026-11-27; BV 64 and fp32 dots are clean).
+    if dev.type == "cuda" and not half and bv > 32 and n * hv * triton.cdiv(dv, bv) < _sm_count(dev):
         bv = 32
     _gdr_scan_kernel[(n, hv, triton.cdiv(dv, bv))](
         q, k, gc, w, u, states, slots, has_state.to(torch.int32), cu_seqlens, o,

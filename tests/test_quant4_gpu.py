@@ -53,7 +53,7 @@ def _check(q: Path, deq: Path) -> None:
         with torch.no_grad():
             return hf(torch.tensor([ids])).logits[0, -1].float()
 
-    bf16_tie.assert_same_or_bf16_tie(score, want, got, PROMPTS)
+    bf16_tie.assert_same_or_bf16_tie(score, want, got, PROMPTS, bf16_tie.router_tie_in(hf))
 
 
 @pytest.mark.parametrize(("fmt", "group", "sym", "desc_act"), [
@@ -80,6 +80,8 @@ def test_gpt_oss_mxfp4_on_the_gpu(tiny_model_path: Callable[[str], Path], tmp_pa
     import dataclasses
 
     base = tiny_models.SPECS["gpt_oss"]
-    spec = dataclasses.replace(base, name="gpt_oss_i64", seed=5, overrides={**base.overrides, "intermediate_size": 64})
+    # seed 10: its routers tie (within bf16_tie.ROUTER_TIE) late in the prompts, so the logits
+    # compare over 25 of their 27 positions (seed 5: 8)
+    spec = dataclasses.replace(base, name="gpt_oss_i64", seed=10, overrides={**base.overrides, "intermediate_size": 64})
     src = tiny_models.build_tiny_model(spec, tmp_path / "src", tiny_model_path("gpt_oss"))
     _check(*ck.write_gpt_oss_mxfp4(src, tmp_path / "q", tmp_path / "deq"))
