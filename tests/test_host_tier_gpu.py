@@ -107,6 +107,12 @@ def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
     truth = torch.randn(layers, n, heads, dim, device="cuda").to(torch.bfloat16)
     neg = -truth
     got_k, got_v = torch.empty_like(truth), torch.empty_like(truth)
+    # And every torch op it runs below runs once first: a kernel's first launch may load its
+    # module (CUDA lazy loading), which waits for the device (H100, 2026-11-27: with the
+    # allocations made first, the first index_select after the load still drained it).
+    pool._k.index_copy_(1, idx, truth)
+    _bytes(pool._k).index_fill_(1, idx, POISON)
+    torch.index_select(pool._k, 1, fresh_idx, out=got_k)
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of compute-stream work ahead of everything below
     pool._k.index_copy_(1, idx, truth)  # "the in-flight step writes the prefix's KV"
