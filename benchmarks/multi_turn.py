@@ -20,9 +20,12 @@ Workload: each of --conversations users runs --turns turns; the prompt is the wh
 exponential --think-time (mean, seconds). Table: TTFT p50/p99 (client clock, request sent ->
 first streamed chunk; also p50 of turns 2+, those that could reuse a history), output tok/s,
 prompt share served by the prefix cache (either tier, meta_info.cached_tokens), host hit rate
-(turns whose prefix came partly from the host tier: minisgl_host_kv_hits / turns), and load-back
+(turns whose prefix came partly from the host tier: minisgl_host_kv_hits / turns), load-back
 GB/s (minisgl_host_kv_tokens_loaded x KV bytes per token / minisgl_host_kv_load_seconds, the
-copies' GPU time) against the H2D ceiling. KV bytes per token come from the model folder's
+copies' GPU time) against the H2D ceiling, and where TTFT goes: the means of the requests
+waiting (queued or loading) and running and of the pool's share in use, sampled from /metrics
+every 0.25 s, and the mean wait for admission they imply (Little's law: waiting / arrival rate).
+KV bytes per token come from the model folder's
 config.json and --kv-cache-dtype (one rank's share with TP is the total / TP).
 """
 
@@ -83,12 +86,34 @@ async def conversation(client: httpx.AsyncClient, args: argparse.Namespace, seed
     return out
 
 
-async def workload(base_url: str, args: argparse.Namespace) -> tuple[list[list[dict[str, Any]]], float]:
+LOAD_GAUGES = ("minisgl_num_requests_waiting", "minisgl_num_requests_running", "minisgl_kv_slots_used",
+               "minisgl_kv_slots_total")
+
+
+async def sample_load(client: httpx.AsyncClient, stop: asyncio.Event, out: list[dict[str, float]]) -> None:
+    """The server's queue and pool gauges every 0.25 s while the workload runs: where TTFT goes
+    (waiting for admission vs the prefill itself)."""
+    while not stop.is_set():
+        m = parse_metrics((await client.get("/metrics")).text)
+        out.append({k: m.get(k, 0.0) for k in LOAD_GAUGES})
+        try:
+            await asyncio.wait_for(stop.wait(), 0.25)
+        except TimeoutError:
+            pass
+
+
+async def workload(base_url: str, args: argparse.Namespace
+                   ) -> tuple[list[list[dict[str, Any]]], float, list[dict[str, float]]]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
+        stop, samples = asyncio.Event(), []
+        sampler = asyncio.create_task(sample_load(client, stop, samples))
         start = time.perf_counter()
         convs = await asyncio.gather(*(conversation(client, args, args.seed + i) for i in range(args.conversations)))
-        return list(convs), time.perf_counter() - start
+        duration = time.perf_counter() - start
+        stop.set()
+        await sampler
+        return list(convs), duration, samples
 
 
 # ---- metrics and the table ------------------------------------------------------------------
@@ -138,8 +163,24 @@ def server_kv_bytes_per_token(server_args: list[str]) -> int | None:
     return kv_bytes_per_token(config, 1 if "fp8" in dtype else 2)
 
 
+def load_summary(samples: list[dict[str, float]], turns: int, duration: float) -> dict[str, Any]:
+    """Means of the sampled gauges; by Little's law the mean wait for admission is the mean
+    number waiting over the arrival rate (turns / duration)."""
+    if not samples:
+        return {}
+    mean = {k: float(np.mean([s[k] for s in samples])) for k in LOAD_GAUGES}
+    used = [s["minisgl_kv_slots_used"] / s["minisgl_kv_slots_total"] for s in samples if s["minisgl_kv_slots_total"]]
+    return {
+        "mean_waiting": round(mean["minisgl_num_requests_waiting"], 2),
+        "mean_running": round(mean["minisgl_num_requests_running"], 2),
+        "mean_pool_used": round(float(np.mean(used)), 3) if used else None,
+        "queue_wait_ms": round(mean["minisgl_num_requests_waiting"] / (turns / duration) * 1000, 1),
+    }
+
+
 def summarize(label: str, convs: list[list[dict[str, Any]]], duration: float, before: dict[str, float],
-              after: dict[str, float], kv_bpt: int | None) -> dict[str, Any]:
+              after: dict[str, float], kv_bpt: int | None, samples: list[dict[str, float]] | None = None
+              ) -> dict[str, Any]:
     turns = [t for c in convs for t in c]
     later = [t for c in convs for t in c[1:]]  # turns that could reuse a history
     ttft = np.array([t["ttft"] for t in turns]) * 1000
@@ -155,17 +196,21 @@ def summarize(label: str, convs: list[list[dict[str, Any]]], duration: float, be
         "host_hit_rate": round(d["minisgl_host_kv_hits"] / max(1, len(turns)), 3),
         "host_tokens_loaded": int(loaded),
         "load_gb_s": round(loaded * kv_bpt / secs / 1e9, 2) if kv_bpt and secs > 0 else None,
+        **load_summary(samples or [], len(turns), duration),
     }
 
 
 def table(rows: list[dict[str, Any]], ceiling: dict[str, float] | None) -> str:
     h2d = ceiling.get("h2d_gb_s") if ceiling else None
     lines = ["| tier | TTFT p50 (ms) | TTFT p99 (ms) | turns 2+ TTFT p50 (ms) | output tok/s | cached share "
-             "| host hit rate | load-back GB/s | H2D ceiling GB/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| host hit rate | load-back GB/s | H2D ceiling GB/s | mean waiting / running | pool used "
+             "| queue wait (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        load = f"{r['mean_waiting']} / {r['mean_running']}" if "mean_waiting" in r else None
         cells = [r["label"], r["ttft_ms_p50"], r["ttft_ms_p99"], r["later_ttft_ms_p50"], r["output_tok_s"],
-                 r["cached_share"], r["host_hit_rate"], r["load_gb_s"], h2d]
+                 r["cached_share"], r["host_hit_rate"], r["load_gb_s"], h2d, load, r.get("mean_pool_used"),
+                 r.get("queue_wait_ms")]
         lines.append("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |")
     return "\n".join(lines)
 
@@ -231,9 +276,9 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def run_mode(label: str, base_url: str, args: argparse.Namespace, kv_bpt: int | None) -> dict[str, Any]:
     before = read_metrics(base_url)
-    convs, duration = asyncio.run(workload(base_url, args))
+    convs, duration, samples = asyncio.run(workload(base_url, args))
     time.sleep(0.5)  # the scheduler's last stats (sent when it goes idle) reach /metrics
-    return summarize(label, convs, duration, before, read_metrics(base_url), kv_bpt)
+    return summarize(label, convs, duration, before, read_metrics(base_url), kv_bpt, samples)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,6 +47,17 @@ def test_summarize_and_table() -> None:
     assert text.count("\n") == 3 and "| on |" in text and "| 50.0 |" in text and "| - |" in text
 
 
+def test_load_summary_is_means_and_littles_law() -> None:
+    samples = [{"minisgl_num_requests_waiting": w, "minisgl_num_requests_running": r, "minisgl_kv_slots_used": u,
+                "minisgl_kv_slots_total": 100.0} for w, r, u in ((4, 10, 50), (2, 12, 90))]
+    got = mt.load_summary(samples, turns=30, duration=10.0)  # 3 arrivals a second
+    assert got == {"mean_waiting": 3.0, "mean_running": 11.0, "mean_pool_used": 0.7, "queue_wait_ms": 1000.0}
+    assert mt.load_summary([], 30, 10.0) == {}
+    row = {"label": "on", "ttft_ms_p50": 1, "ttft_ms_p99": 2, "later_ttft_ms_p50": 1, "output_tok_s": 5,
+           "cached_share": 0.5, "host_hit_rate": 0.1, "load_gb_s": None, **got}
+    assert "| 3.0 / 11.0 | 0.7 | 1000.0 |" in mt.table([row], None)
+
+
 def test_both_modes_in_one_invocation_on_cpu(tiny_model_path, tmp_path, capsys) -> None:
     """Two conversations of three turns on a pool that holds about one history: the 'on' server
     must load from its host tier, and both rows come out."""
@@ -67,3 +78,4 @@ def test_both_modes_in_one_invocation_on_cpu(tiny_model_path, tmp_path, capsys) 
     assert rows[0]["host_tokens_loaded"] == 0 and rows[1]["host_tokens_loaded"] > 0, out
     assert rows[1]["host_hit_rate"] > 0 and rows[1]["load_gb_s"] is not None, out
     assert "| off |" in out and "| on |" in out
+    assert all(r["mean_running"] >= 0 and 0 <= r["mean_pool_used"] <= 1 for r in rows), out  # /metrics sampled
