@@ -169,8 +169,9 @@ def test_what_is_not_built_yet_is_refused_by_name(tiny_model_path: Callable[[str
     path = tiny_model_path("qwen3_next")
     mc = ModelConfig.from_folder(path)
     assert mc.num_kv_layers == 2 and mc.partial_rotary_factor == 0.25 and mc.moe.shared_expert_intermediate_size
-    with pytest.raises(ValueError, match="tensor parallelism over its Gated DeltaNet"):
-        mc.check_tp(2)
+    mc.check_tp(2)  # whole k-heads per rank
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\) is not divisible by the tensor-parallel size 4"):
+        mc.check_tp(4)
     with pytest.raises(ValueError, match="speculative decoding is not built"):
         LLM(str(path), device="cpu", dtype="float32", speculative_algorithm="ngram")
 
@@ -203,3 +204,25 @@ def test_shared_prefix_hits_its_snapshot_and_equals_no_hit(tiny_model_path: Call
     for a, b in zip(outs[None], outs[0], strict=True):
         assert a["token_ids"] == b["token_ids"]
         torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", HYBRID)
+def test_tp2_with_snapshot_hits_equals_tp1(tiny_model_path: Callable[[str], Path], name: str) -> None:
+    """TP 2 over gloo (each rank one k-head with its two v-heads, its own state pool and
+    snapshots): requests sharing a 40-token prefix, the first alone then the rest at once, give
+    the TP 1 tokens, and rank 0 resumes the shared prefix's snapshot."""
+    path = str(tiny_model_path(name))
+    shared = random_prompts(21, (40,))[0]
+    prompts = [shared + tail for tail in random_prompts(22, (3, 9, 5, 12))]
+    groups = (prompts[:1], prompts[1:2], prompts)
+    one = LLM(path, device="cpu", dtype="float32", page_size=1)
+    want = [o["token_ids"] for g in groups for o in one.generate(g, greedy(12), use_tqdm=False)]
+    two = LLM(path, device="cpu", dtype="float32", page_size=1, tp_size=2)
+    try:
+        assert two.engine.state_pool.state.shape[2] == 2, "a rank holds half the v-heads"
+        hits = record_prefix_hits(two)
+        got = [o["token_ids"] for g in groups for o in two.generate(g, greedy(12), use_tqdm=False)]
+    finally:
+        two.shutdown()
+    assert got == want
+    assert max(hits) >= 40, f"no request resumed the shared prefix's snapshot under TP: {hits}"

@@ -7,7 +7,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3", "gpt_oss", "qwen3_next", "qwen3_5"])
 def test_tp2_equals_tp1(tiny_model_path, name: str) -> None:
     path = str(tiny_model_path(name))
     prompts = [[5, 6, 7, 8, 9] * 5, list(range(300, 317)), [42]]

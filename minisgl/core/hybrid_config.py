@@ -9,7 +9,7 @@ of KV.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 QWEN3_NEXT = "Qwen3NextForCausalLM"
@@ -52,6 +52,14 @@ class LinearAttnConfig:
     @property
     def num_linear_layers(self) -> int:
         return sum(self.layers)
+
+    def shard(self, tp_size: int) -> LinearAttnConfig:
+        """One rank's share under TP: whole k-heads, each with its v-heads (the sizes the layer's
+        tensors and the state pool have on that rank)."""
+        if self.num_k_heads % tp_size:
+            raise ValueError(f"linear_num_key_heads ({self.num_k_heads}) is not divisible by the tensor-parallel "
+                             f"size {tp_size}")
+        return replace(self, num_k_heads=self.num_k_heads // tp_size, num_v_heads=self.num_v_heads // tp_size)
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -164,9 +164,8 @@ class ModelConfig:
 
     def check_tp(self, tp_size: int) -> None:
         """A clear error at start when `tp_size` cannot shard this model."""
-        if self.linear_attn is not None and tp_size > 1:  # the first slice of issue 34
-            raise ValueError(f"{self.architecture}: tensor parallelism over its Gated DeltaNet layers is not built "
-                             "yet; run with --tp 1")
+        if self.linear_attn is not None:  # Gated DeltaNet layers shard whole k-heads with their v-heads
+            self.linear_attn.shard(tp_size)
         sizes = [("num_attention_heads", self.num_heads)]
         moe = self.moe
         if moe is None or not all(moe.sparse_layers):

@@ -157,6 +157,7 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         la, cfg = self.model_config.linear_attn, self.cfg
         if la is None:
             return None
+        la = la.shard(self.tp.size)  # this rank's heads
         snaps = cfg.max_running_requests if cfg.state_snapshots is None else cfg.state_snapshots
         pool = StatePool(la.num_linear_layers, cfg.max_running_requests, la.conv_kernel, la.conv_dim, la.num_v_heads,
                          la.k_head_dim, la.v_head_dim, self.dtype, self.device, num_snapshots=snaps)

@@ -23,6 +23,7 @@ The (1 + w) norms are folded into their weights on load, so the common norm kern
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -46,33 +47,62 @@ from minisgl.models.llama import LlamaForCausalLM, LlamaMLP
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 _SKIPPED = ("model.visual.", "visual.", "mtp.", "model.mtp.")  # the vision tower; the MTP head (not served yet)
+_LINEAR_ATTN = re.compile(r"model\.layers\.(\d+)\.linear_attn\.(.+)$")
 _ONE_PLUS_W = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
                "self_attn.k_norm.weight")
 
 
 class GatedDeltaNet(nn.Module):
+    """TP shards whole k-heads, each with its v-heads: every tensor below holds this rank's
+    heads (`self.la` is its share of the config; `local` slices a checkpoint tensor to it), the
+    state pool holds them, and out_proj reduces over the ranks."""
+
     def __init__(self, cfg: ModelConfig, index: int, tp: TPInfo, comm: Communicator):
         super().__init__()
-        la = cfg.linear_attn
+        full = cfg.linear_attn
+        la = full.shard(tp.size)
         self.index = index  # this layer's plane in the state pool
-        self.la, self.eps = la, cfg.rms_norm_eps
+        self.full, self.la, self.eps, self.tp = full, la, cfg.rms_norm_eps, tp
         h = cfg.hidden_size
         if la.fused_qkvz:  # Qwen3-Next: per k-head group [q | k | v.. | z..] and [b.. | a..]
-            self.in_proj_qkvz = MergedColumnParallelLinear(h, [la.conv_dim + la.value_dim], False, tp)
-            self.in_proj_ba = MergedColumnParallelLinear(h, [2 * la.num_v_heads], False, tp)
+            self.in_proj_qkvz = MergedColumnParallelLinear(h, [full.conv_dim + full.value_dim], False, tp)
+            self.in_proj_ba = MergedColumnParallelLinear(h, [2 * full.num_v_heads], False, tp)
         else:
-            self.in_proj_qkv = MergedColumnParallelLinear(h, [la.conv_dim], False, tp)
-            self.in_proj_z = MergedColumnParallelLinear(h, [la.value_dim], False, tp)
-            self.in_proj_b = MergedColumnParallelLinear(h, [la.num_v_heads], False, tp)
-            self.in_proj_a = MergedColumnParallelLinear(h, [la.num_v_heads], False, tp)
+            self.in_proj_qkv = MergedColumnParallelLinear(h, [full.key_dim, full.key_dim, full.value_dim], False, tp)
+            self.in_proj_z = MergedColumnParallelLinear(h, [full.value_dim], False, tp)
+            self.in_proj_b = MergedColumnParallelLinear(h, [full.num_v_heads], False, tp)
+            self.in_proj_a = MergedColumnParallelLinear(h, [full.num_v_heads], False, tp)
         self.conv1d = nn.Module()  # HF's depthwise Conv1d weight [conv_dim, 1, K], no bias
         self.conv1d.weight = nn.Parameter(torch.empty(la.conv_dim, 1, la.conv_kernel), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(la.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(la.num_v_heads), requires_grad=False)
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(la.v_head_dim), requires_grad=False)
-        self.out_proj = RowParallelLinear(la.value_dim, h, False, tp, comm)
+        self.out_proj = RowParallelLinear(full.value_dim, h, False, tp, comm)
         self.pool: StatePool | None = None  # bound by the engine (Qwen3NextForCausalLM.bind_state_pool)
+
+    def local(self, param: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the checkpoint tensor `param` (its name after `linear_attn.`).
+        Rows grouped by k-head (Qwen3-Next's fused projections) or by q | k | v parts of k-, k-
+        and v-heads (the conv channels, Qwen3.5's in_proj_qkv) keep this rank's heads of each."""
+        if self.tp.size == 1 or param == "norm.weight":
+            return t
+        full, rank, size = self.full, self.tp.rank, self.tp.size
+
+        def heads(x: torch.Tensor, n: int, dim: int = 0) -> torch.Tensor:
+            per = n // size
+            return x.unflatten(dim, (n, -1)).narrow(dim, rank * per, per).flatten(dim, dim + 1)
+
+        if param in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
+            return heads(t, full.num_k_heads)
+        if param in ("in_proj_qkv.weight", "conv1d.weight"):
+            q, k, v = t.split([full.key_dim, full.key_dim, full.value_dim])
+            return torch.cat([heads(q, full.num_k_heads), heads(k, full.num_k_heads), heads(v, full.num_v_heads)])
+        if param in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log"):
+            return heads(t, full.num_v_heads)
+        if param == "out_proj.weight":
+            return heads(t, full.num_v_heads, dim=1)
+        raise ValueError(f"unexpected Gated DeltaNet tensor {param!r}")
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q|k|v [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv])."""
@@ -157,7 +187,7 @@ class HybridDecoderLayer(nn.Module):
             self.mlp = LlamaMLP(cfg, tp, comm, f"model.layers.{layer_id}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp_partial = False  # no TP yet (ModelConfig.check_tp refuses it)
+        self.mlp_partial = False  # each block reduces its own output under TP (no fused reduce + norm yet)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +248,17 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
                 layer.linear_attn.pool = pool
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(self._text_tensors(tensors))
+        super().load_weights(self._local(self._text_tensors(tensors)))
+
+    def _local(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The Gated DeltaNet tensors sliced to this rank's heads (the Llama loader copies them
+        as they come; its own sharded layers slice theirs)."""
+        layers = self.model.layers
+        for name, tensor in tensors:
+            m = _LINEAR_ATTN.match(name)
+            if m and int(m[1]) < len(layers) and hasattr(layers[int(m[1])], "linear_attn"):
+                tensor = layers[int(m[1])].linear_attn.local(m[2], tensor)
+            yield name, tensor
 
     @staticmethod
     def _text_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
