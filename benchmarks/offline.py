@@ -176,13 +176,15 @@ def main() -> None:
     if args.decode_latency:
         ms, gpu_ms = decode_latency(llm, context=args.decode_context)
         if llm.engine.device.type == "cuda":
-            from weight_floor import decode_kv_bytes, decode_weight_bytes, read_bandwidth
+            from weight_floor import decode_kv_bytes, decode_state_bytes, decode_weight_bytes, read_bandwidth
 
             # With TP every rank reads its own shard at once: the floor is one rank's bytes.
             w, bw = decode_weight_bytes(llm.engine.model, 1), read_bandwidth(llm.engine.device)
             kv = decode_kv_bytes(llm.engine, args.decode_context)
-            floor = (w + kv) / bw * 1e3
-            print(f"batch-1 floor: {w / 1e9:.2f} GB of weights + {kv / 1e9:.3f} GB of KV per GPU (TP {args.tp}, "
+            st = decode_state_bytes(llm.engine)  # hybrid models: the recurrent state, read and written
+            floor = (w + kv + st) / bw * 1e3
+            state = f" + {st / 1e9:.3f} GB of recurrent state read and written" if st else ""
+            print(f"batch-1 floor: {w / 1e9:.2f} GB of weights + {kv / 1e9:.3f} GB of KV{state} per GPU (TP {args.tp}, "
                   f"context {args.decode_context}) / {bw / 1e9:,.0f} GB/s read ceiling = {floor:.2f} ms/token; "
                   f"measured {ms / floor:.2f}x the floor end to end, {gpu_ms / floor:.2f}x by the GPU's ms/step")
     llm.shutdown()

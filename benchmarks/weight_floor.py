@@ -34,12 +34,22 @@ def decode_weight_bytes(model: torch.nn.Module, batch: float) -> float:
 
 def decode_kv_bytes(engine: object, context: int) -> float:
     """This rank's KV bytes one batch-1 decode step reads at `context` tokens: every full layer's
-    K and V of the whole context, a sliding layer's of its window alone."""
+    K and V of the whole context, a sliding layer's of its window alone; a hybrid model's linear
+    layers keep none (decode_state_bytes)."""
     from minisgl.kvcache.pool import KVPool
 
     cfg, pool = engine.model_config, engine.pool
     per_layer_token = KVPool.bytes_per_token_for(1, pool.kv_heads, pool.head_dim, pool.dtype)
-    return float(sum(per_layer_token * min(context, cfg.window_of(i) or context) for i in range(cfg.num_layers)))
+    return float(sum(per_layer_token * min(context, cfg.window_of(i) or context)
+                     for i in range(cfg.num_layers) if not cfg.is_linear_layer(i)))
+
+
+def decode_state_bytes(engine: object) -> float:
+    """This rank's recurrent-state bytes one batch-1 decode step reads and writes (a hybrid
+    model's Gated DeltaNet layers: the request's conv and fp32 states, each read and written
+    once); 0 for other models."""
+    pool = getattr(engine, "state_pool", None)
+    return 0.0 if pool is None else 2.0 * pool.bytes_per_slot
 
 
 def read_bandwidth(device: torch.device, reps: int = 10) -> float:

@@ -158,7 +158,8 @@ def test_count_tokens(tools_app) -> None:  # noqa: ANN001
         ({"model": "claude"}, "not_found_error", "`claude` does not exist"),
         ({"tools": TOOLS}, "invalid_request_error", "--tool-call-parser gpt-oss, hermes, llama3 or mistral"),
         ({"tool_choice": {"type": "any"}}, "invalid_request_error", "--tool-call-parser"),
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "invalid_request_error", "--reasoning-parser gpt-oss or qwen3"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "invalid_request_error",
+         "--reasoning-parser gpt-oss or qwen3"),
         ({"max_tokens": 1000}, "invalid_request_error", "max_tokens"),
     ],
 )
