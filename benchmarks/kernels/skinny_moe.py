@@ -94,8 +94,8 @@ def sweep(name: str, read_gbs: float) -> None:
         rows.append([str(cfg) + default,
                      f"{t_up:.1f}", f"{100 * up_bytes / read_gbs / 1e3 / t_up:.0f}%", f"{t_down:.1f}",
                      f"{100 * down_bytes / read_gbs / 1e3 / t_down:.0f}%"])
-    print_table(f"Skinny MoE launch configurations, {name}, M = 1 (% of the read ceiling for the launch's expert bytes)",
-                ["config", "up us", "up % read", "down us", "down % read"], rows)
+    print_table(f"Skinny MoE launch configurations, {name}, M = 1 (% of the read ceiling for the launch's "
+                "expert bytes)", ["config", "up us", "up % read", "down us", "down % read"], rows)
 
 
 def main() -> None:
