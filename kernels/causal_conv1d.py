@@ -13,8 +13,10 @@ Layouts (channels packed, so one program reads BLOCK_D consecutive channels per 
                              freshly allocated slot needs no zeroing)
 
 Prefill: out[t] = act(bias + sum_j w[:, j] * in[p - (K-1) + j]) where in[] is the slot's state
-followed by the sequence's tokens; then each slot gets the last K-1 entries of in[]. Decode is
-the one-token case and reads nothing from the host (graph-safe). Slots must be distinct.
+followed by the sequence's tokens; then each slot gets the last K-1 entries of in[]. Tokens past
+cu_seqlens[N] (a CUDA graph's token bucket beyond the step's tokens) belong to no sequence: their
+outputs are zeros and nothing is read for them. Decode is the one-token case and reads nothing
+from the host (graph-safe). Slots must be distinct.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ import triton.language as tl
 @triton.jit
 def _conv_prefill_kernel(
     X, W, B, States, Slots, HasState, Cu, SeqIds, Out,
-    T, D, stride_x, stride_o, stride_ss, stride_sk,
+    T, N, D, stride_x, stride_o, stride_ss, stride_sk,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mt, md = offs_t < T, offs_d < D
-    seq = tl.load(SeqIds + offs_t, mask=mt, other=0)
+    md = offs_d < D
+    seq = tl.load(SeqIds + offs_t, mask=offs_t < T, other=N)
+    mt = (offs_t < T) & (seq < N)  # a token past cu_seqlens[N] (graph padding): no sequence, zeros out
     start = tl.load(Cu + seq, mask=mt, other=0)
     slot = tl.load(Slots + seq, mask=mt, other=-1).to(tl.int64)
     fresh = tl.load(HasState + seq, mask=mt, other=0) == 0
@@ -56,8 +59,9 @@ def _conv_prefill_kernel(
         acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
+    acc = tl.where(mt[:, None], acc, 0.0)
     tl.store(Out + offs_t.to(tl.int64)[:, None] * stride_o + offs_d[None, :],
-             acc.to(Out.dtype.element_ty), mask=mt[:, None] & md[None, :])
+             acc.to(Out.dtype.element_ty), mask=(offs_t < T)[:, None] & md[None, :])
 
 
 @triton.jit
@@ -139,7 +143,7 @@ def causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_s
     b = bias if bias is not None else weight
     _conv_prefill_kernel[(triton.cdiv(t, bt), triton.cdiv(d, bd))](
         x, weight, b, conv_states, slots, has, cu_seqlens, seq_ids, out,
-        t, d, x.stride(0), out.stride(0), conv_states.stride(0), conv_states.stride(1),
+        t, n, d, x.stride(0), out.stride(0), conv_states.stride(0), conv_states.stride(1),
         K=k, HAS_BIAS=bias is not None, SILU=silu, BLOCK_T=bt, BLOCK_D=bd,
     )
     _conv_save_state_kernel[(n, triton.cdiv(d, bd))](
@@ -169,7 +173,7 @@ def causal_conv1d_reference(x, weight, bias, conv_states, slots, cu_seqlens, has
     """fp32 torch reference of the prefill (and, with one token per sequence, of the decode):
     F.conv1d over each sequence's saved inputs followed by its tokens; updates conv_states."""
     k = weight.shape[1]
-    out = torch.empty_like(x)
+    out = torch.zeros_like(x)  # tokens past cu_seqlens[-1] (graph padding) stay zero
     cu = cu_seqlens.tolist()
     for i, slot in enumerate(slots.tolist()):
         seq = x[cu[i]:cu[i + 1]].float()  # [L, D]

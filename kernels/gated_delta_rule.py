@@ -10,7 +10,9 @@ Layouts: q, k [T, Hk, Dk], v [T, Hv, Dv] (last dim packed, token/head strides fr
 views of the conv output), g [T, Hv] fp32 (log decay, <= 0), beta [T, Hv]; the state pool
 states [S, Hv, Dk, Dv] fp32; slots [N] int32 (negative: zeros in, nothing written: padding
 rows); has_state [N] (False: the sequence starts fresh and its slot is not read); prefill
-sequences are packed by cu_seqlens [N+1] int32. Outputs o [T, Hv, Dv] in v's dtype.
+sequences are packed by cu_seqlens [N+1] int32; tokens past cu_seqlens[N] (a CUDA graph's token
+bucket beyond the step's tokens) belong to no sequence and get zero outputs. Outputs o [T, Hv, Dv]
+in v's dtype.
 
 Chunked prefill (chunks of 64 tokens, the WY / UT-transform form). Within a chunk with
 cumulative log decay c_i, L = strictly_lower(beta_i (k_i.k_j) exp(c_i - c_j)); with
@@ -313,7 +315,8 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
     t = q.shape[0]
     n = slots.shape[0]
     hk, dk, hv, dv, bk = _shape(q, v)
-    o = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
+    # zeros: the kernels write the sequences' tokens only, not a graph bucket's padding past them
+    o = torch.zeros((t, hv, dv), dtype=v.dtype, device=v.device)
     if n == 0:
         return o
     dev = q.device
@@ -359,7 +362,7 @@ def gated_delta_rule_reference(q, k, v, g, beta, states, slots, cu_seqlens, has_
         kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
     qf = qf / dk ** 0.5
     vf, gf, bf = v.float(), g.float(), beta.float()
-    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)  # padding past cu_seqlens[-1]: zeros
     cu = cu_seqlens.tolist()
     for i, slot in enumerate(slots.tolist()):
         fresh = slot < 0 or not bool(has_state[i])

@@ -139,3 +139,27 @@ def test_bad_input_names_the_argument():
         LA.causal_conv1d_prefill(x, w, None, states, slots, cu, torch.tensor([True, False]))
     with pytest.raises(ValueError, match="slots must have shape"):
         LA.causal_conv1d_decode(x, w, None, states, slots)
+
+
+@triton_test
+def test_prefill_graph_padding_past_the_last_sequence():
+    """A CUDA graph's token bucket holds more tokens than the step's sequences (cu_seqlens ends
+    before T): the padding tokens (NaN here) get zero outputs, the sequences' outputs and states
+    are those of the unpadded call, and no slot is read for the padding (slots has N entries)."""
+    dev = test_device()
+    gen = torch.Generator().manual_seed(13)
+    d, k, lens, pad = 40, 4, (5, 2, 9), 7
+    w, b = _weights(d, k, gen, dev, torch.float32)
+    t = sum(lens)
+    x = torch.randn(t + pad, d, generator=gen).to(dev)
+    x[t:] = float("nan")
+    slots = torch.tensor([2, 0, 3], dtype=torch.int32, device=dev)
+    has = torch.tensor([True, False, True], device=dev)
+    states = _pool(4, k, d, [0, 2, 3], gen, dev, torch.float32)
+    ref_states = states.clone()
+    out = LA.causal_conv1d_prefill(x, w, b, states, slots, _cu(lens, dev), has)
+    want = K.causal_conv1d_reference(x[:t], w, b, ref_states, slots, _cu(lens, dev), has)
+    assert out.shape == (t + pad, d)
+    torch.testing.assert_close(out[:t], want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[t:], torch.zeros(pad, d, device=dev))
+    torch.testing.assert_close(states, ref_states, atol=1e-5, rtol=1e-5, equal_nan=True)

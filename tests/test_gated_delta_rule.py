@@ -263,3 +263,26 @@ def test_bad_input_names_the_argument():
                                     slots, cu.long(), has)
     with pytest.raises(ValueError, match="slots must have shape"):
         LA.gated_delta_rule_decode(q, q, v, torch.randn(4, 4), torch.rand(4, 4), torch.zeros(2, 4, 16, 16), slots)
+
+
+@triton_test
+def test_prefill_graph_padding_past_the_last_sequence():
+    """cu_seqlens ends before T (a CUDA graph's token bucket): the padding tokens (NaN inputs)
+    get zero outputs; the sequences' outputs and states are the unpadded call's."""
+    dev = test_device()
+    gen = torch.Generator().manual_seed(17)
+    hk, hv, dk, dv, lens, pad = 2, 4, 16, 16, (70, 3), 9
+    t = sum(lens)
+    q, k, v, g, beta = _inputs(t + pad, hk, hv, dk, dv, torch.float32, gen, dev)
+    for x in (q, k, v, g, beta):
+        x[t:] = float("nan")
+    slots = torch.tensor([1, 0], dtype=torch.int32, device=dev)
+    has = torch.tensor([True, False], device=dev)
+    states = _pool(3, hv, dk, dv, [1], gen, dev)
+    ref = states.clone()
+    cu = _cu(lens, dev)
+    o = LA.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu, has)
+    want = K.gated_delta_rule_reference(q[:t], k[:t], v[:t], g[:t], beta[:t], ref, slots, cu, has)
+    torch.testing.assert_close(o[:t], want, atol=2e-4, rtol=2e-4)
+    assert torch.equal(o[t:], torch.zeros(pad, hv, dv, device=dev))
+    torch.testing.assert_close(states, ref, atol=2e-4, rtol=2e-4, equal_nan=True)

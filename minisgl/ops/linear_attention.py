@@ -5,8 +5,9 @@ references (logged once). Layouts and maths: kernels/causal_conv1d.py, kernels/g
 State pools are indexed by `slots` (int32 [N], one per sequence, distinct; negative = a
 padding row that reads zeros and writes nothing). `has_state` (bool or int32 [N]) says which
 sequences continue from their slot; the others start from zeros without reading it, so a
-fresh slot needs no clearing. Sequence bounds are never read on the host by the kernels;
-the caller guarantees cu_seqlens[-1] == T (checking it would synchronize).
+fresh slot needs no clearing. Sequence bounds are never read on the host by the kernels.
+cu_seqlens[-1] <= T: tokens past it are a CUDA graph's padding (its token bucket beyond the
+step's tokens), in no sequence: their outputs are zeros and nothing is read or written for them.
 """
 
 from __future__ import annotations
