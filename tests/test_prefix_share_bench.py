@@ -1,0 +1,30 @@
+"""benchmarks/prefix_share.py (issue 34's prefix-sharing workload): one tiny run of both modes on
+the CPU with a hybrid model (servers started by the script), so the GPU run does not find a
+broken script: with snapshots the requests resume the shared prompt, without them none hits."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "prefix_share.py"
+sys.path.insert(0, str(_PATH.parent))
+_spec = importlib.util.spec_from_file_location("prefix_share_bench", _PATH)
+ps = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ps)
+
+
+def test_both_modes_on_a_hybrid_model_on_cpu(tiny_model_path, tmp_path, capsys) -> None:
+    model = str(tiny_model_path("qwen3_next"))
+    ps.main(["--requests", "6", "--prefix-tokens", "40", "--tail-tokens", "8", "--output-tokens", "3",
+             "--rate", "20", "--warmup", "0.2", "--vocab", "4000", "--log-dir", str(tmp_path),
+             "--", "--model", model, "--device", "cpu", "--dtype", "float32", "--page-size", "1"])
+    out = capsys.readouterr().out
+    rows = {r["label"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
+    assert set(rows) == {"on", "off"}, out
+    assert all(r["requests"] == 6 for r in rows.values())
+    assert rows["on"]["prefix_hit_rate"] >= 0.8 and rows["on"]["cached_share"] > 0.5, out
+    assert rows["off"]["prefix_hit_rate"] == 0 and rows["off"]["cached_share"] == 0, out
+    assert "| on |" in out and "| off |" in out
