@@ -8,16 +8,16 @@ without the prefix cache's resume points, in one invocation.
 Everything after `--` goes to `python -m minisgl.serve`. The script starts one server per mode,
 one at a time (`off` adds --off-args, by default `--state-snapshots 0`: a hybrid model then
 takes no prefix hit and recomputes every prompt; for other models pass e.g. `--off-args
-"--cache naive"`), sends the workload, reads /metrics and stops it.
+"--cache naive"`), sends the workload and stops it.
 
 Workload: --requests requests, each the same --prefix-tokens system prompt followed by its own
---tail-tokens (uniform between half and all of it) random token ids, arriving as a Poisson
-process of --rate requests/s (the first alone, --warmup s before the rest, so the prefix is in
-the cache when they come), each generating --output-tokens (greedy, ignore_eos) through
-SGLang-style streaming /generate. Table: TTFT p50/p99 (client clock), output tok/s over the
-workload, the prompt share the prefix cache served (meta_info.cached_tokens) and the share of
-requests whose hit covers at least 90% of the system prompt (hits end on page boundaries, and a
-hybrid model's on its state snapshots).
+--tail-tokens (uniform between half and all of it) random token ids. Two warm-up requests run
+one at a time (the second leaves the resume point where it branches from the first); --warmup s
+later the rest arrive as a Poisson process of --rate requests/s, each generating
+--output-tokens (greedy, ignore_eos) through SGLang-style streaming /generate. Table over the
+measured requests: TTFT p50/p99 (client clock), output tok/s, the prompt share the prefix cache
+served (meta_info.cached_tokens) and the share of requests whose hit covers at least 90% of the
+system prompt (hits end on page boundaries, and a hybrid model's on its state snapshots).
 """
 
 from __future__ import annotations
@@ -52,21 +52,24 @@ async def workload(base_url: str, args: argparse.Namespace) -> tuple[list[dict[s
     rng = random.Random(args.seed + 1)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
-        first = await turn(client, ps[0], args.output_tokens)
+        # Two warm-up requests, one after the other: the second computes up to where it branches
+        # from the first and leaves its resume point there (a hybrid model's state snapshot; the
+        # first leaves one only at its own prompt's end), so the measured ones find the prefix.
+        warm = [await turn(client, ps[i], args.output_tokens) for i in range(2)]
         await asyncio.sleep(args.warmup)
 
         async def later(i: int, delay: float) -> dict[str, Any]:
             await asyncio.sleep(delay)
             return await turn(client, ps[i], args.output_tokens)
 
-        delays = np.cumsum([rng.expovariate(args.rate) for _ in ps[1:]])
+        delays = np.cumsum([rng.expovariate(args.rate) for _ in ps[2:]])
         start = time.perf_counter()
-        rest = await asyncio.gather(*(later(i + 1, float(d)) for i, d in enumerate(delays)))
-        return [first, *rest], time.perf_counter() - start
+        rest = await asyncio.gather(*(later(i + 2, float(d)) for i, d in enumerate(delays)))
+        return [*warm, *rest], time.perf_counter() - start
 
 
 def summarize(label: str, results: list[dict[str, Any]], duration: float, prefix: int) -> dict[str, Any]:
-    rest = results[1:]  # the first computes the system prompt; the rest are the measured load
+    rest = results[2:]  # the two warm-up requests leave the prefix cached; the rest are the measured load
     ttft = np.array([r["ttft"] for r in rest]) * 1000
     return {
         "label": label, "requests": len(results), "duration_s": round(duration, 2),
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="on,off", help="comma-separated: on (the server's defaults), off (--off-args)")
     p.add_argument("--off-args", default="--state-snapshots 0", help="server flags of the 'off' mode")
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--requests", type=int, default=66, help="two warm-up requests and the measured ones")
     p.add_argument("--prefix-tokens", type=int, default=1000)
     p.add_argument("--tail-tokens", type=int, default=200, help="a request's own tokens: between half and all")
     p.add_argument("--output-tokens", type=int, default=64)

@@ -131,10 +131,10 @@ def causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_s
     """Triton prefill; arguments as in the module docstring (has_state as int32/bool [N])."""
     t, d = x.shape
     k = weight.shape[1]
-    out = torch.empty((t, d), dtype=x.dtype, device=x.device)
     n = slots.shape[0]
-    if t == 0 or n == 0:
-        return out
+    if t == 0 or n == 0:  # no sequence: every token is padding
+        return torch.zeros((t, d), dtype=x.dtype, device=x.device)
+    out = torch.empty((t, d), dtype=x.dtype, device=x.device)  # the kernel writes every row
     # The sequence of each token, on the device (no host sync: capturable).
     seq_ids = torch.searchsorted(cu_seqlens[1:], torch.arange(t, device=x.device, dtype=cu_seqlens.dtype),
                                  right=True).to(torch.int32)

@@ -53,10 +53,12 @@ def test_default_gpu_path_equals_the_reference_ops(tiny_model_path: Callable[[st
         llm.shutdown()
     monkeypatch.setattr(env, "DISABLE_KERNELS", True)
     ref = LLM(path, device=DEVICE, dtype="bfloat16", disable_cuda_graph=True, disable_overlap=True)
-    want = _tokens(ref, PROMPTS)
-    router_tie = bf16_tie.router_tie_in(_hf(path)) if name in MOE else None
-    bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(ref), want, got, PROMPTS, router_tie)
-    ref.shutdown()
+    try:
+        want = _tokens(ref, PROMPTS)
+        router_tie = bf16_tie.router_tie_in(_hf(path)) if name in MOE else None
+        bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(ref), want, got, PROMPTS, router_tie)
+    finally:
+        ref.shutdown()
 
 
 @pytest.mark.parametrize("name", HYBRID)
@@ -81,9 +83,6 @@ def test_graphs_chunks_and_snapshot_hits_equal_eager(tiny_model_path: Callable[[
     shared = random_prompts(32, (96,))[0]
     prompts = [shared + tail for tail in random_prompts(33, (3, 17, 40, 64, 9, 1))]
     groups = (prompts[:1], prompts[1:])
-    eager = LLM(path, device=DEVICE, dtype="bfloat16", page_size=1, disable_cuda_graph=True, disable_overlap=True,
-                state_snapshots=0)
-    want = [t for g in groups for t in _tokens(eager, g, 16)]
     fast = LLM(path, device=DEVICE, dtype="bfloat16", page_size=1, max_prefill_tokens=48,
                state_snapshot_interval=32)
     try:
@@ -96,6 +95,11 @@ def test_graphs_chunks_and_snapshot_hits_equal_eager(tiny_model_path: Callable[[
     finally:
         fast.shutdown()
     assert sum(h >= 96 for h in hits) >= len(prompts) - 2, f"the shared prefix's snapshot was not resumed: {hits}"
-    router_tie = bf16_tie.router_tie_in(_hf(path)) if name in MOE else None
-    bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(eager), want, got, prompts, router_tie)
-    eager.shutdown()
+    eager = LLM(path, device=DEVICE, dtype="bfloat16", page_size=1, disable_cuda_graph=True, disable_overlap=True,
+                state_snapshots=0)
+    try:
+        want = [t for g in groups for t in _tokens(eager, g, 16)]
+        router_tie = bf16_tie.router_tie_in(_hf(path)) if name in MOE else None
+        bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(eager), want, got, prompts, router_tie)
+    finally:
+        eager.shutdown()

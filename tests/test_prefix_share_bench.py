@@ -18,13 +18,13 @@ _spec.loader.exec_module(ps)
 
 def test_both_modes_on_a_hybrid_model_on_cpu(tiny_model_path, tmp_path, capsys) -> None:
     model = str(tiny_model_path("qwen3_next"))
-    ps.main(["--requests", "6", "--prefix-tokens", "40", "--tail-tokens", "8", "--output-tokens", "3",
+    ps.main(["--requests", "7", "--prefix-tokens", "40", "--tail-tokens", "8", "--output-tokens", "3",
              "--rate", "20", "--warmup", "0.2", "--vocab", "4000", "--log-dir", str(tmp_path),
              "--", "--model", model, "--device", "cpu", "--dtype", "float32", "--page-size", "1"])
     out = capsys.readouterr().out
     rows = {r["label"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
     assert set(rows) == {"on", "off"}, out
-    assert all(r["requests"] == 6 for r in rows.values())
+    assert all(r["requests"] == 7 for r in rows.values())
     assert rows["on"]["prefix_hit_rate"] >= 0.8 and rows["on"]["cached_share"] > 0.5, out
     assert rows["off"]["prefix_hit_rate"] == 0 and rows["off"]["cached_share"] == 0, out
     assert "| on |" in out and "| off |" in out

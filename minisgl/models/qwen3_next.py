@@ -47,7 +47,7 @@ from minisgl.models.llama import LlamaForCausalLM, LlamaMLP
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 _SKIPPED = ("model.visual.", "visual.", "mtp.", "model.mtp.")  # the vision tower; the MTP head (not served yet)
-_LINEAR_ATTN = re.compile(r"model\.layers\.(\d+)\.linear_attn\.(.+)$")
+_LINEAR_ATTN = re.compile(r"(?:model\.)?layers\.(\d+)\.linear_attn\.(.+)$")  # a base model's names lack model.
 _ONE_PLUS_W = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
                "self_attn.k_norm.weight")
 
