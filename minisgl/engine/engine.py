@@ -33,7 +33,7 @@ from minisgl.engine.graphs import GraphCapture
 from minisgl.engine.pooling import PoolCalls
 from minisgl.engine.steps import StepCalls
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable, split_kv_budget, swa_tokens_needed
-from minisgl.kvcache.state_pool import StatePool
+from minisgl.kvcache.state_pool import StatePool, state_pool_fit_error
 from minisgl.logging_setup import get_logger, log_phase, startup_phase
 from minisgl.models.embedding_config import resolve_task
 from minisgl.models.llama import LlamaForCausalLM
@@ -159,6 +159,9 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
             return None
         la = la.shard(self.tp.size)  # this rank's heads
         snaps = cfg.max_running_requests if cfg.state_snapshots is None else cfg.state_snapshots
+        per_slot = StatePool.bytes_per_slot_for(la.num_linear_layers, la.conv_kernel, la.conv_dim, la.num_v_heads,
+                                                la.k_head_dim, la.v_head_dim, self.dtype)
+        self._check_state_pool_fits(per_slot, snaps)
         pool = StatePool(la.num_linear_layers, cfg.max_running_requests, la.conv_kernel, la.conv_dim, la.num_v_heads,
                          la.k_head_dim, la.v_head_dim, self.dtype, self.device, num_snapshots=snaps)
         self.model.bind_state_pool(pool)
@@ -167,6 +170,19 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
                  pool.bytes_per_slot / 2**20, pool.bytes_per_slot * pool.total_slots / 2**30,
                  "; no snapshots: prefix-cache hits are off for this model" if not snaps else "")
         return pool
+
+    def _check_state_pool_fits(self, per_slot: int, snaps: int) -> None:
+        """On a GPU, a clear error when the state pool would take over half of the memory left
+        for the caches (state_pool_fit_error). On the CPU the pool is host memory, as before."""
+        if self.device.type != "cuda":
+            return
+        cfg = self.cfg
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * cfg.gpu_memory_fraction - (total - free) - (1 << 30)
+        why = state_pool_fit_error(self.model_config.architecture, per_slot, cfg.max_running_requests, snaps,
+                                   cfg.state_snapshots is None, budget)
+        if why is not None:
+            raise ValueError(why)
 
     def _startup_phase(self, what: str) -> AbstractContextManager[None]:
         rank = f" rank {self.tp.rank}" if self.tp.size > 1 else ""

@@ -92,3 +92,20 @@ class StatePool:
         """Slot `dst` := slot `src` (every layer's conv and recurrent state)."""
         self.conv[:, dst].copy_(self.conv[:, src])
         self.state[:, dst].copy_(self.state[:, src])
+
+
+def state_pool_fit_error(arch: str, per_slot: int, running: int, snaps: int, snaps_default: bool,
+                         budget: float) -> str | None:
+    """Why a hybrid model's state pool of `running` + `snaps` slots of `per_slot` bytes does not
+    fit half of `budget` (the memory left for the caches; the full layers' KV pool needs the
+    rest), naming the flags and how many running requests fit; None when it fits. A slot is
+    large (Qwen3.5-27B: 147 MiB), so the default 256 + 256 slots would not fit one GPU."""
+    if per_slot * (running + snaps) <= budget / 2:
+        return None
+    slots = max(0, int(budget / 2 // per_slot))
+    fit = slots // 2 if snaps_default else slots - snaps
+    return (f"{arch}: the recurrent-state pool needs {per_slot * (running + snaps) / 2**30:.1f} GiB "
+            f"({per_slot / 2**20:.1f} MiB a slot x ({running} running requests + {snaps} prefix-cache snapshots)), "
+            f"over half of the {max(budget, 0) / 2**30:.1f} GiB left for the caches: lower --max-running-requests "
+            f"(max_running_requests=; {f'{fit} fit' if fit > 0 else 'none fits'} with "
+            f"{'as many' if snaps_default else snaps} snapshots) or --state-snapshots (state_snapshots=)")
