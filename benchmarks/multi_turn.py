@@ -284,10 +284,16 @@ def run_mode(label: str, base_url: str, args: argparse.Namespace, kv_bpt: int | 
     return summarize(label, convs, duration, before, read_metrics(base_url), kv_bpt, samples)
 
 
-def main(argv: list[str] | None = None) -> None:
+def split_argv(argv: list[str] | None) -> tuple[list[str], list[str]]:
+    """(the script's own arguments, the server's: everything after `--`)."""
     argv = sys.argv[1:] if argv is None else argv
-    server_args = argv[argv.index("--") + 1 :] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    if "--" not in argv:
+        return argv, []
+    return argv[: argv.index("--")], argv[argv.index("--") + 1 :]
+
+
+def main(argv: list[str] | None = None) -> None:
+    own, server_args = split_argv(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="off,on", help="comma-separated: off (no host tier), on (--host-gb)")
     p.add_argument("--host-gb", type=float, default=48.0, help="--host-kv-cache-gb of the 'on' server")

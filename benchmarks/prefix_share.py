@@ -36,7 +36,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multi_turn import start_server, stop_server, turn  # noqa: E402 - the server helpers, one copy
+from multi_turn import split_argv, start_server, stop_server, turn  # noqa: E402 - the server helpers, one copy
 
 
 def prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -93,9 +93,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    server_args = argv[argv.index("--") + 1 :] if "--" in argv else []
-    own = argv[: argv.index("--")] if "--" in argv else argv
+    own, server_args = split_argv(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="on,off", help="comma-separated: on (the server's defaults), off (--off-args)")
     p.add_argument("--off-args", default="--state-snapshots 0", help="server flags of the 'off' mode")
