@@ -177,10 +177,8 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         if self.device.type != "cuda":
             return
         cfg = self.cfg
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = total * cfg.gpu_memory_fraction - (total - free) - (1 << 30)
         why = state_pool_fit_error(self.model_config.architecture, per_slot, cfg.max_running_requests, snaps,
-                                   cfg.state_snapshots is None, budget)
+                                   cfg.state_snapshots is None, self._kv_budget())
         if why is not None:
             raise ValueError(why)
 

@@ -82,27 +82,22 @@ class GatedDeltaNet(nn.Module):
         self.pool: StatePool | None = None  # bound by the engine (Qwen3NextForCausalLM.bind_state_pool)
 
     def local(self, param: str, t: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the checkpoint tensor `param` (its name after `linear_attn.`).
-        Rows grouped by k-head (Qwen3-Next's fused projections) or by q | k | v parts of k-, k-
-        and v-heads (the conv channels, Qwen3.5's in_proj_qkv) keep this rank's heads of each."""
+        """This rank's slice of the checkpoint tensor `param` (its name after `linear_attn.`), by
+        the rule of the TP linear layers (TPInfo.shard of each part): every tensor is laid out
+        by k-head group (Qwen3-Next's fused projections) or in q | k | v parts of k-, k- and
+        v-heads (the conv channels, Qwen3.5's in_proj_qkv), so contiguous shares keep whole heads."""
         if self.tp.size == 1 or param == "norm.weight":
             return t
-        full, rank, size = self.full, self.tp.rank, self.tp.size
-
-        def heads(x: torch.Tensor, n: int, dim: int = 0) -> torch.Tensor:
-            per = n // size
-            return x.unflatten(dim, (n, -1)).narrow(dim, rank * per, per).flatten(dim, dim + 1)
-
-        if param in ("in_proj_qkvz.weight", "in_proj_ba.weight"):
-            return heads(t, full.num_k_heads)
-        if param in ("in_proj_qkv.weight", "conv1d.weight"):
-            q, k, v = t.split([full.key_dim, full.key_dim, full.value_dim])
-            return torch.cat([heads(q, full.num_k_heads), heads(k, full.num_k_heads), heads(v, full.num_v_heads)])
-        if param in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log"):
-            return heads(t, full.num_v_heads)
-        if param == "out_proj.weight":
-            return heads(t, full.num_v_heads, dim=1)
-        raise ValueError(f"unexpected Gated DeltaNet tensor {param!r}")
+        full = self.full
+        sizes = [full.key_dim, full.key_dim, full.value_dim] if param in ("in_proj_qkv.weight", "conv1d.weight") \
+            else None
+        dim = 1 if param == "out_proj.weight" else 0
+        known = ("in_proj_qkvz.weight", "in_proj_ba.weight", "in_proj_qkv.weight", "in_proj_z.weight",
+                 "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight", "dt_bias", "A_log", "out_proj.weight")
+        if param not in known:
+            raise ValueError(f"unexpected Gated DeltaNet tensor {param!r}")
+        parts = t.split(sizes or [t.shape[dim]], dim)
+        return torch.cat([p.narrow(dim, *self.tp.shard(p.shape[dim], f"Gated DeltaNet {param}")) for p in parts], dim)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q|k|v [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv])."""
