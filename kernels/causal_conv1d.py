@@ -127,8 +127,10 @@ def _block_d(d: int) -> int:
     return min(256, triton.next_power_of_2(d))
 
 
-def causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu: bool = True):
-    """Triton prefill; arguments as in the module docstring (has_state as int32/bool [N])."""
+def causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu: bool = True,
+                          store_state: bool = True):
+    """Triton prefill; arguments as in the module docstring (has_state as int32/bool [N]).
+    store_state False: the slots keep their windows (a speculative verify step)."""
     t, d = x.shape
     k = weight.shape[1]
     n = slots.shape[0]
@@ -146,6 +148,8 @@ def causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_s
         t, n, d, x.stride(0), out.stride(0), conv_states.stride(0), conv_states.stride(1),
         K=k, HAS_BIAS=bias is not None, SILU=silu, BLOCK_T=bt, BLOCK_D=bd,
     )
+    if not store_state:
+        return out
     _conv_save_state_kernel[(n, triton.cdiv(d, bd))](
         x, conv_states, slots, has, cu_seqlens, d, x.stride(0), conv_states.stride(0), conv_states.stride(1),
         K=k, KP=max(2, triton.next_power_of_2(k - 1)), BLOCK_D=bd,
@@ -169,7 +173,8 @@ def causal_conv1d_decode(x, weight, bias, conv_states, slots, silu: bool = True)
     return out
 
 
-def causal_conv1d_reference(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu: bool = True):
+def causal_conv1d_reference(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu: bool = True,
+                            store_state: bool = True):
     """fp32 torch reference of the prefill (and, with one token per sequence, of the decode):
     F.conv1d over each sequence's saved inputs followed by its tokens; updates conv_states."""
     k = weight.shape[1]
@@ -182,9 +187,10 @@ def causal_conv1d_reference(x, weight, bias, conv_states, slots, cu_seqlens, has
         else:
             prev = torch.zeros(k - 1, x.shape[1], dtype=torch.float32, device=x.device)
         full = torch.cat([prev, seq]).t().unsqueeze(0)  # [1, D, K-1+L]
-        y = F.conv1d(full, weight.float().unsqueeze(1), None if bias is None else bias.float(), groups=x.shape[1])
-        y = y[0].t()
-        out[cu[i]:cu[i + 1]] = (F.silu(y) if silu else y).to(x.dtype)
-        if slot >= 0:
+        if len(seq):  # (an empty sequence: a graph's padding request)
+            y = F.conv1d(full, weight.float().unsqueeze(1), None if bias is None else bias.float(), groups=x.shape[1])
+            y = y[0].t()
+            out[cu[i]:cu[i + 1]] = (F.silu(y) if silu else y).to(x.dtype)
+        if slot >= 0 and store_state:
             conv_states[slot] = full[0, :, full.shape[2] - (k - 1):].t().to(conv_states.dtype)
     return out

@@ -218,7 +218,7 @@ def _gdr_scan_kernel(
     Q, K, GC, W, U, S, Slots, HasState, Cu, O,
     sq_t, sq_h, sk_t, sk_h, so_t, so_h, ss_s, ss_h, HV, scale,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, L2NORM: tl.constexpr, HALF: tl.constexpr,
+    BT: tl.constexpr, L2NORM: tl.constexpr, HALF: tl.constexpr, STORE: tl.constexpr,
 ):
     n, h, pv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // GROUP
@@ -252,7 +252,8 @@ def _gdr_scan_kernel(
                  mask=mt[:, None] & mv[None, :])
         kd = k * tl.exp(glast - gc)[:, None]
         s = s * tl.exp(glast) + _dot(tl.trans(kd), v_new, HALF, DT)
-    tl.store(sptr, s, mask=(offs_k < tl.where(slot >= 0, DK, 0))[:, None] & mv[None, :])
+    if STORE:
+        tl.store(sptr, s, mask=(offs_k < tl.where(slot >= 0, DK, 0))[:, None] & mv[None, :])
 
 
 def _shape(q, v):
@@ -309,9 +310,11 @@ def _chunk_table(cu_seqlens: torch.Tensor, t: int, bt: int) -> tuple[torch.Tenso
     return torch.where(active, seq, -1).to(torch.int32), start.to(torch.int32)
 
 
-def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm: bool = True):
+def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm: bool = True,
+                             store_state: bool = True):
     """Chunked prefill over packed sequences; reads each sequence's initial state from its slot
-    (unless fresh) and writes its final state there. Returns o [T, Hv, Dv]."""
+    (unless fresh) and writes its final state there (not with store_state False: a speculative
+    verify step). Returns o [T, Hv, Dv]."""
     t = q.shape[0]
     n = slots.shape[0]
     hk, dk, hv, dv, bk = _shape(q, v)
@@ -344,13 +347,14 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
         q, k, gc, w, u, states, slots, has_state.to(torch.int32), cu_seqlens, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
         states.stride(0), states.stride(1), hv, dk ** -0.5,
-        GROUP=group, DK=dk, DV=dv, BK=bk, BV=bv, BT=CHUNK, L2NORM=l2norm, HALF=half,
+        GROUP=group, DK=dk, DV=dv, BK=bk, BV=bv, BT=CHUNK, L2NORM=l2norm, HALF=half, STORE=store_state,
         **scan_launch_options(half),
     )
     return o
 
 
-def gated_delta_rule_reference(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm: bool = True):
+def gated_delta_rule_reference(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm: bool = True,
+                               store_state: bool = True):
     """fp32 per-token recurrence (transformers' order and scaling) over packed sequences;
     updates each live slot of `states` in place like the kernels. Returns o [T, Hv, Dv]."""
     hk, dk, hv, dv = q.shape[1], q.shape[2], v.shape[1], v.shape[2]
@@ -373,6 +377,6 @@ def gated_delta_rule_reference(q, k, v, g, beta, states, slots, cu_seqlens, has_
             delta = (vf[t] - kv_mem) * bf[t][:, None]
             s = s + kf[t][:, :, None] * delta[:, None, :]
             o[t] = (s * qf[t][:, :, None]).sum(-2)
-        if slot >= 0:
+        if slot >= 0 and store_state:
             states[slot] = s
     return o.to(v.dtype)

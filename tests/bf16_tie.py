@@ -11,16 +11,16 @@ import torch
 BF16_TIE = 0.01
 
 
-def assert_near_tie(logits: torch.Tensor, want: int, got: int, step: int) -> None:
+def assert_near_tie(logits: torch.Tensor, want: int, got: int, step: int, tie: float = BF16_TIE) -> None:
     """`got` may replace the reference's `want` only if `logits` (the reference's) nearly tie them."""
     gap = (logits[want] - logits[got]).abs().item()
     scale = logits.abs().max().item()
-    assert gap <= BF16_TIE * scale, f"step {step}: {want} vs {got} differ by {gap:.4g} (scale {scale:.3g})"
+    assert gap <= tie * scale, f"step {step}: {want} vs {got} differ by {gap:.4g} (scale {scale:.3g})"
 
 
 def assert_same_or_bf16_tie(
     score: Callable[[list[int]], torch.Tensor], want: list[list[int]], got: list[list[int]], prompts: list[list[int]],
-    router_tie: Callable[[list[int]], bool] | None = None,
+    router_tie: Callable[[list[int]], bool] | None = None, tie: float = BF16_TIE,
 ) -> None:
     """Sequences must match up to their first difference, and that difference must be a near-tie
     in the reference's logits at that step (after it, the contexts differ). `score(ids)` gives
@@ -31,7 +31,7 @@ def assert_same_or_bf16_tie(
         assert len(g) == len(w), f"{len(g)} tokens, want {len(w)}"  # a short or empty answer is no tie
         i = next((j for j, (a, b) in enumerate(zip(w, g)) if a != b), None)
         if i is not None and not (router_tie is not None and router_tie(prompt + w[:i])):
-            assert_near_tie(score(prompt + w[:i]), w[i], g[i], i)
+            assert_near_tie(score(prompt + w[:i]), w[i], g[i], i, tie)
 
 
 def engine_scorer(llm) -> Callable[[list[int]], torch.Tensor]:  # noqa: ANN001 - a minisgl.LLM

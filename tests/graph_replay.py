@@ -13,7 +13,7 @@ from minisgl.attention.triton_backend import TritonAttentionBackend
 from minisgl.step.cuda_graph import CudaGraphRunner
 
 FIELDS = ("input_ids", "positions", "out_slots", "req_rows", "seq_lens", "prefix_lens", "cu_seqlens_q",
-          "sample_rows", "tiles", "decode_rows", "decode_seq_lens")
+          "sample_rows", "tiles", "decode_rows", "decode_seq_lens", "out_slots_swa", "state_slots")
 
 
 class _Replay:

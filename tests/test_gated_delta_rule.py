@@ -286,3 +286,32 @@ def test_prefill_graph_padding_past_the_last_sequence():
     torch.testing.assert_close(o[:t], want, atol=2e-4, rtol=2e-4)
     assert torch.equal(o[t:], torch.zeros(pad, hv, dv, device=dev))
     torch.testing.assert_close(states, ref, atol=2e-4, rtol=2e-4, equal_nan=True)
+
+
+@triton_test
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.float16, 2e-2)])
+def test_verify_without_store_then_commit_accepted_prefix(dtype, atol):
+    """A speculative verify reads the states and writes none (store_state=False), with the same
+    outputs as a storing call; running only the accepted prefix of each sequence afterwards
+    leaves the state a plain run over that prefix leaves. NaN-poisoned other slots untouched."""
+    dev = test_device()
+    gen = torch.Generator().manual_seed(23)
+    hk, hv, dk, dv = 2, 4, 16, 16
+    lens, accepted = [5, 1, 3], [2, 1, 3]
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32, device=dev)
+    yes = torch.ones(3, dtype=torch.bool, device=dev)
+    q, k, v, g, beta = _inputs(sum(lens), hk, hv, dk, dv, dtype, gen, dev)
+    states = _pool(6, hv, dk, dv, [4, 0, 2], gen, dev)
+    before = _bits(states)
+    stored = states.clone()
+    o_verify = LA.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, _cu(lens, dev), yes, store_state=False)
+    o_stored = LA.gated_delta_rule_prefill(q, k, v, g, beta, stored, slots, _cu(lens, dev), yes)
+    assert torch.equal(_bits(states), before)
+    torch.testing.assert_close(o_verify.float(), o_stored.float(), atol=0, rtol=0)
+    starts = _cu(lens, dev).tolist()[:-1]
+    keep = torch.tensor([s + j for s, n in zip(starts, accepted) for j in range(n)], device=dev)
+    want = states.clone()
+    K.gated_delta_rule_reference(q[keep], k[keep], v[keep], g[keep], beta[keep], want, slots, _cu(accepted, dev), yes)
+    LA.gated_delta_rule_prefill(q[keep], k[keep], v[keep], g[keep], beta[keep], states, slots, _cu(accepted, dev), yes)
+    torch.testing.assert_close(states[[4, 0, 2]], want[[4, 0, 2]], atol=atol, rtol=atol)
+    assert torch.isnan(states[[1, 3, 5]]).all()

@@ -224,7 +224,7 @@ def test_speculative_flags_without_the_algorithm_are_refused_naming_it(tmp_path:
         with pytest.raises(ValueError) as e:
             parse_args([*base, flag, value])
         assert str(e.value).startswith(f"{flag}: speculative decoding is off"), e.value
-        assert "--speculative-algorithm ngram, draft or eagle3" in str(e.value)
+        assert "--speculative-algorithm ngram, draft, eagle3 or mtp" in str(e.value)
     args = parse_args([*base, "--speculative-algorithm", "ngram", "--speculative-ngram-max", "3"])
     assert (args.speculative_ngram_max, args.speculative_num_draft_tokens) == (3, 4)
     assert parse_args(base).speculative_ngram_max == 4

@@ -33,7 +33,8 @@ def test_verify_layouts_follow_the_draft_table() -> None:
     got = [(x.tokens, x.requests, x.tiles) for x in verify_layouts([1, 2, 4, 8, 16], k_for, block_m=16)]
     # b = 4 serves 3..4 (K = 2); b = 8 serves 5..8, and 5..7 still speculate with K = 2; 16: K = 0.
     assert got == [(5, 5, 1), (10, 10, 2), (12, 12, 4), (24, 24, 8)]
-    assert verify_layouts([1, 64], lambda b: 7, block_m=4, max_tokens=100) == [StepLayout("extend", 8, 8, 2, 0)]
+    want = [StepLayout("extend", 8, 8, 2, 0, verify=True)]
+    assert verify_layouts([1, 64], lambda b: 7, block_m=4, max_tokens=100) == want
 
 
 @pytest.fixture(scope="module")

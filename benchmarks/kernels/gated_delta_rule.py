@@ -122,16 +122,50 @@ def bench_decode(batches: list[int]) -> None:
                 ["batch", "us", "GB/s"], rows)
 
 
+def triton_stats(fn) -> list[str]:  # noqa: ANN001 - a triton JITFunction
+    """Registers, spills and shared memory of each compiled specialization of `fn`."""
+    out = []
+    for cache in getattr(fn, "device_caches", {}).values():
+        for k in (cache[0] if isinstance(cache, tuple) else cache).values():
+            meta = getattr(k, "metadata", None)
+            out.append(f"{getattr(k, 'n_regs', '?')} registers, {getattr(k, 'n_spills', '?')} spilled, "
+                       f"{getattr(meta, 'shared', '?')} B shared, {getattr(meta, 'num_warps', '?')} warps")
+    return out
+
+
+def profile(tokens: int) -> None:
+    """Where the prefill's time goes: CUDA time per kernel (torch.profiler) for ours and FLA at
+    `tokens`, and our Triton kernels' registers and spills."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    a = make_inputs(tokens, 1, torch.Generator(DEV).manual_seed(2))
+    calls = [("ours", ours(a))] + ([("FLA", fla_call(a))] if fla_available() is None else [])
+    for name, call in calls:
+        call()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        print(f"\n{name}, {tokens:,} tokens: CUDA time per kernel")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+    for fn in (K._gdr_prep_kernel, K._gdr_scan_kernel):
+        print(fn.fn.__name__ if hasattr(fn, "fn") else fn, triton_stats(fn))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", default="1024,2048,4096,8192,16384,32768")
     p.add_argument("--seqs", type=int, default=1)
     p.add_argument("--decode-batches", default="1,8,64")
+    p.add_argument("--profile", type=int, default=0, help="also profile one prefill of this many tokens")
     args = p.parse_args()
     dev = torch.cuda.get_device_properties(0)
     print(f"device: {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}")
     bench_prefill([int(x) for x in args.tokens.split(",")], args.seqs)
     bench_decode([int(x) for x in args.decode_batches.split(",")])
+    if args.profile:
+        profile(args.profile)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ class EngineConfig:
     # batched with it, on chunking or on prefix-cache hits (README "Determinism").
     deterministic: bool = False
     # Speculative decoding (minisgl/speculative/); None: off, and nothing of it is built or paid.
-    speculative_algorithm: str | None = None  # "ngram" | "draft" | "eagle3"
+    speculative_algorithm: str | None = None  # "ngram" | "draft" | "eagle3" | "mtp"
     speculative_num_draft_tokens: int = 4
     speculative_draft_model: str | None = None
     speculative_ngram_min: int = 1

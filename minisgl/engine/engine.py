@@ -108,6 +108,9 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
             with phase(f"drafter ({cfg.spec.algorithm})"):
                 self.drafter = build_drafter(self._draft_target(), cfg.spec)
             self.model.model.aux_layers = self.drafter.aux_layers
+            if self.state_pool is not None:  # a verify step keeps its Gated DeltaNet inputs (commit_verify)
+                self.state_pool.reserve_verify(cfg.max_running_requests * (1 + cfg.spec.num_draft_tokens),
+                                               self.model.verify_width, self.dtype)
         # Sliding layers whose window is shorter than the context keep only it (a second group).
         windows = tuple(w if w < self.max_model_len else 0 for w in mc.attention_windows)
         self.swa_window = max(windows, default=0)
@@ -203,7 +206,8 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         cfg = self.cfg
         return DraftTarget(self.model_config, self.model.model.embed_tokens, self.device, self.dtype, self.tp,
                            self.comm, self.max_model_len, cfg.max_running_requests, cfg.seed,
-                           cfg.load_format == "dummy", cfg.attention_backend)
+                           cfg.load_format == "dummy", cfg.attention_backend, self.model.lm_head,
+                           None if self.source.is_gguf else self.source.path)
 
     def _set_kv_scales(self) -> None:
         """An FP8 pool's per-tensor scales: the checkpoint's k_scale / v_scale, else 1.0 (as vLLM)."""
@@ -389,9 +393,8 @@ def check_hybrid(mc: ModelConfig, cfg: EngineConfig, task: str) -> None:
     start by name (issue 34's first slice)."""
     if mc.linear_attn is None:
         return
-    if cfg.spec is not None:
-        raise ValueError(f"{mc.architecture}: speculative decoding is not built for Gated DeltaNet layers yet (a "
-                         "verify step would advance the recurrent state past rejected drafts); run without "
-                         "--speculative-algorithm")
+    if cfg.spec is not None and cfg.spec.algorithm == "eagle3":
+        raise ValueError(f"{mc.architecture}: EAGLE-3 heads read Llama-family hidden states; use "
+                         "--speculative-algorithm mtp (the checkpoint's own MTP head), ngram or draft")
     if task == "embed":
         raise ValueError(f"{mc.architecture}: embeddings (--task embed) are not built for hybrid models")

@@ -140,6 +140,8 @@ class ForwardCalls:
         tokens, logprobs, num_acc = ops.spec_accept(
             logits, batch.cu_seqlens_q, drafts, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps
         )
+        if self.state_pool is not None:  # the recurrent states advance over the accepted tokens only
+            self.model.commit_verify(batch, num_acc)
         if plan is not None:
             plan.finish(tokens, logprobs, num_acc, raw, self.penalties)
         self.token_buffer[batch.req_rows.long()] = tokens.gather(1, num_acc.long()[:, None]).squeeze(1)

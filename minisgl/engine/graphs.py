@@ -51,6 +51,7 @@ class GraphCapture:
             lambda batch, out: self.forward_eager(batch, logits_out=out), self.steps.count_tiles,
             lambda layout, buf: self.steps.upload(StepSpec(layout.mode, [], [], []), layout, buf),
             self.model_config.vocab_size, self.device, verify, lambda: self.model.model.aux_hidden,
+            verify_graphs_only=self.state_pool is not None,  # Gated DeltaNet layers verify without storing
         )
         self.steps.graphs = self.graphs
         if self.drafter is not None:

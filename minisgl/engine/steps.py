@@ -135,7 +135,7 @@ class StepCalls:
         """A step that replayed a graph hands the drafter the graph's padded batch (its static
         tensors, valid until another graph of the pool replays), which the residual stream it
         left matches; next_ids are padded to it."""
-        aux = self.model.model.aux_hidden if self.drafter.aux_layers else None
+        aux = self.model.model.aux_hidden if self.drafter.aux_layers is not None else None
         if batch.graph is None:
             return TargetStep(batch, next_ids, last_rows, aux)
         full = dataclasses.replace(self.graphs.static[batch.graph])

@@ -41,6 +41,7 @@ class StatePool:
         # Pop from the end: low slots first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._snap_free: list[int] = list(range(total - 1, num_slots - 1, -1))
+        self.verify_inputs: torch.Tensor | None = None  # reserve_verify (speculative decoding)
 
     @staticmethod
     def bytes_per_slot_for(num_layers: int, conv_kernel: int, conv_dim: int, num_v_heads: int, k_head_dim: int,
@@ -87,6 +88,14 @@ class StatePool:
         if not self.num_slots <= slot < self.total_slots:
             raise ValueError(f"slot {slot} is not a snapshot slot ([{self.num_slots}, {self.total_slots}))")
         self._snap_free.append(slot)
+
+    # ---- speculative verify steps ---------------------------------------------------------
+
+    def reserve_verify(self, tokens: int, width: int, dtype: torch.dtype) -> None:
+        """Scratch for a verify step's Gated DeltaNet inputs: per layer, `width` values (the
+        conv's input, b and a) of up to `tokens` tokens, so the accepted ones can advance the
+        states after acceptance (`verify_inputs[layer, :T]`, in the step's token order)."""
+        self.verify_inputs = torch.empty((self.num_layers, tokens, width), dtype=dtype, device=self.state.device)
 
     def copy(self, src: int, dst: int) -> None:
         """Slot `dst` := slot `src` (every layer's conv and recurrent state)."""

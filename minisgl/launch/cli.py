@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--speculative-algorithm", choices=ALGORITHMS, default=None,
         help="ngram: drafts copied from the request's own context; draft: a small model with the target's "
-        "vocabulary; eagle3: an EAGLE-3 head reading the target's hidden states",
+        "vocabulary; eagle3: an EAGLE-3 head reading the target's hidden states; mtp: the MTP head of a "
+        "Qwen3-Next / Qwen3.5 checkpoint",
     )
     sp.add_argument(
         "--speculative-num-draft-tokens", type=int, default=None,

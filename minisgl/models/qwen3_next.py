@@ -46,7 +46,8 @@ from minisgl.models.llama import LlamaForCausalLM, LlamaMLP
 
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
-_SKIPPED = ("model.visual.", "visual.", "mtp.", "model.mtp.")  # the vision tower; the MTP head (not served yet)
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+_SKIPPED = ("model.visual.", "visual.", *MTP_PREFIXES)  # the vision tower; the MTP head (a drafter's: qwen3_next_mtp)
 _LINEAR_ATTN = re.compile(r"(?:model\.)?layers\.(\d+)\.linear_attn\.(.+)$")  # a base model's names lack model.
 _ONE_PLUS_W = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
                "self_attn.k_norm.weight")
@@ -114,31 +115,53 @@ class GatedDeltaNet(nn.Module):
                 a.reshape(t, la.num_v_heads))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        la, t, pool = self.la, x.shape[0], self.pool
+        la, t = self.la, x.shape[0]
         mixed, z, b, a = self._project(x)
-        conv_w = self.conv1d.weight.view(la.conv_dim, la.conv_kernel)
-        conv, states, slots = pool.conv[self.index], pool.state[self.index], batch.state_slots
-        if batch.is_decode:
-            y = ops.causal_conv1d_decode(mixed, conv_w, None, conv, slots)
-        else:  # a mixed step's decodes are one-token sequences that continue their state
-            has_state = batch.prefix_lens > 0
-            y = ops.causal_conv1d_prefill(mixed, conv_w, None, conv, slots, batch.cu_seqlens_q, has_state)
-        kd = la.key_dim
-        q = y[:, :kd].view(t, la.num_k_heads, la.k_head_dim)
-        k = y[:, kd : 2 * kd].view(t, la.num_k_heads, la.k_head_dim)
-        v = y[:, 2 * kd :].view(t, la.num_v_heads, la.v_head_dim)
-        beta = b.sigmoid().contiguous()
-        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).contiguous()
-        if batch.is_decode:
-            o = ops.gated_delta_rule_decode(q, k, v, g, beta, states, slots)
-        else:
-            o = ops.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, batch.cu_seqlens_q, has_state)
+        if batch.verify:  # keep the inputs: the accepted tokens advance the states later (commit)
+            saved = self.pool.verify_inputs
+            if saved is None or t > saved.shape[1]:
+                raise ValueError(f"a verify step of {t} tokens exceeds the verify scratch "
+                                 f"({0 if saved is None else saved.shape[1]} tokens)")
+            torch.cat([mixed, b, a], dim=-1, out=saved[self.index, :t])
+        o = self._recur(mixed, b, a, batch.state_slots, batch.cu_seqlens_q, batch.prefix_lens > 0,
+                        batch.is_decode, store=not batch.verify)
         # The gated RMSNorm in transformers' order: normalise in fp32, weight in the input
         # dtype, then silu(z) in fp32.
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
         h = (self.norm.weight * of.to(x.dtype)) * F.silu(z.float())
         return self.out_proj(h.to(x.dtype).reshape(t, la.value_dim))
+
+    def _recur(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
+               cu_seqlens: torch.Tensor, has_state: torch.Tensor, decode: bool, store: bool) -> torch.Tensor:
+        """The conv and the delta rule over the step's sequences (a decode: one token each,
+        continuing its state); `store` False reads the states and writes none. o [T, Hv, Dv]."""
+        la, t, pool = self.la, mixed.shape[0], self.pool
+        conv_w = self.conv1d.weight.view(la.conv_dim, la.conv_kernel)
+        conv, states = pool.conv[self.index], pool.state[self.index]
+        if decode:
+            y = ops.causal_conv1d_decode(mixed, conv_w, None, conv, slots)
+        else:  # a mixed step's decodes are one-token sequences that continue their state
+            y = ops.causal_conv1d_prefill(mixed, conv_w, None, conv, slots, cu_seqlens, has_state, store_state=store)
+        kd = la.key_dim
+        q = y[:, :kd].view(t, la.num_k_heads, la.k_head_dim)
+        k = y[:, kd : 2 * kd].view(t, la.num_k_heads, la.k_head_dim)
+        v = y[:, 2 * kd :].view(t, la.num_v_heads, la.v_head_dim)
+        beta = b.sigmoid().contiguous()
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).contiguous()
+        if decode:
+            return ops.gated_delta_rule_decode(q, k, v, g, beta, states, slots)
+        return ops.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, store_state=store)
+
+    def commit(self, order: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
+               has_state: torch.Tensor) -> None:
+        """After a verify step: advance the states over the accepted tokens, whose inputs the
+        verify kept; `order` puts them first, packed per request as `cu_seqlens` says (the
+        rejected ones after cu_seqlens[-1] are padding to the kernels: nothing read for them)."""
+        la = self.la
+        saved = self.pool.verify_inputs[self.index, : order.numel()][order]
+        mixed, b, a = saved.split([la.conv_dim, la.num_v_heads, la.num_v_heads], dim=-1)
+        self._recur(mixed, b, a, slots, cu_seqlens, has_state, decode=False, store=True)
 
 
 class GatedAttention(nn.Module):
@@ -170,9 +193,10 @@ class GatedAttention(nn.Module):
 
 class HybridDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, index: int, tp: TPInfo, comm: Communicator,
-                 rope: RotaryEmbedding):
+                 rope: RotaryEmbedding, full: bool = False):
+        """`full`: gated full attention whatever the config says of layer_id (the MTP head's layer)."""
         super().__init__()
-        if cfg.is_linear_layer(layer_id):
+        if cfg.is_linear_layer(layer_id) and not full:
             self.linear_attn = GatedDeltaNet(cfg, index, tp, comm)
         else:
             self.self_attn = GatedAttention(cfg, index, tp, comm, rope)
@@ -211,7 +235,9 @@ class HybridModel(nn.Module):
             counts[kind] += 1
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.aux_layers = None  # no EAGLE-3 heads for these models
+        # No EAGLE-3 heads for these models; () when an MTP head drafts: it reads the final
+        # normed hidden state of every token (aux_hidden [T, H]).
+        self.aux_layers: tuple[int, ...] | None = None
         self.aux_hidden = None
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
@@ -220,6 +246,8 @@ class HybridModel(nn.Module):
         for layer in self.layers:
             x, residual = layer(batch.positions, x, residual, batch, attn)
         out, _ = self.norm.forward_with_residual(x, residual)
+        if self.aux_layers is not None:
+            self.aux_hidden = out
         return out
 
 
@@ -236,6 +264,29 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         self.lm_head = ParallelLMHead(self.model.embed_tokens, cfg.tie_word_embeddings)
         self.kv_scales: dict[tuple[int, str], float] = {}
         self.needs_lm_head = True
+
+    @property
+    def verify_width(self) -> int:
+        """Values a verify step keeps per token and Gated DeltaNet layer (StatePool.reserve_verify)."""
+        la = next(x.linear_attn.la for x in self.model.layers if hasattr(x, "linear_attn"))  # this rank's share
+        return la.conv_dim + 2 * la.num_v_heads
+
+    @torch.inference_mode()
+    def commit_verify(self, batch: ForwardBatch, num_accepted: torch.Tensor) -> None:
+        """After a verify step's acceptance (on the device, no host values): each request's
+        first num_accepted + 1 tokens (its last token and accepted drafts) advance its states."""
+        cu, t = batch.cu_seqlens_q, batch.num_tokens
+        lens = num_accepted.to(torch.int32) + 1
+        tok = torch.arange(t, device=cu.device, dtype=cu.dtype)
+        seq = torch.searchsorted(cu[1:], tok, right=True).clamp(max=lens.numel() - 1)
+        keep = (tok - cu[seq]) < lens[seq]
+        order = torch.argsort((~keep).to(torch.int8), stable=True)
+        new_cu = torch.zeros_like(cu)
+        torch.cumsum(lens, 0, out=new_cu[1:])
+        has_state = batch.prefix_lens > 0
+        for layer in self.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.commit(order, new_cu, batch.state_slots, has_state)
 
     def bind_state_pool(self, pool: StatePool) -> None:
         for layer in self.model.layers:
@@ -259,8 +310,8 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
     def _text_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in tensors:
             if name.startswith(_SKIPPED):
-                log_once("qwen3_next:skipped", "hybrid checkpoint: serving its text model; the vision tower and the "
-                         "MTP head are not loaded")
+                log_once("qwen3_next:skipped", "hybrid checkpoint: serving its text model; the vision tower is not "
+                         "loaded, nor the MTP head but by --speculative-algorithm mtp")
                 continue
             for old, new in _TEXT_PREFIXES:
                 if name.startswith(old):

@@ -59,17 +59,21 @@ def _check_conv(x, weight, bias, conv_states) -> None:
     check_same_device(x=x, weight=weight, conv_states=conv_states, **({} if bias is None else {"bias": bias}))
 
 
-def causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu: bool = True):
+def causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu: bool = True,
+                          store_state: bool = True):
     """x [T, D] packed sequences, weight [D, K], bias [D] or None, conv_states [S, K-1, D];
-    returns act(conv(x)) [T, D] and leaves each live slot holding its sequence's last K-1 inputs."""
+    returns act(conv(x)) [T, D] and leaves each live slot holding its sequence's last K-1 inputs
+    (store_state False: the slots are read, not written; a speculative verify step)."""
     if _checks.enabled():
         _check_conv(x, weight, bias, conv_states)
         _check_seqs(-1, slots, cu_seqlens, has_state)
         check_same_device(x=x, slots=slots, cu_seqlens=cu_seqlens, has_state=has_state)
     if use_triton("causal_conv1d_prefill", x):
-        return _conv.causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu)
+        return _conv.causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu,
+                                           store_state)
     log_cpu_reference_once("causal_conv1d_prefill")
-    return _conv.causal_conv1d_reference(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu)
+    return _conv.causal_conv1d_reference(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu,
+                                         store_state)
 
 
 def causal_conv1d_decode(x, weight, bias, conv_states, slots, silu: bool = True):
@@ -113,18 +117,22 @@ def _check_gdr(q, k, v, g, beta, states) -> None:
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, states=states)
 
 
-def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm: bool = True):
+def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm: bool = True,
+                             store_state: bool = True):
     """Chunked prefill over packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g fp32 [T, Hv],
     beta [T, Hv], states fp32 [S, Hv, Dk, Dv]. Continues each sequence from its slot (where
-    has_state) and writes its final state back. Returns o [T, Hv, Dv] in v's dtype."""
+    has_state) and writes its final state back (store_state False: reads only; a speculative
+    verify step). Returns o [T, Hv, Dv] in v's dtype."""
     if _checks.enabled():
         _check_gdr(q, k, v, g, beta, states)
         _check_seqs(-1, slots, cu_seqlens, has_state)
         check_same_device(q=q, slots=slots, cu_seqlens=cu_seqlens, has_state=has_state)
     if use_triton("gated_delta_rule_prefill", q):
-        return _gdr.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm)
+        return _gdr.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm,
+                                             store_state)
     log_cpu_reference_once("gated_delta_rule_prefill")
-    return _gdr.gated_delta_rule_reference(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm)
+    return _gdr.gated_delta_rule_reference(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm,
+                                           store_state)
 
 
 def gated_delta_rule_decode(q, k, v, g, beta, states, slots, l2norm: bool = True):

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ALGORITHMS = ("ngram", "draft", "eagle3")
+ALGORITHMS = ("ngram", "draft", "eagle3", "mtp")
 MAX_DRAFT_TOKENS = 16
 
 
@@ -38,6 +38,9 @@ class SpecConfig:
             raise ValueError(f"speculative_algorithm {self.algorithm!r} needs speculative_draft_model (a path)")
         if self.algorithm == "ngram" and self.draft_model:
             raise ValueError("speculative_draft_model is for 'draft' and 'eagle3'; ngram drafts from the context")
+        if self.algorithm == "mtp" and self.draft_model:
+            raise ValueError("speculative_draft_model is for 'draft' and 'eagle3'; mtp drafts with the MTP head of "
+                             "the model's own checkpoint")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 f"speculative_ngram_min ({self.ngram_min}) and _max ({self.ngram_max}) need 1 <= min <= max"

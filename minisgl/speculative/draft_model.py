@@ -39,6 +39,9 @@ class DraftModelDrafter(Drafter):
             raise ValueError(
                 f"draft model {path!r} has a vocabulary of {cfg.vocab_size} tokens; the target has {target_vocab}"
             )
+        if cfg.linear_attn is not None or any(cfg.attention_windows):
+            raise ValueError(f"draft model {path!r} ({cfg.architecture}) keeps recurrent state or sliding-window KV; "
+                             "a draft model needs full-attention layers only (its KV shares the target's pages)")
         cfg.check_tp(target.tp.size)
         self.model_config = cfg
         # Another seed than the target's: dummy weights must not make the draft a copy.

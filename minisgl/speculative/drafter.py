@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -39,6 +40,8 @@ class DraftTarget:
     seed: int
     dummy_weights: bool  # --load-format dummy: a drafter with a model fills random weights too
     attention_backend: str
+    lm_head: nn.Module | None = None  # the target's LM head (an MTP head shares it)
+    checkpoint: Path | None = None  # the target's safetensors folder (an MTP head loads from it); None: GGUF
 
 
 @dataclass
@@ -86,7 +89,8 @@ class Drafter(ABC):
     name: str = "base"
     # A draft model with its own KV (after_forward runs it); False: drafts from tokens alone.
     has_model: bool = False
-    # The target must return its residual stream at these layers (EAGLE-3), else None.
+    # The target must return its residual stream at these layers (EAGLE-3; (): its final normed
+    # hidden states, for an MTP head), else None.
     aux_layers: tuple[int, ...] | None = None
     # Whether after_forward reads TargetStep.next_ids (building them costs a gather).
     needs_next_ids: bool = False

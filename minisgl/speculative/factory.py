@@ -15,6 +15,10 @@ def build_drafter(target: DraftTarget, spec: SpecConfig) -> Drafter:
         from minisgl.speculative.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(target, spec.draft_model)
+    if spec.algorithm == "mtp":
+        from minisgl.speculative.mtp import MtpDrafter
+
+        return MtpDrafter(target)
     from minisgl.speculative.eagle3 import Eagle3Drafter
 
     return Eagle3Drafter(target, spec.draft_model)

@@ -94,7 +94,7 @@ class StepBuilder:
         buf = self.upload(spec, layout, None)
         batch = layout.views(buf, self.table.req_to_slot, self.token_buffer, max(spec.seq_lens),
                              self.table.req_to_swa_slot, self.table.req_to_state)
-        batch.mode, batch.max_extend_len = spec.mode, max(spec.ext)
+        batch.mode, batch.max_extend_len, batch.verify = spec.mode, max(spec.ext), all_rows
         batch.seq_lens_cpu, batch.prefix_lens_cpu = spec.seq_lens, spec.prefix_lens
         if extra_logit_rows:
             last = [c - 1 for c in itertools.accumulate(spec.ext)]

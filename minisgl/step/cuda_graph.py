@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -70,7 +71,7 @@ def verify_layouts(batch_sizes: list[int], k_for: Callable[[int], int], block_m:
         prev = b
         t = b * (1 + k)
         if k > 0 and t <= max_tokens:
-            out.append(StepLayout("extend", t, t, min(t, b * -(-(1 + k) // block_m)), 0))
+            out.append(StepLayout("extend", t, t, min(t, b * -(-(1 + k) // block_m)), 0, verify=True))
     return out
 
 
@@ -103,17 +104,22 @@ class CudaGraphRunner:
         forward: Callable[[ForwardBatch, torch.Tensor], torch.Tensor],
         count_tiles: Callable[[StepSpec, bool], int], fill_empty: Callable[[StepLayout, torch.Tensor], None],
         vocab_size: int, device: torch.device, verify: list[StepLayout] | None = None,
-        extra: Callable[[], torch.Tensor | None] | None = None,
+        extra: Callable[[], torch.Tensor | None] | None = None, verify_graphs_only: bool = False,
     ) -> None:
         """`extra`: called after each capture's forward; what it returns (a tensor the forward
         left, e.g. the residual stream EAGLE-3 reads) is kept as `extras[layout]`, refreshed by
-        every replay of that layout."""
+        every replay of that layout. `verify_graphs_only`: a verify step replays only a graph
+        captured as a verify step (a model whose layers keep per-request state captures a
+        different forward for it), never an extend bucket."""
         self.decode = sorted(decode, key=lambda x: x.tokens)
         self.extend = sorted((x for x in extend if x.mode == "extend"), key=lambda x: x.tokens)
         self.mixed = sorted((x for x in extend if x.mode == "mixed"), key=lambda x: x.tokens)
-        self.verify = sorted(set(verify or ()) - set(self.extend), key=lambda x: x.tokens)
-        # A verify step takes the smallest verify or extend layout with a logits row per token.
-        self._all_rows = sorted({*self.verify, *self.extend}, key=lambda x: (x.tokens, x.requests))
+        plain = set(self.extend)
+        self.verify = sorted((x for x in verify or () if verify_graphs_only or replace(x, verify=False) not in plain),
+                             key=lambda x: x.tokens)
+        # A verify step takes the smallest verify (or extend) layout with a logits row per token.
+        self._all_rows = sorted({*self.verify, *(() if verify_graphs_only else self.extend)},
+                                key=lambda x: (x.tokens, x.requests))
         self._keys = {m: [x.tokens for x in getattr(self, m)] for m in ("decode", "extend", "mixed", "_all_rows")}
         self.views, self.forward, self.count_tiles, self.device = views, forward, count_tiles, device
         self.layouts = layouts = [*self.decode, *self.extend, *self.mixed, *self.verify]
@@ -177,7 +183,7 @@ class CudaGraphRunner:
             cu_seqlens_q=s.cu_seqlens_q[: b + 1], sample_rows=s.sample_rows[: n if spec.all_rows else b],
             req_to_slot=s.req_to_slot, seq_lens_cpu=seq, prefix_lens_cpu=spec.prefix_lens, max_seq_len=max(seq),
             max_extend_len=max(spec.ext), tiles=s.tiles, decode_rows=s.decode_rows,
-            decode_seq_lens=s.decode_seq_lens, graph=layout, all_rows=spec.all_rows,
+            decode_seq_lens=s.decode_seq_lens, graph=layout, all_rows=spec.all_rows, verify=spec.all_rows,
             req_to_swa_slot=s.req_to_swa_slot, out_slots_swa=None if s.out_slots_swa is None else s.out_slots_swa[:n],
             state_slots=None if s.state_slots is None else s.state_slots[:b],
         )
