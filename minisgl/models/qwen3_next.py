@@ -133,9 +133,12 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(h.to(x.dtype).reshape(t, la.value_dim))
 
     def _recur(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
-               cu_seqlens: torch.Tensor, has_state: torch.Tensor, decode: bool, store: bool) -> torch.Tensor:
+               cu_seqlens: torch.Tensor, has_state: torch.Tensor, decode: bool, store: bool,
+               fp32_rule: bool = False) -> torch.Tensor:
         """The conv and the delta rule over the step's sequences (a decode: one token each,
-        continuing its state); `store` False reads the states and writes none. o [T, Hv, Dv]."""
+        continuing its state); `store` False reads the states and writes none. `fp32_rule`: the
+        chunked delta rule on fp32 operands (ieee dots; 16-bit ones round the state at each
+        chunk). o [T, Hv, Dv]."""
         la, t, pool = self.la, mixed.shape[0], self.pool
         conv_w = self.conv1d.weight.view(la.conv_dim, la.conv_kernel)
         conv, states = pool.conv[self.index], pool.state[self.index]
@@ -151,17 +154,22 @@ class GatedDeltaNet(nn.Module):
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).contiguous()
         if decode:
             return ops.gated_delta_rule_decode(q, k, v, g, beta, states, slots)
+        if fp32_rule:
+            q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
         return ops.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, store_state=store)
 
     def commit(self, order: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
                has_state: torch.Tensor) -> None:
         """After a verify step: advance the states over the accepted tokens, whose inputs the
         verify kept; `order` puts them first, packed per request as `cu_seqlens` says (the
-        rejected ones after cu_seqlens[-1] are padding to the kernels: nothing read for them)."""
+        rejected ones after cu_seqlens[-1] are padding to the kernels: nothing read for them).
+        The delta rule runs on fp32 operands, as the decode step's recurrence does: with 16-bit
+        ones the states of a speculating request drifted from a plain decode's (bf16 on the
+        H100: a greedy token 5% of the logit scale apart after 10 steps, tiny Qwen3.5)."""
         la = self.la
         saved = self.pool.verify_inputs[self.index, : order.numel()][order]
         mixed, b, a = saved.split([la.conv_dim, la.num_v_heads, la.num_v_heads], dim=-1)
-        self._recur(mixed, b, a, slots, cu_seqlens, has_state, decode=False, store=True)
+        self._recur(mixed, b, a, slots, cu_seqlens, has_state, decode=False, store=True, fp32_rule=True)
 
 
 class GatedAttention(nn.Module):
