@@ -55,7 +55,8 @@ class MtpHead(LlamaForCausalLM):
         self.needs_lm_head = False
 
     @property
-    def attention(self) -> nn.Module:
+    def self_attn(self) -> nn.Module:
+        """The layer's attention (its heads size the drafter's KV pool)."""
         return self.model.layers[0].self_attn
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend, input_ids: torch.Tensor,

@@ -21,24 +21,19 @@ from __future__ import annotations
 import torch
 
 from minisgl.core.batch import ForwardBatch
-from minisgl.kvcache.pool import KVPool, RequestTable
 from minisgl.models.eagle3 import Eagle3Config, Eagle3Head, has_own_embedding
-from minisgl.ops import _checks
-from minisgl.speculative.draft_steps import DraftSteps
-from minisgl.speculative.drafter import Drafter, DraftRequest, DraftTarget, TargetStep
+from minisgl.speculative.drafter import DraftTarget
+from minisgl.speculative.head_drafter import HeadDrafter
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(HeadDrafter):
     name = "eagle3"
-    has_model = True
-    needs_next_ids = True
 
     def __init__(self, target: DraftTarget, path: str) -> None:
         from pathlib import Path
 
-        from minisgl.models.weights import fill_dummy, iter_safetensors
+        from minisgl.models.weights import iter_safetensors
 
-        self.target = target
         folder = Path(path).expanduser()
         cfg = Eagle3Config.from_folder(folder)
         tc = target.model_config
@@ -53,66 +48,20 @@ class Eagle3Drafter(Drafter):
         self.aux_layers = cfg.aux_layers(tc.num_layers)
         dummy = target.dummy_weights
         own_embed = (not dummy and has_own_embedding(folder)) or lc.hidden_size != tc.hidden_size
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(target.dtype)
-        try:
-            with torch.device(target.device):
-                self.head = Eagle3Head(cfg, None if own_embed else target.embed_tokens, target.tp, target.comm,
-                                       target.max_model_len, target.device)
-                rows = target.max_requests + 1
-                # Per request-table row: the next chain's first draft token and hidden state.
-                self.next_token = torch.zeros(rows, dtype=torch.int64)
-                self.next_hidden = torch.zeros(rows, lc.hidden_size)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if dummy:
-            fill_dummy(self.head, target.seed + 1)  # d2t stays 0: the identity map
-        else:
-            self.head.load_weights(iter_safetensors(folder))
-        self.head.eval()
         self.cfg = cfg
-        attn = self.head.self_attn
-        self.num_q_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
-        self.pool: KVPool | None = None
-        self.steps = DraftSteps(target, self.next_token, self._step)
+        # (dummy weights: d2t stays 0, the identity map)
+        self._build(target, lambda: Eagle3Head(cfg, None if own_embed else target.embed_tokens, target.tp, target.comm,
+                                               target.max_model_len, target.device),
+                    lc.hidden_size, lambda: iter_safetensors(folder))
 
-    def kv_bytes_per_token(self) -> int:
-        return KVPool.bytes_per_token_for(1, self.num_kv_heads, self.cfg.layer.head_dim, self.target.dtype)
+    @property
+    def _head_dim(self) -> int:
+        return self.cfg.layer.head_dim
 
-    def allocate_kv(self, num_pages: int, page_size: int, table: RequestTable) -> None:
-        from minisgl.attention.select import make_backend
+    @property
+    def _scale(self) -> float:
+        return self.cfg.layer.head_dim ** -0.5
 
-        t, d = self.target, self.cfg.layer.head_dim
-        self.pool = KVPool(1, num_pages, page_size, self.num_kv_heads, d, t.dtype, t.device)
-        self.attn = make_backend(t.attention_backend, self.pool, self.num_q_heads, d**-0.5, t.device)
-        self.steps.table = table
-
-    @torch.inference_mode()
-    def after_forward(self, step: TargetStep) -> None:
-        """`step.batch` may be a graph's padded batch (its tokens past the step's write only the
-        dummy slot); its first last_rows.numel() requests are the step's."""
-        assert step.next_ids is not None and step.aux is not None
-        self.attn.prepare(step.batch)
-        with _checks.trusted():
-            normed, prenorm = self.head(step.batch, self.attn, step.next_ids, step.aux)
-        rows = step.batch.req_rows[: step.last_rows.numel()].long()
-        self.next_token[rows] = self.head.draft_tokens(normed[step.last_rows])
-        self.next_hidden[rows] = prenorm[step.last_rows]
-
-    def _step(self, batch: ForwardBatch) -> None:
-        """One chain step (graph-safe): token and hidden state from the per-row buffers, the
-        next ones written back there."""
-        rows = batch.req_rows.long()
-        self.attn.prepare(batch)
-        with _checks.trusted():
-            normed, prenorm = self.head(batch, self.attn, batch.input_ids, self.next_hidden[rows])
-        self.next_token[rows] = self.head.draft_tokens(normed)
-        self.next_hidden[rows] = prenorm
-
-    def enable_cuda_graphs(self, batch_sizes: list[int], runner_cls: type) -> None:
-        self.steps.enable_cuda_graphs(batch_sizes, runner_cls)
-
-    def propose(self, reqs: list[DraftRequest]) -> list[list[int]]:
-        # The first draft comes from the target's last forward (after_forward); step s writes
-        # draft s at position length - 2 + s (the head's positions trail the tokens by one).
-        return self.steps.chain(reqs, first_step=1, offset=-2)
+    def _run(self, batch: ForwardBatch, input_ids: torch.Tensor,
+             hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head(batch, self.attn, input_ids, hidden)  # (normed, pre-norm)
