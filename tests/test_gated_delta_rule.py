@@ -231,7 +231,8 @@ def test_kernels_compile_for_sm90_within_shared_memory(half):
     # The scan is the kernel whose loop loads are pipelined (its shared memory grows with
     # num_stages); the prep kernel's tiles are fixed (15 KB) and take a minute to compile here.
     kernels = [
-        (K._gdr_scan_kernel, dict(GROUP=2, DK=128, DV=128, BK=128, BV=64, BT=64, L2NORM=True, HALF=half),
+        (K._gdr_scan_kernel, dict(GROUP=2, DK=128, DV=128, BK=128, BV=64, BT=64, L2NORM=True, HALF=half,
+                                  STORE=True),
          K.scan_launch_options(half)),
     ]
     for fn, consts, opts in kernels:
