@@ -24,13 +24,16 @@ def _hf_classes(model_type: str):  # noqa: ANN202 - transformers classes
     return m.Qwen3_5DecoderLayer, m.Qwen3_5RMSNorm
 
 
+def _sparse(config, i: int) -> bool:  # noqa: ANN001
+    """transformers' rule for an MoE MLP at layer i (Qwen3NextDecoderLayer)."""
+    return (getattr(config, "num_experts", 0) > 0 and i not in getattr(config, "mlp_only_layers", [])
+            and (i + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
+
+
 def _full_layer_index(config) -> int:  # noqa: ANN001
-    """A full-attention layer of the target whose MLP kind is the MTP layer's (index 0's rule)."""
-    sparse0 = getattr(config, "num_experts", 0) > 0 and 0 not in getattr(config, "mlp_only_layers", [])
+    """A full-attention layer of the target whose MLP kind is the MTP layer's (layer 0's rule)."""
     for i, kind in enumerate(config.layer_types):
-        sparse = getattr(config, "num_experts", 0) > 0 and i not in config.mlp_only_layers and \
-            (i + 1) % config.decoder_sparse_step == 0 if hasattr(config, "decoder_sparse_step") else False
-        if kind == "full_attention" and sparse == sparse0:
+        if kind == "full_attention" and _sparse(config, i) == _sparse(config, 0):
             return i
     raise AssertionError("no full-attention layer with the MTP layer's MLP")
 

@@ -44,13 +44,11 @@ class ForwardBatch:
     # int64 [B + E] rows of [T] whose logits the model computes: sample_rows, then E extra rows
     # (prompt logprobs). None: sample_rows only.
     logit_rows: torch.Tensor | None = None
-    # A captured graph's step whose sample rows are all T tokens (a speculative verify step):
-    # its replay yields every position's logits [T, vocab].
+    # A speculative verify step (logits at every new token): a captured graph's replay yields
+    # them all [T, vocab], an eager batch's forward(all_positions=True). Layers that keep a state
+    # per request (Gated DeltaNet) read it and write none; the engine advances it over the
+    # accepted tokens after acceptance (the drafts past the first rejection never reach it).
     all_rows: bool = False
-    # A speculative verify step (eager, or a verify graph's replay): layers that keep a state per
-    # request (Gated DeltaNet) read it and write none; the engine advances it over the accepted
-    # tokens after acceptance (the drafts past the first rejection never reach it).
-    verify: bool = False
     # The sliding-window pool group (None without one): its request table (shared, not
     # copied) and each new token's slot in it, int32 [T] (gathered on the device like out_slots).
     req_to_swa_slot: torch.Tensor | None = None

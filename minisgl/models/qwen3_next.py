@@ -117,14 +117,14 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         la, t = self.la, x.shape[0]
         mixed, z, b, a = self._project(x)
-        if batch.verify:  # keep the inputs: the accepted tokens advance the states later (commit)
+        if batch.all_rows:  # a verify step: keep the inputs: the accepted tokens advance the states later (commit)
             saved = self.pool.verify_inputs
             if saved is None or t > saved.shape[1]:
                 raise ValueError(f"a verify step of {t} tokens exceeds the verify scratch "
                                  f"({0 if saved is None else saved.shape[1]} tokens)")
             torch.cat([mixed, b, a], dim=-1, out=saved[self.index, :t])
         o = self._recur(mixed, b, a, batch.state_slots, batch.cu_seqlens_q, batch.prefix_lens > 0,
-                        batch.is_decode, store=not batch.verify)
+                        batch.is_decode, store=not batch.all_rows)
         # The gated RMSNorm in transformers' order: normalise in fp32, weight in the input
         # dtype, then silu(z) in fp32.
         of = o.float()

@@ -81,7 +81,8 @@ class StepBuilder:
               new_tokens: Sequence[list[int] | None] | None, use_graphs: bool = True,
               extra_logit_rows: list[int] | None = None, all_rows: bool = False) -> ForwardBatch:
         """`all_rows`: the step needs every position's logits (a verify step); a graph that fits
-        computes them all (`batch.all_rows`), an eager batch via forward(all_positions=True)."""
+        computes them all, an eager batch via forward(all_positions=True); `batch.all_rows` marks
+        the verify step either way."""
         spec = self.spec(mode, rows, prefix_lens, new_tokens, all_rows)
         if extra_logit_rows and (min(extra_logit_rows) < 0 or max(extra_logit_rows) >= spec.num_tokens):
             raise ValueError(f"extra_logit_rows must index the step's {spec.num_tokens} new tokens")
@@ -94,7 +95,7 @@ class StepBuilder:
         buf = self.upload(spec, layout, None)
         batch = layout.views(buf, self.table.req_to_slot, self.token_buffer, max(spec.seq_lens),
                              self.table.req_to_swa_slot, self.table.req_to_state)
-        batch.mode, batch.max_extend_len, batch.verify = spec.mode, max(spec.ext), all_rows
+        batch.mode, batch.max_extend_len, batch.all_rows = spec.mode, max(spec.ext), all_rows
         batch.seq_lens_cpu, batch.prefix_lens_cpu = spec.seq_lens, spec.prefix_lens
         if extra_logit_rows:
             last = [c - 1 for c in itertools.accumulate(spec.ext)]

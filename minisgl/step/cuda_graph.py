@@ -183,7 +183,7 @@ class CudaGraphRunner:
             cu_seqlens_q=s.cu_seqlens_q[: b + 1], sample_rows=s.sample_rows[: n if spec.all_rows else b],
             req_to_slot=s.req_to_slot, seq_lens_cpu=seq, prefix_lens_cpu=spec.prefix_lens, max_seq_len=max(seq),
             max_extend_len=max(spec.ext), tiles=s.tiles, decode_rows=s.decode_rows,
-            decode_seq_lens=s.decode_seq_lens, graph=layout, all_rows=spec.all_rows, verify=spec.all_rows,
+            decode_seq_lens=s.decode_seq_lens, graph=layout, all_rows=spec.all_rows,
             req_to_swa_slot=s.req_to_swa_slot, out_slots_swa=None if s.out_slots_swa is None else s.out_slots_swa[:n],
             state_slots=None if s.state_slots is None else s.state_slots[:b],
         )

@@ -78,7 +78,7 @@ class StepLayout:
     requests: int  # B
     tiles: int = 0  # C (0: no tile map; the torch backend and decode steps)
     decodes: int = 0  # D (0: no decode-kernel rows)
-    verify: bool = False  # a verify graph's layout (its batch is a verify step: ForwardBatch.verify)
+    verify: bool = False  # a verify graph's layout (its batch is a verify step: ForwardBatch.all_rows)
 
     @property
     def _i32_start(self) -> int:
@@ -164,7 +164,7 @@ class StepLayout:
             seq_lens_cpu=[], prefix_lens_cpu=[], max_seq_len=max_seq_len, max_extend_len=self.tokens,
             tiles=tiles, decode_rows=dec_rows, decode_seq_lens=dec_seq, req_to_swa_slot=req_to_swa_slot,
             out_slots_swa=None if req_to_swa_slot is None else req_to_swa_slot[tok_rows, positions],
-            state_slots=None if req_to_state is None else req_to_state[i32[:b]], verify=self.verify,
+            state_slots=None if req_to_state is None else req_to_state[i32[:b]], all_rows=self.verify,
         )
 
 
