@@ -38,13 +38,6 @@ CHUNK = 64
 
 
 @triton.jit
-def _l2norm_rows(x, ENABLE: tl.constexpr):
-    if ENABLE:
-        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-    return x
-
-
-@triton.jit
 def _gdr_decode_kernel(
     Q, K, V, G, Beta, S, Slots, O,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, so_t, so_h, ss_s, ss_h, scale,
@@ -78,188 +71,288 @@ def _gdr_decode_kernel(
     tl.store(ptrs, s, mask=m2)
 
 
-# The prep kernel inverts (I + L) in 16-row blocks: forward substitution on each 16 x 16
-# diagonal block (cheap: 15 steps over 256 elements), then the off-diagonal blocks by
-# X_ij = -X_ii sum_{j<=m<i} L_im X_mj (tensor-core dots). A 64-step substitution over the
-# whole 64 x 64 tile costs ~4x more serial reductions; a product-of-powers inverse would be
-# all dots but loses accuracy when keys repeat (the powers of L grow and cancel).
+# Chunked prefill in five kernels, split where the work changes from parallel to serial (the
+# flash-linear-attention decomposition): per (chunk, v-head) in parallel, (1) the cumulative decays
+# and L, (2) X = (I + L)^-1, (3) W and U; per (sequence, v-head, v-block) in order, (4) the chunk
+# states S_c and v' = U - W S_c; per (chunk, v-head, v-block) in parallel again, (5) the outputs.
+# Only (4) walks the chunks one after another, and it does two small dots per chunk; the first
+# version did the outputs inside that walk and built X, W, U in one kernel holding ~20 16 x 16
+# tiles at once, which spilled (42 ms vs FLA's 2.4 ms at 32k tokens on the H100, RESULTS.md).
+# With 16-bit inputs the buffers between kernels (W, U, S_c, v') are 16-bit and their dots feed
+# the tensor cores 16-bit operands (fp32 accumulation), as FLA does; L and X stay fp32. fp32
+# inputs keep every buffer and dot in fp32 ("ieee").
 @triton.jit
 def _mm(a, b):
     return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
-def _sub_load(K, G, Beta, tok0, end, hk, h, sk_t, sk_h, sg_t, sb_t, carry,
-              DK: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
-    """One 16-token block: l2-normed keys, cumulative log decay (continuing `carry`), beta."""
-    tok = tok0 + tl.arange(0, 16)
-    mt = tok < end
-    tok64 = tok.to(tl.int64)
-    offs_k = tl.arange(0, BK)
-    k = tl.load(K + tok64[:, None] * sk_t + hk * sk_h + offs_k[None, :], mask=mt[:, None] & (offs_k < DK)[None, :],
-                other=0.0).to(tl.float32)
-    k = _l2norm_rows(k, L2NORM)
-    g = tl.load(G + tok64 * sg_t + h, mask=mt, other=0.0).to(tl.float32)
-    beta = tl.load(Beta + tok64 * sb_t + h, mask=mt, other=0.0).to(tl.float32)
-    return k, tl.cumsum(g, axis=0) + carry, beta, carry + tl.sum(g, axis=0)
-
-
-@triton.jit
-def _lblock(ki, gi, bi, kj, gj, DIAG: tl.constexpr):
-    """Block (i, j) of L = beta_i (k_i . k_j) exp(c_i - c_j), strictly lower on the diagonal."""
-    r, c = tl.arange(0, 16)[:, None], tl.arange(0, 16)[None, :]
-    if DIAG:
-        m = r > c
+def _dot(a, b, HALF: tl.constexpr, DT: tl.constexpr):
+    """16-bit tensor-core operands for 16-bit inputs, exact fp32 otherwise."""
+    if HALF:
+        out = tl.dot(a.to(DT), b.to(DT))
     else:
-        m = (r >= 0) & (c >= 0)
-    # exp only where the row is after the column (c_i - c_j <= 0): elsewhere it could overflow
-    d = tl.exp(tl.where(m, gi[:, None] - gj[None, :], float("-inf")))
-    return tl.where(m, bi[:, None] * _mm(ki, tl.trans(kj)) * d, 0.0)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return out
 
 
 @triton.jit
-def _inv16(L):
-    """(I + L)^-1 for a strictly lower 16 x 16 L: row i is e_i - sum_{j<i} L_ij X_j."""
-    r, c = tl.arange(0, 16)[:, None], tl.arange(0, 16)[None, :]
-    X = tl.where(r == c, 1.0, 0.0)
-    for i in range(1, 16):
-        l_i = tl.sum(tl.where(r == i, L, 0.0), axis=0)  # row i of L, laid out along the columns
-        X = X - tl.where(r == i, tl.sum(l_i[:, None] * X, axis=0)[None, :], 0.0)
-    return X
+def _dot32(a, b, HALF: tl.constexpr):
+    """fp32 operands: tf32 for 16-bit inputs (X's entries need more than 8 mantissa bits)."""
+    if HALF:
+        out = tl.dot(a, b, input_precision="tf32")
+    else:
+        out = tl.dot(a, b, input_precision="ieee")
+    return out
 
 
 @triton.jit
-def _store_rows(P, x, tok0, end, h, HV, DIM: tl.constexpr, BD: tl.constexpr):
-    tok = tok0 + tl.arange(0, 16)
-    offs = tl.arange(0, BD)
-    tl.store(P + (tok.to(tl.int64) * HV + h)[:, None] * DIM + offs[None, :], x,
-             mask=(tok < end)[:, None] & (offs < DIM)[None, :])
+def _chunk(ChunkSeq, ChunkStart, Cu, c, BT: tl.constexpr):
+    """Chunk c's sequence (-1: past the last chunk), its tokens and their mask."""
+    seq = tl.load(ChunkSeq + c)
+    s0 = tl.load(ChunkStart + c)
+    end = tl.load(Cu + tl.maximum(seq, 0) + 1)
+    tok = s0 + tl.arange(0, BT)
+    return seq, s0, tok, tok < end, end
 
 
 @triton.jit
-def _store_gc(GC, gc, tok0, end, h, HV):
-    tok = tok0 + tl.arange(0, 16)
-    tl.store(GC + tok.to(tl.int64) * HV + h, gc, mask=tok < end)
+def _tile(P, rows, width, stride, row0, col0, BR: tl.constexpr, BC: tl.constexpr):
+    """Pointers and mask of rows row0.. (below `rows`), columns col0.. (below `width`) of a
+    row-major 2-D view whose rows are `stride` apart."""
+    r = row0 + tl.arange(0, BR)
+    cl = col0 + tl.arange(0, BC)
+    return P + r.to(tl.int64)[:, None] * stride + cl[None, :], (r < rows)[:, None] & (cl < width)[None, :]
 
 
 @triton.jit
-def _load_vb(V, tok0, end, h, sv_t, sv_h, beta, DV: tl.constexpr, BVF: tl.constexpr):
-    tok = tok0 + tl.arange(0, 16)
-    offs = tl.arange(0, BVF)
-    v = tl.load(V + tok.to(tl.int64)[:, None] * sv_t + h * sv_h + offs[None, :],
-                mask=(tok < end)[:, None] & (offs < DV)[None, :], other=0.0).to(tl.float32)
-    return v * beta[:, None]
+def _ld(bp):
+    return tl.load(bp[0], mask=bp[1], other=0.0)
 
 
 @triton.jit
-def _gdr_prep_kernel(
-    K, V, G, Beta, Cu, ChunkSeq, ChunkStart, GC, W, U,
-    sk_t, sk_h, sv_t, sv_h, sg_t, sb_t, HV,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
-    L2NORM: tl.constexpr,
+def _st(bp, x):
+    tl.store(bp[0], x.to(bp[0].dtype.element_ty), mask=bp[1])
+
+
+@triton.jit
+def _inv_norms(x, ENABLE: tl.constexpr):
+    """1 / |row| of a [BT, BK] tile (1 when not normalising): the kernels scale dot products
+    and small tiles by it instead of normalising the 16-bit operands (fewer fp32 tiles)."""
+    if ENABLE:
+        xf = x.to(tl.float32)
+        out = tl.rsqrt(tl.sum(xf * xf, axis=1) + 1e-6)
+    else:
+        out = tl.full((x.shape[0],), 1.0, tl.float32)
+    return out
+
+
+@triton.jit
+def _gdr_kkt_kernel(
+    K, G, Beta, Cu, ChunkSeq, ChunkStart, GC, KS, A,
+    sk_t, sk_h, sg_t, sb_t, HV,
+    GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr,
+    HALF: tl.constexpr,
 ):
-    """Per (chunk of 64, v-head): the cumulative decays c, and W = X (beta k exp(c)), U = X (beta v)."""
+    """Per (chunk, v-head): c = cumsum(g), the keys' inverse norms, and
+    L = strictly_lower(beta_i (k_i . k_j) exp(c_i - c_j)) with normalised keys."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    seq, s0, tok, mt, end = _chunk(ChunkSeq, ChunkStart, Cu, c, BT)
+    if seq < 0:
+        return
+    k = _ld(_tile(K + (h // GROUP) * sk_h, end, DK, sk_t, s0, 0, BT, BK))
+    ks = _inv_norms(k, L2NORM)
+    tok64 = tok.to(tl.int64)
+    tl.store(KS + tok64 * HV + h, ks, mask=mt)
+    gc = tl.cumsum(tl.load(G + tok64 * sg_t + h, mask=mt, other=0.0).to(tl.float32), axis=0)
+    tl.store(GC + tok64 * HV + h, gc, mask=mt)
+    beta = tl.load(Beta + tok64 * sb_t + h, mask=mt, other=0.0).to(tl.float32)
+    kk = _dot(k, tl.trans(k), HALF, K.dtype.element_ty) * ks[None, :]
+    lower = tl.arange(0, BT)[:, None] > tl.arange(0, BT)[None, :]
+    # exp only where the row is after the column (c_i - c_j <= 0): elsewhere it could overflow
+    d = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
+    _st(_tile(A + h * BT, end, BT, HV * BT, s0, 0, BT, BT), tl.where(lower, (beta * ks)[:, None] * kk * d, 0.0))
+
+
+@triton.jit
+def _inv_diag(A, tok0, end, h, HV, col0, BT: tl.constexpr):
+    """(I + L_bb)^-1 of the 16 x 16 diagonal block at tokens tok0.. by forward substitution,
+    reading L's rows from memory (extracting a row from a register tile costs a reduction):
+    row i of Y = X - I is -L_i - sum_{j<i} L_ij Y_j."""
+    r = tl.arange(0, 16)
+    y = -_lblk(A, tok0, end, h, HV, col0, BT)
+    for i in range(2, 16):
+        a = -tl.load(A + ((tok0 + i).to(tl.int64) * HV + h) * BT + col0 + r, mask=tok0 + i + 0 * r < end, other=0.0)
+        a = a + tl.sum(a[:, None] * y, axis=0)
+        y = tl.where(r[:, None] == i, a[None, :], y)
+    return y + tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+
+
+@triton.jit
+def _lblk(A, tok0, end, h, HV, col0, BT: tl.constexpr):
+    return _ld(_tile(A + h * BT, end, BT, HV * BT, tok0, col0, 16, 16))
+
+
+@triton.jit
+def _store_tile(X, blk, tok0, end, h, HV, col0, BT: tl.constexpr):
+    _st(_tile(X + h * BT, end, BT, HV * BT, tok0, col0, 16, 16), blk)
+
+
+@triton.jit
+def _gdr_solve_kernel(
+    A, Cu, ChunkSeq, ChunkStart, X, HV,
+    BT: tl.constexpr,
+):
+    """Per (chunk, v-head): X = (I + L)^-1 in 16-row blocks, the diagonal blocks by substitution,
+    then X_ij = -X_ii sum_{j<=m<i} L_im X_mj (dots). Writes the lower blocks only (the W/U
+    kernel masks the rest)."""
     c, h = tl.program_id(0), tl.program_id(1)
     seq = tl.load(ChunkSeq + c)
     if seq < 0:
         return
     s0 = tl.load(ChunkStart + c)
     end = tl.load(Cu + seq + 1)
-    hk = h // GROUP
     s1, s2, s3 = s0 + 16, s0 + 32, s0 + 48
-    k0, g0, b0, cy = _sub_load(K, G, Beta, s0, end, hk, h, sk_t, sk_h, sg_t, sb_t, 0.0, DK, BK, L2NORM)
-    k1, g1, b1, cy = _sub_load(K, G, Beta, s1, end, hk, h, sk_t, sk_h, sg_t, sb_t, cy, DK, BK, L2NORM)
-    k2, g2, b2, cy = _sub_load(K, G, Beta, s2, end, hk, h, sk_t, sk_h, sg_t, sb_t, cy, DK, BK, L2NORM)
-    k3, g3, b3, cy = _sub_load(K, G, Beta, s3, end, hk, h, sk_t, sk_h, sg_t, sb_t, cy, DK, BK, L2NORM)
-    _store_gc(GC, g0, s0, end, h, HV)
-    _store_gc(GC, g1, s1, end, h, HV)
-    _store_gc(GC, g2, s2, end, h, HV)
-    _store_gc(GC, g3, s3, end, h, HV)
-    X00 = _inv16(_lblock(k0, g0, b0, k0, g0, True))
-    X11 = _inv16(_lblock(k1, g1, b1, k1, g1, True))
-    X22 = _inv16(_lblock(k2, g2, b2, k2, g2, True))
-    X33 = _inv16(_lblock(k3, g3, b3, k3, g3, True))
-    L10 = _lblock(k1, g1, b1, k0, g0, False)
-    L20, L21 = _lblock(k2, g2, b2, k0, g0, False), _lblock(k2, g2, b2, k1, g1, False)
-    L30, L31 = _lblock(k3, g3, b3, k0, g0, False), _lblock(k3, g3, b3, k1, g1, False)
-    L32 = _lblock(k3, g3, b3, k2, g2, False)
-    X10 = -_mm(X11, _mm(L10, X00))
+    X00 = _inv_diag(A, s0, end, h, HV, 0, BT)
+    X11 = _inv_diag(A, s1, end, h, HV, 16, BT)
+    X22 = _inv_diag(A, s2, end, h, HV, 32, BT)
+    X33 = _inv_diag(A, s3, end, h, HV, 48, BT)
+    X10 = -_mm(X11, _mm(_lblk(A, s1, end, h, HV, 0, BT), X00))
+    L21 = _lblk(A, s2, end, h, HV, 16, BT)
     X21 = -_mm(X22, _mm(L21, X11))
-    X20 = -_mm(X22, _mm(L20, X00) + _mm(L21, X10))
+    X20 = -_mm(X22, _mm(_lblk(A, s2, end, h, HV, 0, BT), X00) + _mm(L21, X10))
+    L31, L32 = _lblk(A, s3, end, h, HV, 16, BT), _lblk(A, s3, end, h, HV, 32, BT)
     X32 = -_mm(X33, _mm(L32, X22))
     X31 = -_mm(X33, _mm(L31, X11) + _mm(L32, X21))
-    X30 = -_mm(X33, _mm(L30, X00) + _mm(L31, X10) + _mm(L32, X20))
-    kb0, kb1 = k0 * (b0 * tl.exp(g0))[:, None], k1 * (b1 * tl.exp(g1))[:, None]
-    kb2, kb3 = k2 * (b2 * tl.exp(g2))[:, None], k3 * (b3 * tl.exp(g3))[:, None]
-    _store_rows(W, _mm(X00, kb0), s0, end, h, HV, DK, BK)
-    _store_rows(W, _mm(X10, kb0) + _mm(X11, kb1), s1, end, h, HV, DK, BK)
-    _store_rows(W, _mm(X20, kb0) + _mm(X21, kb1) + _mm(X22, kb2), s2, end, h, HV, DK, BK)
-    _store_rows(W, _mm(X30, kb0) + _mm(X31, kb1) + _mm(X32, kb2) + _mm(X33, kb3), s3, end, h, HV, DK, BK)
-    # v is loaded only now, so the keys' and the values' tiles are not all live at once
-    vb0 = _load_vb(V, s0, end, h, sv_t, sv_h, b0, DV, BVF)
-    vb1 = _load_vb(V, s1, end, h, sv_t, sv_h, b1, DV, BVF)
-    vb2 = _load_vb(V, s2, end, h, sv_t, sv_h, b2, DV, BVF)
-    vb3 = _load_vb(V, s3, end, h, sv_t, sv_h, b3, DV, BVF)
-    _store_rows(U, _mm(X00, vb0), s0, end, h, HV, DV, BVF)
-    _store_rows(U, _mm(X10, vb0) + _mm(X11, vb1), s1, end, h, HV, DV, BVF)
-    _store_rows(U, _mm(X20, vb0) + _mm(X21, vb1) + _mm(X22, vb2), s2, end, h, HV, DV, BVF)
-    _store_rows(U, _mm(X30, vb0) + _mm(X31, vb1) + _mm(X32, vb2) + _mm(X33, vb3), s3, end, h, HV, DV, BVF)
+    X30 = -_mm(X33, _mm(_lblk(A, s3, end, h, HV, 0, BT), X00) + _mm(L31, X10) + _mm(L32, X20))
+    _store_tile(X, X00, s0, end, h, HV, 0, BT)
+    _store_tile(X, X10, s1, end, h, HV, 0, BT)
+    _store_tile(X, X11, s1, end, h, HV, 16, BT)
+    _store_tile(X, X20, s2, end, h, HV, 0, BT)
+    _store_tile(X, X21, s2, end, h, HV, 16, BT)
+    _store_tile(X, X22, s2, end, h, HV, 32, BT)
+    _store_tile(X, X30, s3, end, h, HV, 0, BT)
+    _store_tile(X, X31, s3, end, h, HV, 16, BT)
+    _store_tile(X, X32, s3, end, h, HV, 32, BT)
+    _store_tile(X, X33, s3, end, h, HV, 48, BT)
 
 
 @triton.jit
-def _dot(a, b, HALF: tl.constexpr, DT: tl.constexpr):
-    if HALF:
-        return tl.dot(a.to(DT), b.to(DT))
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
-def _gdr_scan_kernel(
-    Q, K, GC, W, U, S, Slots, HasState, Cu, O,
-    sq_t, sq_h, sk_t, sk_h, so_t, so_h, ss_s, ss_h, HV, scale,
+def _gdr_wu_kernel(
+    K, V, Beta, Cu, ChunkSeq, ChunkStart, GC, KS, X, W, U,
+    sk_t, sk_h, sv_t, sv_h, sb_t, HV,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, L2NORM: tl.constexpr, HALF: tl.constexpr, STORE: tl.constexpr,
+    BT: tl.constexpr, HALF: tl.constexpr,
 ):
+    """Per (chunk, v-head): W = X (beta k exp(c)) and U = X (beta v), the row factors folded
+    into X's columns and the columns of W and U made BV at a time."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    seq, s0, tok, mt, end = _chunk(ChunkSeq, ChunkStart, Cu, c, BT)
+    if seq < 0:
+        return
+    r, cl = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
+    x = tl.where(r >= cl, _ld(_tile(X + h * BT, end, BT, HV * BT, s0, 0, BT, BT)), 0.0)
+    tok64 = tok.to(tl.int64)
+    beta = tl.load(Beta + tok64 * sb_t + h, mask=mt, other=0.0).to(tl.float32)
+    gc = tl.load(GC + tok64 * HV + h, mask=mt, other=0.0)
+    ks = tl.load(KS + tok64 * HV + h, mask=mt, other=0.0)
+    xk = x * (beta * ks * tl.exp(gc))[None, :]
+    for k0 in range(0, DK, BV):
+        k = _ld(_tile(K + (h // GROUP) * sk_h, end, DK, sk_t, s0, k0, BT, BV)).to(tl.float32)
+        _st(_tile(W + h * DK, end, DK, HV * DK, s0, k0, BT, BV), _dot32(xk, k, HALF))
+    xv = x * beta[None, :]
+    for v0 in range(0, DV, BV):
+        v = _ld(_tile(V + h * sv_h, end, DV, sv_t, s0, v0, BT, BV)).to(tl.float32)
+        _st(_tile(U + h * DV, end, DV, HV * DV, s0, v0, BT, BV), _dot32(xv, v, HALF))
+
+
+@triton.jit
+def _gdr_state_kernel(
+    K, GC, KS, W, U, S, Slots, HasState, Cu, ChunkFirst, H, VN,
+    sk_t, sk_h, ss_s, ss_h, HV,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, HALF: tl.constexpr, STORE: tl.constexpr,
+):
+    """Per (sequence, v-head, v-block), chunk after chunk: writes the state at each chunk's start
+    S_c to H and v' = U - W S_c to VN, then S <- S exp(c_last) + k^T (v' k_scale exp(c_last - c)).
+    S is held as two halves of d_k rows (smaller tiles: the whole [128, BV] state with the
+    chunk's [64, 128] operands spilled)."""
     n, h, pv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    hk = h // GROUP
-    DT = Q.dtype.element_ty
+    BKH: tl.constexpr = BK // 2
     start, end = tl.load(Cu + n), tl.load(Cu + n + 1)
+    first = tl.load(ChunkFirst + n).to(tl.int64)
     slot = tl.load(Slots + n).to(tl.int64)
     read = (slot >= 0) & (tl.load(HasState + n) != 0)
-    offs_k, offs_v = tl.arange(0, BK), pv * BV + tl.arange(0, BV)
-    mk, mv = offs_k < DK, offs_v < DV
-    sptr = S + slot * ss_s + h * ss_h + offs_k[:, None] * DV + offs_v[None, :]
-    s = tl.load(sptr, mask=(offs_k < tl.where(read, DK, 0))[:, None] & mv[None, :], other=0.0)
-    rows, cols = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
+    v0 = pv * BV
+    # a fresh sequence or a padding row (negative slot) reads no row: its limit drops to 0
+    sbase = S + slot * ss_s + h * ss_h
+    s1 = _ld(_tile(sbase, tl.where(read, DK, 0), DV, DV, 0, v0, BKH, BV))
+    s2 = _ld(_tile(sbase, tl.where(read, DK, 0), DV, DV, BKH, v0, BKH, BV))
+    DT = K.dtype.element_ty
+    kbase = K + (h // GROUP) * sk_h
     for cs in range(start, end, BT):
+        hbase = H + ((first + (cs - start) // BT) * HV + h) * DK * DV
+        _st(_tile(hbase, DK, DV, DV, 0, v0, BKH, BV), s1)
+        _st(_tile(hbase, DK, DV, DV, BKH, v0, BKH, BV), s2)
+        u = _ld(_tile(U + h * DV, end, DV, HV * DV, cs, v0, BT, BV)).to(tl.float32)
+        w1 = _ld(_tile(W + h * DK, end, DK, HV * DK, cs, 0, BT, BKH))
+        w2 = _ld(_tile(W + h * DK, end, DK, HV * DK, cs, BKH, BT, BKH))
+        vn = u - _dot(w1, s1, HALF, DT) - _dot(w2, s2, HALF, DT)
+        _st(_tile(VN + h * DV, end, DV, HV * DV, cs, v0, BT, BV), vn)
         tok = cs + tl.arange(0, BT)
-        mt = tok < end
         tok64 = tok.to(tl.int64)
-        mtk = mt[:, None] & mk[None, :]
-        q = tl.load(Q + tok64[:, None] * sq_t + hk * sq_h + offs_k[None, :], mask=mtk, other=0.0).to(tl.float32)
-        k = tl.load(K + tok64[:, None] * sk_t + hk * sk_h + offs_k[None, :], mask=mtk, other=0.0).to(tl.float32)
-        q = _l2norm_rows(q, L2NORM) * scale
-        k = _l2norm_rows(k, L2NORM)
-        gc = tl.load(GC + tok64 * HV + h, mask=mt, other=0.0)
+        gc = tl.load(GC + tok64 * HV + h, mask=tok < end, other=0.0)
+        ks = tl.load(KS + tok64 * HV + h, mask=tok < end, other=0.0)
         glast = tl.load(GC + (tl.minimum(end, cs + BT) - 1).to(tl.int64) * HV + h)
-        w = tl.load(W + (tok64 * HV + h)[:, None] * DK + offs_k[None, :], mask=mtk, other=0.0)
-        u = tl.load(U + (tok64 * HV + h)[:, None] * DV + offs_v[None, :], mask=mt[:, None] & mv[None, :], other=0.0)
-        v_new = u - _dot(w, s, HALF, DT)
-        qk = _dot(q, tl.trans(k), HALF, DT)
-        attn = tl.where(rows >= cols, qk * tl.exp(tl.where(rows >= cols, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        o = _dot(q * tl.exp(gc)[:, None], s, HALF, DT) + _dot(attn, v_new, HALF, DT)
-        tl.store(O + tok64[:, None] * so_t + h * so_h + offs_v[None, :], o.to(O.dtype.element_ty),
-                 mask=mt[:, None] & mv[None, :])
-        kd = k * tl.exp(glast - gc)[:, None]
-        s = s * tl.exp(glast) + _dot(tl.trans(kd), v_new, HALF, DT)
+        vn = vn * (ks * tl.exp(glast - gc))[:, None]
+        k1 = _ld(_tile(kbase, end, DK, sk_t, cs, 0, BT, BKH))
+        k2 = _ld(_tile(kbase, end, DK, sk_t, cs, BKH, BT, BKH))
+        s1 = s1 * tl.exp(glast) + _dot(tl.trans(k1), vn, HALF, DT)
+        s2 = s2 * tl.exp(glast) + _dot(tl.trans(k2), vn, HALF, DT)
     if STORE:
-        tl.store(sptr, s, mask=(offs_k < tl.where(slot >= 0, DK, 0))[:, None] & mv[None, :])
+        _st(_tile(sbase, tl.where(slot >= 0, DK, 0), DV, DV, 0, v0, BKH, BV), s1)
+        _st(_tile(sbase, tl.where(slot >= 0, DK, 0), DV, DV, BKH, v0, BKH, BV), s2)
+
+
+@triton.jit
+def _gdr_out_kernel(
+    Q, K, GC, KS, H, VN, Cu, ChunkSeq, ChunkStart, NumChunks, O,
+    sq_t, sq_h, sk_t, sk_h, so_t, so_h, HV, T, N, scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, L2NORM: tl.constexpr, HALF: tl.constexpr,
+):
+    """Per (chunk, v-head, v-block): o = (q exp(c)) S_c + lower_incl_diag((q k^T) exp(c_i - c_j)) v',
+    q and k normalised by scaling the dots' rows and columns. A program past the last chunk
+    writes zeros over BT tokens of the padding past cu_seqlens[N] (a graph bucket's): the
+    table has enough spare entries to cover it."""
+    c, h, pv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq, s0, tok, mt, end = _chunk(ChunkSeq, ChunkStart, Cu, c, BT)
+    if seq < 0:
+        pad0 = tl.load(Cu + N) + (c - tl.load(NumChunks)) * BT
+        _st(_tile(O + h * so_h, T, DV, so_t, pad0, pv * BV, BT, BV), tl.zeros((BT, BV), dtype=tl.float32))
+        return
+    DT = Q.dtype.element_ty
+    hk = h // GROUP
+    q = _ld(_tile(Q + hk * sq_h, end, DK, sq_t, s0, 0, BT, BK))
+    k = _ld(_tile(K + hk * sk_h, end, DK, sk_t, s0, 0, BT, BK))
+    tok64 = tok.to(tl.int64)
+    gc = tl.load(GC + tok64 * HV + h, mask=mt, other=0.0)
+    ks = tl.load(KS + tok64 * HV + h, mask=mt, other=0.0)
+    qs = _inv_norms(q, L2NORM) * scale
+    s = _ld(_tile(H + (c.to(tl.int64) * HV + h) * DK * DV, DK, DV, DV, 0, pv * BV, BK, BV))
+    vn = _ld(_tile(VN + h * DV, end, DV, HV * DV, s0, pv * BV, BT, BV))
+    r, cl = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
+    qk = _dot(q, tl.trans(k), HALF, DT)
+    decay = tl.exp(tl.where(r >= cl, gc[:, None] - gc[None, :], float("-inf")))
+    attn = tl.where(r >= cl, qk * ks[None, :] * decay, 0.0)
+    o = (_dot(q, s, HALF, DT) * tl.exp(gc)[:, None] + _dot(attn, vn, HALF, DT)) * qs[:, None]
+    _st(_tile(O + h * so_h, end, DV, so_t, s0, pv * BV, BT, BV), o)
 
 
 def _shape(q, v):
     hk, dk = q.shape[1], q.shape[2]
     hv, dv = v.shape[1], v.shape[2]
-    return hk, dk, hv, dv, triton.next_power_of_2(max(dk, 16))
+    return hk, dk, hv, dv, triton.next_power_of_2(max(dk, 32))  # >= 32: the walk halves it for tl.dot
 
 
 def gated_delta_rule_decode(q, k, v, g, beta, states, slots, l2norm: bool = True):
@@ -280,14 +373,26 @@ def gated_delta_rule_decode(q, k, v, g, beta, states, slots, l2norm: bool = True
     return o
 
 
-PREP_LAUNCH_OPTIONS = {"num_warps": 8}
+# Per kernel: num_warps / num_stages, and for the walk its v-block BV when (sequences x heads)
+# fill the SMs ("bv": otherwise it halves to 32). Chosen by `benchmarks/kernels/gated_delta_rule.py
+# --sweep` on the H100 (RESULTS.md); the sweep edits this table, nothing else does.
+LAUNCH = {
+    "kkt": {"num_warps": 4},
+    "solve": {"num_warps": 4},
+    "wu": {"num_warps": 8},
+    "state": {"num_warps": 8, "num_stages": 2, "bv": 64},
+    "out": {"num_warps": 8},
+}
 
 
-def scan_launch_options(half: bool) -> dict:
-    # Pipelining the chunk loop's loads 3 deep (Triton's default) needs 149 KB of shared memory
-    # with 16-bit inputs and 329 KB with fp32, over the H100's 227 KB (sm_90 compile, d 128);
-    # 2 and 1 deep need 99 KB and 102 KB. tests/test_gated_delta_rule.py compiles them to check.
-    return {"num_warps": 4, "num_stages": 2 if half else 1}
+def launch_options(kernel: str, half: bool) -> dict:
+    """num_warps / num_stages of a kernel. The walk pipelines its loop's loads; with fp32 inputs
+    one stage (its tiles are twice the bytes). tests/test_gated_delta_rule.py compiles every
+    kernel for sm_90 with these and checks the shared memory fits the H100's 227 KB."""
+    opts = {"num_stages": 1} | {k: v for k, v in LAUNCH[kernel].items() if k != "bv"}
+    if not half:
+        opts["num_stages"] = 1
+    return opts
 
 
 @functools.cache
@@ -295,19 +400,45 @@ def _sm_count(dev: torch.device) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
-def _chunk_table(cu_seqlens: torch.Tensor, t: int, bt: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sequence, first token) of every chunk, -1 past the last; sized by an upper bound
-    (sum of ceil(len / bt) <= t // bt + N) so no host value is read."""
+@triton.jit
+def _chunk_table_kernel(Cu, ChunkSeq, ChunkStart, ChunkFirst, NumChunks, N, C,
+                        BT: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
+    """One program: each sequence's first chunk (an exclusive cumsum of ceil(len / BT)), the
+    number of chunks, and for every table entry c its (sequence, first token), -1 past the last."""
+    i = tl.arange(0, BN)
+    mi = i < N
+    lo = tl.load(Cu + i, mask=mi, other=0)
+    per_seq = tl.where(mi, (tl.load(Cu + i + 1, mask=mi, other=0) - lo + BT - 1) // BT, 0)
+    ccu = tl.cumsum(per_seq, axis=0)
+    tl.store(ChunkFirst + i, ccu - per_seq, mask=mi)
+    total = tl.sum(per_seq, axis=0)
+    tl.store(NumChunks, total)
+    for c0 in range(0, C, BC):
+        c = c0 + tl.arange(0, BC)
+        seq = tl.sum(tl.where(mi[None, :] & (ccu[None, :] <= c[:, None]), 1, 0), axis=1)  # searchsorted right
+        hit = (i[None, :] == seq[:, None]) & mi[None, :]
+        first = tl.sum(tl.where(hit, ccu - per_seq, 0), axis=1)
+        start = tl.sum(tl.where(hit, lo, 0), axis=1) + (c - first) * BT
+        active = c < total
+        tl.store(ChunkSeq + c, tl.where(active, seq, -1), mask=c < C)
+        tl.store(ChunkStart + c, tl.where(active, start, 0), mask=c < C)
+
+
+def _chunk_table(cu_seqlens: torch.Tensor, t: int, bt: int):
+    """(sequence, first token) of every chunk, -1 past the last, the first chunk of each
+    sequence and the number of chunks, built on the device (one launch, no host value read):
+    the table is sized by the bound sum(ceil(len / bt)) <= t // bt + N, plus one entry so the
+    spare entries cover the padding past cu_seqlens[N] that the output kernel zeroes:
+    (t // bt + N + 1 - chunks) * bt >= t - cu[N]."""
     n = cu_seqlens.shape[0] - 1
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    ccu = torch.cumsum((lens + bt - 1) // bt, 0)
-    c = torch.arange(t // bt + n, device=cu_seqlens.device, dtype=ccu.dtype)
-    seq = torch.searchsorted(ccu, c, right=True)
-    active = seq < n
-    seq = seq.clamp(max=n - 1)
-    first = ccu[seq] - (lens[seq] + bt - 1) // bt  # the sequence's first chunk number
-    start = cu_seqlens[seq] + (c - first) * bt
-    return torch.where(active, seq, -1).to(torch.int32), start.to(torch.int32)
+    c = t // bt + n + 1
+    dev = cu_seqlens.device
+    seq, start = torch.empty(c, dtype=torch.int32, device=dev), torch.empty(c, dtype=torch.int32, device=dev)
+    first, total = torch.empty(n, dtype=torch.int32, device=dev), torch.empty(1, dtype=torch.int32, device=dev)
+    bn = triton.next_power_of_2(max(n, 16))
+    _chunk_table_kernel[(1,)](cu_seqlens, seq, start, first, total, n, c, BT=bt, BN=bn,
+                              BC=max(16, min(128, 8192 // bn)), num_warps=4)
+    return seq, start, first, total
 
 
 def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm: bool = True,
@@ -318,38 +449,48 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
     t = q.shape[0]
     n = slots.shape[0]
     hk, dk, hv, dv, bk = _shape(q, v)
-    # zeros: the kernels write the sequences' tokens only, not a graph bucket's padding past them
-    o = torch.zeros((t, hv, dv), dtype=v.dtype, device=v.device)
+    o = torch.empty((t, hv, dv), dtype=v.dtype, device=v.device)
     if n == 0:
-        return o
+        return o.zero_()
     dev = q.device
-    gc = torch.empty((t, hv), dtype=torch.float32, device=dev)
-    w = torch.empty((t, hv, dk), dtype=torch.float32, device=dev)
-    u = torch.empty((t, hv, dv), dtype=torch.float32, device=dev)
-    chunk_seq, chunk_start = _chunk_table(cu_seqlens, t, CHUNK)
-    group = hv // hk
     half = q.dtype != torch.float32
-    if chunk_seq.numel():
-        _gdr_prep_kernel[(chunk_seq.numel(), hv)](
-            k, v, g, beta, cu_seqlens, chunk_seq, chunk_start, gc, w, u,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), hv,
-            GROUP=group, DK=dk, DV=dv, BK=bk, BVF=triton.next_power_of_2(max(dv, 16)), L2NORM=l2norm,
-            **PREP_LAUNCH_OPTIONS,
-        )
-    bv = min(64, triton.next_power_of_2(max(dv, 16)))
-    # The scan is serial over chunks: split the v columns finer when (sequences x heads) alone
-    # would leave SMs idle (one long prompt); each split recomputes only the small Q K^T tile.
-    # fp32 only: with 16-bit dots at BV 32 (d 128) Triton 3.6's sm_90 code makes out-of-range
-    # shared-memory accesses (compute-sanitizer, H200, 2026-11-27; BV 64 and fp32 dots are clean).
-    if dev.type == "cuda" and not half and bv > 32 and n * hv * triton.cdiv(dv, bv) < _sm_count(dev):
+    bdt = q.dtype if half else torch.float32  # the buffers between kernels
+    chunk_seq, chunk_start, chunk_first, num_chunks = _chunk_table(cu_seqlens, t, CHUNK)
+    nc = chunk_seq.numel()
+    gc = torch.empty((t, hv), dtype=torch.float32, device=dev)
+    ks = torch.empty((t, hv), dtype=torch.float32, device=dev)
+    a = torch.empty((t, hv, CHUNK), dtype=torch.float32, device=dev)
+    x = torch.empty((t, hv, CHUNK), dtype=torch.float32, device=dev)
+    w = torch.empty((t, hv, dk), dtype=bdt, device=dev)
+    u = torch.empty((t, hv, dv), dtype=bdt, device=dev)
+    vn = torch.empty((t, hv, dv), dtype=bdt, device=dev)
+    h_all = torch.empty((nc, hv, dk, dv), dtype=bdt, device=dev)
+    group = hv // hk
+    meta = dict(GROUP=group, DK=dk, BK=bk, BT=CHUNK, L2NORM=l2norm, HALF=half)
+    _gdr_kkt_kernel[(nc, hv)](
+        k, g, beta, cu_seqlens, chunk_seq, chunk_start, gc, ks, a,
+        k.stride(0), k.stride(1), g.stride(0), beta.stride(0), hv, **meta, **launch_options("kkt", half))
+    _gdr_solve_kernel[(nc, hv)](a, cu_seqlens, chunk_seq, chunk_start, x, hv, BT=CHUNK,
+                                **launch_options("solve", half))
+    bvf = min(64, triton.next_power_of_2(max(dv, 16)))
+    _gdr_wu_kernel[(nc, hv)](
+        k, v, beta, cu_seqlens, chunk_seq, chunk_start, gc, ks, x, w, u,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), hv,
+        GROUP=group, DK=dk, DV=dv, BK=bk, BV=bvf, BT=CHUNK, HALF=half, **launch_options("wu", half))
+    # The walk is serial over chunks: split the v columns finer when (sequences x heads) alone
+    # would leave SMs idle (one long prompt).
+    bv = min(bvf, LAUNCH["state"]["bv"])
+    if dev.type == "cuda" and bv > 32 and n * hv * triton.cdiv(dv, bv) < _sm_count(dev):
         bv = 32
-    _gdr_scan_kernel[(n, hv, triton.cdiv(dv, bv))](
-        q, k, gc, w, u, states, slots, has_state.to(torch.int32), cu_seqlens, o,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1),
-        states.stride(0), states.stride(1), hv, dk ** -0.5,
-        GROUP=group, DK=dk, DV=dv, BK=bk, BV=bv, BT=CHUNK, L2NORM=l2norm, HALF=half, STORE=store_state,
-        **scan_launch_options(half),
-    )
+    _gdr_state_kernel[(n, hv, triton.cdiv(dv, bv))](
+        k, gc, ks, w, u, states, slots, has_state, cu_seqlens, chunk_first, h_all, vn,
+        k.stride(0), k.stride(1), states.stride(0), states.stride(1), hv,
+        GROUP=group, DK=dk, DV=dv, BK=bk, BV=bv, BT=CHUNK, HALF=half, STORE=store_state,
+        **launch_options("state", half))
+    _gdr_out_kernel[(nc, hv, triton.cdiv(dv, bvf))](
+        q, k, gc, ks, h_all, vn, cu_seqlens, chunk_seq, chunk_start, num_chunks, o,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1), hv, t, n, dk ** -0.5,
+        DV=dv, BV=bvf, **meta, **launch_options("out", half))
     return o
 
 

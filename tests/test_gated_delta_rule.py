@@ -210,14 +210,37 @@ def test_decode_real_shapes_gpu():
     torch.testing.assert_close(states, ref, atol=1e-4, rtol=1e-4, equal_nan=True)
 
 
+@triton_test
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chunk_table_matches_searchsorted(seed):
+    """The device-built chunk table (one Triton program) against torch's searchsorted: 37
+    sequences with empty ones among them, a padded token count (a graph bucket)."""
+    dev = test_device()
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 200, (37,), generator=gen)
+    lens[[3, 17]] = 0
+    t = int(lens.sum()) + 50
+    cu = _cu(lens.tolist(), dev)
+    seq, start, first, total = K._chunk_table(cu, t, K.CHUNK)
+    per_seq = (lens + K.CHUNK - 1) // K.CHUNK
+    ccu = per_seq.cumsum(0)
+    c = torch.arange(t // K.CHUNK + 38)
+    want_seq = torch.searchsorted(ccu, c, right=True)
+    active = want_seq < 37
+    want_start = cu.cpu()[want_seq.clamp(max=36)] + (c - (ccu - per_seq)[want_seq.clamp(max=36)]) * K.CHUNK
+    assert torch.equal(seq.cpu(), torch.where(active, want_seq, -1).int())
+    assert torch.equal(start.cpu()[active], want_start[active].int())
+    assert torch.equal(first.cpu(), (ccu - per_seq).int()) and int(total) == int(ccu[-1])
+
+
 # --- the kernels fit an H100 (compiled for sm_90 on the CPU, no GPU needed) ------------
 
 @pytest.mark.slow
 @pytest.mark.parametrize("half", [True, False])
 def test_kernels_compile_for_sm90_within_shared_memory(half):
-    """Compiles the chunked scan at Qwen3-Next's shapes with the launch options the wrappers
-    use; a tile or pipelining change that overflows the H100's 227 KB of shared memory per
-    block would otherwise first fail at launch on a GPU."""
+    """Compiles the five prefill kernels at Qwen3-Next's shapes with the launch options the
+    wrapper uses; a tile or pipelining change that overflows the H100's 227 KB of shared memory
+    per block would otherwise first fail at launch on a GPU."""
     if env.TRITON_INTERPRET:
         pytest.skip("under TRITON_INTERPRET the kernels are interpreted functions, not compilable")
     import triton
@@ -225,20 +248,24 @@ def test_kernels_compile_for_sm90_within_shared_memory(half):
     from triton.compiler import ASTSource
 
     dt = "bf16" if half else "fp32"
-    types = {n: f"*{dt}" for n in ("Q", "K", "V", "Beta", "O")}
-    types.update({n: "*fp32" for n in ("G", "S", "GC", "W", "U")})
-    types.update({n: "*i32" for n in ("Slots", "HasState", "Cu", "ChunkSeq", "ChunkStart")}, scale="fp32")
-    # The scan is the kernel whose loop loads are pipelined (its shared memory grows with
-    # num_stages); the prep kernel's tiles are fixed (15 KB) and take a minute to compile here.
+    types = {n: f"*{dt}" for n in ("Q", "K", "V", "Beta", "O", "W", "U", "H", "VN")}
+    types.update({n: "*fp32" for n in ("G", "S", "GC", "KS", "A", "X")}, scale="fp32")
+    types["HasState"] = "*i1"
+    types.update({n: "*i32" for n in ("Slots", "Cu", "ChunkSeq", "ChunkStart", "ChunkFirst",
+                                      "NumChunks")})
+    shape = dict(GROUP=2, DK=128, BK=128, BT=64, L2NORM=True, HALF=half)
     kernels = [
-        (K._gdr_scan_kernel, dict(GROUP=2, DK=128, DV=128, BK=128, BV=64, BT=64, L2NORM=True, HALF=half,
-                                  STORE=True),
-         K.scan_launch_options(half)),
+        (K._gdr_kkt_kernel, shape, "kkt"),
+        (K._gdr_solve_kernel, dict(BT=64), "solve"),
+        (K._gdr_wu_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=64), "wu"),
+        (K._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=32, STORE=True), "state"),
+        (K._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=64, STORE=True), "state"),
+        (K._gdr_out_kernel, dict(shape, DV=128, BV=64), "out"),
     ]
-    for fn, consts, opts in kernels:
+    for fn, consts, name in kernels:
         sig = {n: types.get(n, "i32") for n in fn.arg_names} | {c: "constexpr" for c in consts}
         src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=K.launch_options(name, half))
         assert compiled.metadata.shared <= 227 * 1024, (fn.__name__, compiled.metadata.shared)
 
 

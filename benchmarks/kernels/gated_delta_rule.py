@@ -149,8 +149,63 @@ def profile(tokens: int) -> None:
             torch.cuda.synchronize()
         print(f"\n{name}, {tokens:,} tokens: CUDA time per kernel")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
-    for fn in (K._gdr_prep_kernel, K._gdr_scan_kernel):
+    for fn in (K._gdr_kkt_kernel, K._gdr_solve_kernel, K._gdr_wu_kernel, K._gdr_state_kernel, K._gdr_out_kernel):
         print(fn.fn.__name__ if hasattr(fn, "fn") else fn, triton_stats(fn))
+
+
+# One change from K.LAUNCH at a time; the table's choices come from this sweep.
+SWEEP = [
+    ("as committed", {}),
+    ("kkt 8 warps", {"kkt": {"num_warps": 8}}),
+    ("solve 2 warps", {"solve": {"num_warps": 2}}),
+    ("solve 8 warps", {"solve": {"num_warps": 8}}),
+    ("wu 4 warps", {"wu": {"num_warps": 4}}),
+    ("state 4 warps", {"state": {"num_warps": 4}}),
+    ("state 1 stage", {"state": {"num_stages": 1}}),
+    ("state 3 stages", {"state": {"num_stages": 3}}),
+    ("state BV 32", {"state": {"bv": 32}}),
+    ("out 4 warps", {"out": {"num_warps": 4}}),
+    ("out 2 stages", {"out": {"num_stages": 2}}),
+]
+
+
+def sweep(tokens: list[int], seqs: int) -> None:
+    """Eager prefill time under each launch-option change (K.LAUNCH), and each kernel's CUDA
+    time at the largest token count, so the best option per kernel can be read off."""
+    import copy
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    base = copy.deepcopy(K.LAUNCH)
+    gen = torch.Generator(DEV).manual_seed(3)
+    inputs = {t: make_inputs(t, seqs, gen) for t in tokens}
+    names = ["kkt", "solve", "wu", "state", "out"]
+    rows = []
+    for label, change in SWEEP:
+        K.LAUNCH.clear()
+        K.LAUNCH.update(copy.deepcopy(base))
+        for kern, opts in change.items():
+            K.LAUNCH[kern].update(opts)
+        with torch.inference_mode():
+            row = [label] + [f"{time_calls([ours(inputs[t])], reps=20, use_graph=False):,.0f}" for t in tokens]
+            call = ours(inputs[tokens[-1]])
+            call()
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+        per = {n: 0.0 for n in names}
+        for e in prof.key_averages():
+            for n in names:
+                if f"_gdr_{n}_kernel" in e.key:
+                    per[n] += e.device_time_total / 1e3
+        rows.append(row + [f"{per[n]:.2f}" for n in names])
+    K.LAUNCH.clear()
+    K.LAUNCH.update(base)
+    print_table(f"Launch-option sweep, {seqs} sequence(s): eager us per prefill; "
+                f"ms per kernel at {tokens[-1]:,} tokens",
+                ["change"] + [f"{t:,}" for t in tokens] + names, rows)
 
 
 def main() -> None:
@@ -159,6 +214,7 @@ def main() -> None:
     p.add_argument("--seqs", type=int, default=1)
     p.add_argument("--decode-batches", default="1,8,64")
     p.add_argument("--profile", type=int, default=0, help="also profile one prefill of this many tokens")
+    p.add_argument("--sweep", action="store_true", help="also time the launch-option changes in SWEEP")
     args = p.parse_args()
     dev = torch.cuda.get_device_properties(0)
     print(f"device: {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}")
@@ -166,6 +222,8 @@ def main() -> None:
     bench_decode([int(x) for x in args.decode_batches.split(",")])
     if args.profile:
         profile(args.profile)
+    if args.sweep:
+        sweep([int(x) for x in args.tokens.split(",")], args.seqs)
 
 
 if __name__ == "__main__":
