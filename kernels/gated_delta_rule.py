@@ -148,93 +148,133 @@ def _inv_norms(x, ENABLE: tl.constexpr):
 
 
 @triton.jit
-def _gdr_kkt_kernel(
-    K, G, Beta, Cu, ChunkSeq, ChunkStart, GC, KS, A,
-    sk_t, sk_h, sg_t, sb_t, HV,
-    GROUP: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr,
-    HALF: tl.constexpr,
-):
-    """Per (chunk, v-head): c = cumsum(g), the keys' inverse norms, and
-    L = strictly_lower(beta_i (k_i . k_j) exp(c_i - c_j)) with normalised keys."""
-    c, h = tl.program_id(0), tl.program_id(1)
-    seq, s0, tok, mt, end = _chunk(ChunkSeq, ChunkStart, Cu, c, BT)
-    if seq < 0:
-        return
-    k = _ld(_tile(K + (h // GROUP) * sk_h, end, DK, sk_t, s0, 0, BT, BK))
-    ks = _inv_norms(k, L2NORM)
+def _sub(G, Beta, tok0, end, h, sg_t, sb_t, carry, GC, KS, HV, n2, L2NORM: tl.constexpr):
+    """A 16-token block's cumulative log decays (continuing `carry`), beta, and the keys' inverse
+    norms from their summed squares `n2`; stores the decays and the norms for the later kernels."""
+    tok = tok0 + tl.arange(0, 16)
+    mt = tok < end
     tok64 = tok.to(tl.int64)
-    tl.store(KS + tok64 * HV + h, ks, mask=mt)
-    gc = tl.cumsum(tl.load(G + tok64 * sg_t + h, mask=mt, other=0.0).to(tl.float32), axis=0)
-    tl.store(GC + tok64 * HV + h, gc, mask=mt)
+    g = tl.load(G + tok64 * sg_t + h, mask=mt, other=0.0).to(tl.float32)
+    gc = tl.cumsum(g, axis=0) + carry
     beta = tl.load(Beta + tok64 * sb_t + h, mask=mt, other=0.0).to(tl.float32)
-    kk = _dot(k, tl.trans(k), HALF, K.dtype.element_ty) * ks[None, :]
-    lower = tl.arange(0, BT)[:, None] > tl.arange(0, BT)[None, :]
-    # exp only where the row is after the column (c_i - c_j <= 0): elsewhere it could overflow
-    d = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
-    _st(_tile(A + h * BT, end, BT, HV * BT, s0, 0, BT, BT), tl.where(lower, (beta * ks)[:, None] * kk * d, 0.0))
+    if L2NORM:
+        ks = tl.rsqrt(n2 + 1e-6)
+    else:
+        ks = tl.full((16,), 1.0, tl.float32)
+    tl.store(GC + tok64 * HV + h, gc, mask=mt)
+    tl.store(KS + tok64 * HV + h, ks, mask=mt)
+    return gc, beta, ks, carry + tl.sum(g, axis=0)
 
 
 @triton.jit
-def _inv_diag(A, tok0, end, h, HV, col0, BT: tl.constexpr):
-    """(I + L_bb)^-1 of the 16 x 16 diagonal block at tokens tok0.. by forward substitution,
-    reading L's rows from memory (extracting a row from a register tile costs a reduction):
-    row i of Y = X - I is -L_i - sum_{j<i} L_ij Y_j."""
+def _scale(a, gi, bi, ki, gj, kj, DIAG: tl.constexpr):
+    """Block (i, j) of L from the raw keys' dot products: beta_i k_i.k_j exp(c_i - c_j) with the
+    keys' norms applied; a diagonal block keeps its strictly lower part."""
+    r, c = tl.arange(0, 16)[:, None], tl.arange(0, 16)[None, :]
+    if DIAG:
+        # exp only where the row is after the column (c_i - c_j <= 0): elsewhere it could overflow
+        a = tl.where(r > c, a * tl.exp(tl.where(r > c, gi[:, None] - gj[None, :], float("-inf"))), 0.0)
+    else:
+        a = a * tl.exp(gi[:, None] - gj[None, :])  # every row after every column
+    return a * (bi * ki)[:, None] * kj[None, :]
+
+
+@triton.jit
+def _inv16(L):
+    """(I + L)^-1 of a strictly lower 16 x 16 block by forward substitution in registers: row i
+    of Y = X - I is -L_i - sum_{j<i} L_ij Y_j. With one or two warps the row extraction and the
+    column sums stay within a warp (shuffles); with 8 warps this spilled (RESULTS.md)."""
     r = tl.arange(0, 16)
-    y = -_lblk(A, tok0, end, h, HV, col0, BT)
+    y = -L
     for i in range(2, 16):
-        a = -tl.load(A + ((tok0 + i).to(tl.int64) * HV + h) * BT + col0 + r, mask=tok0 + i + 0 * r < end, other=0.0)
+        a = -tl.sum(tl.where(r[:, None] == i, L, 0.0), axis=0)
         a = a + tl.sum(a[:, None] * y, axis=0)
         y = tl.where(r[:, None] == i, a[None, :], y)
     return y + tl.where(r[:, None] == r[None, :], 1.0, 0.0)
 
 
 @triton.jit
-def _lblk(A, tok0, end, h, HV, col0, BT: tl.constexpr):
-    return _ld(_tile(A + h * BT, end, BT, HV * BT, tok0, col0, 16, 16))
+def _kt(K, tok0, end, hk, sk_t, sk_h, k0, DK: tl.constexpr, BKC: tl.constexpr):
+    return _ld(_tile(K + hk * sk_h, end, DK, sk_t, tok0, k0, 16, BKC))
 
 
 @triton.jit
-def _store_tile(X, blk, tok0, end, h, HV, col0, BT: tl.constexpr):
-    _st(_tile(X + h * BT, end, BT, HV * BT, tok0, col0, 16, 16), blk)
+def _xst(X, x, tok0, end, h, HV, col0, BT: tl.constexpr):
+    _st(_tile(X + h * BT, end, BT, HV * BT, tok0, col0, 16, 16), x)
 
 
 @triton.jit
-def _gdr_solve_kernel(
-    A, Cu, ChunkSeq, ChunkStart, X, HV,
-    BT: tl.constexpr,
+def _gdr_kkt_solve_kernel(
+    K, G, Beta, Cu, ChunkSeq, ChunkStart, GC, KS, X,
+    sk_t, sk_h, sg_t, sb_t, HV,
+    GROUP: tl.constexpr, DK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr,
+    HALF: tl.constexpr,
 ):
-    """Per (chunk, v-head): X = (I + L)^-1 in 16-row blocks, the diagonal blocks by substitution,
-    then X_ij = -X_ii sum_{j<=m<i} L_im X_mj (dots). Writes the lower blocks only (the W/U
-    kernel masks the rest)."""
+    """Per (chunk, v-head): c = cumsum(g), the keys' inverse norms, L = strictly_lower(beta_i
+    (k_i . k_j) exp(c_i - c_j)) in ten 16 x 16 blocks (raw-key dots over d_k in BKC columns,
+    norms applied after), and X = (I + L)^-1: the diagonal blocks by substitution, then
+    X_ij = -X_ii sum_{j<=m<i} L_im X_mj. Writes X's lower blocks (the W/U kernel masks the rest)."""
     c, h = tl.program_id(0), tl.program_id(1)
     seq = tl.load(ChunkSeq + c)
     if seq < 0:
         return
     s0 = tl.load(ChunkStart + c)
     end = tl.load(Cu + seq + 1)
+    hk = h // GROUP
     s1, s2, s3 = s0 + 16, s0 + 32, s0 + 48
-    X00 = _inv_diag(A, s0, end, h, HV, 0, BT)
-    X11 = _inv_diag(A, s1, end, h, HV, 16, BT)
-    X22 = _inv_diag(A, s2, end, h, HV, 32, BT)
-    X33 = _inv_diag(A, s3, end, h, HV, 48, BT)
-    X10 = -_mm(X11, _mm(_lblk(A, s1, end, h, HV, 0, BT), X00))
-    L21 = _lblk(A, s2, end, h, HV, 16, BT)
-    X21 = -_mm(X22, _mm(L21, X11))
-    X20 = -_mm(X22, _mm(_lblk(A, s2, end, h, HV, 0, BT), X00) + _mm(L21, X10))
-    L31, L32 = _lblk(A, s3, end, h, HV, 16, BT), _lblk(A, s3, end, h, HV, 32, BT)
-    X32 = -_mm(X33, _mm(L32, X22))
-    X31 = -_mm(X33, _mm(L31, X11) + _mm(L32, X21))
-    X30 = -_mm(X33, _mm(_lblk(A, s3, end, h, HV, 0, BT), X00) + _mm(L31, X10) + _mm(L32, X20))
-    _store_tile(X, X00, s0, end, h, HV, 0, BT)
-    _store_tile(X, X10, s1, end, h, HV, 0, BT)
-    _store_tile(X, X11, s1, end, h, HV, 16, BT)
-    _store_tile(X, X20, s2, end, h, HV, 0, BT)
-    _store_tile(X, X21, s2, end, h, HV, 16, BT)
-    _store_tile(X, X22, s2, end, h, HV, 32, BT)
-    _store_tile(X, X30, s3, end, h, HV, 0, BT)
-    _store_tile(X, X31, s3, end, h, HV, 16, BT)
-    _store_tile(X, X32, s3, end, h, HV, 32, BT)
-    _store_tile(X, X33, s3, end, h, HV, 48, BT)
+    DT = K.dtype.element_ty
+    z = tl.zeros((16, 16), dtype=tl.float32)
+    A00, A11, A22, A33, A10, A20, A21, A30, A31, A32 = z, z, z, z, z, z, z, z, z, z
+    zn = tl.zeros((16,), dtype=tl.float32)
+    n0, n1, n2, n3 = zn, zn, zn, zn
+    for k0 in range(0, DK, BKC):
+        k_0 = _kt(K, s0, end, hk, sk_t, sk_h, k0, DK, BKC)
+        k_1 = _kt(K, s1, end, hk, sk_t, sk_h, k0, DK, BKC)
+        k_2 = _kt(K, s2, end, hk, sk_t, sk_h, k0, DK, BKC)
+        k_3 = _kt(K, s3, end, hk, sk_t, sk_h, k0, DK, BKC)
+        A00 += _dot(k_0, tl.trans(k_0), HALF, DT)
+        A11 += _dot(k_1, tl.trans(k_1), HALF, DT)
+        A22 += _dot(k_2, tl.trans(k_2), HALF, DT)
+        A33 += _dot(k_3, tl.trans(k_3), HALF, DT)
+        A10 += _dot(k_1, tl.trans(k_0), HALF, DT)
+        A20 += _dot(k_2, tl.trans(k_0), HALF, DT)
+        A21 += _dot(k_2, tl.trans(k_1), HALF, DT)
+        A30 += _dot(k_3, tl.trans(k_0), HALF, DT)
+        A31 += _dot(k_3, tl.trans(k_1), HALF, DT)
+        A32 += _dot(k_3, tl.trans(k_2), HALF, DT)
+        if L2NORM:
+            n0 += tl.sum(k_0.to(tl.float32) * k_0.to(tl.float32), axis=1)
+            n1 += tl.sum(k_1.to(tl.float32) * k_1.to(tl.float32), axis=1)
+            n2 += tl.sum(k_2.to(tl.float32) * k_2.to(tl.float32), axis=1)
+            n3 += tl.sum(k_3.to(tl.float32) * k_3.to(tl.float32), axis=1)
+    g0, b0, q0, cy = _sub(G, Beta, s0, end, h, sg_t, sb_t, 0.0, GC, KS, HV, n0, L2NORM)
+    g1, b1, q1, cy = _sub(G, Beta, s1, end, h, sg_t, sb_t, cy, GC, KS, HV, n1, L2NORM)
+    g2, b2, q2, cy = _sub(G, Beta, s2, end, h, sg_t, sb_t, cy, GC, KS, HV, n2, L2NORM)
+    g3, b3, q3, cy = _sub(G, Beta, s3, end, h, sg_t, sb_t, cy, GC, KS, HV, n3, L2NORM)
+    X00 = _inv16(_scale(A00, g0, b0, q0, g0, q0, True))
+    X11 = _inv16(_scale(A11, g1, b1, q1, g1, q1, True))
+    X22 = _inv16(_scale(A22, g2, b2, q2, g2, q2, True))
+    X33 = _inv16(_scale(A33, g3, b3, q3, g3, q3, True))
+    L10 = _scale(A10, g1, b1, q1, g0, q0, False)
+    L20, L21 = _scale(A20, g2, b2, q2, g0, q0, False), _scale(A21, g2, b2, q2, g1, q1, False)
+    L30, L31 = _scale(A30, g3, b3, q3, g0, q0, False), _scale(A31, g3, b3, q3, g1, q1, False)
+    L32 = _scale(A32, g3, b3, q3, g2, q2, False)
+    X10 = -_dot32(X11, _dot32(L10, X00, HALF), HALF)
+    X21 = -_dot32(X22, _dot32(L21, X11, HALF), HALF)
+    X20 = -_dot32(X22, _dot32(L20, X00, HALF) + _dot32(L21, X10, HALF), HALF)
+    X32 = -_dot32(X33, _dot32(L32, X22, HALF), HALF)
+    X31 = -_dot32(X33, _dot32(L31, X11, HALF) + _dot32(L32, X21, HALF), HALF)
+    X30 = -_dot32(X33, _dot32(L30, X00, HALF) + _dot32(L31, X10, HALF) + _dot32(L32, X20, HALF), HALF)
+    _xst(X, X00, s0, end, h, HV, 0, BT)
+    _xst(X, X10, s1, end, h, HV, 0, BT)
+    _xst(X, X11, s1, end, h, HV, 16, BT)
+    _xst(X, X20, s2, end, h, HV, 0, BT)
+    _xst(X, X21, s2, end, h, HV, 16, BT)
+    _xst(X, X22, s2, end, h, HV, 32, BT)
+    _xst(X, X30, s3, end, h, HV, 0, BT)
+    _xst(X, X31, s3, end, h, HV, 16, BT)
+    _xst(X, X32, s3, end, h, HV, 32, BT)
+    _xst(X, X33, s3, end, h, HV, 48, BT)
 
 
 @triton.jit
@@ -251,19 +291,20 @@ def _gdr_wu_kernel(
     if seq < 0:
         return
     r, cl = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
-    x = tl.where(r >= cl, _ld(_tile(X + h * BT, end, BT, HV * BT, s0, 0, BT, BT)), 0.0)
+    x = tl.where(r >= cl, _ld(_tile(X + h * BT, end, BT, HV * BT, s0, 0, BT, BT)).to(tl.float32), 0.0)
     tok64 = tok.to(tl.int64)
     beta = tl.load(Beta + tok64 * sb_t + h, mask=mt, other=0.0).to(tl.float32)
     gc = tl.load(GC + tok64 * HV + h, mask=mt, other=0.0)
     ks = tl.load(KS + tok64 * HV + h, mask=mt, other=0.0)
+    DT = K.dtype.element_ty
     xk = x * (beta * ks * tl.exp(gc))[None, :]
     for k0 in range(0, DK, BV):
-        k = _ld(_tile(K + (h // GROUP) * sk_h, end, DK, sk_t, s0, k0, BT, BV)).to(tl.float32)
-        _st(_tile(W + h * DK, end, DK, HV * DK, s0, k0, BT, BV), _dot32(xk, k, HALF))
+        k = _ld(_tile(K + (h // GROUP) * sk_h, end, DK, sk_t, s0, k0, BT, BV))
+        _st(_tile(W + h * DK, end, DK, HV * DK, s0, k0, BT, BV), _dot(xk, k, HALF, DT))
     xv = x * beta[None, :]
     for v0 in range(0, DV, BV):
-        v = _ld(_tile(V + h * sv_h, end, DV, sv_t, s0, v0, BT, BV)).to(tl.float32)
-        _st(_tile(U + h * DV, end, DV, HV * DV, s0, v0, BT, BV), _dot32(xv, v, HALF))
+        v = _ld(_tile(V + h * sv_h, end, DV, sv_t, s0, v0, BT, BV))
+        _st(_tile(U + h * DV, end, DV, HV * DV, s0, v0, BT, BV), _dot(xv, v, HALF, DT))
 
 
 @triton.jit
@@ -377,11 +418,10 @@ def gated_delta_rule_decode(q, k, v, g, beta, states, slots, l2norm: bool = True
 # fill the SMs ("bv": otherwise it halves to 32). Chosen by `benchmarks/kernels/gated_delta_rule.py
 # --sweep` on the H100 (RESULTS.md); the sweep edits this table, nothing else does.
 LAUNCH = {
-    "kkt": {"num_warps": 4},
-    "solve": {"num_warps": 4},
-    "wu": {"num_warps": 8},
-    "state": {"num_warps": 8, "num_stages": 2, "bv": 64},
-    "out": {"num_warps": 8},
+    "kkt_solve": {"num_warps": 2, "bkc": 64},
+    "wu": {"num_warps": 4},
+    "state": {"num_warps": 8, "num_stages": 3, "bv": 64},
+    "out": {"num_warps": 4, "bv": 64},
 }
 
 
@@ -389,7 +429,7 @@ def launch_options(kernel: str, half: bool) -> dict:
     """num_warps / num_stages of a kernel. The walk pipelines its loop's loads; with fp32 inputs
     one stage (its tiles are twice the bytes). tests/test_gated_delta_rule.py compiles every
     kernel for sm_90 with these and checks the shared memory fits the H100's 227 KB."""
-    opts = {"num_stages": 1} | {k: v for k, v in LAUNCH[kernel].items() if k != "bv"}
+    opts = {"num_stages": 1} | {k: v for k, v in LAUNCH[kernel].items() if k not in ("bv", "bkc")}
     if not half:
         opts["num_stages"] = 1
     return opts
@@ -459,19 +499,18 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
     nc = chunk_seq.numel()
     gc = torch.empty((t, hv), dtype=torch.float32, device=dev)
     ks = torch.empty((t, hv), dtype=torch.float32, device=dev)
-    a = torch.empty((t, hv, CHUNK), dtype=torch.float32, device=dev)
-    x = torch.empty((t, hv, CHUNK), dtype=torch.float32, device=dev)
+    x = torch.empty((t, hv, CHUNK), dtype=bdt, device=dev)
     w = torch.empty((t, hv, dk), dtype=bdt, device=dev)
     u = torch.empty((t, hv, dv), dtype=bdt, device=dev)
     vn = torch.empty((t, hv, dv), dtype=bdt, device=dev)
     h_all = torch.empty((nc, hv, dk, dv), dtype=bdt, device=dev)
     group = hv // hk
-    meta = dict(GROUP=group, DK=dk, BK=bk, BT=CHUNK, L2NORM=l2norm, HALF=half)
-    _gdr_kkt_kernel[(nc, hv)](
-        k, g, beta, cu_seqlens, chunk_seq, chunk_start, gc, ks, a,
-        k.stride(0), k.stride(1), g.stride(0), beta.stride(0), hv, **meta, **launch_options("kkt", half))
-    _gdr_solve_kernel[(nc, hv)](a, cu_seqlens, chunk_seq, chunk_start, x, hv, BT=CHUNK,
-                                **launch_options("solve", half))
+    meta = dict(GROUP=group, DK=dk, BT=CHUNK, HALF=half)
+    bkc = max(16, min(LAUNCH["kkt_solve"]["bkc"], bk))
+    _gdr_kkt_solve_kernel[(nc, hv)](
+        k, g, beta, cu_seqlens, chunk_seq, chunk_start, gc, ks, x,
+        k.stride(0), k.stride(1), g.stride(0), beta.stride(0), hv, BKC=bkc, L2NORM=l2norm, **meta,
+        **launch_options("kkt_solve", half))
     bvf = min(64, triton.next_power_of_2(max(dv, 16)))
     _gdr_wu_kernel[(nc, hv)](
         k, v, beta, cu_seqlens, chunk_seq, chunk_start, gc, ks, x, w, u,
@@ -487,10 +526,11 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
         k.stride(0), k.stride(1), states.stride(0), states.stride(1), hv,
         GROUP=group, DK=dk, DV=dv, BK=bk, BV=bv, BT=CHUNK, HALF=half, STORE=store_state,
         **launch_options("state", half))
-    _gdr_out_kernel[(nc, hv, triton.cdiv(dv, bvf))](
+    bvo = min(triton.next_power_of_2(max(dv, 16)), LAUNCH["out"]["bv"])
+    _gdr_out_kernel[(nc, hv, triton.cdiv(dv, bvo))](
         q, k, gc, ks, h_all, vn, cu_seqlens, chunk_seq, chunk_start, num_chunks, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1), hv, t, n, dk ** -0.5,
-        DV=dv, BV=bvf, **meta, **launch_options("out", half))
+        BK=bk, DV=dv, BV=bvo, L2NORM=l2norm, **meta, **launch_options("out", half))
     return o
 
 

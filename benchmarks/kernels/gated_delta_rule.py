@@ -149,22 +149,23 @@ def profile(tokens: int) -> None:
             torch.cuda.synchronize()
         print(f"\n{name}, {tokens:,} tokens: CUDA time per kernel")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
-    for fn in (K._gdr_kkt_kernel, K._gdr_solve_kernel, K._gdr_wu_kernel, K._gdr_state_kernel, K._gdr_out_kernel):
+    for fn in (K._gdr_kkt_solve_kernel, K._gdr_wu_kernel, K._gdr_state_kernel, K._gdr_out_kernel):
         print(fn.fn.__name__ if hasattr(fn, "fn") else fn, triton_stats(fn))
 
 
 # One change from K.LAUNCH at a time; the table's choices come from this sweep.
 SWEEP = [
     ("as committed", {}),
-    ("kkt 8 warps", {"kkt": {"num_warps": 8}}),
-    ("solve 2 warps", {"solve": {"num_warps": 2}}),
-    ("solve 8 warps", {"solve": {"num_warps": 8}}),
-    ("wu 4 warps", {"wu": {"num_warps": 4}}),
+    ("kkt_solve 1 warp", {"kkt_solve": {"num_warps": 1}}),
+    ("kkt_solve 4 warps", {"kkt_solve": {"num_warps": 4}}),
+    ("kkt_solve BKC 32", {"kkt_solve": {"bkc": 32}}),
+    ("wu 8 warps", {"wu": {"num_warps": 8}}),
+    ("wu 2 stages", {"wu": {"num_stages": 2}}),
     ("state 4 warps", {"state": {"num_warps": 4}}),
-    ("state 1 stage", {"state": {"num_stages": 1}}),
-    ("state 3 stages", {"state": {"num_stages": 3}}),
-    ("state BV 32", {"state": {"bv": 32}}),
-    ("out 4 warps", {"out": {"num_warps": 4}}),
+    ("state 4 stages", {"state": {"num_stages": 4}}),
+    ("state 4 warps 4 stages", {"state": {"num_warps": 4, "num_stages": 4}}),
+    ("out BV 128", {"out": {"bv": 128}}),
+    ("out BV 128 8 warps", {"out": {"bv": 128, "num_warps": 8}}),
     ("out 2 stages", {"out": {"num_stages": 2}}),
 ]
 
@@ -180,7 +181,7 @@ def sweep(tokens: list[int], seqs: int) -> None:
     base = copy.deepcopy(K.LAUNCH)
     gen = torch.Generator(DEV).manual_seed(3)
     inputs = {t: make_inputs(t, seqs, gen) for t in tokens}
-    names = ["kkt", "solve", "wu", "state", "out"]
+    names = ["kkt_solve", "wu", "state", "out"]
     rows = []
     for label, change in SWEEP:
         K.LAUNCH.clear()
