@@ -418,10 +418,10 @@ def gated_delta_rule_decode(q, k, v, g, beta, states, slots, l2norm: bool = True
 # fill the SMs ("bv": otherwise it halves to 32). Chosen by `benchmarks/kernels/gated_delta_rule.py
 # --sweep` on the H100 (RESULTS.md); the sweep edits this table, nothing else does.
 LAUNCH = {
-    "kkt_solve": {"num_warps": 2, "bkc": 64},
-    "wu": {"num_warps": 4},
-    "state": {"num_warps": 8, "num_stages": 3, "bv": 64},
-    "out": {"num_warps": 4, "bv": 64},
+    "kkt_solve": {"num_warps": 1, "bkc": 64},
+    "wu": {"num_warps": 4, "bv": 64},
+    "state": {"num_warps": 4, "num_stages": 3, "bv": 64},
+    "out": {"num_warps": 4, "bv": 128},
 }
 
 
@@ -512,10 +512,11 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), hv, BKC=bkc, L2NORM=l2norm, **meta,
         **launch_options("kkt_solve", half))
     bvf = min(64, triton.next_power_of_2(max(dv, 16)))
+    bvw = min(triton.next_power_of_2(max(dk, dv, 16)), LAUNCH["wu"]["bv"])
     _gdr_wu_kernel[(nc, hv)](
         k, v, beta, cu_seqlens, chunk_seq, chunk_start, gc, ks, x, w, u,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), hv,
-        GROUP=group, DK=dk, DV=dv, BK=bk, BV=bvf, BT=CHUNK, HALF=half, **launch_options("wu", half))
+        GROUP=group, DK=dk, DV=dv, BK=bk, BV=bvw, BT=CHUNK, HALF=half, **launch_options("wu", half))
     # The walk is serial over chunks: split the v columns finer when (sequences x heads) alone
     # would leave SMs idle (one long prompt).
     bv = min(bvf, LAUNCH["state"]["bv"])

@@ -258,7 +258,7 @@ def test_kernels_compile_for_sm90_within_shared_memory(half):
         (K._gdr_wu_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=64), "wu"),
         (K._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=32, STORE=True), "state"),
         (K._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=64, STORE=True), "state"),
-        (K._gdr_out_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, L2NORM=True, HALF=half, DV=128, BV=64), "out"),
+        (K._gdr_wu_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=128), "wu"),
         (K._gdr_out_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, L2NORM=True, HALF=half, DV=128, BV=128), "out"),
     ]
     for fn, consts, name in kernels:

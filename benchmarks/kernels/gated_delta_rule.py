@@ -156,16 +156,12 @@ def profile(tokens: int) -> None:
 # One change from K.LAUNCH at a time; the table's choices come from this sweep.
 SWEEP = [
     ("as committed", {}),
-    ("kkt_solve 1 warp", {"kkt_solve": {"num_warps": 1}}),
-    ("kkt_solve 4 warps", {"kkt_solve": {"num_warps": 4}}),
-    ("kkt_solve BKC 32", {"kkt_solve": {"bkc": 32}}),
-    ("wu 8 warps", {"wu": {"num_warps": 8}}),
-    ("wu 2 stages", {"wu": {"num_stages": 2}}),
-    ("state 4 warps", {"state": {"num_warps": 4}}),
-    ("state 4 stages", {"state": {"num_stages": 4}}),
-    ("state 4 warps 4 stages", {"state": {"num_warps": 4, "num_stages": 4}}),
-    ("out BV 128", {"out": {"bv": 128}}),
-    ("out BV 128 8 warps", {"out": {"bv": 128, "num_warps": 8}}),
+    ("kkt_solve 2 warps", {"kkt_solve": {"num_warps": 2}}),
+    ("wu 2 warps", {"wu": {"num_warps": 2}}),
+    ("wu BV 128", {"wu": {"bv": 128}}),
+    ("state 2 warps", {"state": {"num_warps": 2}}),
+    ("state 8 warps", {"state": {"num_warps": 8}}),
+    ("out BV 64", {"out": {"bv": 64}}),
     ("out 2 stages", {"out": {"num_stages": 2}}),
 ]
 
@@ -216,6 +212,7 @@ def main() -> None:
     p.add_argument("--decode-batches", default="1,8,64")
     p.add_argument("--profile", type=int, default=0, help="also profile one prefill of this many tokens")
     p.add_argument("--sweep", action="store_true", help="also time the launch-option changes in SWEEP")
+    p.add_argument("--sweep-tokens", default="1024,4096,32768")
     args = p.parse_args()
     dev = torch.cuda.get_device_properties(0)
     print(f"device: {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}")
@@ -224,7 +221,7 @@ def main() -> None:
     if args.profile:
         profile(args.profile)
     if args.sweep:
-        sweep([int(x) for x in args.tokens.split(",")], args.seqs)
+        sweep([int(x) for x in args.sweep_tokens.split(",")], args.seqs)
 
 
 if __name__ == "__main__":

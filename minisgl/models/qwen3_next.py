@@ -123,8 +123,11 @@ class GatedDeltaNet(nn.Module):
                 raise ValueError(f"a verify step of {t} tokens exceeds the verify scratch "
                                  f"({0 if saved is None else saved.shape[1]} tokens)")
             torch.cat([mixed, b, a], dim=-1, out=saved[self.index, :t])
+        # A verify runs the delta rule on fp32 operands, as the commit after it and the decode
+        # step do: its outputs are the logits plain decoding would give (16-bit operands put a
+        # greedy token 5.3% of the logit scale from plain bf16 decoding, tiny Qwen3.5, H100).
         o = self._recur(mixed, b, a, batch.state_slots, batch.cu_seqlens_q, batch.prefix_lens > 0,
-                        batch.is_decode, store=not batch.all_rows)
+                        batch.is_decode, store=not batch.all_rows, fp32_rule=batch.all_rows)
         # The gated RMSNorm in transformers' order: normalise in fp32, weight in the input
         # dtype, then silu(z) in fp32.
         of = o.float()
