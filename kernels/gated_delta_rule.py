@@ -16,14 +16,17 @@ in v's dtype.
 
 Chunked prefill (chunks of 64 tokens, the WY / UT-transform form). Within a chunk with
 cumulative log decay c_i, L = strictly_lower(beta_i (k_i.k_j) exp(c_i - c_j)); with
-X = (I + L)^-1 (forward substitution, in fp32), W = X (beta k exp(c)) and U = X (beta v) hold
-the chunk's delta-rule corrections, so per chunk:  v' = U - W S;  o = (q exp(c)) S +
-lower_incl_diag((q k^T) exp(c_i - c_j)) v';  S <- S exp(c_last) + (k exp(c_last - c))^T v'.
-Kernel 1 builds c, W, U for every chunk in parallel; kernel 2 walks each sequence's chunks in
-order with S in registers and writes the outputs and the final state. Nothing reads host
-values (the chunk table is built on the device from an upper bound), so it is capturable.
-Dots run in fp32 ("ieee") for fp32 inputs; with 16-bit inputs kernel 2 feeds the tensor cores
-16-bit operands (fp32 accumulation), as flash-linear-attention does.
+X = (I + L)^-1 (forward substitution), W = X (beta k exp(c)) and U = X (beta v) hold the
+chunk's delta-rule corrections, so per chunk with S_c the state at its start:  v' = U - W S_c;
+o = (q exp(c)) S_c + lower_incl_diag((q k^T) exp(c_i - c_j)) v';
+S_{c+1} = S_c exp(c_last) + (k exp(c_last - c))^T v'.
+Four kernels (flash-linear-attention's decomposition), parallel but for the third: per (chunk,
+v-head) L and X, then W and U; per (sequence, v-head, v-block) a walk over the chunks in order
+storing each S_c (16-bit with 16-bit inputs) and v'; per (chunk, v-head, v-block) the outputs.
+q/k normalisation is applied by scaling the dot products (the raw 16-bit keys feed the tensor
+cores). Nothing reads host values (a one-program kernel builds the chunk table on the device
+from an upper bound), so it is capturable. Dots run in fp32 ("ieee") for fp32 inputs; with
+16-bit inputs the tensor cores take 16-bit operands (fp32 accumulation), as FLA's do.
 """
 
 from __future__ import annotations
@@ -71,21 +74,12 @@ def _gdr_decode_kernel(
     tl.store(ptrs, s, mask=m2)
 
 
-# Chunked prefill in five kernels, split where the work changes from parallel to serial (the
-# flash-linear-attention decomposition): per (chunk, v-head) in parallel, (1) the cumulative decays
-# and L, (2) X = (I + L)^-1, (3) W and U; per (sequence, v-head, v-block) in order, (4) the chunk
-# states S_c and v' = U - W S_c; per (chunk, v-head, v-block) in parallel again, (5) the outputs.
-# Only (4) walks the chunks one after another, and it does two small dots per chunk; the first
-# version did the outputs inside that walk and built X, W, U in one kernel holding ~20 16 x 16
-# tiles at once, which spilled (42 ms vs FLA's 2.4 ms at 32k tokens on the H100, RESULTS.md).
-# With 16-bit inputs the buffers between kernels (W, U, S_c, v') are 16-bit and their dots feed
-# the tensor cores 16-bit operands (fp32 accumulation), as FLA does; L and X stay fp32. fp32
-# inputs keep every buffer and dot in fp32 ("ieee").
-@triton.jit
-def _mm(a, b):
-    return tl.dot(a, b, input_precision="ieee")
-
-
+# The chunked prefill is split where its work changes from parallel to serial: only the walk
+# (_gdr_state_kernel) goes over the chunks one after another, with two small dots per chunk.
+# The first version did the outputs inside that walk and built X, W, U in one 8-warp kernel
+# holding ~20 16 x 16 tiles at once, which spilled (48 ms vs FLA's 2.4 ms at 32k tokens on the
+# H100; this split: 2.4-2.6 ms, RESULTS.md). With 16-bit inputs the buffers between kernels
+# (X, W, U, S_c, v') are 16-bit; fp32 inputs keep every buffer and dot in fp32.
 @triton.jit
 def _dot(a, b, HALF: tl.constexpr, DT: tl.constexpr):
     """16-bit tensor-core operands for 16-bit inputs, exact fp32 otherwise."""

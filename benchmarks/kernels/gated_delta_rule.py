@@ -156,13 +156,11 @@ def profile(tokens: int) -> None:
 # One change from K.LAUNCH at a time; the table's choices come from this sweep.
 SWEEP = [
     ("as committed", {}),
-    ("kkt_solve 2 warps", {"kkt_solve": {"num_warps": 2}}),
+    ("kkt_solve BKC 32", {"kkt_solve": {"bkc": 32}}),
     ("wu 2 warps", {"wu": {"num_warps": 2}}),
-    ("wu BV 128", {"wu": {"bv": 128}}),
-    ("state 2 warps", {"state": {"num_warps": 2}}),
-    ("state 8 warps", {"state": {"num_warps": 8}}),
-    ("out BV 64", {"out": {"bv": 64}}),
-    ("out 2 stages", {"out": {"num_stages": 2}}),
+    ("wu 2 warps BV 128", {"wu": {"num_warps": 2, "bv": 128}}),
+    ("state 4 stages", {"state": {"num_stages": 4}}),
+    ("out 8 warps", {"out": {"num_warps": 8}}),
 ]
 
 
