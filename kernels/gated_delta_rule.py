@@ -437,25 +437,31 @@ def _sm_count(dev: torch.device) -> int:
 @triton.jit
 def _chunk_table_kernel(Cu, ChunkSeq, ChunkStart, ChunkFirst, NumChunks, N, C,
                         BT: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr):
-    """One program: each sequence's first chunk (an exclusive cumsum of ceil(len / BT)), the
-    number of chunks, and for every table entry c its (sequence, first token), -1 past the last."""
-    i = tl.arange(0, BN)
-    mi = i < N
-    lo = tl.load(Cu + i, mask=mi, other=0)
-    per_seq = tl.where(mi, (tl.load(Cu + i + 1, mask=mi, other=0) - lo + BT - 1) // BT, 0)
-    ccu = tl.cumsum(per_seq, axis=0)
-    tl.store(ChunkFirst + i, ccu - per_seq, mask=mi)
-    total = tl.sum(per_seq, axis=0)
-    tl.store(NumChunks, total)
-    for c0 in range(0, C, BC):
-        c = c0 + tl.arange(0, BC)
-        seq = tl.sum(tl.where(mi[None, :] & (ccu[None, :] <= c[:, None]), 1, 0), axis=1)  # searchsorted right
-        hit = (i[None, :] == seq[:, None]) & mi[None, :]
-        first = tl.sum(tl.where(hit, ccu - per_seq, 0), axis=1)
-        start = tl.sum(tl.where(hit, lo, 0), axis=1) + (c - first) * BT
-        active = c < total
-        tl.store(ChunkSeq + c, tl.where(active, seq, -1), mask=c < C)
-        tl.store(ChunkStart + c, tl.where(active, start, 0), mask=c < C)
+    """Per sequence i: its first chunk (the chunks, ceil(len / BT) each, of the sequences before
+    it) and the table entries of its chunks, (i, first token); the last program also writes the
+    number of chunks and -1 over the spare entries. Every program sums the N lengths itself
+    (parallel, no second pass); a single program filling the whole table serially cost
+    O(entries x N) in one SM, in every Gated DeltaNet layer of a step with many sequences."""
+    i = tl.program_id(0)
+    offs = tl.arange(0, BN)
+    m = offs < N
+    lens = tl.load(Cu + offs + 1, mask=m, other=0) - tl.load(Cu + offs, mask=m, other=0)
+    per_seq = (lens + BT - 1) // BT
+    first = tl.sum(tl.where(offs < i, per_seq, 0), axis=0)
+    lo = tl.load(Cu + i)
+    mine = (tl.load(Cu + i + 1) - lo + BT - 1) // BT
+    tl.store(ChunkFirst + i, first)
+    for j0 in range(0, mine, BC):
+        j = j0 + tl.arange(0, BC)
+        tl.store(ChunkSeq + first + j, tl.full((BC,), 0, tl.int32) + i, mask=j < mine)
+        tl.store(ChunkStart + first + j, lo + j * BT, mask=j < mine)
+    if i == N - 1:
+        total = tl.sum(per_seq, axis=0)
+        tl.store(NumChunks, total)
+        for c0 in range(total, C, BC):
+            c = c0 + tl.arange(0, BC)
+            tl.store(ChunkSeq + c, tl.full((BC,), -1, tl.int32), mask=c < C)
+            tl.store(ChunkStart + c, tl.full((BC,), 0, tl.int32), mask=c < C)
 
 
 def _chunk_table(cu_seqlens: torch.Tensor, t: int, bt: int):
@@ -469,9 +475,8 @@ def _chunk_table(cu_seqlens: torch.Tensor, t: int, bt: int):
     dev = cu_seqlens.device
     seq, start = torch.empty(c, dtype=torch.int32, device=dev), torch.empty(c, dtype=torch.int32, device=dev)
     first, total = torch.empty(n, dtype=torch.int32, device=dev), torch.empty(1, dtype=torch.int32, device=dev)
-    bn = triton.next_power_of_2(max(n, 16))
-    _chunk_table_kernel[(1,)](cu_seqlens, seq, start, first, total, n, c, BT=bt, BN=bn,
-                              BC=max(16, min(128, 8192 // bn)), num_warps=4)
+    _chunk_table_kernel[(n,)](cu_seqlens, seq, start, first, total, n, c, BT=bt,
+                              BN=triton.next_power_of_2(max(n, 16)), BC=128, num_warps=4)
     return seq, start, first, total
 
 
