@@ -2,6 +2,9 @@
 chunk_gated_delta_rule, timed in the same run, plus the batch decode step.
 
     python benchmarks/kernels/gated_delta_rule.py [--tokens 1024,4096,32768] [--seqs 1]
+        [--profile 32768]   CUDA time per kernel, ours and FLA's, and our kernels' registers
+        [--sweep]           eager time and per-kernel time under each change in SWEEP of the
+                            kernels' launch table (kernels/gated_delta_rule.py: LAUNCH)
 
 Shapes: Qwen3-Next-80B-A3B's linear-attention layer: 16 q/k heads, 32 v-heads, d_k = d_v = 128,
 bf16 inputs, fp32 state; q/k l2-normalised in the kernel, state read from and written to a
