@@ -130,14 +130,13 @@ def _st(bp, x):
 
 
 @triton.jit
-def _inv_norms(x, ENABLE: tl.constexpr):
-    """1 / |row| of a [BT, BK] tile (1 when not normalising): the kernels scale dot products
-    and small tiles by it instead of normalising the 16-bit operands (fewer fp32 tiles)."""
+def _rnorm(sq, ENABLE: tl.constexpr):
+    """1 / |row| from the rows' summed squares (1 when not normalising): the kernels scale dot
+    products and small tiles by it instead of normalising the 16-bit operands."""
     if ENABLE:
-        xf = x.to(tl.float32)
-        out = tl.rsqrt(tl.sum(xf * xf, axis=1) + 1e-6)
+        out = tl.rsqrt(sq + 1e-6)
     else:
-        out = tl.full((x.shape[0],), 1.0, tl.float32)
+        out = tl.full(sq.shape, 1.0, tl.float32)
     return out
 
 
@@ -151,10 +150,7 @@ def _sub(G, Beta, tok0, end, h, sg_t, sb_t, carry, GC, KS, HV, n2, L2NORM: tl.co
     g = tl.load(G + tok64 * sg_t + h, mask=mt, other=0.0).to(tl.float32)
     gc = tl.cumsum(g, axis=0) + carry
     beta = tl.load(Beta + tok64 * sb_t + h, mask=mt, other=0.0).to(tl.float32)
-    if L2NORM:
-        ks = tl.rsqrt(n2 + 1e-6)
-    else:
-        ks = tl.full((16,), 1.0, tl.float32)
+    ks = _rnorm(n2, L2NORM)
     tl.store(GC + tok64 * HV + h, gc, mask=mt)
     tl.store(KS + tok64 * HV + h, ks, mask=mt)
     return gc, beta, ks, carry + tl.sum(g, axis=0)
@@ -209,11 +205,9 @@ def _gdr_kkt_solve_kernel(
     norms applied after), and X = (I + L)^-1: the diagonal blocks by substitution, then
     X_ij = -X_ii sum_{j<=m<i} L_im X_mj. Writes X's lower blocks (the W/U kernel masks the rest)."""
     c, h = tl.program_id(0), tl.program_id(1)
-    seq = tl.load(ChunkSeq + c)
+    seq, s0, _, _, end = _chunk(ChunkSeq, ChunkStart, Cu, c, BT)
     if seq < 0:
         return
-    s0 = tl.load(ChunkStart + c)
-    end = tl.load(Cu + seq + 1)
     hk = h // GROUP
     s1, s2, s3 = s0 + 16, s0 + 32, s0 + 48
     DT = K.dtype.element_ty
@@ -241,18 +235,18 @@ def _gdr_kkt_solve_kernel(
             n1 += tl.sum(k_1.to(tl.float32) * k_1.to(tl.float32), axis=1)
             n2 += tl.sum(k_2.to(tl.float32) * k_2.to(tl.float32), axis=1)
             n3 += tl.sum(k_3.to(tl.float32) * k_3.to(tl.float32), axis=1)
-    g0, b0, q0, cy = _sub(G, Beta, s0, end, h, sg_t, sb_t, 0.0, GC, KS, HV, n0, L2NORM)
-    g1, b1, q1, cy = _sub(G, Beta, s1, end, h, sg_t, sb_t, cy, GC, KS, HV, n1, L2NORM)
-    g2, b2, q2, cy = _sub(G, Beta, s2, end, h, sg_t, sb_t, cy, GC, KS, HV, n2, L2NORM)
-    g3, b3, q3, cy = _sub(G, Beta, s3, end, h, sg_t, sb_t, cy, GC, KS, HV, n3, L2NORM)
-    X00 = _inv16(_scale(A00, g0, b0, q0, g0, q0, True))
-    X11 = _inv16(_scale(A11, g1, b1, q1, g1, q1, True))
-    X22 = _inv16(_scale(A22, g2, b2, q2, g2, q2, True))
-    X33 = _inv16(_scale(A33, g3, b3, q3, g3, q3, True))
-    L10 = _scale(A10, g1, b1, q1, g0, q0, False)
-    L20, L21 = _scale(A20, g2, b2, q2, g0, q0, False), _scale(A21, g2, b2, q2, g1, q1, False)
-    L30, L31 = _scale(A30, g3, b3, q3, g0, q0, False), _scale(A31, g3, b3, q3, g1, q1, False)
-    L32 = _scale(A32, g3, b3, q3, g2, q2, False)
+    g0, b0, ks0, cy = _sub(G, Beta, s0, end, h, sg_t, sb_t, 0.0, GC, KS, HV, n0, L2NORM)
+    g1, b1, ks1, cy = _sub(G, Beta, s1, end, h, sg_t, sb_t, cy, GC, KS, HV, n1, L2NORM)
+    g2, b2, ks2, cy = _sub(G, Beta, s2, end, h, sg_t, sb_t, cy, GC, KS, HV, n2, L2NORM)
+    g3, b3, ks3, cy = _sub(G, Beta, s3, end, h, sg_t, sb_t, cy, GC, KS, HV, n3, L2NORM)
+    X00 = _inv16(_scale(A00, g0, b0, ks0, g0, ks0, True))
+    X11 = _inv16(_scale(A11, g1, b1, ks1, g1, ks1, True))
+    X22 = _inv16(_scale(A22, g2, b2, ks2, g2, ks2, True))
+    X33 = _inv16(_scale(A33, g3, b3, ks3, g3, ks3, True))
+    L10 = _scale(A10, g1, b1, ks1, g0, ks0, False)
+    L20, L21 = _scale(A20, g2, b2, ks2, g0, ks0, False), _scale(A21, g2, b2, ks2, g1, ks1, False)
+    L30, L31 = _scale(A30, g3, b3, ks3, g0, ks0, False), _scale(A31, g3, b3, ks3, g1, ks1, False)
+    L32 = _scale(A32, g3, b3, ks3, g2, ks2, False)
     X10 = -_dot32(X11, _dot32(L10, X00, HALF), HALF)
     X21 = -_dot32(X22, _dot32(L21, X11, HALF), HALF)
     X20 = -_dot32(X22, _dot32(L20, X00, HALF) + _dot32(L21, X10, HALF), HALF)
@@ -275,8 +269,8 @@ def _gdr_kkt_solve_kernel(
 def _gdr_wu_kernel(
     K, V, Beta, Cu, ChunkSeq, ChunkStart, GC, KS, X, W, U,
     sk_t, sk_h, sv_t, sv_h, sb_t, HV,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, HALF: tl.constexpr,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    HALF: tl.constexpr,
 ):
     """Per (chunk, v-head): W = X (beta k exp(c)) and U = X (beta v), the row factors folded
     into X's columns and the columns of W and U made BV at a time."""
@@ -373,7 +367,8 @@ def _gdr_out_kernel(
     tok64 = tok.to(tl.int64)
     gc = tl.load(GC + tok64 * HV + h, mask=mt, other=0.0)
     ks = tl.load(KS + tok64 * HV + h, mask=mt, other=0.0)
-    qs = _inv_norms(q, L2NORM) * scale
+    qf = q.to(tl.float32)
+    qs = _rnorm(tl.sum(qf * qf, axis=1), L2NORM) * scale
     s = _ld(_tile(H + (c.to(tl.int64) * HV + h) * DK * DV, DK, DV, DV, 0, pv * BV, BK, BV))
     vn = _ld(_tile(VN + h * DV, end, DV, HV * DV, s0, pv * BV, BT, BV))
     r, cl = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
@@ -515,7 +510,7 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
     _gdr_wu_kernel[(nc, hv)](
         k, v, beta, cu_seqlens, chunk_seq, chunk_start, gc, ks, x, w, u,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), hv,
-        GROUP=group, DK=dk, DV=dv, BK=bk, BV=bvw, BT=CHUNK, HALF=half, **launch_options("wu", half))
+        GROUP=group, DK=dk, DV=dv, BV=bvw, BT=CHUNK, HALF=half, **launch_options("wu", half))
     # The walk is serial over chunks: split the v columns finer when (sequences x heads) alone
     # would leave SMs idle (one long prompt).
     bv = min(bvf, LAUNCH["state"]["bv"])

@@ -255,10 +255,10 @@ def test_kernels_compile_for_sm90_within_shared_memory(half):
                                       "NumChunks")})
     kernels = [
         (K._gdr_kkt_solve_kernel, dict(GROUP=2, DK=128, BKC=64, BT=64, L2NORM=True, HALF=half), "kkt_solve"),
-        (K._gdr_wu_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=64), "wu"),
+        (K._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, HALF=half, DV=128, BV=64), "wu"),
         (K._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=32, STORE=True), "state"),
         (K._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=64, STORE=True), "state"),
-        (K._gdr_wu_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=128), "wu"),
+        (K._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, HALF=half, DV=128, BV=128), "wu"),
         (K._gdr_out_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, L2NORM=True, HALF=half, DV=128, BV=128), "out"),
     ]
     kernels.append((K._chunk_table_kernel, dict(BT=64, BN=512, BC=128), None))

@@ -170,8 +170,11 @@ def test_mtp_speculation_equals_plain(tiny_model_path: Callable[[str], Path], tm
             if dtype == "float32":
                 assert got == want
                 cpu = LLM(str(path), device="cpu", dtype="float32", **MTP)
-                cpu_seen = record_proposals(cpu)
-                assert _tokens(cpu, PROMPTS, 24) == want
+                try:
+                    cpu_seen = record_proposals(cpu)
+                    assert _tokens(cpu, PROMPTS, 24) == want
+                finally:
+                    cpu.shutdown()
                 on_cpu = {(tuple(c), k): d for c, k, d in cpu_seen}
                 common = [(c, k, d) for c, k, d in seen if (tuple(c), k) in on_cpu]
                 assert len(common) >= len(seen) // 2, (len(common), len(seen))
