@@ -1,7 +1,8 @@
-"""Gated delta rule (kernels/gated_delta_rule.py through minisgl.ops): the torch reference vs
-transformers' own functions; the Triton chunked prefill and the batch decode vs the recurrent
-reference on fresh random data (lengths around the 64-token chunk, states carried across
-calls, GQA heads, NaN-poisoned unused pool slots left bit-for-bit untouched)."""
+"""Gated delta rule (kernels/gated_delta_rule.py, gated_delta_prefill.py, chunk_table.py, through
+minisgl.ops): the torch reference vs transformers' own functions; the Triton chunked prefill
+and the batch decode vs the recurrent reference on fresh random data (lengths around the
+64-token chunk, states carried across calls, GQA heads, NaN-poisoned unused pool slots left
+bit-for-bit untouched); the chunk table vs torch.searchsorted."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 from triton_marks import test_device, triton_test
 
 from minisgl import env
+from minisgl.kernels import chunk_table as CT
+from minisgl.kernels import gated_delta_prefill as P
 from minisgl.kernels import gated_delta_rule as K
 from minisgl.ops import linear_attention as LA
 
@@ -221,13 +224,13 @@ def test_chunk_table_matches_searchsorted(seed):
     lens[[3, 17]] = 0
     t = int(lens.sum()) + 50
     cu = _cu(lens.tolist(), dev)
-    seq, start, first, total = K._chunk_table(cu, t, K.CHUNK)
-    per_seq = (lens + K.CHUNK - 1) // K.CHUNK
+    seq, start, first, total = CT.chunk_table(cu, t, P.CHUNK)
+    per_seq = (lens + P.CHUNK - 1) // P.CHUNK
     ccu = per_seq.cumsum(0)
-    c = torch.arange(t // K.CHUNK + 38)
+    c = torch.arange(t // P.CHUNK + 38)
     want_seq = torch.searchsorted(ccu, c, right=True)
     active = want_seq < 37
-    want_start = cu.cpu()[want_seq.clamp(max=36)] + (c - (ccu - per_seq)[want_seq.clamp(max=36)]) * K.CHUNK
+    want_start = cu.cpu()[want_seq.clamp(max=36)] + (c - (ccu - per_seq)[want_seq.clamp(max=36)]) * P.CHUNK
     assert torch.equal(seq.cpu(), torch.where(active, want_seq, -1).int())
     assert torch.equal(start.cpu()[active], want_start[active].int())
     assert torch.equal(first.cpu(), (ccu - per_seq).int()) and int(total) == int(ccu[-1])
@@ -254,18 +257,18 @@ def test_kernels_compile_for_sm90_within_shared_memory(half):
     types.update({n: "*i32" for n in ("Slots", "Cu", "ChunkSeq", "ChunkStart", "ChunkFirst",
                                       "NumChunks")})
     kernels = [
-        (K._gdr_kkt_solve_kernel, dict(GROUP=2, DK=128, BKC=64, BT=64, L2NORM=True, HALF=half), "kkt_solve"),
-        (K._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, HALF=half, DV=128, BV=64), "wu"),
-        (K._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=32, STORE=True), "state"),
-        (K._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=64, STORE=True), "state"),
-        (K._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, HALF=half, DV=128, BV=128), "wu"),
-        (K._gdr_out_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, L2NORM=True, HALF=half, DV=128, BV=128), "out"),
+        (P._gdr_kkt_solve_kernel, dict(GROUP=2, DK=128, BKC=64, BT=64, L2NORM=True, HALF=half), "kkt_solve"),
+        (P._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, HALF=half, DV=128, BV=64), "wu"),
+        (P._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=32, STORE=True), "state"),
+        (P._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=64, STORE=True), "state"),
+        (P._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, HALF=half, DV=128, BV=128), "wu"),
+        (P._gdr_out_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, L2NORM=True, HALF=half, DV=128, BV=128), "out"),
     ]
-    kernels.append((K._chunk_table_kernel, dict(BT=64, BN=512, BC=128), None))
+    kernels.append((CT._chunk_table_kernel, dict(BT=64, BN=512, BC=128), None))
     for fn, consts, name in kernels:
         sig = {n: types.get(n, "i32") for n in fn.arg_names} | {c: "constexpr" for c in consts}
         src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
-        opts = K.launch_options(name, half) if name else {"num_warps": 4}
+        opts = P.launch_options(name, half) if name else {"num_warps": 4}
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         assert compiled.metadata.shared <= 227 * 1024, (fn.__name__, compiled.metadata.shared)
 

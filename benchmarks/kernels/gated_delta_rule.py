@@ -1,10 +1,10 @@
-"""Gated DeltaNet chunked prefill (kernels/gated_delta_rule.py) against flash-linear-attention's
+"""Gated DeltaNet chunked prefill (kernels/gated_delta_prefill.py) against flash-linear-attention's
 chunk_gated_delta_rule, timed in the same run, plus the batch decode step.
 
     python benchmarks/kernels/gated_delta_rule.py [--tokens 1024,4096,32768] [--seqs 1]
         [--profile 32768]   CUDA time per kernel, ours and FLA's, and our kernels' registers
         [--sweep]           eager time and per-kernel time under each change in SWEEP of the
-                            kernels' launch table (kernels/gated_delta_rule.py: LAUNCH)
+                            kernels' launch table (kernels/gated_delta_prefill.py: LAUNCH)
 
 Shapes: Qwen3-Next-80B-A3B's linear-attention layer: 16 q/k heads, 32 v-heads, d_k = d_v = 128,
 bf16 inputs, fp32 state; q/k l2-normalised in the kernel, state read from and written to a
@@ -28,6 +28,7 @@ import argparse
 import torch
 from _bench import num_sets, print_table, time_calls
 
+from minisgl.kernels import gated_delta_prefill as P
 from minisgl.kernels import gated_delta_rule as K
 
 DEV = "cuda"
@@ -51,7 +52,7 @@ def make_inputs(t: int, seqs: int, gen: torch.Generator) -> dict:
 
 
 def ours(a: dict):
-    return lambda: K.gated_delta_rule_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], a["states"],
+    return lambda: P.gated_delta_rule_prefill(a["q"], a["k"], a["v"], a["g"], a["beta"], a["states"],
                                               a["slots"], a["cu"], a["has"])
 
 
@@ -152,11 +153,11 @@ def profile(tokens: int) -> None:
             torch.cuda.synchronize()
         print(f"\n{name}, {tokens:,} tokens: CUDA time per kernel")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
-    for fn in (K._gdr_kkt_solve_kernel, K._gdr_wu_kernel, K._gdr_state_kernel, K._gdr_out_kernel):
+    for fn in (P._gdr_kkt_solve_kernel, P._gdr_wu_kernel, P._gdr_state_kernel, P._gdr_out_kernel):
         print(fn.fn.__name__ if hasattr(fn, "fn") else fn, triton_stats(fn))
 
 
-# One change from K.LAUNCH at a time; the table's choices come from this sweep.
+# One change from P.LAUNCH at a time; the table's choices come from this sweep.
 SWEEP = [
     ("as committed", {}),
     ("kkt_solve BKC 32", {"kkt_solve": {"bkc": 32}}),
@@ -168,23 +169,23 @@ SWEEP = [
 
 
 def sweep(tokens: list[int], seqs: int) -> None:
-    """Eager prefill time under each launch-option change (K.LAUNCH), and each kernel's CUDA
+    """Eager prefill time under each launch-option change (P.LAUNCH), and each kernel's CUDA
     time at the largest token count, so the best option per kernel can be read off."""
     import copy
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    base = copy.deepcopy(K.LAUNCH)
+    base = copy.deepcopy(P.LAUNCH)
     gen = torch.Generator(DEV).manual_seed(3)
     inputs = {t: make_inputs(t, seqs, gen) for t in tokens}
     names = ["kkt_solve", "wu", "state", "out"]
     rows = []
     for label, change in SWEEP:
-        K.LAUNCH.clear()
-        K.LAUNCH.update(copy.deepcopy(base))
+        P.LAUNCH.clear()
+        P.LAUNCH.update(copy.deepcopy(base))
         for kern, opts in change.items():
-            K.LAUNCH[kern].update(opts)
+            P.LAUNCH[kern].update(opts)
         with torch.inference_mode():
             row = [label] + [f"{time_calls([ours(inputs[t])], reps=20, use_graph=False):,.0f}" for t in tokens]
             call = ours(inputs[tokens[-1]])
@@ -199,8 +200,8 @@ def sweep(tokens: list[int], seqs: int) -> None:
                 if f"_gdr_{n}_kernel" in e.key:
                     per[n] += e.device_time_total / 1e3
         rows.append(row + [f"{per[n]:.2f}" for n in names])
-    K.LAUNCH.clear()
-    K.LAUNCH.update(base)
+    P.LAUNCH.clear()
+    P.LAUNCH.update(base)
     print_table(f"Launch-option sweep, {seqs} sequence(s): eager us per prefill; "
                 f"ms per kernel at {tokens[-1]:,} tokens",
                 ["change"] + [f"{t:,}" for t in tokens] + names, rows)

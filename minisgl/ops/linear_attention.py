@@ -1,6 +1,7 @@
 """Linear-attention ops (Gated DeltaNet layers): the causal conv1d with a state pool and the
 gated delta rule (chunked prefill, one-token decode). Triton where it can run, else the torch
-references (logged once). Layouts and maths: kernels/causal_conv1d.py, kernels/gated_delta_rule.py.
+references (logged once). Layouts and maths: kernels/causal_conv1d.py, kernels/gated_delta_rule.py
+(and kernels/gated_delta_prefill.py).
 
 State pools are indexed by `slots` (int32 [N], one per sequence, distinct; negative = a
 padding row that reads zeros and writes nothing). `has_state` (bool or int32 [N]) says which
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.kernels import causal_conv1d as _conv
+from minisgl.kernels import gated_delta_prefill as _gdp
 from minisgl.kernels import gated_delta_rule as _gdr
 from minisgl.ops import _checks
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
@@ -128,7 +130,7 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
         _check_seqs(-1, slots, cu_seqlens, has_state)
         check_same_device(q=q, slots=slots, cu_seqlens=cu_seqlens, has_state=has_state)
     if use_triton("gated_delta_rule_prefill", q):
-        return _gdr.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm,
+        return _gdp.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm,
                                              store_state)
     log_cpu_reference_once("gated_delta_rule_prefill")
     return _gdr.gated_delta_rule_reference(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm,
