@@ -127,19 +127,25 @@ def _block_d(d: int) -> int:
     return min(256, triton.next_power_of_2(d))
 
 
+def token_seq_ids(cu_seqlens: torch.Tensor, t: int) -> torch.Tensor:
+    """The sequence of each of t tokens, int32 [T], on the device (no host sync: capturable)."""
+    tok = torch.arange(t, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:], tok, right=True).to(torch.int32)
+
+
 def causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu: bool = True,
-                          store_state: bool = True):
+                          store_state: bool = True, seq_ids: torch.Tensor | None = None):
     """Triton prefill; arguments as in the module docstring (has_state as int32/bool [N]).
-    store_state False: the slots keep their windows (a speculative verify step)."""
+    store_state False: the slots keep their windows (a speculative verify step). `seq_ids`:
+    token_seq_ids(cu_seqlens, T) when the caller made it once for several layers."""
     t, d = x.shape
     k = weight.shape[1]
     n = slots.shape[0]
     if t == 0 or n == 0:  # no sequence: every token is padding
         return torch.zeros((t, d), dtype=x.dtype, device=x.device)
     out = torch.empty((t, d), dtype=x.dtype, device=x.device)  # the kernel writes every row
-    # The sequence of each token, on the device (no host sync: capturable).
-    seq_ids = torch.searchsorted(cu_seqlens[1:], torch.arange(t, device=x.device, dtype=cu_seqlens.dtype),
-                                 right=True).to(torch.int32)
+    if seq_ids is None:
+        seq_ids = token_seq_ids(cu_seqlens, t)
     has = has_state.to(torch.int32)
     bd, bt = _block_d(d), 16
     b = bias if bias is not None else weight

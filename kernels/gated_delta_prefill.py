@@ -347,10 +347,11 @@ def _sm_count(dev: torch.device) -> int:
 
 
 def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm: bool = True,
-                             store_state: bool = True):
+                             store_state: bool = True, chunks: tuple[torch.Tensor, ...] | None = None):
     """Chunked prefill over packed sequences; reads each sequence's initial state from its slot
     (unless fresh) and writes its final state there (not with store_state False: a speculative
-    verify step). Returns o [T, Hv, Dv]."""
+    verify step). `chunks`: chunk_table(cu_seqlens, T, CHUNK) when the caller made it once for
+    several layers. Returns o [T, Hv, Dv]."""
     t = q.shape[0]
     n = slots.shape[0]
     hk, dk, hv, dv, bk = _shape(q, v)
@@ -360,7 +361,8 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
     dev = q.device
     half = q.dtype != torch.float32
     bdt = q.dtype if half else torch.float32  # the buffers between kernels
-    chunk_seq, chunk_start, chunk_first, num_chunks = chunk_table(cu_seqlens, t, CHUNK)
+    chunk_seq, chunk_start, chunk_first, num_chunks = chunks if chunks is not None else chunk_table(cu_seqlens, t,
+                                                                                                    CHUNK)
     nc = chunk_seq.numel()
     gc = torch.empty((t, hv), dtype=torch.float32, device=dev)
     ks = torch.empty((t, hv), dtype=torch.float32, device=dev)

@@ -142,10 +142,12 @@ def test_bad_input_names_the_argument():
 
 
 @triton_test
-def test_prefill_graph_padding_past_the_last_sequence():
+@pytest.mark.parametrize("planned", [False, True])
+def test_prefill_graph_padding_past_the_last_sequence(planned):
     """A CUDA graph's token bucket holds more tokens than the step's sequences (cu_seqlens ends
     before T): the padding tokens (NaN here) get zero outputs, the sequences' outputs and states
-    are those of the unpadded call, and no slot is read for the padding (slots has N entries)."""
+    are those of the unpadded call, and no slot is read for the padding (slots has N entries).
+    `planned`: the token map comes from a step's plan (LA.plan_sequences), as the model passes it."""
     dev = test_device()
     gen = torch.Generator().manual_seed(13)
     d, k, lens, pad = 40, 4, (5, 2, 9), 7
@@ -157,8 +159,11 @@ def test_prefill_graph_padding_past_the_last_sequence():
     has = torch.tensor([True, False, True], device=dev)
     states = _pool(4, k, d, [0, 2, 3], gen, dev, torch.float32)
     ref_states = states.clone()
-    out = LA.causal_conv1d_prefill(x, w, b, states, slots, _cu(lens, dev), has)
-    want = K.causal_conv1d_reference(x[:t], w, b, ref_states, slots, _cu(lens, dev), has)
+    cu = _cu(lens, dev)
+    plan = LA.plan_sequences(cu, t + pad) if planned else None
+    assert (plan is not None) == planned
+    out = LA.causal_conv1d_prefill(x, w, b, states, slots, cu, has, plan=plan)
+    want = K.causal_conv1d_reference(x[:t], w, b, ref_states, slots, cu, has)
     assert out.shape == (t + pad, d)
     torch.testing.assert_close(out[:t], want, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[t:], torch.zeros(pad, d, device=dev))

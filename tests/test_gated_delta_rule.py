@@ -293,14 +293,20 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="cu_seqlens must have dtype int32"):
         LA.gated_delta_rule_prefill(q, q, v, torch.randn(4, 4), torch.rand(4, 4), torch.zeros(2, 4, 16, 16),
                                     slots, cu.long(), has)
+    other = LA.SequencePlan(cu.clone(), 4, torch.zeros(4, dtype=torch.int32), ())
+    with pytest.raises(ValueError, match="plan was made for other sequences"):
+        LA.gated_delta_rule_prefill(q, q, v, torch.randn(4, 4), torch.rand(4, 4), torch.zeros(2, 4, 16, 16),
+                                    slots, cu, has, plan=other)
     with pytest.raises(ValueError, match="slots must have shape"):
         LA.gated_delta_rule_decode(q, q, v, torch.randn(4, 4), torch.rand(4, 4), torch.zeros(2, 4, 16, 16), slots)
 
 
 @triton_test
-def test_prefill_graph_padding_past_the_last_sequence():
+@pytest.mark.parametrize("planned", [False, True])
+def test_prefill_graph_padding_past_the_last_sequence(planned):
     """cu_seqlens ends before T (a CUDA graph's token bucket): the padding tokens (NaN inputs)
-    get zero outputs; the sequences' outputs and states are the unpadded call's."""
+    get zero outputs; the sequences' outputs and states are the unpadded call's. `planned`: the
+    chunk table comes from a step's plan (LA.plan_sequences), as the model passes it."""
     dev = test_device()
     gen = torch.Generator().manual_seed(17)
     hk, hv, dk, dv, lens, pad = 2, 4, 16, 16, (70, 3), 9
@@ -313,7 +319,9 @@ def test_prefill_graph_padding_past_the_last_sequence():
     states = _pool(3, hv, dk, dv, [1], gen, dev)
     ref = states.clone()
     cu = _cu(lens, dev)
-    o = LA.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu, has)
+    plan = LA.plan_sequences(cu, t + pad) if planned else None
+    assert (plan is not None) == planned
+    o = LA.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu, has, plan=plan)
     want = K.gated_delta_rule_reference(q[:t], k[:t], v[:t], g[:t], beta[:t], ref, slots, cu, has)
     torch.testing.assert_close(o[:t], want, atol=2e-4, rtol=2e-4)
     assert torch.equal(o[t:], torch.zeros(pad, hv, dv, device=dev))

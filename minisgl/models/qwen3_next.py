@@ -114,7 +114,8 @@ class GatedDeltaNet(nn.Module):
         return (mixed, z.reshape(t, la.num_v_heads, la.v_head_dim), b.reshape(t, la.num_v_heads),
                 a.reshape(t, la.num_v_heads))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, plan: ops.SequencePlan | None = None) -> torch.Tensor:
+        """`plan`: ops.plan_sequences of the step (None: each op derives it)."""
         la, t = self.la, x.shape[0]
         mixed, z, b, a = self._project(x)
         if batch.all_rows:  # a verify step: keep the inputs: the accepted tokens advance the states later (commit)
@@ -127,7 +128,7 @@ class GatedDeltaNet(nn.Module):
         # step do: its outputs are the logits plain decoding would give (16-bit operands put a
         # greedy token 5.3% of the logit scale from plain bf16 decoding, tiny Qwen3.5, H100).
         o = self._recur(mixed, b, a, batch.state_slots, batch.cu_seqlens_q, batch.prefix_lens > 0,
-                        batch.is_decode, store=not batch.all_rows, fp32_rule=batch.all_rows)
+                        batch.is_decode, store=not batch.all_rows, fp32_rule=batch.all_rows, plan=plan)
         # The gated RMSNorm in transformers' order: normalise in fp32, weight in the input
         # dtype, then silu(z) in fp32.
         of = o.float()
@@ -137,7 +138,7 @@ class GatedDeltaNet(nn.Module):
 
     def _recur(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
                cu_seqlens: torch.Tensor, has_state: torch.Tensor, decode: bool, store: bool,
-               fp32_rule: bool = False) -> torch.Tensor:
+               fp32_rule: bool = False, plan: ops.SequencePlan | None = None) -> torch.Tensor:
         """The conv and the delta rule over the step's sequences (a decode: one token each,
         continuing its state); `store` False reads the states and writes none. `fp32_rule`: the
         chunked delta rule on fp32 operands (ieee dots; 16-bit ones round the state at each
@@ -148,7 +149,8 @@ class GatedDeltaNet(nn.Module):
         if decode:
             y = ops.causal_conv1d_decode(mixed, conv_w, None, conv, slots)
         else:  # a mixed step's decodes are one-token sequences that continue their state
-            y = ops.causal_conv1d_prefill(mixed, conv_w, None, conv, slots, cu_seqlens, has_state, store_state=store)
+            y = ops.causal_conv1d_prefill(mixed, conv_w, None, conv, slots, cu_seqlens, has_state, store_state=store,
+                                          plan=plan)
         kd = la.key_dim
         q = y[:, :kd].view(t, la.num_k_heads, la.k_head_dim)
         k = y[:, kd : 2 * kd].view(t, la.num_k_heads, la.k_head_dim)
@@ -159,10 +161,11 @@ class GatedDeltaNet(nn.Module):
             return ops.gated_delta_rule_decode(q, k, v, g, beta, states, slots)
         if fp32_rule:
             q, k, v, beta = q.float(), k.float(), v.float(), beta.float()
-        return ops.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, store_state=store)
+        return ops.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, store_state=store,
+                                            plan=plan)
 
     def commit(self, order: torch.Tensor, cu_seqlens: torch.Tensor, slots: torch.Tensor,
-               has_state: torch.Tensor) -> None:
+               has_state: torch.Tensor, plan: ops.SequencePlan | None = None) -> None:
         """After a verify step: advance the states over the accepted tokens, whose inputs the
         verify kept; `order` puts them first, packed per request as `cu_seqlens` says (the
         rejected ones after cu_seqlens[-1] are padding to the kernels: nothing read for them).
@@ -172,7 +175,7 @@ class GatedDeltaNet(nn.Module):
         la = self.la
         saved = self.pool.verify_inputs[self.index, : order.numel()][order]
         mixed, b, a = saved.split([la.conv_dim, la.num_v_heads, la.num_v_heads], dim=-1)
-        self._recur(mixed, b, a, slots, cu_seqlens, has_state, decode=False, store=True, fp32_rule=True)
+        self._recur(mixed, b, a, slots, cu_seqlens, has_state, decode=False, store=True, fp32_rule=True, plan=plan)
 
 
 class GatedAttention(nn.Module):
@@ -220,14 +223,14 @@ class HybridDecoderLayer(nn.Module):
         self.mlp_partial = False  # each block reduces its own output under TP (no fused reduce + norm yet)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+                attn: AttentionBackend, plan: ops.SequencePlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.forward_with_residual(x, residual)
         if hasattr(self, "linear_attn"):
-            h = self.linear_attn(h, batch)
+            h = self.linear_attn(h, batch, plan)
         else:
             h = self.self_attn(positions, h, batch, attn)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
@@ -254,8 +257,10 @@ class HybridModel(nn.Module):
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
         residual = None
+        # once per step, not in each Gated DeltaNet layer: the sequences' token map and chunk table
+        plan = None if batch.is_decode else ops.plan_sequences(batch.cu_seqlens_q, x.shape[0])
         for layer in self.layers:
-            x, residual = layer(batch.positions, x, residual, batch, attn)
+            x, residual = layer(batch.positions, x, residual, batch, attn, plan)
         out, _ = self.norm.forward_with_residual(x, residual)
         if self.aux_layers is not None:
             self.aux_hidden = out
@@ -295,9 +300,10 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         new_cu = torch.zeros_like(cu)
         torch.cumsum(lens, 0, out=new_cu[1:])
         has_state = batch.prefix_lens > 0
+        plan = ops.plan_sequences(new_cu, t)
         for layer in self.model.layers:
             if hasattr(layer, "linear_attn"):
-                layer.linear_attn.commit(order, new_cu, batch.state_slots, has_state)
+                layer.linear_attn.commit(order, new_cu, batch.state_slots, has_state, plan)
 
     def bind_state_pool(self, pool: StatePool) -> None:
         for layer in self.model.layers:

@@ -14,10 +14,12 @@ from minisgl.ops.deterministic import is_deterministic, logsumexp_rows, set_dete
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
 from minisgl.ops.gemm import linear, skinny_gemm, skinny_gemm_reference
 from minisgl.ops.linear_attention import (
+    SequencePlan,
     causal_conv1d_decode,
     causal_conv1d_prefill,
     gated_delta_rule_decode,
     gated_delta_rule_prefill,
+    plan_sequences,
 )
 from minisgl.ops.logprobs import top_logprobs
 from minisgl.ops.moe import fused_experts, fused_moe, moe_align, moe_route
@@ -31,6 +33,7 @@ from minisgl.ops.store import store_kv, store_kv_reference
 from minisgl.ops.token_bitmask import apply_token_bitmask
 
 __all__ = [
+    "SequencePlan",
     "apply_penalties",
     "apply_token_bitmask",
     "apply_rope",
@@ -57,6 +60,7 @@ __all__ = [
     "moe_align",
     "moe_route",
     "paged_decode_attention",
+    "plan_sequences",
     "paged_decode_attention_reference",
     "qk_norm_rope",
     "rmsnorm",

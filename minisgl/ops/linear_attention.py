@@ -13,11 +13,14 @@ step's tokens), in no sequence: their outputs are zeros and nothing is read or w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from minisgl.kernels import causal_conv1d as _conv
 from minisgl.kernels import gated_delta_prefill as _gdp
 from minisgl.kernels import gated_delta_rule as _gdr
+from minisgl.kernels.chunk_table import chunk_table
 from minisgl.ops import _checks
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
@@ -61,18 +64,46 @@ def _check_conv(x, weight, bias, conv_states) -> None:
     check_same_device(x=x, weight=weight, conv_states=conv_states, **({} if bias is None else {"bias": bias}))
 
 
+@dataclass(frozen=True)
+class SequencePlan:
+    """What every Gated DeltaNet layer of a step derives from the same packed sequences, made
+    once per step (plan_sequences) rather than in each layer: the conv's sequence of each
+    token and the chunked delta rule's chunk table (kernels/chunk_table.py)."""
+    cu_seqlens: torch.Tensor
+    num_tokens: int
+    seq_ids: torch.Tensor
+    chunks: tuple[torch.Tensor, ...]
+
+
+def plan_sequences(cu_seqlens: torch.Tensor, num_tokens: int) -> SequencePlan | None:
+    """The plan of a step's packed sequences for its T = num_tokens tokens; None where the torch
+    references run (they need none) or there is no sequence."""
+    if cu_seqlens.shape[0] < 2 or not use_triton("plan_sequences", cu_seqlens):
+        return None
+    return SequencePlan(cu_seqlens, num_tokens, _conv.token_seq_ids(cu_seqlens, num_tokens),
+                        chunk_table(cu_seqlens, num_tokens, _gdp.CHUNK))
+
+
+def _check_plan(plan: SequencePlan | None, cu_seqlens: torch.Tensor, t: int) -> None:
+    if plan is not None and (plan.cu_seqlens is not cu_seqlens or plan.num_tokens != t):
+        raise ValueError(f"plan was made for other sequences ({plan.num_tokens} tokens) than this call's "
+                         f"cu_seqlens and {t} tokens: make it with plan_sequences(cu_seqlens, T)")
+
+
 def causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu: bool = True,
-                          store_state: bool = True):
+                          store_state: bool = True, plan: SequencePlan | None = None):
     """x [T, D] packed sequences, weight [D, K], bias [D] or None, conv_states [S, K-1, D];
     returns act(conv(x)) [T, D] and leaves each live slot holding its sequence's last K-1 inputs
-    (store_state False: the slots are read, not written; a speculative verify step)."""
+    (store_state False: the slots are read, not written; a speculative verify step). `plan`:
+    plan_sequences(cu_seqlens, T), made once for a step's layers."""
     if _checks.enabled():
         _check_conv(x, weight, bias, conv_states)
         _check_seqs(-1, slots, cu_seqlens, has_state)
         check_same_device(x=x, slots=slots, cu_seqlens=cu_seqlens, has_state=has_state)
+        _check_plan(plan, cu_seqlens, x.shape[0])
     if use_triton("causal_conv1d_prefill", x):
         return _conv.causal_conv1d_prefill(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu,
-                                           store_state)
+                                           store_state, None if plan is None else plan.seq_ids)
     log_cpu_reference_once("causal_conv1d_prefill")
     return _conv.causal_conv1d_reference(x, weight, bias, conv_states, slots, cu_seqlens, has_state, silu,
                                          store_state)
@@ -120,18 +151,20 @@ def _check_gdr(q, k, v, g, beta, states) -> None:
 
 
 def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm: bool = True,
-                             store_state: bool = True):
+                             store_state: bool = True, plan: SequencePlan | None = None):
     """Chunked prefill over packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g fp32 [T, Hv],
     beta [T, Hv], states fp32 [S, Hv, Dk, Dv]. Continues each sequence from its slot (where
     has_state) and writes its final state back (store_state False: reads only; a speculative
-    verify step). Returns o [T, Hv, Dv] in v's dtype."""
+    verify step). `plan`: plan_sequences(cu_seqlens, T), made once for a step's layers.
+    Returns o [T, Hv, Dv] in v's dtype."""
     if _checks.enabled():
         _check_gdr(q, k, v, g, beta, states)
         _check_seqs(-1, slots, cu_seqlens, has_state)
         check_same_device(q=q, slots=slots, cu_seqlens=cu_seqlens, has_state=has_state)
+        _check_plan(plan, cu_seqlens, q.shape[0])
     if use_triton("gated_delta_rule_prefill", q):
         return _gdp.gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm,
-                                             store_state)
+                                             store_state, None if plan is None else plan.chunks)
     log_cpu_reference_once("gated_delta_rule_prefill")
     return _gdr.gated_delta_rule_reference(q, k, v, g, beta, states, slots, cu_seqlens, has_state, l2norm,
                                            store_state)
