@@ -345,9 +345,9 @@ def _gdr_out_kernel(
 # `benchmarks/kernels/gated_delta_rule.py --sweep` (RESULTS.md), which alone edits this table.
 LAUNCH = {
     "kkt_solve": {"num_warps": 1, "bkc": 64},
-    "wu": {"num_warps": 4, "bv": 64},
+    "wu": {"num_warps": 2, "num_stages": 3, "bv": 64},
     "state": {"num_warps": 4, "num_stages": 3, "bv": 64},
-    "out": {"num_warps": 4, "bv": 128, "bk": 128},
+    "out": {"num_warps": 4, "num_stages": 3, "bv": 128, "bk": 64},
 }
 
 
