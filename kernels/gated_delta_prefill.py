@@ -401,10 +401,13 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), hv, BKC=bkc, L2NORM=l2norm, **meta,
         **launch_options("kkt_solve", half))
     bvw = min(triton.next_power_of_2(max(dk, dv, 16)), LAUNCH["wu"]["bv"])
+    wu_opts = launch_options("wu", half)
+    if bvw < 64:  # pipelined 16-wide tiles made an illegal memory access (Triton 3.6, H100; RESULTS.md)
+        wu_opts["num_stages"] = 1
     _gdr_wu_kernel[(nc, hv)](
         k, v, beta, cu_seqlens, chunk_seq, chunk_start, gc, ks, x, w, u,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), hv,
-        GROUP=group, DK=dk, DV=dv, BV=bvw, BT=CHUNK, HALF=half, **launch_options("wu", half))
+        GROUP=group, DK=dk, DV=dv, BV=bvw, BT=CHUNK, HALF=half, **wu_opts)
     # The walk is serial over chunks: split the v columns finer when (sequences x heads) alone
     # would leave SMs idle (one long prompt).
     pdv = triton.next_power_of_2(max(dv, 16))
