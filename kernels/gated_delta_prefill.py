@@ -43,16 +43,6 @@ def _dot(a, b, HALF: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _dot_acc(a, b, acc, HALF: tl.constexpr, DT: tl.constexpr):
-    """acc + a b, accumulated in the dot itself (no second fp32 tile live beside `acc`)."""
-    if HALF:
-        out = tl.dot(a.to(DT), b.to(DT), acc)
-    else:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return out
-
-
-@triton.jit
 def _dot32(a, b, HALF: tl.constexpr):
     """fp32 operands: tf32 for 16-bit inputs (X's entries need more than 8 mantissa bits)."""
     if HALF:
@@ -301,12 +291,12 @@ def _gdr_state_kernel(
 def _gdr_out_kernel(
     Q, K, GC, KS, H, VN, Cu, ChunkSeq, ChunkStart, NumChunks, O,
     sq_t, sq_h, sk_t, sk_h, so_t, so_h, HV, T, N, scale,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BKL: tl.constexpr,
-    BV: tl.constexpr, BT: tl.constexpr, L2NORM: tl.constexpr, HALF: tl.constexpr,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, L2NORM: tl.constexpr, HALF: tl.constexpr,
 ):
     """Per (chunk, v-head, v-block): o = (q exp(c)) S_c + lower_incl_diag((q k^T) exp(c_i - c_j)) v',
-    q and k normalised by scaling the dots' rows and columns; q S_c and q k^T accumulate over d_k
-    BKL columns at a time (smaller live tiles). A program past the last chunk writes zeros over BT tokens of the padding past cu_seqlens[N] (a graph bucket's): the
+    q and k normalised by scaling the dots' rows and columns. A program past the last chunk
+    writes zeros over BT tokens of the padding past cu_seqlens[N] (a graph bucket's): the
     table has enough spare entries to cover it."""
     c, h, pv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq, s0, tok, mt, end = _chunk(ChunkSeq, ChunkStart, Cu, c, BT)
@@ -316,40 +306,30 @@ def _gdr_out_kernel(
         return
     DT = Q.dtype.element_ty
     hk = h // GROUP
-    hbase = H + (c.to(tl.int64) * HV + h) * DK * DV
-    qsc = tl.zeros((BT, BV), dtype=tl.float32)
-    qk = tl.zeros((BT, BT), dtype=tl.float32)
-    sq = tl.zeros((BT,), dtype=tl.float32)
-    for k0 in range(0, BK, BKL):
-        q = _ld(_tile(Q + hk * sq_h, end, DK, sq_t, s0, k0, BT, BKL))
-        k = _ld(_tile(K + hk * sk_h, end, DK, sk_t, s0, k0, BT, BKL))
-        s = _ld(_tile(hbase, DK, DV, DV, k0, pv * BV, BKL, BV))
-        qsc = _dot_acc(q, s, qsc, HALF, DT)
-        qk = _dot_acc(q, tl.trans(k), qk, HALF, DT)
-        if L2NORM:
-            qf = q.to(tl.float32)
-            sq += tl.sum(qf * qf, axis=1)
+    q = _ld(_tile(Q + hk * sq_h, end, DK, sq_t, s0, 0, BT, BK))
+    k = _ld(_tile(K + hk * sk_h, end, DK, sk_t, s0, 0, BT, BK))
     tok64 = tok.to(tl.int64)
     gc = tl.load(GC + tok64 * HV + h, mask=mt, other=0.0)
     ks = tl.load(KS + tok64 * HV + h, mask=mt, other=0.0)
-    qn = _rnorm(sq, L2NORM) * scale
+    qf = q.to(tl.float32)
+    qs = _rnorm(tl.sum(qf * qf, axis=1), L2NORM) * scale
+    s = _ld(_tile(H + (c.to(tl.int64) * HV + h) * DK * DV, DK, DV, DV, 0, pv * BV, BK, BV))
     vn = _ld(_tile(VN + h * DV, end, DV, HV * DV, s0, pv * BV, BT, BV))
     r, cl = tl.arange(0, BT)[:, None], tl.arange(0, BT)[None, :]
+    qk = _dot(q, tl.trans(k), HALF, DT)
     decay = tl.exp(tl.where(r >= cl, gc[:, None] - gc[None, :], float("-inf")))
-    attn = tl.where(r >= cl, qk * ks[None, :] * decay, 0.0) * qn[:, None]
-    o = _dot_acc(attn, vn, qsc * (tl.exp(gc) * qn)[:, None], HALF, DT)
+    attn = tl.where(r >= cl, qk * ks[None, :] * decay, 0.0)
+    o = (_dot(q, s, HALF, DT) * tl.exp(gc)[:, None] + _dot(attn, vn, HALF, DT)) * qs[:, None]
     _st(_tile(O + h * so_h, end, DV, so_t, s0, pv * BV, BT, BV), o)
 
 
 # Per kernel: num_warps / num_stages and tile widths ("bv", "bkc"), chosen on the H100 by
 # `benchmarks/kernels/gated_delta_rule.py --sweep` (RESULTS.md), which alone edits this table.
-# Pipelining the outputs' d_k loop (num_stages 2 or 3) made wrong outputs with Triton 3.6 on the H100
-# (max |ours - FLA| 7e-2 against 1e-3; RESULTS.md, tenth session): it stays at one stage.
 LAUNCH = {
     "kkt_solve": {"num_warps": 1, "bkc": 64},
     "wu": {"num_warps": 4, "num_stages": 3, "bv": 64},
     "state": {"num_warps": 4, "num_stages": 3, "bv": 64},
-    "out": {"num_warps": 4, "bv": 128, "bk": 64},
+    "out": {"num_warps": 4, "bv": 128},
 }
 
 
@@ -357,7 +337,7 @@ def launch_options(kernel: str, half: bool) -> dict:
     """num_warps / num_stages of a kernel. The walk pipelines its loop's loads; with fp32 inputs
     one stage (its tiles are twice the bytes). tests/test_gated_delta_rule.py compiles every
     kernel for sm_90 with these and checks the shared memory fits the H100's 227 KB."""
-    opts = {"num_stages": 1} | {k: v for k, v in LAUNCH[kernel].items() if k not in ("bv", "bkc", "bk")}
+    opts = {"num_stages": 1} | {k: v for k, v in LAUNCH[kernel].items() if k not in ("bv", "bkc")}
     if not half:
         opts["num_stages"] = 1
     return opts
@@ -401,13 +381,10 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), hv, BKC=bkc, L2NORM=l2norm, **meta,
         **launch_options("kkt_solve", half))
     bvw = min(triton.next_power_of_2(max(dk, dv, 16)), LAUNCH["wu"]["bv"])
-    wu_opts = launch_options("wu", half)
-    if bvw < 64:  # pipelined 16-wide tiles made an illegal memory access (Triton 3.6, H100; RESULTS.md)
-        wu_opts["num_stages"] = 1
     _gdr_wu_kernel[(nc, hv)](
         k, v, beta, cu_seqlens, chunk_seq, chunk_start, gc, ks, x, w, u,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), hv,
-        GROUP=group, DK=dk, DV=dv, BV=bvw, BT=CHUNK, HALF=half, **wu_opts)
+        GROUP=group, DK=dk, DV=dv, BV=bvw, BT=CHUNK, HALF=half, **launch_options("wu", half))
     # The walk is serial over chunks: split the v columns finer when (sequences x heads) alone
     # would leave SMs idle (one long prompt).
     pdv = triton.next_power_of_2(max(dv, 16))
@@ -423,6 +400,5 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
     _gdr_out_kernel[(nc, hv, triton.cdiv(dv, bvo))](
         q, k, gc, ks, h_all, vn, cu_seqlens, chunk_seq, chunk_start, num_chunks, o,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), o.stride(0), o.stride(1), hv, t, n, dk ** -0.5,
-        BK=bk, BKL=min(bk, LAUNCH["out"]["bk"]), DV=dv, BV=bvo, L2NORM=l2norm, **meta,
-        **launch_options("out", half))
+        BK=bk, DV=dv, BV=bvo, L2NORM=l2norm, **meta, **launch_options("out", half))
     return o

@@ -262,8 +262,7 @@ def test_kernels_compile_for_sm90_within_shared_memory(half):
         (P._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=32, STORE=True), "state"),
         (P._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=64, STORE=True), "state"),
         (P._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, HALF=half, DV=128, BV=128), "wu"),
-        (P._gdr_out_kernel, dict(GROUP=2, DK=128, BK=128, BKL=P.LAUNCH["out"]["bk"], BT=64, L2NORM=True, HALF=half,
-                                 DV=128, BV=128), "out"),
+        (P._gdr_out_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, L2NORM=True, HALF=half, DV=128, BV=128), "out"),
     ]
     kernels.append((CT._chunk_table_kernel, dict(BT=64, BN=512, BC=128), None))
     for fn, consts, name in kernels:

@@ -178,9 +178,7 @@ SWEEP = [
     ("wu 2 stages", {"wu": {"num_stages": 2}}),
     ("wu 2 warps 3 stages", {"wu": {"num_warps": 2, "num_stages": 3}}),
     ("state 2 stages", {"state": {"num_stages": 2}}),
-    ("out BK 64 2 stages", {"out": {"bk": 64, "num_stages": 2}}),
-    ("out BK 64 3 stages", {"out": {"bk": 64, "num_stages": 3}}),
-    ("out 8 warps BK 64 3 stages", {"out": {"num_warps": 8, "bk": 64, "num_stages": 3}}),
+    ("out 8 warps", {"out": {"num_warps": 8}}),
 ]
 
 
