@@ -325,6 +325,9 @@ def _gdr_out_kernel(
 
 # Per kernel: num_warps / num_stages and tile widths ("bv", "bkc"), chosen on the H100 by
 # `benchmarks/kernels/gated_delta_rule.py --sweep` (RESULTS.md), which alone edits this table.
+# The outputs stay one stage with separate dots: with Triton 3.6 on the H100 a pipelined d_k loop
+# gave wrong outputs and accumulating dots (tl.dot(a, b, acc)) failed the fp16 verify test and
+# bf16 MTP (RESULTS.md, tenth session). Check the benchmark's max|diff| column after any change.
 LAUNCH = {
     "kkt_solve": {"num_warps": 1, "bkc": 64},
     "wu": {"num_warps": 4, "num_stages": 3, "bv": 64},
