@@ -174,17 +174,18 @@ def profile(tokens: int) -> None:
 # One change from P.LAUNCH at a time; the table's choices come from this sweep.
 SWEEP = [
     ("as committed", {}),
+    ("wu 1 stage", {"wu": {"num_stages": 1}}),
     ("wu 2 warps", {"wu": {"num_warps": 2}}),
     ("wu 2 stages", {"wu": {"num_stages": 2}}),
-    ("wu 2 warps 3 stages", {"wu": {"num_warps": 2, "num_stages": 3}}),
     ("state 2 stages", {"state": {"num_stages": 2}}),
     ("out 8 warps", {"out": {"num_warps": 8}}),
 ]
 
 
 def sweep(tokens: list[int], seqs: int) -> None:
-    """Eager prefill time under each launch-option change (P.LAUNCH), and each kernel's CUDA
-    time at the largest token count, so the best option per kernel can be read off."""
+    """Eager prefill time under each launch-option change (P.LAUNCH), each kernel's CUDA time at
+    the largest token count, so the best option per kernel can be read off, and each change's
+    max |ours - FLA| at the smallest (Triton 3.6 miscompiled some options: RESULTS.md)."""
     import copy
 
     from torch.profiler import ProfilerActivity
@@ -194,6 +195,7 @@ def sweep(tokens: list[int], seqs: int) -> None:
     gen = torch.Generator(DEV).manual_seed(3)
     inputs = {t: make_inputs(t, seqs, gen) for t in tokens}
     names = ["kkt_solve", "wu", "state", "out"]
+    check = fla_available() is None
     rows = []
     for label, change in SWEEP:
         P.LAUNCH.clear()
@@ -213,12 +215,16 @@ def sweep(tokens: list[int], seqs: int) -> None:
             for n in names:
                 if f"_gdr_{n}_kernel" in e.key:
                     per[n] += e.device_time_total / 1e3
-        rows.append(row + [f"{per[n]:.2f}" for n in names])
+        row += [f"{per[n]:.2f}" for n in names]
+        if check:
+            with torch.inference_mode():
+                row.append(f"{agree(inputs[tokens[0]]):.1e}")
+        rows.append(row)
     P.LAUNCH.clear()
     P.LAUNCH.update(base)
     print_table(f"Launch-option sweep, {seqs} sequence(s): eager us per prefill; "
                 f"ms per kernel at {tokens[-1]:,} tokens",
-                ["change"] + [f"{t:,}" for t in tokens] + names, rows)
+                ["change"] + [f"{t:,}" for t in tokens] + names + (["max|diff|"] if check else []), rows)
 
 
 def main() -> None:
