@@ -17,13 +17,13 @@ for any lengths up to that bound.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.device import num_sms
 from minisgl.kernels.extend_attention import dot_precision
 
 
@@ -122,17 +122,12 @@ def _decode_merge_kernel(
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def num_splits_for(batch: int, kv_heads: int, max_seq_len: int, device: torch.device, head_dim: int = 128) -> int:
     """Enough (batch x kv-head x split) programs to fill the GPU twice, each slice >= 128 keys.
     Heads of 64 dims (GPT-OSS: 8 q heads per KV head) want four waves and up to 64 splits: the
     launch sweep (benchmarks/kernels/decode_attention.py --triton-sweep, H100) took 30.5 us at
     64 splits of 128-key blocks for a 32k context against 41 us for the CUDA kernel."""
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 4
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 4
     waves, cap = (4, 64) if head_dim <= 64 else (2, 32)
     want = triton.cdiv(waves * sms, max(1, batch * kv_heads))
     return max(1, min(cap, want, triton.cdiv(max_seq_len, 128)))

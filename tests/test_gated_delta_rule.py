@@ -1,7 +1,7 @@
-"""Gated delta rule (kernels/gated_delta_rule.py, gated_delta_prefill.py, chunk_table.py, through
-minisgl.ops): the torch reference vs transformers' own functions; the Triton chunked prefill
-and the batch decode vs the recurrent reference on fresh random data (lengths around the
-64-token chunk, states carried across calls, GQA heads, NaN-poisoned unused pool slots left
+"""Gated delta rule (kernels/gated_delta_rule.py, gated_delta_solve.py, gated_delta_prefill.py,
+chunk_table.py, through minisgl.ops): the torch reference vs transformers' own functions; the
+Triton chunked prefill and the batch decode vs the recurrent reference on fresh random data
+(lengths around the 64-token chunk, states carried across calls, GQA heads, NaN-poisoned unused pool slots left
 bit-for-bit untouched); the chunk table vs torch.searchsorted."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from minisgl import env
 from minisgl.kernels import chunk_table as CT
 from minisgl.kernels import gated_delta_prefill as P
 from minisgl.kernels import gated_delta_rule as K
+from minisgl.kernels import gated_delta_solve as S
 from minisgl.ops import linear_attention as LA
 
 LENS = (1, 7, 63, 64, 65, 130)
@@ -257,7 +258,7 @@ def test_kernels_compile_for_sm90_within_shared_memory(half):
     types.update({n: "*i32" for n in ("Slots", "Cu", "ChunkSeq", "ChunkStart", "ChunkFirst",
                                       "NumChunks")})
     kernels = [
-        (P._gdr_kkt_solve_kernel, dict(GROUP=2, DK=128, BKC=64, BT=64, L2NORM=True, HALF=half), "kkt_solve"),
+        (S._gdr_kkt_solve_kernel, dict(GROUP=2, DK=128, BKC=64, BT=64, L2NORM=True, HALF=half), "kkt_solve"),
         (P._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, HALF=half, DV=128, BV=64), "wu"),
         (P._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=32, STORE=True), "state"),
         (P._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=64, STORE=True), "state"),

@@ -33,6 +33,7 @@ from _bench import num_sets, print_table, time_calls
 
 from minisgl.kernels import gated_delta_prefill as P
 from minisgl.kernels import gated_delta_rule as K
+from minisgl.kernels import gated_delta_solve as S
 
 DEV = "cuda"
 HK, HV, D = 16, 32, 128
@@ -167,7 +168,7 @@ def profile(tokens: int) -> None:
             torch.cuda.synchronize()
         print(f"\n{name}, {tokens:,} tokens: CUDA time per kernel")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
-    for fn in (P._gdr_kkt_solve_kernel, P._gdr_wu_kernel, P._gdr_state_kernel, P._gdr_out_kernel):
+    for fn in (S._gdr_kkt_solve_kernel, P._gdr_wu_kernel, P._gdr_state_kernel, P._gdr_out_kernel):
         print(fn.fn.__name__ if hasattr(fn, "fn") else fn, triton_stats(fn))
 
 

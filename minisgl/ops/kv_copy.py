@@ -33,6 +33,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from minisgl.kernels.device import num_sms
 from minisgl.logging_setup import log_once
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 
@@ -113,11 +114,6 @@ def _pick(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: 
     return "kernel", "CUDA gather/scatter through the pinned host pool's device address"
 
 
-@functools.cache
-def _num_sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _device_address(t: torch.Tensor) -> int:
     return compiled().host_device_pointer(t.data_ptr()) if t.device.type == "cpu" else t.data_ptr()
 
@@ -191,7 +187,7 @@ def _kernel_copy(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, 
         _device_address(src_k), _device_address(src_v), _device_address(dst_k), _device_address(dst_v),
         dev_idx[0].data_ptr(), dev_idx[1].data_ptr(), n, src_k.shape[0], src_k.shape[2] * src_k.shape[3] * es,
         src_k.stride(0) * es, src_k.stride(1) * es, dst_k.stride(0) * es, dst_k.stride(1) * es,
-        _num_sms(gpu.index if gpu.index is not None else torch.cuda.current_device()), current_stream(gpu),
+        num_sms(gpu.index if gpu.index is not None else torch.cuda.current_device()), current_stream(gpu),
     )
 
 
