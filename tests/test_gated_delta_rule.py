@@ -252,18 +252,17 @@ def test_kernels_compile_for_sm90_within_shared_memory(half):
     from triton.compiler import ASTSource
 
     dt = "bf16" if half else "fp32"
-    types = {n: f"*{dt}" for n in ("Q", "K", "V", "Beta", "O", "X", "W", "U", "H", "VN")}
-    types.update({n: "*fp32" for n in ("G", "S", "GC", "KS")}, scale="fp32")
+    types = {n: f"*{dt}" for n in ("Q", "K", "V", "Beta", "O", "X", "W", "U", "A")}
+    types.update({n: "*fp32" for n in ("G", "S", "GC", "KS", "QF")}, scale="fp32")
     types["HasState"] = "*i1"
     types.update({n: "*i32" for n in ("Slots", "Cu", "ChunkSeq", "ChunkStart", "ChunkFirst",
                                       "NumChunks")})
     kernels = [
         (S._gdr_kkt_solve_kernel, dict(GROUP=2, DK=128, BKC=64, BT=64, L2NORM=True, HALF=half), "kkt_solve"),
-        (P._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, HALF=half, DV=128, BV=64), "wu"),
+        (P._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, L2NORM=True, HALF=half, DV=128, BV=64), "wu"),
         (P._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=32, STORE=True), "state"),
         (P._gdr_state_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, HALF=half, DV=128, BV=64, STORE=True), "state"),
-        (P._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, HALF=half, DV=128, BV=128), "wu"),
-        (P._gdr_out_kernel, dict(GROUP=2, DK=128, BK=128, BT=64, L2NORM=True, HALF=half, DV=128, BV=128), "out"),
+        (P._gdr_wu_kernel, dict(GROUP=2, DK=128, BT=64, L2NORM=True, HALF=half, DV=128, BV=128), "wu"),
     ]
     kernels.append((CT._chunk_table_kernel, dict(BT=64, BN=512, BC=128), None))
     for fn, consts, name in kernels:

@@ -168,18 +168,18 @@ def profile(tokens: int) -> None:
             torch.cuda.synchronize()
         print(f"\n{name}, {tokens:,} tokens: CUDA time per kernel")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
-    for fn in (S._gdr_kkt_solve_kernel, P._gdr_wu_kernel, P._gdr_state_kernel, P._gdr_out_kernel):
+    for fn in (S._gdr_kkt_solve_kernel, P._gdr_wu_kernel, P._gdr_state_kernel):
         print(fn.fn.__name__ if hasattr(fn, "fn") else fn, triton_stats(fn))
 
 
 # One change from P.LAUNCH at a time; the table's choices come from this sweep.
 SWEEP = [
     ("as committed", {}),
-    ("wu 1 stage", {"wu": {"num_stages": 1}}),
-    ("wu 2 warps", {"wu": {"num_warps": 2}}),
     ("wu 2 stages", {"wu": {"num_stages": 2}}),
+    ("wu 8 warps", {"wu": {"num_warps": 8}}),
     ("state 2 stages", {"state": {"num_stages": 2}}),
-    ("out 8 warps", {"out": {"num_warps": 8}}),
+    ("state 4 stages", {"state": {"num_stages": 4}}),
+    ("state 8 warps", {"state": {"num_warps": 8}}),
 ]
 
 
@@ -195,7 +195,7 @@ def sweep(tokens: list[int], seqs: int) -> None:
     base = copy.deepcopy(P.LAUNCH)
     gen = torch.Generator(DEV).manual_seed(3)
     inputs = {t: make_inputs(t, seqs, gen) for t in tokens}
-    names = ["kkt_solve", "wu", "state", "out"]
+    names = ["kkt_solve", "wu", "state"]
     check = fla_available() is None
     rows = []
     for label, change in SWEEP:
