@@ -94,6 +94,36 @@ def _w4_gemm_kernel(
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _w4_dequant_kernel(W, S, Z, Out, N, K, group, stride_wn, stride_sn, stride_on, FMT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight rows of one [BLOCK_N, BLOCK_K] tile, decoded by dequant_tile, stored 16-bit."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
+    w = dequant_tile(W, S, Z, offs_k, offs_n, mask, stride_wn, stride_sn, group, FMT, Out.dtype.element_ty)
+    # stored as [BLOCK_N, BLOCK_K] so consecutive lanes write consecutive columns of a row
+    out = Out + offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :]
+    tl.store(out, tl.trans(w), mask=tl.trans(mask))
+
+
+def w4_dequant(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weight of either layout in `dtype`, decoded on the device (the large-M path:
+    ops/gemm/w4.py multiplies it with the 16-bit GEMM). The caller has checked the shapes."""
+    n = w.shape[0]
+    k = w.shape[1] * (8 if fmt == INT4 else 2)
+    out = torch.empty(n, k, dtype=dtype, device=w.device)
+    if n == 0 or k == 0:
+        return out
+    group = k // scales.shape[1] if fmt == INT4 else 32
+    bn, bk = 64, 128
+    _w4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        w, scales, zeros if zeros is not None else scales, out, n, k, group, w.stride(0), scales.stride(0),
+        out.stride(0), FMT=fmt, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return out
+
+
 def _tile(m: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by M; not tuned yet (H100 sweep pending).
     fp32 (the exact "ieee" dots; tests): tiles whose pipelined shared memory fits an H100's

@@ -126,6 +126,35 @@ def test_mxfp4_triton(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, si
     _run_mxfp4(m, n, k, dtype, bias, silu)
 
 
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.parametrize("n,k,group", [(70, 192, 64), (33, 216, 72), (5, 128, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dequant_kernel_gives_the_weight(n: int, k: int, group: int, dtype: torch.dtype) -> None:
+    """The large-M path's decode: bit for bit the test's own (q - z) * s and e2m1 * 2^e, rounded
+    once to the dtype (odd N, K not a multiple of the 128-column tile, a group of 72)."""
+    from minisgl.kernels import w4a16_gemm as W
+
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    qw, s, z, w = make_int4(n, k, group, dtype, gen)
+    torch.testing.assert_close(W.w4_dequant(qw, s, z, W.INT4, dtype), w.to(dtype), atol=0, rtol=0)
+    k32 = k - k % 32
+    blocks, e, w = make_mxfp4(n, k32, gen)
+    torch.testing.assert_close(W.w4_dequant(blocks, e, None, W.MXFP4, dtype), w.to(dtype), atol=0, rtol=0)
+
+
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_large_m_decodes_then_multiplies(dtype: torch.dtype) -> None:
+    """From DEQUANT_MIN_M rows the linear decodes the weight and runs the 16-bit GEMM: the same
+    results as the reference, with bias and SiLU-and-mul, INT4 and MXFP4."""
+    m = w4.DEQUANT_MIN_M + 3
+    _run_int4(m, 34, 160, 32, dtype, bias=True, silu=True)
+    _run_int4(m, 21, 144, 72, dtype, bias=False, silu=False, sym=True)
+    _run_mxfp4(m, 26, 96, dtype, bias=True, silu=True)
+
+
 def _routing(t: int, e: int, top_k: int, gen: torch.Generator):
     ids = torch.argsort(torch.rand(t, e, generator=gen), dim=1)[:, :top_k].to(torch.int32)
     weights = torch.softmax(torch.randn(t, top_k, generator=gen), dim=1)

@@ -1,7 +1,7 @@
 """4-bit weight GEMM microbenchmark: ops.gemm.w4 (INT4 group 128 and MXFP4) against bf16 cuBLAS
 (torch.nn.functional.linear) on Llama-3.1-8B's weight shapes, M = 1..32, and at large M.
 
-    python benchmarks/kernels/w4_gemm.py [--quick] [--m 1,2,4,8,16,32] [--large-m 2048] [--json FILE]
+    python benchmarks/kernels/w4_gemm.py [--quick] [--m 1,2,4,8,16,32] [--large-m 64,256,2048] [--json FILE]
 
 Bytes per call (4-bit) = W (N x K / 2) + its scales (INT4: scales and zeros, 2 x 2 bytes per
 group of 128; MXFP4: 1 byte per 32) + x + y (bf16); GB/s = bytes / time; "% read" is that
@@ -48,6 +48,8 @@ def fns(s: dict, silu: bool) -> dict:
         "int4": lambda: w4.int4_linear(s["x"], s["qweight"], s["scales"], s["zeros"], silu_and_mul=silu),
         "mxfp4": lambda: w4.mxfp4_linear(s["x"], s["blocks"], s["e8m0"], silu_and_mul=silu),
         "cublas": lambda: F.linear(s["x"], s["w"]),
+        # the Triton GEMM called directly: ops' own path from DEQUANT_MIN_M rows is decode + cuBLAS
+        "int4_triton": lambda: W.w4_gemm(s["x"], s["qweight"], s["scales"], s["zeros"], W.INT4, silu_and_mul=silu),
     }
     return out
 
@@ -63,11 +65,14 @@ def rel_err(s: dict, silu: bool) -> float:
     return worst
 
 
-def measure(n: int, k: int, m: int, silu: bool, reps: int) -> dict:
+MAIN = ("int4", "mxfp4", "cublas")
+
+
+def measure(n: int, k: int, m: int, silu: bool, reps: int, names: tuple[str, ...] = MAIN) -> dict:
     n_out = n // 2 if silu else n
     sets = [make_set(n, k, m) for _ in range(num_sets(n * k // 2))]
     r = {"err": rel_err(sets[0], silu)}
-    for name in ("int4", "mxfp4", "cublas"):
+    for name in names:
         r[name] = time_calls([fns(s, silu)[name] for s in sets], reps=reps)
     act = (m * k + m * n_out) * 2
     r["bytes"] = {"int4": n * k // 2 + 4 * n * (k // GROUP) + act, "mxfp4": n * k // 2 + n * (k // 32) + act,
@@ -79,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--m", default=",".join(map(str, MS)))
-    ap.add_argument("--large-m", default="2048")
+    ap.add_argument("--large-m", default="64,256,2048")
     ap.add_argument("--json", default=None, help="write every timing here")
     args = ap.parse_args()
     copy_gbs, read_gbs = ceilings()
@@ -104,14 +109,17 @@ def main() -> None:
         for layer, (n, k, silu) in layer_shapes("llama-3.1-8b", 1).items():
             if silu:
                 continue
-            r = results[f"{layer},{m}"] = measure(n, k, m, False, max(5, reps // 3))
+            r = results[f"{layer},{m}"] = measure(n, k, m, False, max(5, reps // 3),
+                                                  ("int4", "mxfp4", "cublas", "int4_triton"))
             tf = {f: 2 * m * n * k / r[f] / 1e6 for f in ("int4", "mxfp4", "cublas")}
             big.append([layer, f"{n}x{k}", str(m), f"{r['cublas']:.0f}", f"{tf['cublas']:.0f}", f"{r['int4']:.0f}",
-                        f"{tf['int4']:.0f}", f"{r['int4'] / r['cublas']:.2f}", f"{r['mxfp4']:.0f}",
+                        f"{tf['int4']:.0f}", f"{r['int4'] / r['cublas']:.2f}", f"{r['int4_triton']:.0f}",
+                        f"{r['int4_triton'] / r['cublas']:.2f}", f"{r['mxfp4']:.0f}",
                         f"{r['mxfp4'] / r['cublas']:.2f}", f"{r['err']:.1e}"])
-    print_table("Large M: W4A16 vs bf16 cuBLAS (time ratio; target <= 1.20)",
-                ["layer", "N x K", "M", "cuBLAS us", "TFLOP/s", "INT4 us", "TFLOP/s", "INT4/cuBLAS", "MXFP4 us",
-                 "MXFP4/cuBLAS", "rel err"], big)
+    print_table(f"Large M: W4A16 vs bf16 cuBLAS (time ratio; target <= 1.20). INT4 / MXFP4: ops' path (from "
+                f"M = {w4.DEQUANT_MIN_M}: decode to 16 bits + cuBLAS); INT4 Triton: the Triton GEMM",
+                ["layer", "N x K", "M", "cuBLAS us", "TFLOP/s", "INT4 us", "TFLOP/s", "INT4/cuBLAS", "Triton us",
+                 "Triton/cuBLAS", "MXFP4 us", "MXFP4/cuBLAS", "rel err"], big)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

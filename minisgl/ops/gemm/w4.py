@@ -3,8 +3,12 @@
 Weights are in kernels/quant4.py's layouts (the loaders repack every checkpoint format into
 them once). GPU: M <= 32 the skinny CUDA template with the Int4W / Mxfp4W loader
 (csrc/skinny_weights.cuh; default_config's launch, not yet a measured table), else, or where
-its conditions fail (logged once), the Triton GEMM of kernels/w4a16_gemm.py; CPU: dequantise
-to fp32 through the reference and matmul in fp32 (the path the model tests hold to transformers).
+its conditions fail (logged once), the Triton GEMM of kernels/w4a16_gemm.py; from
+DEQUANT_MIN_M rows the weight decoded to 16 bits on the device (kernels/w4a16_gemm.py
+w4_dequant, a transient [N, K] buffer) and the 16-bit GEMM (cuBLAS), as vLLM runs AWQ at 256
+tokens and up: the Triton GEMM ran 28-32x slower than cuBLAS at 2,048 rows (RESULTS.md, issue
+35), while decoding costs one 16-bit write and read of the weight. CPU: dequantise to fp32
+through the reference and matmul in fp32 (the path the model tests hold to transformers).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from minisgl.kernels import moe_align as _align
 from minisgl.kernels import w4a16_gemm as _w4
 from minisgl.kernels.fused_moe_config import default_config
 from minisgl.logging_setup import log_once
+from minisgl.ops import activation as _act
 from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_once, use_cuda_kernel, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
 from minisgl.ops.gemm import skinny as _sk
@@ -26,6 +31,9 @@ from minisgl.ops.moe import check_expert_biases, check_shared, check_topk
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMATS = {"int4": _w4.INT4, "mxfp4": _w4.MXFP4}
 SKINNY_MAX_M = 32
+# First guess, not yet measured (vLLM's AWQ switch): benchmarks/kernels/w4_gemm.py's large-M
+# table times both paths at M = 64..2048 and sets it.
+DEQUANT_MIN_M = 256
 
 
 def _check_x(x: object) -> None:
@@ -85,6 +93,10 @@ def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
     x2 = x.reshape(-1, k)
     if x2.shape[0] <= SKINNY_MAX_M and _skinny_fits(x2, w, scales, fmt):
         y = _skinny(x2, w, scales, zeros, fmt, bias, silu_and_mul)
+    elif use_triton("w4_linear", x) and x2.shape[0] >= DEQUANT_MIN_M:
+        y = torch.nn.functional.linear(x2, _w4.w4_dequant(w, scales, zeros, fmt, x.dtype), bias)
+        if silu_and_mul:
+            y = _act.silu_and_mul(y)
     elif use_triton("w4_linear", x):
         y = _w4.w4_gemm(x2, w, scales, zeros, fmt, bias, silu_and_mul)
     else:
