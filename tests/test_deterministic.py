@@ -34,8 +34,10 @@ def run(llm: LLM, ps: list[list[int]], params: list[SamplingParams]) -> list[tup
     return [(o["token_ids"], o["logprobs"]) for o in llm.generate(ps, params, use_tqdm=False)]
 
 
-def test_cpu_request_is_batch_invariant(tiny_model_path) -> None:
-    path = str(tiny_model_path("qwen3"))
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen2_moe"])
+def test_cpu_request_is_batch_invariant(tiny_model_path, name: str) -> None:
+    """Dense and MoE (Qwen2-MoE with its shared expert): each expert runs a token at a time."""
+    path = str(tiny_model_path(name))
     mine = prompts(4, 1000)
     params = [GREEDY, SEEDED] * 2
     opts = dict(device="cpu", dtype="float32", num_pages=4096, deterministic=True)
@@ -63,9 +65,27 @@ def test_cpu_default_mode_is_not_batch_invariant_here(tiny_model_path) -> None:
     assert [lp for _, lp in together] != [lp for _, lp in alone]  # ...the logprobs' last bits do not
 
 
-def test_deterministic_refuses_moe(tiny_model_path) -> None:
-    with pytest.raises(ValueError, match="MoE"):
-        LLM(str(tiny_model_path("qwen3_moe")), device="cpu", dtype="float32", deterministic=True)
+@pytest.mark.parametrize("mode", [True, False])
+def test_cpu_moe_rows_do_not_depend_on_the_batch_in_the_mode(mode: bool) -> None:
+    """ops.fused_moe on the CPU: a token's output alone and inside a batch of 40, bit for bit in
+    the mode; without it the experts' rows go through the BLAS together and differ (so the
+    request-level MoE cases above could fail)."""
+    from minisgl.ops import fused_moe
+    from minisgl.ops.deterministic import set_deterministic
+
+    gen = torch.Generator().manual_seed(3)
+    t, h, inter, e = 40, 64, 96, 8
+    x = torch.randn(t, h, generator=gen)
+    logits = torch.randn(t, e, generator=gen)
+    w13 = torch.randn(e, 2 * inter, h, generator=gen) * 0.1
+    w2 = torch.randn(e, h, inter, generator=gen) * 0.1
+    set_deterministic(x.device, mode)
+    try:
+        batch = fused_moe(x, logits, w13, w2, 2, True)
+        alone = torch.cat([fused_moe(x[i : i + 1], logits[i : i + 1], w13, w2, 2, True) for i in range(t)])
+    finally:
+        set_deterministic(x.device, False)
+    assert torch.equal(batch, alone) == mode
 
 
 def test_deterministic_refuses_hybrid_linear_attention(tiny_model_path) -> None:
@@ -82,6 +102,34 @@ def test_deterministic_refuses_speculative_decoding(tiny_model_path) -> None:
     with pytest.raises(ValueError, match="speculative"):
         LLM(str(tiny_model_path("qwen3")), device="cpu", dtype="float32", deterministic=True,
             speculative_algorithm="ngram")
+
+
+@pytest.mark.gpu
+def test_moe_grouped_gemm_rows_do_not_depend_on_the_batch_in_the_mode() -> None:
+    """The GPU path in the mode: one tile configuration and one routing kernel at every token
+    count, so rows 0, 7 and 199 of a 200-token batch equal the same tokens alone bit for bit
+    (outside the mode 1 token takes the skinny kernel and 200 the grouped GEMM's larger tiles).
+    GPU only: the interpreter's tile products give equal rows with or without the mode."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from minisgl.ops import fused_moe
+    from minisgl.ops.deterministic import set_deterministic
+
+    dev = "cuda"
+    gen = torch.Generator().manual_seed(4)
+    t, h, inter, e = 200, 64, 96, 8
+    x = torch.randn(t, h, generator=gen).half().to(dev)
+    logits = torch.randn(t, e, generator=gen).half().to(dev)
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * 0.1).half().to(dev)
+    w2 = (torch.randn(e, h, inter, generator=gen) * 0.1).half().to(dev)
+    set_deterministic(x.device, True)
+    try:
+        batch = fused_moe(x, logits, w13, w2, 2, True)
+        for i in (0, 7, 199):
+            alone = fused_moe(x[i : i + 1], logits[i : i + 1], w13, w2, 2, True)
+            assert torch.equal(batch[i : i + 1], alone), f"row {i}"
+    finally:
+        set_deterministic(x.device, False)
 
 
 @pytest.mark.triton

@@ -183,8 +183,9 @@ def test_requests_bit_identical_qwen3_06b() -> None:
     _check_requests(str(QWEN3_06B), str(tok), 32, 64)
 
 
-def test_requests_bit_identical_tiny(tiny_model_path) -> None:
-    _check_requests(str(tiny_model_path("qwen3")), None, 32, 64)
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen2_moe"])
+def test_requests_bit_identical_tiny(tiny_model_path, name: str) -> None:
+    _check_requests(str(tiny_model_path(name)), None, 32, 64)
 
 
 def test_requests_bit_identical_smollm2(smollm2_gguf) -> None:

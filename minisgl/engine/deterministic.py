@@ -16,8 +16,6 @@ def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
         # or a prefix-cache resume from a state snapshot, starts: its bits depend on both.
         raise ValueError(f"deterministic mode does not cover hybrid linear-attention models yet "
                          f"({mc.architecture}); leave out --deterministic for this model")
-    if mc.moe is not None:
-        raise ValueError("deterministic mode does not cover MoE models yet (the grouped GEMM's tiles depend on M)")
     if mc.has_sliding_layers or mc.attn_sinks:
         # The fixed key splits start at position 0; a window's first key moves with the token.
         raise ValueError(f"deterministic mode does not cover sliding-window attention or attention sinks yet "

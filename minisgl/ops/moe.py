@@ -16,10 +16,15 @@ from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.kernels.fused_moe_config import MoeTileConfig, get_config, use_config_file
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
+from minisgl.ops.deterministic import is_deterministic
 from minisgl.ops.gemm import skinny_moe as _skinny
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORING = ("softmax", "sigmoid")
+# Deterministic mode (ops/deterministic.py): the grouped GEMMs take the tiles tuned for this many
+# tokens at every token count, so a row's reduction order (BLOCK_K, the MMA shape that BLOCK_M
+# picks) does not depend on the batch. Not measured yet: benchmarks/determinism.py decides.
+DETERMINISTIC_TOKENS = 256
 if env.FUSED_MOE_CONFIGS:
     use_config_file(Path(env.FUSED_MOE_CONFIGS))
 
@@ -146,7 +151,26 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
 
 def _config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeTileConfig:
     e, two_i, h = w13.shape
-    return get_config(e, top_k, two_i // 2, h, x.shape[0], x.dtype, _device_name(x.device))
+    tokens = DETERMINISTIC_TOKENS if is_deterministic(x.device) else x.shape[0]
+    return get_config(e, top_k, two_i // 2, h, tokens, x.dtype, _device_name(x.device))
+
+
+def _reference_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    shared: torch.Tensor | None, shared_gate: torch.Tensor | None, b13: torch.Tensor | None = None,
+                    b2: torch.Tensor | None = None, act: ExpertAct | None = None) -> torch.Tensor:
+    """The experts' torch reference; in deterministic mode one token at a time, as
+    ops.deterministic's linear does on the CPU (its BLAS takes another path at M = 1 than at
+    M > 1, and an expert's rows are however many tokens the batch routes to it)."""
+    if not is_deterministic(x.device) or x.shape[0] <= 1:
+        return _gemm.fused_experts_reference(x, w13, w2, weights, ids, shared, shared_gate, b13, b2, act)
+
+    def row(i: int) -> torch.Tensor:
+        one = slice(i, i + 1)
+        return _gemm.fused_experts_reference(
+            x[one], w13, w2, weights[one], ids[one], None if shared is None else shared[one],
+            None if shared_gate is None else shared_gate[one], b13, b2, act)
+
+    return torch.cat([row(i) for i in range(x.shape[0])])
 
 
 def fused_experts(
@@ -166,7 +190,7 @@ def fused_experts(
         sorted_ids, expert_ids = _align.align(topk_ids, w13.shape[0], cfg.block_m)
         return _experts(x, w13, w2, topk_weights, sorted_ids, expert_ids, top_k, cfg, shared, shared_gate)
     log_cpu_reference_once("fused_moe")
-    return _gemm.fused_experts_reference(x, w13, w2, topk_weights, topk_ids, shared, shared_gate)
+    return _reference_rows(x, w13, w2, topk_weights, topk_ids, shared, shared_gate)
 
 
 def fused_moe(
@@ -196,13 +220,14 @@ def run_layer(
     if not use_triton("fused_moe", x):
         log_cpu_reference_once("fused_moe")
         weights, ids = _route.route_reference(router_logits, top_k, renormalize, scoring)
-        return _gemm.fused_experts_reference(x, w13, w2, weights, ids, shared, shared_gate, b13, b2, act)
+        return _reference_rows(x, w13, w2, weights, ids, shared, shared_gate, b13, b2, act)
     if _skinny.fits(x, w13, w2, top_k, shared):  # a decode step's few tokens: route + up + down
         weights, ids = _route.route(router_logits, top_k, renormalize, scoring)
         return _skinny.experts(x, w13, w2, weights, ids, b13, b2, act)
     cfg = _config(x, w13, top_k)
     num_experts = w13.shape[0]
-    if _align.small_route_align_fits(x.shape[0], num_experts, top_k):
+    # (in deterministic mode one routing kernel at every token count: the two may differ in bits)
+    if not is_deterministic(x.device) and _align.small_route_align_fits(x.shape[0], num_experts, top_k):
         weights, _, sorted_ids, expert_ids = _align.route_and_align(
             router_logits, top_k, renormalize, scoring, cfg.block_m
         )

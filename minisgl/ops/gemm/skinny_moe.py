@@ -26,6 +26,7 @@ import torch
 from minisgl import env
 from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
+from minisgl.ops.deterministic import is_deterministic
 from minisgl.ops.gemm.skinny import (
     _KERNEL_DTYPES,
     MAX_SPLITS,
@@ -65,6 +66,8 @@ def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, share
     if not 1 <= x.shape[0] <= MAX_TOKENS or shared is not None or x.dtype not in _KERNEL_DTYPES:
         return False
     if top_k > MAX_SPLITS:
+        return False
+    if is_deterministic(x.device):  # a batch past MAX_TOKENS takes the grouped GEMM: other bits
         return False
     if not use_cuda_kernel("skinny_moe", x) or not hasattr(compiled(), "skinny_moe"):
         return False
