@@ -23,7 +23,8 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORING = ("softmax", "sigmoid")
 # Deterministic mode (ops/deterministic.py): the grouped GEMMs take the tiles tuned for this many
 # tokens at every token count, so a row's reduction order (BLOCK_K, the MMA shape that BLOCK_M
-# picks) does not depend on the batch. Not measured yet: benchmarks/determinism.py decides.
+# picks) does not depend on the batch. A first guess, not measured: benchmarks/determinism.py
+# has no MoE workload yet.
 DETERMINISTIC_TOKENS = 256
 if env.FUSED_MOE_CONFIGS:
     use_config_file(Path(env.FUSED_MOE_CONFIGS))
