@@ -55,13 +55,17 @@ def chunk_table(cu_seqlens: torch.Tensor, t: int, bt: int):
     """(sequence, first token) of every chunk, -1 past the last, the first chunk of each
     sequence and the number of chunks, built on the device (one launch, no host value read):
     the table is sized by the bound sum(ceil(len / bt)) <= t // bt + N, plus one entry so the
-    spare entries cover the padding past cu_seqlens[N] that the output kernel zeroes:
+    spare entries cover the padding past cu_seqlens[N] that the W/U kernel zeroes:
     (t // bt + N + 1 - chunks) * bt >= t - cu[N]."""
     n = cu_seqlens.shape[0] - 1
     c = t // bt + n + 1
     dev = cu_seqlens.device
-    # one allocation cut into the four (each allocation costs host time before the first kernel)
-    seq, start, first, total = torch.empty(2 * c + n + 1, dtype=torch.int32, device=dev).split([c, c, n, 1])
+    # one allocation cut into the four (each allocation costs host time before the first kernel),
+    # each part starting 16-byte aligned: Triton specializes a kernel on its pointers' alignment,
+    # and parts at offsets that move with (t, n) would compile new variants mid-serving
+    c4, n4 = -(-c // 4) * 4, -(-n // 4) * 4
+    buf = torch.empty(2 * c4 + n4 + 4, dtype=torch.int32, device=dev)
+    seq, start, first, total = buf[:c], buf[c4 : c4 + c], buf[2 * c4 : 2 * c4 + n], buf[2 * c4 + n4 : 2 * c4 + n4 + 1]
     _chunk_table_kernel[(n,)](cu_seqlens, seq, start, first, total, n, c, BT=bt,
                               BN=triton.next_power_of_2(max(n, 16)), BC=128, num_warps=4)
     return seq, start, first, total

@@ -14,8 +14,8 @@ the only serial kernel, a walk over the chunks that makes v' and the outputs whe
 small dots per chunk). (The first version did all of the outputs inside the walk and built X, W,
 U in one kernel holding ~20 16 x 16 tiles, which spilled: 48 ms vs FLA's 2.4 ms at 32k tokens on
 the H100. flash-linear-attention's split, which this followed next, stores every S_c for a
-fourth, per-chunk output kernel to read back: an [n_chunks, Hv, d_k, d_v] buffer, 0.5 GB written
-and read at 32k tokens; without it 2.26 ms against 2.35, RESULTS.md.) q/k normalisation
+fourth, per-chunk output kernel to read back: an [n_chunks, Hv, d_k, d_v] buffer of 0.5 GB at
+32k tokens, written and read (1 GB of traffic); without it 2.26 ms against 2.35, RESULTS.md.) q/k normalisation
 scales the dot products (the raw 16-bit keys feed the tensor cores). Nothing reads host values
 (kernels/chunk_table.py), so it is capturable. With 16-bit inputs the buffers between kernels
 (X, W, U, the intra-chunk scores A) are 16-bit and the dots take 16-bit operands (fp32
@@ -102,8 +102,8 @@ def _gdr_state_kernel(
     S <- S exp(c_last) + k^T (v' k_scale exp(c_last - c)). S is held as two halves of d_k rows
     (smaller tiles: the whole [128, BV] state with the chunk's [64, 128] operands spilled).
     The outputs are made here, where S_c is, rather than by a kernel per chunk that reads every
-    S_c back: that cost an [n_chunks, Hv, d_k, d_v] buffer written and read (1 GB at 32k tokens,
-    RESULTS.md, eleventh session)."""
+    S_c back: that cost an [n_chunks, Hv, d_k, d_v] buffer written and read (0.5 GB each way at
+    32k tokens, RESULTS.md, eleventh session)."""
     n, h, pv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     BKH: tl.constexpr = BK // 2
     start, end = tl.load(Cu + n), tl.load(Cu + n + 1)
