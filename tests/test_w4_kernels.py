@@ -146,9 +146,12 @@ def test_dequant_kernel_gives_the_weight(n: int, k: int, group: int, dtype: torc
 @pytest.mark.triton
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_large_m_decodes_then_multiplies(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("rows", [4096, 8])
+def test_large_m_decodes_then_multiplies(dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """From DEQUANT_MIN_M rows the linear decodes the weight and runs the 16-bit GEMM: the same
-    results as the reference, with bias and SiLU-and-mul, INT4 and MXFP4."""
+    results as the reference, with bias and SiLU-and-mul, INT4 and MXFP4; in one slice of output
+    columns, and in slices of 8 (the last one short)."""
+    monkeypatch.setattr(w4, "DEQUANT_ROWS", rows)
     m = w4.DEQUANT_MIN_M + 3
     _run_int4(m, 34, 160, 32, dtype, bias=True, silu=True)
     _run_int4(m, 21, 144, 72, dtype, bias=False, silu=False, sym=True)

@@ -5,7 +5,7 @@ them once). GPU: M <= 32 the skinny CUDA template with the Int4W / Mxfp4W loader
 (csrc/skinny_weights.cuh; default_config's launch, not yet a measured table), else, or where
 its conditions fail (logged once), the Triton GEMM of kernels/w4a16_gemm.py; from
 DEQUANT_MIN_M rows the weight decoded to 16 bits on the device (kernels/w4a16_gemm.py
-w4_dequant, a transient [N, K] buffer) and the 16-bit GEMM (cuBLAS), as vLLM runs AWQ at 256
+w4_dequant, DEQUANT_ROWS output columns at a time) and the 16-bit GEMM (cuBLAS), as vLLM runs AWQ at 256
 tokens and up: the Triton GEMM ran 28-32x slower than cuBLAS at 2,048 rows (RESULTS.md, issue
 35), while decoding costs one 16-bit write and read of the weight. CPU: dequantise to fp32
 through the reference and matmul in fp32 (the path the model tests hold to transformers).
@@ -34,6 +34,10 @@ SKINNY_MAX_M = 32
 # First guess, not yet measured (vLLM's AWQ switch): benchmarks/kernels/w4_gemm.py's large-M
 # table times both paths at M = 64..2048 and sets it.
 DEQUANT_MIN_M = 256
+# Output columns decoded and multiplied per slice: bounds the transient 16-bit weight (and the
+# gated path's pre-activation rows) to DEQUANT_ROWS x K, not N x K (a 70B model's gate_up at
+# 8,192 tokens would otherwise hold ~1 GB of each).
+DEQUANT_ROWS = 4096
 
 
 def _check_x(x: object) -> None:
@@ -94,15 +98,35 @@ def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
     if x2.shape[0] <= SKINNY_MAX_M and _skinny_fits(x2, w, scales, fmt):
         y = _skinny(x2, w, scales, zeros, fmt, bias, silu_and_mul)
     elif use_triton("w4_linear", x) and x2.shape[0] >= DEQUANT_MIN_M:
-        y = torch.nn.functional.linear(x2, _w4.w4_dequant(w, scales, zeros, fmt, x.dtype), bias)
-        if silu_and_mul:
-            y = _act.silu_and_mul(y)
+        y = _dequant_linear(fmt, x2, w, scales, zeros, bias, silu_and_mul)
     elif use_triton("w4_linear", x):
         y = _w4.w4_gemm(x2, w, scales, zeros, fmt, bias, silu_and_mul)
     else:
         log_cpu_reference_once("w4_linear")
         y = _w4.w4_gemm_reference(x2, w, scales, zeros, fmt, bias, silu_and_mul)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _dequant_linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                    bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """Large M: DEQUANT_ROWS output columns at a time (gated: their gate and up rows), the weight
+    rows decoded to x's dtype and multiplied by the 16-bit GEMM."""
+    n = scales.shape[0] // 2 if silu else scales.shape[0]
+
+    def part(r: slice) -> torch.Tensor:
+        w16 = _w4.w4_dequant(w[r], scales[r], None if zeros is None else zeros[r], fmt, x.dtype)
+        return torch.nn.functional.linear(x, w16, None if bias is None else bias[r])
+
+    if n <= DEQUANT_ROWS and not silu:
+        return part(slice(0, n))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for r0 in range(0, n, DEQUANT_ROWS):
+        r1 = min(n, r0 + DEQUANT_ROWS)
+        if silu:
+            out[:, r0:r1] = _act.silu_and_mul(torch.cat([part(slice(r0, r1)), part(slice(n + r0, n + r1))], 1))
+        else:
+            out[:, r0:r1] = part(slice(r0, r1))
+    return out
 
 
 @functools.cache
