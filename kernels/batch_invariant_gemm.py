@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.tile_order import grouped_tile
+
 Config = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 CONFIG_FILE = Path(__file__).with_name("batch_invariant_gemm_configs.json")
 INTERPRETER_CONFIG: Config = (16, 16, 16, 1, 1)  # small tiles keep the CPU interpreter fast in CI
@@ -42,14 +44,7 @@ CANDIDATES: list[Config] = [
 def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP * num_n
-    first_m = (pid // per_group) * GROUP
-    group_m = tl.minimum(num_m - first_m, GROUP)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_m % M).to(tl.int64)  # clamped: loads need no row / column masks

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.tile_order import grouped_tile
+
 FP8_MAX = tl.constexpr(448.0)  # a constexpr: compiled kernels may read no other globals
 MIN_SCALE = tl.constexpr(1e-12)
 
@@ -66,15 +68,7 @@ def _scaled_mm_kernel(
     HAS_BIAS: tl.constexpr, ONE_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped launch order: GROUP_M row tiles share each column tile of B while it sits in L2.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

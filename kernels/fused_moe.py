@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.fused_moe_config import GemmTile
+from minisgl.kernels.tile_order import grouped_tile
 from minisgl.kernels.w4a16_gemm import dequant_tile
 
 
@@ -46,13 +47,7 @@ def _moe_gemm_kernel(
 ):
     # Grouped order: GROUP_M consecutive row blocks (mostly one expert) sweep the N tiles
     # together, so an expert's weight tiles are reused from L2 at large T.
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = min(num_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(ExpertIds + pid_m).to(tl.int64)
     if expert < 0:
         return

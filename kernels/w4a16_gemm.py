@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.quant4 import dequant_int4_reference, dequant_mxfp4_reference
+from minisgl.kernels.tile_order import grouped_tile
 
 INT4, MXFP4 = 1, 2
 
@@ -56,15 +57,7 @@ def _w4_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    # Grouped order: GROUP_M row blocks sweep the N tiles together (weight tiles reused from L2).
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
