@@ -15,8 +15,8 @@ small dots per chunk). (The first version did all of the outputs inside the walk
 U in one kernel holding ~20 16 x 16 tiles, which spilled: 48 ms vs FLA's 2.4 ms at 32k tokens on
 the H100. flash-linear-attention's split, which this followed next, stores every S_c for a
 fourth, per-chunk output kernel to read back: an [n_chunks, Hv, d_k, d_v] buffer of 0.5 GB at
-32k tokens, written and read (1 GB of traffic); without it 2.26 ms against 2.35, RESULTS.md.) q/k normalisation
-scales the dot products (the raw 16-bit keys feed the tensor cores). Nothing reads host values
+32k tokens, written and read (1 GB of traffic); without it 2.26 ms against 2.35, RESULTS.md.)
+q/k normalisation scales the dot products (the raw 16-bit keys feed the tensor cores). Nothing reads host values
 (kernels/chunk_table.py), so it is capturable. With 16-bit inputs the buffers between kernels
 (X, W, U, the intra-chunk scores A) are 16-bit and the dots take 16-bit operands (fp32
 accumulation), as FLA's do; fp32 inputs keep fp32 ("ieee").
@@ -78,8 +78,9 @@ def _gdr_wu_kernel(
         _st(_tile(W + h * DK, end, DK, HV * DK, s0, k0, BT, BV), _dot(xk, k, HALF, DT))
         q = _ld(_tile(Q + hk * sq_h, end, DK, sq_t, s0, k0, BT, BV))
         qk += _dot(q, tl.trans(k), HALF, DT)
-        qf = q.to(tl.float32)
-        qn += tl.sum(qf * qf, axis=1)
+        if L2NORM:
+            qf = q.to(tl.float32)
+            qn += tl.sum(qf * qf, axis=1)
     for v0 in range(0, DV, BV):
         v = _ld(_tile(V + h * sv_h, end, DV, sv_t, s0, v0, BT, BV))
         _st(_tile(U + h * DV, end, DV, HV * DV, s0, v0, BT, BV), _dot(xv, v, HALF, DT))
@@ -137,8 +138,9 @@ def _gdr_state_kernel(
         vn = vn * (ks * tl.exp(glast - gc))[:, None]
         k1 = _ld(_tile(kbase, end, DK, sk_t, cs, 0, BT, BKH))
         k2 = _ld(_tile(kbase, end, DK, sk_t, cs, BKH, BT, BKH))
-        s1 = s1 * tl.exp(glast) + _dot(tl.trans(k1), vn, HALF, DT)
-        s2 = s2 * tl.exp(glast) + _dot(tl.trans(k2), vn, HALF, DT)
+        decay = tl.exp(glast)
+        s1 = s1 * decay + _dot(tl.trans(k1), vn, HALF, DT)
+        s2 = s2 * decay + _dot(tl.trans(k2), vn, HALF, DT)
     if STORE:
         _st(_tile(sbase, tl.where(slot >= 0, DK, 0), DV, DV, 0, v0, BKH, BV), s1)
         _st(_tile(sbase, tl.where(slot >= 0, DK, 0), DV, DV, BKH, v0, BKH, BV), s2)
@@ -180,8 +182,7 @@ def gated_delta_rule_prefill(q, k, v, g, beta, states, slots, cu_seqlens, has_st
     dev = q.device
     half = q.dtype != torch.float32
     bdt = q.dtype if half else torch.float32  # the buffers between kernels
-    chunk_seq, chunk_start, _, num_chunks = chunks if chunks is not None else chunk_table(cu_seqlens, t,
-                                                                                                    CHUNK)
+    chunk_seq, chunk_start, num_chunks = chunks if chunks is not None else chunk_table(cu_seqlens, t, CHUNK)
     nc = chunk_seq.numel()
     group = hv // hk
     meta = dict(GROUP=group, DK=dk, BT=CHUNK, HALF=half)
