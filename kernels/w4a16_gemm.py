@@ -101,12 +101,14 @@ def _w4_dequant_kernel(W, S, Z, Out, N, K, group, stride_wn, stride_sn, stride_o
 
 
 def w4_dequant(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """The [N, K] weight of either layout in `dtype`, decoded on the device (the large-M path:
-    ops/gemm/w4.py multiplies it with the 16-bit GEMM). The caller has checked the shapes."""
+               dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The [N, K] weight of either layout in `dtype` (into `out`, rows K apart, when given),
+    decoded on the device (the large-M path: ops/gemm/w4.py multiplies it with the 16-bit GEMM).
+    The caller has checked the shapes."""
     n = w.shape[0]
     k = w.shape[1] * (8 if fmt == INT4 else 2)
-    out = torch.empty(n, k, dtype=dtype, device=w.device)
+    if out is None:
+        out = torch.empty(n, k, dtype=dtype, device=w.device)
     if n == 0 or k == 0:
         return out
     group = k // scales.shape[1] if fmt == INT4 else 32

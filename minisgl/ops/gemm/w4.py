@@ -22,7 +22,6 @@ from minisgl.kernels import moe_align as _align
 from minisgl.kernels import w4a16_gemm as _w4
 from minisgl.kernels.fused_moe_config import default_config
 from minisgl.logging_setup import log_once
-from minisgl.ops import activation as _act
 from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_once, use_cuda_kernel, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
 from minisgl.ops.gemm import skinny as _sk
@@ -109,24 +108,21 @@ def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
 
 def _dequant_linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
-    """Large M: DEQUANT_ROWS output columns at a time (gated: their gate and up rows), the weight
-    rows decoded to x's dtype and multiplied by the 16-bit GEMM."""
+    """Large M: DEQUANT_ROWS output columns at a time (gated: their gate and up rows, decoded into
+    one (gate | up) weight), the weight rows decoded to x's dtype and multiplied by the 16-bit
+    large-batch GEMM (ops/gemm/skinny.py cublas_linear, SiLU-and-mul included)."""
     n = scales.shape[0] // 2 if silu else scales.shape[0]
-
-    def part(r: slice) -> torch.Tensor:
-        w16 = _w4.w4_dequant(w[r], scales[r], None if zeros is None else zeros[r], fmt, x.dtype)
-        return torch.nn.functional.linear(x, w16, None if bias is None else bias[r])
-
-    if n <= DEQUANT_ROWS and not silu:
-        return part(slice(0, n))
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    out = None if n <= DEQUANT_ROWS else torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     for r0 in range(0, n, DEQUANT_ROWS):
         r1 = min(n, r0 + DEQUANT_ROWS)
-        if silu:
-            out[:, r0:r1] = _act.silu_and_mul(torch.cat([part(slice(r0, r1)), part(slice(n + r0, n + r1))], 1))
-        else:
-            out[:, r0:r1] = part(slice(r0, r1))
-    return out
+        rows = [slice(r0, r1)] + ([slice(n + r0, n + r1)] if silu else [])
+        w16 = torch.empty(len(rows) * (r1 - r0), x.shape[1], dtype=x.dtype, device=x.device)
+        for i, r in enumerate(rows):
+            _w4.w4_dequant(w[r], scales[r], None if zeros is None else zeros[r], fmt, x.dtype,
+                           out=w16[i * (r1 - r0) : (i + 1) * (r1 - r0)])
+        b = None if bias is None else torch.cat([bias[r] for r in rows])
+        y = _sk.cublas_linear(x, w16, b, silu, None if out is None else out[:, r0:r1])
+    return y if out is None else out
 
 
 @functools.cache
