@@ -112,6 +112,8 @@ def test_moe_grouped_gemm_rows_do_not_depend_on_the_batch_in_the_mode() -> None:
     GPU only: the interpreter's tile products give equal rows with or without the mode."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from minisgl.kernels.fused_moe import fused_experts_reference
+    from minisgl.kernels.moe_routing import route_reference
     from minisgl.ops import fused_moe
     from minisgl.ops.deterministic import set_deterministic
 
@@ -125,6 +127,10 @@ def test_moe_grouped_gemm_rows_do_not_depend_on_the_batch_in_the_mode() -> None:
     set_deterministic(x.device, True)
     try:
         batch = fused_moe(x, logits, w13, w2, 2, True)
+        # right, not only invariant: the torch reference in fp32 on the same routing
+        weights, ids = route_reference(logits.float(), 2, True, "softmax")
+        want = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids)
+        torch.testing.assert_close(batch.float(), want, atol=2e-2, rtol=2e-2)
         for i in (0, 7, 199):
             alone = fused_moe(x[i : i + 1], logits[i : i + 1], w13, w2, 2, True)
             assert torch.equal(batch[i : i + 1], alone), f"row {i}"
