@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from minisgl.kernels import device as _device
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 from minisgl.ops._checks import check_inner_contiguous, check_same_device, check_shape, check_tensor
 from minisgl.ops.activation import silu_and_mul
@@ -208,7 +209,7 @@ def _run(x, weight, scale, bias, out, silu, config, n_out) -> torch.Tensor:
     if m == 0:
         return out
     if config is None:
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        sms = _device.num_sms(x.device)
         config = default_config(m, n_out, k, silu, sms, fmt)
     check_config(config, m, fmt)
     launch(x, weight, bias, out, silu, config, scale=scale)

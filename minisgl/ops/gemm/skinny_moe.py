@@ -24,6 +24,7 @@ import functools
 import torch
 
 from minisgl import env
+from minisgl.kernels import device as _device  # (its num_sms: a parameter here has that name)
 from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 from minisgl.ops.deterministic import is_deterministic
@@ -91,11 +92,6 @@ def default_configs(top_k: int, hidden: int, inter: int, num_sms: int) -> tuple[
     return up, down
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cfg: SkinnyConfig) -> None:
     tokens, top_k = ids.shape
     n = out.shape[1]
@@ -135,7 +131,7 @@ def experts(
     top_k, inter = topk_ids.shape[1], w2.shape[2]
     if up is None or down is None:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        d_up, d_down = default_configs(top_k, h, inter, _num_sms(index))
+        d_up, d_down = default_configs(top_k, h, inter, _device.num_sms(index))
         up, down = up or UP_CONFIG or d_up, down or DOWN_CONFIG or d_down
     check_config(up, 1)
     check_config(down, 1)

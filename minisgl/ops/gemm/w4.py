@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from minisgl.kernels import device as _device
 from minisgl.kernels import fused_moe as _moe
 from minisgl.kernels import moe_align as _align
 from minisgl.kernels import w4a16_gemm as _w4
@@ -162,7 +163,7 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     shapes = skinny_w4_shapes()
     name = "int4" if fmt == _w4.INT4 else "mxfp4"  # ops/gemm's format names
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    sms = _device.num_sms(x.device)
     cfg = _sk.default_config(m, n_out, k, silu, sms, name)
     splits, ws, ctr = cfg.splits, None, None
     tiles = _sk.num_tiles(n_out, silu, cfg.tile, name)
