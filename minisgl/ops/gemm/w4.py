@@ -98,7 +98,7 @@ def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
     if x2.shape[0] <= SKINNY_MAX_M and _skinny_fits(x2, w, scales, fmt):
         y = _skinny(x2, w, scales, zeros, fmt, bias, silu_and_mul)
     elif use_triton("w4_linear", x) and x2.shape[0] >= DEQUANT_MIN_M:
-        y = _dequant_linear(fmt, x2, w, scales, zeros, bias, silu_and_mul)
+        y = dequant_linear(fmt, x2, w, scales, zeros, bias, silu_and_mul)
     elif use_triton("w4_linear", x):
         y = _w4.w4_gemm(x2, w, scales, zeros, fmt, bias, silu_and_mul)
     else:
@@ -107,7 +107,7 @@ def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _dequant_linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+def dequant_linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     """Large M: DEQUANT_ROWS output columns at a time (gated: their gate and up rows, decoded into
     one (gate | up) weight), the weight rows decoded to x's dtype and multiplied by the 16-bit
