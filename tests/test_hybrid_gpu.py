@@ -6,6 +6,7 @@ hits against eager. Tiny Qwen3-Next (MoE) and Qwen3.5 (dense) models."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -162,42 +163,28 @@ def test_mtp_speculation_equals_plain(tiny_model_path: Callable[[str], Path], tm
     from test_hybrid_mtp import MTP, record_proposals
 
     path = mtp_models.add_mtp_head(tiny_model_path(name), tmp_path / name)
-    judge = None  # the fp32 plain engine: its logits judge the bf16 run's first difference
-    try:
+    with contextlib.ExitStack() as engines:  # the fp32 plain engine stays up: it judges the bf16 run
         for dtype, opts in (("float32", {"attention_backend": "triton"}), ("bfloat16", {})):
-            plain = LLM(str(path), device=DEVICE, dtype=dtype, **opts)
-            try:
-                want = _tokens(plain, PROMPTS, 24)
-                llm = LLM(str(path), device=DEVICE, dtype=dtype, **opts, **MTP)
-                try:
-                    assert llm.engine.graphs is not None and llm.engine.drafter.steps.graphs is not None
-                    seen = record_proposals(llm)
-                    got = _tokens(llm, PROMPTS, 24)
-                    assert llm.scheduler.stats()["spec_verified"] > 0
-                    llm.scheduler.check_integrity()
-                finally:
-                    llm.shutdown()
-                if dtype == "float32":
-                    assert got == want
-                    cpu = LLM(str(path), device="cpu", dtype="float32", **MTP)
-                    try:
-                        cpu_seen = record_proposals(cpu)
-                        assert _tokens(cpu, PROMPTS, 24) == want
-                    finally:
-                        cpu.shutdown()
-                    on_cpu = {(tuple(c), k): d for c, k, d in cpu_seen}
-                    common = [(c, k, d) for c, k, d in seen if (tuple(c), k) in on_cpu]
-                    assert len(common) >= len(seen) // 2, (len(common), len(seen))
-                    for context, k, drafts in common:
-                        assert drafts == on_cpu[(tuple(context), k)], f"drafts after {len(context)} tokens"
-                    judge, plain = plain, None
-                else:
-                    router_tie = bf16_tie.router_tie_in(_hf(str(path))) if name in MOE else None
-                    bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(judge), want, got, PROMPTS, router_tie,
-                                                     MTP_BF16_TIE)
-            finally:
-                if plain is not None:
-                    plain.shutdown()
-    finally:
-        if judge is not None:
-            judge.shutdown()
+            plain = engines.enter_context(LLM(str(path), device=DEVICE, dtype=dtype, **opts))
+            want = _tokens(plain, PROMPTS, 24)
+            with LLM(str(path), device=DEVICE, dtype=dtype, **opts, **MTP) as llm:
+                assert llm.engine.graphs is not None and llm.engine.drafter.steps.graphs is not None
+                seen = record_proposals(llm)
+                got = _tokens(llm, PROMPTS, 24)
+                assert llm.scheduler.stats()["spec_verified"] > 0
+                llm.scheduler.check_integrity()
+            if dtype == "float32":
+                assert got == want
+                with LLM(str(path), device="cpu", dtype="float32", **MTP) as cpu:
+                    cpu_seen = record_proposals(cpu)
+                    assert _tokens(cpu, PROMPTS, 24) == want
+                on_cpu = {(tuple(c), k): d for c, k, d in cpu_seen}
+                common = [(c, k, d) for c, k, d in seen if (tuple(c), k) in on_cpu]
+                assert len(common) >= len(seen) // 2, (len(common), len(seen))
+                for context, k, drafts in common:
+                    assert drafts == on_cpu[(tuple(context), k)], f"drafts after {len(context)} tokens"
+                judge = plain
+            else:
+                router_tie = bf16_tie.router_tie_in(_hf(str(path))) if name in MOE else None
+                bf16_tie.assert_same_or_bf16_tie(bf16_tie.engine_scorer(judge), want, got, PROMPTS, router_tie,
+                                                 MTP_BF16_TIE)
