@@ -79,6 +79,9 @@ def main() -> None:
     ap.add_argument("--mixed-chunk-tokens", type=int, default=None,
                     help="prompt tokens beside the decodes of a mixed step (default: LLM's; 0: no mixed steps)")
     ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--state-snapshots", type=int, default=None,
+                    help="hybrid models: prefix-cache state snapshot slots (default: --max-running-requests; "
+                         "the workload's prompts share no prefix, so 0 leaves the memory to running requests)")
     ap.add_argument("--cache", default="radix", choices=["radix", "naive"])
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (one process per GPU)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each of --tp GPUs)")
@@ -114,7 +117,8 @@ def main() -> None:
         disable_overlap=args.disable_overlap, disable_cuda_graph=args.disable_cuda_graph,
         cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp,
         custom_all_reduce=not args.disable_custom_all_reduce, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, **spec,
+        kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, state_snapshots=args.state_snapshots,
+        **spec,
         **({} if args.mixed_chunk_tokens is None else {"mixed_chunk_tokens": args.mixed_chunk_tokens}),
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)

@@ -2,6 +2,7 @@
 (torch.nn.functional.linear) on Llama-3.1-8B's weight shapes, M = 1..32, and at large M.
 
     python benchmarks/kernels/w4_gemm.py [--quick] [--m 1,2,4,8,16,32] [--large-m 64,256,2048] [--json FILE]
+    python benchmarks/kernels/w4_gemm.py --sweep [--m 1,4,8]     (the skinny launch configs, see sweep())
 
 Bytes per call (4-bit) = W (N x K / 2) + its scales (INT4: scales and zeros, 2 x 2 bytes per
 group of 128; MXFP4: 1 byte per 32) + x + y (bf16); GB/s = bytes / time; "% read" is that
@@ -25,6 +26,7 @@ from skinny_gemm import layer_shapes
 from minisgl.kernels import w4a16_gemm as W
 from minisgl.kernels.quant4 import pack_int4
 from minisgl.ops.gemm import w4
+from minisgl.ops.gemm.skinny import SkinnyConfig, default_config, num_tiles
 
 MS = (1, 2, 4, 8, 16, 32)
 GROUP = 128
@@ -76,10 +78,58 @@ def measure(n: int, k: int, m: int, silu: bool, reps: int, names: tuple[str, ...
     r = {"err": rel_err(sets[0], silu)}
     for name in names:
         r[name] = time_calls([fns(s, silu)[name] for s in sets], reps=reps)
-    act = (m * k + m * n_out) * 2
-    r["bytes"] = {"int4": n * k // 2 + 4 * n * (k // GROUP) + act, "mxfp4": n * k // 2 + n * (k // 32) + act,
-                  "cublas": n * k * 2 + act}
+    r["bytes"] = measure_bytes(n, k, m, n_out)
     return r
+
+
+SWEEP_WARPS, SWEEP_SPLITS = (2, 4, 8), (1, 2, 4, 8, 16, 32)
+
+
+def skinny_call(fmt: int, s: dict, silu: bool, cfg: SkinnyConfig | None):
+    wq, sc, z = (s["qweight"], s["scales"], s["zeros"]) if fmt == W.INT4 else (s["blocks"], s["e8m0"], None)
+    return lambda: w4.skinny_linear(fmt, s["x"], wq, sc, z, None, silu, cfg)
+
+
+def sweep_configs(m: int, n_out: int, silu: bool, name: str) -> list[SkinnyConfig]:
+    out = []
+    for tile, (_rt, _u, max_m) in enumerate(w4.skinny_w4_shapes()):
+        if m <= max_m:
+            out += [SkinnyConfig(tile, w, s) for w in SWEEP_WARPS for s in SWEEP_SPLITS
+                    if num_tiles(n_out, silu, tile, name) * s <= 1 << 16]
+    return out
+
+
+def sweep(ms: list[int], reps: int, read_gbs: float) -> None:
+    """Every compiled 4-bit skinny tile x SWEEP_WARPS x SWEEP_SPLITS at each M, INT4 and MXFP4, on
+    the Llama-3.1-8B shapes: the best config's time and % of the read ceiling beside ops' default
+    config (default_config; the 4-bit path has no measured table yet), to show what the launch
+    alone leaves on the table before the loaders are changed."""
+    rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
+    for layer, (n, k, silu) in layer_shapes("llama-3.1-8b", 1).items():
+        if layer == "gate_up_proj":
+            continue  # the same weight as gate_up+silu
+        n_out = n // 2 if silu else n
+        for m in ms:
+            sets = [make_set(n, k, m) for _ in range(num_sets(n * k // 2))]
+            for fmt, name in ((W.INT4, "int4"), (W.MXFP4, "mxfp4")):
+                nbytes = measure_bytes(n, k, m, n_out)[name]
+                default = default_config(m, n_out, k, silu, sms, name)
+                times = {str(default): time_calls([skinny_call(fmt, s, silu, None) for s in sets], reps=reps)}
+                for cfg in sweep_configs(m, n_out, silu, name):
+                    times[str(cfg)] = time_calls([skinny_call(fmt, s, silu, cfg) for s in sets], reps=reps)
+                best = min(times, key=times.get)
+                rows.append([layer, f"{n}x{k}", str(m), name, str(default), f"{times[str(default)]:.1f}",
+                             f"{100 * nbytes / times[str(default)] / 1e3 / read_gbs:.0f}%", best,
+                             f"{times[best]:.1f}", f"{100 * nbytes / times[best] / 1e3 / read_gbs:.0f}%"])
+    print_table(f"4-bit skinny launch sweep (config t<tile>w<warps>s<splits>; tiles (RT, U, max M) "
+                f"{w4.skinny_w4_shapes()}): ops' default vs the best", ["layer", "N x K", "M", "format", "default",
+                "us", "%read", "best", "us", "%read"], rows)
+
+
+def measure_bytes(n: int, k: int, m: int, n_out: int) -> dict:
+    act = (m * k + m * n_out) * 2
+    return {"int4": n * k // 2 + 4 * n * (k // GROUP) + act, "mxfp4": n * k // 2 + n * (k // 32) + act,
+            "cublas": n * k * 2 + act}
 
 
 def main() -> None:
@@ -88,10 +138,14 @@ def main() -> None:
     ap.add_argument("--m", default=",".join(map(str, MS)))
     ap.add_argument("--large-m", default="64,256,2048")
     ap.add_argument("--json", default=None, help="write every timing here")
+    ap.add_argument("--sweep", action="store_true", help="only the skinny launch sweep (sweep())")
     args = ap.parse_args()
     copy_gbs, read_gbs = ceilings()
     print_ceilings(copy_gbs, read_gbs)
     reps = 15 if args.quick else 30
+    if args.sweep:
+        sweep([int(v) for v in args.m.split(",")] if args.m != ",".join(map(str, MS)) else [1, 4, 8], 10, read_gbs)
+        return
     results: dict[str, dict] = {}
     rows = []
     for layer, (n, k, silu) in layer_shapes("llama-3.1-8b", 1).items():

@@ -96,7 +96,7 @@ def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
                       **({} if bias is None else {"bias": bias}))
     x2 = x.reshape(-1, k)
     if x2.shape[0] <= SKINNY_MAX_M and _skinny_fits(x2, w, scales, fmt):
-        y = _skinny(x2, w, scales, zeros, fmt, bias, silu_and_mul)
+        y = skinny_linear(fmt, x2, w, scales, zeros, bias, silu_and_mul)
     elif use_triton("w4_linear", x) and x2.shape[0] >= DEQUANT_MIN_M:
         y = dequant_linear(fmt, x2, w, scales, zeros, bias, silu_and_mul)
     elif use_triton("w4_linear", x):
@@ -154,9 +154,11 @@ def _skinny_fits(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: in
     return True
 
 
-def _skinny(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: int,
-            bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
-    """The skinny CUDA template's 4-bit launch (split-K workspace and counters as ops.skinny_gemm's)."""
+def skinny_linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                  bias: torch.Tensor | None, silu: bool, config: _sk.SkinnyConfig | None = None) -> torch.Tensor:
+    """The skinny CUDA template's 4-bit launch (split-K workspace and counters as ops.skinny_gemm's),
+    x 2-D with at most SKINNY_MAX_M rows (the caller checked _skinny_fits); `config` (tile index
+    into skinny_w4_shapes(), warps, splits) overrides default_config: the benchmark's sweep."""
     m, k = x.shape
     n_w = scales.shape[0]
     n_out = n_w // 2 if silu else n_w
@@ -164,7 +166,9 @@ def _skinny(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch
     shapes = skinny_w4_shapes()
     name = "int4" if fmt == _w4.INT4 else "mxfp4"  # ops/gemm's format names
     sms = _device.num_sms(x.device)
-    cfg = _sk.default_config(m, n_out, k, silu, sms, name)
+    cfg = _sk.default_config(m, n_out, k, silu, sms, name) if config is None else config
+    if config is not None:
+        _sk.check_config(config, m, name)
     splits, ws, ctr = cfg.splits, None, None
     tiles = _sk.num_tiles(n_out, silu, cfg.tile, name)
     if splits > 1 and tiles <= _sk._NUM_COUNTERS:
