@@ -31,9 +31,11 @@ from minisgl.ops.moe import check_expert_biases, check_shared, check_topk
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMATS = {"int4": _w4.INT4, "mxfp4": _w4.MXFP4}
 SKINNY_MAX_M = 32
-# First guess, not yet measured (vLLM's AWQ switch): benchmarks/kernels/w4_gemm.py's large-M
-# table times both paths at M = 64..2048 and sets it.
-DEQUANT_MIN_M = 256
+# Past the skinny kernel: benchmarks/kernels/w4_gemm.py's large-M table (RESULTS.md, twelfth
+# session, H100) had decode + cuBLAS 4-7x faster than the Triton GEMM at 64 rows and 6-22x at
+# 256..2,048 (vLLM switches AWQ at 256; our Triton GEMM is untuned). The Triton GEMM remains for
+# M <= 32 where the skinny kernel's conditions fail.
+DEQUANT_MIN_M = SKINNY_MAX_M + 1
 # Output columns decoded and multiplied per slice: bounds the transient 16-bit weight (and the
 # gated path's pre-activation rows) to DEQUANT_ROWS x K, not N x K (a 70B model's gate_up at
 # 8,192 tokens would otherwise hold ~1 GB of each).
