@@ -92,9 +92,11 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
                    int* counters, int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
                    int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl, void* stream);
 // The routed experts of a few tokens on the same kernel (csrc/skinny_gemm.cuh, skinny_moe_kernel),
-// 16-bit experts stacked: w [E, n_w, k] (expert stride w_expert_stride, row stride w_stride
-// elements), bias [E, n_w] or null (b_expert_stride), ids int32 [tokens, top_k], cfg a 16-bit
-// tile configuration. down 0 (up): x [tokens, k], w = (gate | up) [E, 2n, k], y [tokens * top_k, n]
+// experts stacked: w [E, n_w, k] (expert stride w_expert_stride, row stride w_stride, both in
+// elements of w's storage), bias [E, n_w] or null (b_expert_stride), ids int32 [tokens, top_k].
+// fmt 0: 16-bit experts, cfg a 16-bit tile configuration, qscale / qzero null. fmt 1 / 2: 4-bit
+// experts as skinny_gemm_w4's weight (INT4 / MXFP4 layouts, q_stride, q_group), each expert's
+// scales (and zeros) q_expert_stride elements after the previous one's, cfg a 4-bit tile. down 0 (up): x [tokens, k], w = (gate | up) [E, 2n, k], y [tokens * top_k, n]
 // = act(gate, up) per token-expert pair (act 0 silu, 1 GPT-OSS's clamped SwiGLU with alpha,
 // limit); splits K splits per pair. down 1: x = inter [tokens * top_k, k], w [E, n, k], y
 // [tokens, n] = sum over the token's slots of weights * (x W_e^T + b_e), weights fp32 [tokens,
@@ -103,8 +105,9 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
 int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, const float* weights, void* y,
                float* workspace, int64_t workspace_bytes, int* counters, int64_t num_counters, int tokens, int top_k,
                int n, int k, int64_t x_stride, int64_t w_stride, int64_t y_stride, int64_t w_expert_stride,
-               int64_t b_expert_stride, int down, int act, float alpha, float limit, int dtype, int cfg, int warps,
-               int splits, int pdl, void* stream);
+               int64_t b_expert_stride, int down, int act, float alpha, float limit, int fmt, const void* qscale,
+               const void* qzero, int64_t q_stride, int q_group, int64_t q_expert_stride, int dtype, int cfg,
+               int warps, int splits, int pdl, void* stream);
 
 // KV rows between two pools by slot lists, K and V of every layer in one launch
 // (csrc/kv_copy.cuh): for t in {K, V}, layer < num_layers, i < num_slots,

@@ -40,8 +40,9 @@ struct Params {
   const void* qzero;
   int64_t q_stride;
   int q_group;
-  // MoE experts (skinny_moe_kernel, 16-bit W; all zero for the dense kernels). w and bias point at
-  // expert 0; expert e's W is w + e * w_expert_stride elements, its bias bias + e * b_expert_stride.
+  // MoE experts (skinny_moe_kernel; all zero for the dense kernels). w and bias point at expert 0;
+  // expert e's W is w + e * w_expert_stride elements of the loader's storage (16-bit values, INT4
+  // words, MXFP4 bytes), its bias bias + e * b_expert_stride.
   // blockIdx.z is a token-expert pair (the up projection: x row z / top_k, y row z) or a
   // token (the down projection: split s works on the token's expert slot j = s /
   // splits_per_slot, x row z * top_k + j of inter [T * top_k, k], K range (s % splits_per_slot) *
@@ -58,6 +59,9 @@ struct Params {
   int act;
   float alpha;
   float limit;
+  // 4-bit MoE experts: expert e's scales (and INT4 zeros) start q_expert_stride elements after
+  // expert e - 1's (the loader's W4Base::expert).
+  int64_t q_expert_stride;
 };
 
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }

@@ -137,6 +137,26 @@ KernelFn pick_moe(int cfg) {
   }
 }
 
+// The same for the 4-bit loaders (W Int4W or Mxfp4W) of a 4-bit tile configuration (kW4Configs).
+template <template <typename> class W, typename T, bool kDown>
+KernelFn pick_moe_w4(int cfg) {
+  switch (cfg) {
+    case 0: return skinny::skinny_moe_kernel<W<T>, 1, 1, kDown>;
+    case 1: return skinny::skinny_moe_kernel<W<T>, 2, 1, kDown>;
+    case 2: return skinny::skinny_moe_kernel<W<T>, 1, 2, kDown>;
+    case 3: return skinny::skinny_moe_kernel<W<T>, 2, 2, kDown>;
+    default: return nullptr;
+  }
+}
+
+template <typename T, bool kDown>
+KernelFn pick_moe_fmt(int fmt, int cfg) {
+  return fmt == 0   ? pick_moe<T, kDown>(cfg)
+         : fmt == 1 ? pick_moe_w4<skinny::Int4W, T, kDown>(cfg)
+         : fmt == 2 ? pick_moe_w4<skinny::Mxfp4W, T, kDown>(cfg)
+                    : nullptr;
+}
+
 }  // namespace
 
 int skinny_gemm_num_configs(int fp8) { return fp8 == 2 ? kNumW4Configs : fp8 ? kNumFp8Configs : kNumConfigs; }
@@ -218,7 +238,7 @@ int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* 
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
            nullptr, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0};
   return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk, warps,
                        num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -236,7 +256,7 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0,
            scale, s_stride, block_scales, nullptr, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0};
   return launch_kernel(fn, p, kFp8Configs[cfg].rt, static_cast<int64_t>(kFp8Configs[cfg].u) * skinny::Fp8W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -256,7 +276,7 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
            qscale, qzero, q_stride, q_group,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0};
   return launch_kernel(fn, p, kW4Configs[cfg].rt, static_cast<int64_t>(kW4Configs[cfg].u) * skinny::Int4W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -264,26 +284,43 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
 int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, const float* weights, void* y,
                float* workspace, int64_t workspace_bytes, int* counters, int64_t num_counters, int tokens, int top_k,
                int n, int k, int64_t x_stride, int64_t w_stride, int64_t y_stride, int64_t w_expert_stride,
-               int64_t b_expert_stride, int down, int act, float alpha, float limit, int dtype, int cfg, int warps,
-               int splits, int pdl, void* stream) {
+               int64_t b_expert_stride, int down, int act, float alpha, float limit, int fmt, const void* qscale,
+               const void* qzero, int64_t q_stride, int q_group, int64_t q_expert_stride, int dtype, int cfg,
+               int warps, int splits, int pdl, void* stream) {
   // Up: silu mode over (gate | up) rows, z = token-expert pairs. Down: z = tokens, every slot's splits.
   const int silu = down ? 0 : 1;
-  if (cfg < 0 || cfg >= kNumConfigs || ids == nullptr || (down && weights == nullptr) || tokens < 1 ||
-      top_k < 1 || (act != 0 && act != 1) || (down && act != 0) || w_stride % 8 != 0 || w_expert_stride % 8 != 0 ||
-      (down && splits * top_k > kMaxSplits) ||
+  if (ids == nullptr || (down && weights == nullptr) || tokens < 1 || top_k < 1 || (act != 0 && act != 1) ||
+      (down && act != 0) || (down && splits * top_k > kMaxSplits) || fmt < 0 || fmt > 2 ||
       !common_args_ok(1, 32, n, k, warps, splits, x_stride, x, w, silu))
     return static_cast<int>(cudaErrorInvalidValue);
-  KernelFn fn = dtype == 0   ? (down ? pick_moe<__half, true>(cfg) : pick_moe<__half, false>(cfg))
-                : dtype == 1 ? (down ? pick_moe<__nv_bfloat16, true>(cfg) : pick_moe<__nv_bfloat16, false>(cfg))
+  int rt = 0;
+  int64_t group = 0;
+  if (fmt == 0) {  // 16-bit experts: strides in elements, 16-byte rows
+    if (cfg < 0 || cfg >= kNumConfigs || w_stride % 8 != 0 || w_expert_stride % 8 != 0)
+      return static_cast<int>(cudaErrorInvalidValue);
+    rt = kConfigs[cfg].rt;
+    group = static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk;
+  } else {  // 4-bit experts: as skinny_gemm_w4's weight, per expert
+    const int64_t w_align = fmt == 1 ? 4 : 16;
+    if (cfg < 0 || cfg >= kNumW4Configs || k % 32 != 0 || w_stride % w_align != 0 ||
+        w_expert_stride % w_align != 0 || qscale == nullptr || q_stride < 1 || q_expert_stride < 0 ||
+        (fmt == 1 && (qzero == nullptr || q_group < 32 || q_group % 32 != 0 || k % q_group != 0)) ||
+        (fmt == 2 && (q_group != 32 || qzero != nullptr)))
+      return static_cast<int>(cudaErrorInvalidValue);
+    rt = kW4Configs[cfg].rt;
+    group = static_cast<int64_t>(kW4Configs[cfg].u) * skinny::Int4W<__half>::kChunk;
+  }
+  KernelFn fn = dtype == 0   ? (down ? pick_moe_fmt<__half, true>(fmt, cfg) : pick_moe_fmt<__half, false>(fmt, cfg))
+                : dtype == 1 ? (down ? pick_moe_fmt<__nv_bfloat16, true>(fmt, cfg)
+                                     : pick_moe_fmt<__nv_bfloat16, false>(fmt, cfg))
                              : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, 1, n, k, silu, 0, 0, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, ids, weights, w_expert_stride, b_expert_stride, top_k, splits, act, alpha,
-           limit};
+           qscale, qzero, q_stride, q_group, ids, weights, w_expert_stride, b_expert_stride, top_k, splits, act,
+           alpha, limit, q_expert_stride};
   const int64_t z = down ? tokens : static_cast<int64_t>(tokens) * top_k;
-  return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk,
-                       warps, down ? splits * top_k : splits, workspace, workspace_bytes, counters, num_counters, pdl,
-                       stream, z, splits);
+  return launch_kernel(fn, p, rt, group, warps, down ? splits * top_k : splits, workspace, workspace_bytes, counters,
+                       num_counters, pdl, stream, z, splits);
 }
 
 }  // namespace minisgl

@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_kernel(const Params p) 
 }
 
 // The routed experts of 1..few tokens (Params' MoE fields): each block reads its expert id, then
-// runs the dense block on that expert's W with m = 1. Up and down are separate instances
+// runs the dense block on that expert's W with m = 1 (16-bit or 4-bit loaders: W::expert). Up and down are separate instances
 // (kDown), so the up projection's blocks carry none of the top-k sum's code.
 // Programmatic dependent launch: the up launch follows the routing kernel, so it waits before it
 // reads the ids, and only then lets the down launch start. So when a down block starts, every up
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_moe_kernel(const Params
   }
   const int64_t e = p.moe_ids[pair];
   Params q = p;
-  q.w = static_cast<const T*>(p.w) + e * p.w_expert_stride;
+  W::expert(q, e);  // the loader moves w (and its scales) to expert e
   const T* bias = p.bias == nullptr ? nullptr : static_cast<const T*>(p.bias) + e * p.b_expert_stride;
   q.x = static_cast<const T*>(p.x) + static_cast<int64_t>(kDown ? pair : z / p.top_k) * p.x_stride;
   q.y = static_cast<T*>(p.y) + static_cast<int64_t>(z) * p.y_stride;

@@ -91,6 +91,14 @@ struct W4Base {
   struct Rows : WRows<Elem, RT> {
     int64_t s_lo[RT], s_hi[RT];  // this row's first scale (element offset into qscale / qzero)
   };
+  // MoE (skinny_moe_kernel): expert e's W, scales and zeros (D::Scale: their storage type).
+  static __device__ __forceinline__ void expert(Params& q, int64_t e) {
+    using S = typename D::Scale;
+    q.w = static_cast<const Elem*>(q.w) + e * q.w_expert_stride;
+    q.qscale = static_cast<const S*>(q.qscale) + e * q.q_expert_stride;
+    if (q.qzero != nullptr) q.qzero = static_cast<const S*>(q.qzero) + e * q.q_expert_stride;
+  }
+
   template <int RT>
   static __device__ __forceinline__ void set_row(Rows<RT>& rows, const Params& p, int r, int lo, int hi, bool lo_ok,
                                                  bool hi_ok) {
@@ -135,6 +143,7 @@ struct W4Base {
 template <typename TT>
 struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
   using T = TT;
+  using Scale = unsigned short;  // scales and zeros: T's bits
   template <int RT, int U>
   struct Regs {
     uint4 lo[RT][U], hi[RT][U];
@@ -191,6 +200,7 @@ __device__ __forceinline__ float e2m1_scaled(uint32_t nib, int s) {
 template <typename TT>
 struct Mxfp4W : W4Base<Mxfp4W<TT>, TT, uint8_t> {
   using T = TT;
+  using Scale = uint8_t;  // e8m0
   template <int RT, int U>
   struct Regs {
     uint4 lo[RT][U], hi[RT][U];

@@ -64,6 +64,11 @@ struct Bf16W {
     uint4 lo[RT][U], hi[RT][U];
   };
 
+  // MoE (skinny_moe_kernel): expert e's W.
+  static __device__ __forceinline__ void expert(Params& q, int64_t e) {
+    q.w = static_cast<const T*>(q.w) + e * q.w_expert_stride;
+  }
+
   template <int RT>
   static __device__ __forceinline__ void set_row(Rows<RT>& rows, const Params& p, int r, int lo, int hi, bool lo_ok,
                                                  bool hi_ok) {

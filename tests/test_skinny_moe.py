@@ -1,5 +1,6 @@
-"""The skinny MoE kernel (ops/gemm/skinny_moe.py, csrc/skinny_gemm.cuh skinny_moe_kernel) against an
-independent fp32 torch computation of the same routed experts, on fresh random data. The experts
+"""The skinny MoE kernel (ops/gemm/skinny_moe.py, csrc/skinny_gemm.cuh skinny_moe_kernel), 16-bit and
+4-bit experts, against an independent fp32 torch computation of the same routed experts (4-bit:
+of their dequantisation by kernels/quant4.py's references), on fresh random data. The experts
 no token chose are NaN-poisoned, so a block that read the wrong expert (or the wrong row of x or
 of the intermediate) shows as NaN; the kernel's output buffers are fresh. CPU: the choice of path
 and the argument checks."""
@@ -9,9 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minisgl.kernels import w4a16_gemm as W4
 from minisgl.kernels.fused_moe import ExpertAct
+from minisgl.kernels.quant4 import dequant_int4_reference, dequant_mxfp4_reference, pack_int4
 from minisgl.ops import moe as moe_ops
 from minisgl.ops.gemm import skinny_moe
+from minisgl.ops.gemm import w4 as w4_ops
 from minisgl.ops.gemm.skinny import SkinnyConfig
 
 gpu = pytest.mark.gpu
@@ -192,3 +196,97 @@ def test_moe_layer_routes_with_its_router_in_one_kernel(monkeypatch, tokens: int
     weights, ids = ops.moe_route(logits, 4, True)
     _check(out, _reference(x, w13, w2, weights, ids, b13, b2, act, dtype), dtype)
     assert used == ([tokens] if tokens <= skinny_moe.MAX_TOKENS else [])
+
+
+def _case_w4(fmt: int, tokens, top_k, experts, hidden, inter, group, biases, seed):
+    """Random 4-bit experts in the kernels/quant4.py layouts, and their fp32 dequantisation (the
+    reference's weights). The unused experts are poisoned: INT4 scales NaN; MXFP4 e8m0 253
+    (2^126), so a wrong expert's read turns the output to inf."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dev, dtype = "cuda", torch.bfloat16
+    x = torch.randn(tokens, hidden, generator=g, device=dev).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g, device=dev)[:top_k] for _ in range(tokens)]).int()
+    weights = torch.rand(tokens, top_k, generator=g, device=dev) + 0.1
+    unused = torch.ones(experts, dtype=torch.bool, device=dev)
+    unused[ids.long().flatten()] = False
+    mats = []
+    for n, k in ((2 * inter, hidden), (hidden, inter)):
+        if fmt == W4.INT4:
+            w = pack_int4(torch.randint(0, 16, (experts, n, k), generator=g, device=dev))
+            s = (torch.rand(experts, n, k // group, generator=g, device=dev) * 0.4 / k**0.5 + 0.05 / k**0.5).to(dtype)
+            z = torch.randint(0, 16, (experts, n, k // group), generator=g, device=dev).to(dtype)
+            ref = dequant_int4_reference(w, s, z)
+            s[unused] = float("nan")
+        else:
+            w = torch.randint(0, 256, (experts, n, k // 2), generator=g, device=dev, dtype=torch.uint8)
+            s = torch.randint(118, 123, (experts, n, k // 32), generator=g, device=dev, dtype=torch.uint8)
+            z = None
+            ref = dequant_mxfp4_reference(w, s)
+            s[unused] = 253
+        mats.append((w, s, z, ref))
+    b13 = (torch.randn(experts, 2 * inter, generator=g, device=dev) * 0.5).to(dtype) if biases else None
+    b2 = (torch.randn(experts, hidden, generator=g, device=dev) * 0.5).to(dtype) if biases else None
+    (w13, s13, z13, r13), (w2, s2, z2, r2) = mats
+    quant = skinny_moe.Quant4(fmt, s13, z13, s2, z2)
+    return x, w13, w2, weights, ids.contiguous(), b13, b2, quant, r13, r2
+
+
+def _check_finite(out, ref):
+    assert out.isfinite().all(), "NaN / inf: a block read an expert no token chose"
+    _check(out, ref, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("fmt,group", [(W4.INT4, 128), (W4.INT4, 32), (W4.INT4, 64), (W4.MXFP4, 32)])
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 1, 4), (1, 8, 64), (2, 4, 32)])
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_w4_experts_match_the_dequantised_reference(fmt: int, group: int, tokens: int, top_k: int, experts: int,
+                                                    gpt_oss: bool) -> None:
+    """4-bit experts (ops/gemm/w4.py fused_moe_w4's skinny path): H and I that end mid-tile and
+    mid-split (multiples of 32 and of the group, not of 128)."""
+    hidden, inter = 384, 192 + 32 * (group == 32)
+    x, w13, w2, weights, ids, b13, b2, quant, r13, r2 = _case_w4(fmt, tokens, top_k, experts, hidden, inter, group,
+                                                                  gpt_oss, seed=tokens + top_k)
+    act = ExpertAct("gpt_oss", 1.702, 7.0) if gpt_oss else None
+    out = skinny_moe.experts(x, w13, w2, weights, ids, b13, b2, act, quant=quant)
+    _check_finite(out, _reference(x, r13, r2, weights, ids, b13, b2, act, torch.bfloat16))
+
+
+@gpu
+@pytest.mark.parametrize("fmt", [W4.INT4, W4.MXFP4])
+@pytest.mark.parametrize("up,down", [("t0w1s1", "t0w1s1"), ("t1w4s3", "t1w8s2"), ("t2w2s1", "t2w4s4"),
+                                     ("t3w8s2", "t3w2s4")])
+def test_w4_every_tile_warp_and_split(fmt: int, up: str, down: str) -> None:
+    x, w13, w2, weights, ids, b13, b2, quant, r13, r2 = _case_w4(fmt, 1, 4, 16, 2880 // 4, 2880 // 4 + 32, 32,
+                                                                  True, seed=9)
+    act = ExpertAct("gpt_oss", 1.702, 7.0)
+    out = skinny_moe.experts(x, w13, w2, weights, ids, b13, b2, act, SkinnyConfig.parse(up), SkinnyConfig.parse(down),
+                             quant=quant)
+    _check_finite(out, _reference(x, r13, r2, weights, ids, b13, b2, act, torch.bfloat16))
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_fused_moe_w4_takes_the_skinny_path_up_to_max_tokens(monkeypatch, fmt: str) -> None:
+    """ops.gemm.w4.fused_moe_w4 runs 1..MAX_TOKENS tokens on the skinny kernel and more on the
+    Triton fused MoE; both against the dequantised reference, with GPT-OSS's biases and act."""
+    calls = []
+    real = skinny_moe.experts
+    monkeypatch.setattr(skinny_moe, "experts", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    f = W4.INT4 if fmt == "int4" else W4.MXFP4
+    act = ExpertAct("gpt_oss", 1.702, 7.0)
+    for t in (1, skinny_moe.MAX_TOKENS, skinny_moe.MAX_TOKENS + 1):
+        x, w13, w2, weights, ids, b13, b2, q, r13, r2 = _case_w4(f, t, 4, 16, 256, 128, 128 if f == W4.INT4 else 32,
+                                                                  True, seed=t)
+        # Triton's grouped GEMM may read every expert's tiles: no poison for the batch past MAX_TOKENS
+        if f == W4.INT4:
+            q.s13.nan_to_num_(0.01)
+            q.s2.nan_to_num_(0.01)
+        else:
+            q.s13.clamp_(max=122)
+            q.s2.clamp_(max=122)
+        r13 = dequant_int4_reference(w13, q.s13, q.z13) if f == W4.INT4 else dequant_mxfp4_reference(w13, q.s13)
+        r2 = dequant_int4_reference(w2, q.s2, q.z2) if f == W4.INT4 else dequant_mxfp4_reference(w2, q.s2)
+        out = w4_ops.fused_moe_w4(x, fmt, w13, q.s13, q.z13, w2, q.s2, q.z2, weights, ids, b13=b13, b2=b2, act=act)
+        _check_finite(out, _reference(x, r13, r2, weights, ids, b13, b2, act, torch.bfloat16))
+    assert calls == [1, skinny_moe.MAX_TOKENS]

@@ -15,11 +15,16 @@ per expert wins, so `fits` takes MAX_TOKENS tokens at most (env MINISGL_SKINNY_M
 the H100 the routed experts took 0.98-1.10x the Triton path's time at 1-2 tokens and 0.81x at 4,
 benchmarks/kernels/skinny_moe.py). A CUDA graph bucket boundary (1, 2, 4, 8), so a padded batch
 takes the path its unpadded size would.
+
+4-bit experts (`Quant4`, ops/gemm/w4.py fused_moe_w4) run the same kernels with the INT4 / MXFP4
+loaders (csrc/skinny_w4.cuh) and their own tile table: there the Triton path decodes the 4-bit
+tiles inside a grouped GEMM built for batches, which ran 12-55x the batch-1 floor (RESULTS.md).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +35,7 @@ from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 from minisgl.ops.deterministic import is_deterministic
 from minisgl.ops.gemm.skinny import (
     _KERNEL_DTYPES,
+    DENSE,
     MAX_SPLITS,
     PDL,
     SkinnyConfig,
@@ -58,12 +64,28 @@ def _parse(text: str) -> tuple[int, SkinnyConfig | None, SkinnyConfig | None]:
 
 
 MAX_TOKENS, UP_CONFIG, DOWN_CONFIG = _parse(env.SKINNY_MOE)
+W4_FORMATS = {1: "int4", 2: "mxfp4"}  # kernels/w4a16_gemm.py's INT4 / MXFP4 -> ops/gemm's format names
 
 
-def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, shared: torch.Tensor | None) -> bool:
+@dataclass(frozen=True)
+class Quant4:
+    """4-bit experts (ops/gemm/w4.py fused_moe_w4, kernels/quant4.py layouts): fmt 1 INT4 (scales
+    and zeros [E, N, K / group] in x's dtype) or 2 MXFP4 (e8m0 scales [E, N, K / 32], zeros None),
+    for w13 and w2."""
+
+    fmt: int
+    s13: torch.Tensor
+    z13: torch.Tensor | None
+    s2: torch.Tensor
+    z2: torch.Tensor | None
+
+
+def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, shared: torch.Tensor | None,
+         quant: Quant4 | None = None) -> bool:
     """Whether fused_moe's checked arguments run here: a CUDA build, 16-bit x of 1..MAX_TOKENS
     rows with 16-byte aligned rows, top_k <= 64 (one split-K slot each), and no shared expert
-    (Qwen2-MoE's goes through the Triton path's sum)."""
+    (Qwen2-MoE's goes through the Triton path's sum). 4-bit experts (`quant`) also need H and I
+    multiples of 32 and INT4 groups of a multiple of 32 (a thread's 32-element load in one group)."""
     if not 1 <= x.shape[0] <= MAX_TOKENS or shared is not None or x.dtype not in _KERNEL_DTYPES:
         return False
     if top_k > MAX_SPLITS:
@@ -72,39 +94,47 @@ def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, share
         return False
     if not use_cuda_kernel("skinny_moe", x) or not hasattr(compiled(), "skinny_moe"):
         return False
-    h, inter = x.shape[1], w2.shape[2]
+    h, inter = x.shape[1], (w2.shape[2] if quant is None else w13.shape[1] // 2)
+    if quant is not None and (h % 32 or inter % 32 or (quant.fmt == 1 and (
+            (h // quant.s13.shape[2]) % 32 or (inter // quant.s2.shape[2]) % 32))):
+        return False
     return (h % 8 == 0 and inter % 8 == 0 and x.stride(1) == 1 and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
             and x.data_ptr() % 16 == 0 and w13.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0)
 
 
 @functools.cache
-def default_configs(top_k: int, hidden: int, inter: int, num_sms: int) -> tuple[SkinnyConfig, SkinnyConfig]:
-    """(up, down) launch configurations: tile 1 (16 rows, 4 chunks in flight), 4 warps, the dense
-    default's K splits over one token's planes. The same for every token count, so a token's row
-    does not depend on the batch it is in (CUDA graphs pad batches: eager and replay give the same
-    bits). Cached: the decode step's layers ask it per call."""
+def default_configs(top_k: int, hidden: int, inter: int, num_sms: int,
+                    fmt: str = DENSE) -> tuple[SkinnyConfig, SkinnyConfig]:
+    """(up, down) launch configurations: tile 1 (16-bit: 16 rows, 4 chunks of 32 in flight; 4-bit:
+    32 rows, one chunk of 128), 4 warps, the dense default's K splits over one token's planes. The
+    same for every token count, so a token's row does not depend on the batch it is in (CUDA graphs
+    pad batches: eager and replay give the same bits). Cached: the decode step's layers ask it per
+    call."""
     tile, warps = 1, 4
-    group = tile_shapes()[tile][1] * 32
-    up_blocks = num_tiles(inter, True, tile) * top_k
-    down_blocks = num_tiles(hidden, False, tile) * top_k
+    group = tile_shapes(fmt)[tile][1] * (32 if fmt == DENSE else 128)  # K elements per warp group
+    up_blocks = num_tiles(inter, True, tile, fmt) * top_k
+    down_blocks = num_tiles(hidden, False, tile, fmt) * top_k
     up = SkinnyConfig(tile, warps, split_count(up_blocks, hidden, group, warps, num_sms))
     down = SkinnyConfig(tile, warps, split_count(down_blocks, inter, group, warps, num_sms, MAX_SPLITS // top_k))
     return up, down
 
 
-def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cfg: SkinnyConfig) -> None:
+def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cfg: SkinnyConfig,
+            q: tuple[int, torch.Tensor, torch.Tensor | None] | None) -> None:
+    """One launch; q = (fmt, scales, zeros) for 4-bit experts (w [E, N, K/8] int32 or [E, N, K/2] uint8)."""
     tokens, top_k = ids.shape
     n = out.shape[1]
     k = x.shape[1]
+    fmt = DENSE if q is None else W4_FORMATS[q[0]]
     z = tokens if down else tokens * top_k
     splits = cfg.splits * top_k if down else cfg.splits
     ws, ws_bytes, ctr = None, 0, None
     if splits > 1:
-        tiles = num_tiles(n, not down, cfg.tile) * z
+        tiles = num_tiles(n, not down, cfg.tile, fmt) * z
         ctr = counters(x.device)
         if tiles > ctr.numel():
             raise ValueError(f"skinny_moe: {tiles} row tiles exceed the {ctr.numel()} split-K counters")
-        items = tiles * splits * tile_shapes()[cfg.tile][0] * 2 * 32  # float2 per (tile, split, pair)
+        items = tiles * splits * tile_shapes(fmt)[cfg.tile][0] * 2 * 32  # float2 per (tile, split, pair)
         ws = torch.empty(2 * items, dtype=torch.float32, device=x.device)
         ws_bytes = ws.numel() * 4
     gpt_oss = act is not None and act.kind == "gpt_oss"
@@ -114,31 +144,39 @@ def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cf
         0 if ctr is None else ctr.data_ptr(), 0 if ctr is None else ctr.numel(), tokens, top_k, n, k,
         x.stride(0) if x.shape[0] > 1 else k, w.stride(1), out.stride(0) if out.shape[0] > 1 else n, w.stride(0),
         0 if bias is None else bias.stride(0), down, 1 if gpt_oss else 0, act.alpha if gpt_oss else 0.0,
-        act.limit if gpt_oss else 0.0, _KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, cfg.splits, PDL,
-        current_stream(x.device),
+        act.limit if gpt_oss else 0.0, 0 if q is None else q[0], 0 if q is None else q[1].data_ptr(),
+        0 if q is None or q[2] is None else q[2].data_ptr(), 0 if q is None else q[1].stride(1),
+        0 if q is None else (k // q[1].shape[2] if q[0] == 1 else 32), 0 if q is None else q[1].stride(0),
+        _KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, cfg.splits, PDL, current_stream(x.device),
     )
 
 
 def experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: ExpertAct | None = None,
-    up: SkinnyConfig | None = None, down: SkinnyConfig | None = None,
+    up: SkinnyConfig | None = None, down: SkinnyConfig | None = None, quant: Quant4 | None = None,
 ) -> torch.Tensor:
-    """x [T, H] (fits()), w13 [E, 2I, H], w2 [E, H, I], routing [T, k] (ops/moe.py checked them all)
-    -> [T, H] = sum_j weight_j * (act(x W13_j^T + b13_j) W2_j^T + b2_j). Expert ids must lie in
-    [0, E): the kernel reads them on the device, unchecked."""
+    """x [T, H] (fits()), w13 [E, 2I, H], w2 [E, H, I], routing [T, k] (ops/moe.py or ops/gemm/w4.py
+    checked them all) -> [T, H] = sum_j weight_j * (act(x W13_j^T + b13_j) W2_j^T + b2_j). Expert
+    ids must lie in [0, E): the kernel reads them on the device, unchecked. `quant`: the experts are
+    4-bit (w13 / w2 in the kernels/quant4.py layouts; configs index the 4-bit tiles)."""
     tokens, h = x.shape
-    top_k, inter = topk_ids.shape[1], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    inter = w2.shape[2] if quant is None else w13.shape[1] // 2
+    fmt = DENSE if quant is None else W4_FORMATS[quant.fmt]
     if up is None or down is None:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        d_up, d_down = default_configs(top_k, h, inter, _device.num_sms(index))
-        up, down = up or UP_CONFIG or d_up, down or DOWN_CONFIG or d_down
-    check_config(up, 1)
-    check_config(down, 1)
+        d_up, d_down = default_configs(top_k, h, inter, _device.num_sms(index), fmt)
+        env_up, env_down = (UP_CONFIG, DOWN_CONFIG) if quant is None else (None, None)  # env: 16-bit tiles
+        up, down = up or env_up or d_up, down or env_down or d_down
+    check_config(up, 1, fmt)
+    check_config(down, 1, fmt)
     if down.splits * top_k > MAX_SPLITS:  # the down launch's splits are per expert slot
         raise ValueError(f"down config splits must be in 1..{MAX_SPLITS // top_k} at top_k {top_k}, got {down.splits}")
+    q13 = None if quant is None else (quant.fmt, quant.s13, quant.z13)
+    q2 = None if quant is None else (quant.fmt, quant.s2, quant.z2)
     mid = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    _launch(x, w13, b13, topk_ids, topk_weights, mid, False, act, up)
+    _launch(x, w13, b13, topk_ids, topk_weights, mid, False, act, up, q13)
     out = torch.empty(tokens, h, dtype=x.dtype, device=x.device)
-    _launch(mid, w2, b2, topk_ids, topk_weights, out, True, None, down)
+    _launch(mid, w2, b2, topk_ids, topk_weights, out, True, None, down, q2)
     return out

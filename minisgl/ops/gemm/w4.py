@@ -7,7 +7,9 @@ its conditions fail (logged once), the Triton GEMM of kernels/w4a16_gemm.py; fro
 DEQUANT_MIN_M rows the weight decoded to 16 bits on the device (kernels/w4a16_gemm.py
 w4_dequant, DEQUANT_ROWS output columns at a time) and the 16-bit GEMM (cuBLAS), as vLLM runs AWQ at 256
 tokens and up: the Triton GEMM ran 28-32x slower than cuBLAS at 2,048 rows (RESULTS.md, issue
-35), while decoding costs one 16-bit write and read of the weight. CPU: dequantise to fp32
+35), while decoding costs one 16-bit write and read of the weight. 4-bit MoE experts: a decode
+step's few tokens (ops/gemm/skinny_moe.py fits) on the skinny template's MoE kernel with the same
+loaders, else the Triton fused MoE with the loader in its loop. CPU: dequantise to fp32
 through the reference and matmul in fp32 (the path the model tests hold to transformers).
 """
 
@@ -26,6 +28,7 @@ from minisgl.logging_setup import log_once
 from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_once, use_cuda_kernel, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
 from minisgl.ops.gemm import skinny as _sk
+from minisgl.ops.gemm import skinny_moe as _skinny_moe
 from minisgl.ops.moe import check_expert_biases, check_shared, check_topk
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -241,6 +244,9 @@ def fused_moe_w4(
         w2_d = _w4.dequant_reference(w2, w2_scales, w2_zeros, f).to(x.dtype)
         return _moe.fused_experts_reference(x, w13_d, w2_d, topk_weights, topk_ids, shared, shared_gate, b13, b2, act)
     top_k = topk_ids.shape[1]
+    quant = _skinny_moe.Quant4(f, w13_scales, w13_zeros, w2_scales, w2_zeros)
+    if _skinny_moe.fits(x, w13, w2, top_k, shared, quant):  # a decode step's few tokens
+        return _skinny_moe.experts(x, w13, w2, topk_weights, topk_ids, b13, b2, act, quant=quant)
     # The tuned table holds 16-bit experts' tiles: with 4-bit dequantization in the loop their
     # deepest pipelines overflow shared memory (Qwen3-30B-A3B's tuned tiles asked 288 KB of an
     # H100's 227 KB while capturing graphs), so 4-bit experts take the untuned default tiles
