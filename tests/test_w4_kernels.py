@@ -32,10 +32,11 @@ def make_int4(n: int, k: int, group: int, dtype: torch.dtype, gen: torch.Generat
     return pack_int4(q).to(DEV), s.to(DEV), z.to(DEV), w.to(DEV)
 
 
-def make_mxfp4(n: int, k: int, gen: torch.Generator):
-    """(blocks, scales, W fp32 [n, k]); byte j holds columns 2j (low nibble) and 2j + 1."""
+def make_mxfp4(n: int, k: int, gen: torch.Generator, exps: tuple[int, int] = (120, 126)):
+    """(blocks, scales, W fp32 [n, k]); byte j holds columns 2j (low nibble) and 2j + 1; e8m0
+    exponents drawn from [exps[0], exps[1])."""
     nib = torch.randint(0, 16, (n, k), generator=gen)
-    e = torch.randint(120, 126, (n, k // 32), generator=gen)
+    e = torch.randint(*exps, (n, k // 32), generator=gen)
     lut = torch.tensor(E2M1_VALUES)
     w = lut[nib] * torch.exp2(e.float() - 127).repeat_interleave(32, 1)
     blocks = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
@@ -71,10 +72,12 @@ def _run_int4(m: int, n: int, k: int, group: int, dtype: torch.dtype, bias: bool
     assert_close(y, reference(x, w, b, silu))
 
 
-def _run_mxfp4(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, silu: bool):
+def _run_mxfp4(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, silu: bool,
+               exps: tuple[int, int] = (120, 126)):
     gen = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
-    blocks, s, w = make_mxfp4(n, k, gen)
-    x = torch.randn(m, k, generator=gen).to(DEV, dtype)
+    blocks, s, w = make_mxfp4(n, k, gen, exps)
+    # tiny scales: x times 2^(120 - the top exponent), so y stays far above assert_close's 1e-6 floor
+    x = (torch.randn(m, k, generator=gen) * 2.0 ** max(0, 120 - exps[1])).to(DEV, dtype)
     b = (torch.randn(n, generator=gen) * 0.5).to(DEV, dtype) if bias else None
     y = w4.mxfp4_linear(x, blocks, s, b, silu_and_mul=silu)
     assert y.shape == (m, n // 2 if silu else n) and y.dtype == dtype
@@ -225,6 +228,18 @@ def test_mxfp4_gpu(m: int, dtype: torch.dtype) -> None:
     _run_mxfp4(m, 2877, 2880, dtype, bias=True, silu=False)
     _run_mxfp4(m, 8198, 1024, dtype, bias=False, silu=False)
     _run_mxfp4(m, 2 * 1445, 2880, dtype, bias=True, silu=True)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("exps", [(1, 12), (100, 160), (126, 131)])
+@pytest.mark.parametrize("m", [1, 8])
+def test_mxfp4_gpu_scale_range(exps: tuple[int, int], m: int) -> None:
+    """The bf16 loader builds e2m1 * 2^-126 from the nibble's bits (zero and 0.5 as subnormals) and
+    multiplies by 2^(e8m0 - 1), in two steps past 2^127: scales near bf16's smallest (x W stays
+    normal), past 2^1 (the two-step products) and across the boundary, each against the reference."""
+    _run_mxfp4(m, 2877, 2880, torch.bfloat16, bias=False, silu=False, exps=exps)
+    _run_mxfp4(m, 2 * 1445, 2880, torch.bfloat16, bias=False, silu=True, exps=exps)
 
 
 # ---- bad input --------------------------------------------------------------------------------
