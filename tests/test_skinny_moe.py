@@ -201,7 +201,8 @@ def test_moe_layer_routes_with_its_router_in_one_kernel(monkeypatch, tokens: int
 def _case_w4(fmt: int, tokens, top_k, experts, hidden, inter, group, biases, seed):
     """Random 4-bit experts in the kernels/quant4.py layouts, and their fp32 dequantisation (the
     reference's weights). The unused experts are poisoned: INT4 scales NaN; MXFP4 e8m0 253
-    (2^126), so a wrong expert's read turns the output to inf."""
+    (2^126), so a wrong expert's read turns the output to NaN / inf (GPT-OSS's clamped SwiGLU
+    turns those into +-limit in the up projection; the comparison with the reference then fails)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     dev, dtype = "cuda", torch.bfloat16
     x = torch.randn(tokens, hidden, generator=g, device=dev).to(dtype)
@@ -242,8 +243,9 @@ def _check_finite(out, ref):
 @pytest.mark.parametrize("gpt_oss", [False, True])
 def test_w4_experts_match_the_dequantised_reference(fmt: int, group: int, tokens: int, top_k: int, experts: int,
                                                     gpt_oss: bool) -> None:
-    """4-bit experts (ops/gemm/w4.py fused_moe_w4's skinny path): H and I that end mid-tile and
-    mid-split (multiples of 32 and of the group, not of 128)."""
+    """4-bit experts (ops/gemm/w4.py fused_moe_w4's skinny path): H = 384 and I = 192 (224 at group
+    32) end mid-tile and split unevenly; the group is that of w13 (at group 128, w2's one scale
+    column makes its group the whole I = 192)."""
     hidden, inter = 384, 192 + 32 * (group == 32)
     x, w13, w2, weights, ids, b13, b2, quant, r13, r2 = _case_w4(fmt, tokens, top_k, experts, hidden, inter, group,
                                                                   gpt_oss, seed=tokens + top_k)

@@ -213,11 +213,24 @@ def test_fused_moe_w4(fmt: str, gpt_oss: bool, t: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_int4_gpu(m: int, group: int, dtype: torch.dtype) -> None:
     """M <= 32: the skinny template (split-K where default_config splits: N = 1031 at K 4096 does,
-    N = 8198 at K 1024 does not), else the Triton GEMM; odd N, partial row tiles."""
+    N = 8198 at K 1024 does not), else the weight decoded + cuBLAS; odd N, partial row tiles."""
     _run_int4(m, 1031, 4096, group, dtype, bias=m % 2 == 1, silu=False)
     _run_int4(m, 2 * 700, 4096 + group if group < 4096 else 4096, group, dtype, bias=False, silu=True)
     g = min(group, 1024)
     _run_int4(m, 8198, 1024, g, dtype, bias=True, silu=False, sym=True)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [33, 257])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_gemm_gpu(m: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton W4A16 GEMM, which ops took at these M until DEQUANT_MIN_M moved to 33 and still
+    takes at M <= 32 where the skinny kernel's conditions fail: ops routed through it here."""
+    monkeypatch.setattr(w4, "DEQUANT_MIN_M", 1 << 30)
+    _run_int4(m, 1031, 4096, 128, dtype, bias=True, silu=False)
+    _run_int4(m, 2 * 700, 4096, 64, dtype, bias=False, silu=True)
+    _run_mxfp4(m, 2877, 2880, dtype, bias=True, silu=False)
 
 
 @gpu
@@ -268,3 +281,9 @@ def test_bad_input_is_named() -> None:
         w4.mxfp4_linear(x, blocks, es, bias=torch.zeros(7).to(DEV))
     with pytest.raises(ValueError, match="fmt must be one of"):
         w4.fused_moe_w4(x, "nf4", qw, s, z, qw, s, z, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32))
+    # INT4 experts whose zeros sit on another device: named (the kernels read every pointer given)
+    w13, s13, z13 = qw[None], s[None], z[None]
+    w2q, s2, z2, _ = make_int4(64, 8, 8, torch.float32, gen)
+    routing = (torch.ones(2, 1).to(DEV), torch.zeros(2, 1, dtype=torch.int32).to(DEV))
+    with pytest.raises(ValueError, match="w2_zeros is on meta"):
+        w4.fused_moe_w4(x, "int4", w13, s13, z13, w2q[None], s2[None], z2[None].to("meta"), *routing)

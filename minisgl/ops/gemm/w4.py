@@ -2,15 +2,16 @@
 
 Weights are in kernels/quant4.py's layouts (the loaders repack every checkpoint format into
 them once). GPU: M <= 32 the skinny CUDA template with the Int4W / Mxfp4W loader
-(csrc/skinny_weights.cuh; default_config's launch, not yet a measured table), else, or where
-its conditions fail (logged once), the Triton GEMM of kernels/w4a16_gemm.py; from
-DEQUANT_MIN_M rows the weight decoded to 16 bits on the device (kernels/w4a16_gemm.py
-w4_dequant, DEQUANT_ROWS output columns at a time) and the 16-bit GEMM (cuBLAS), as vLLM runs AWQ at 256
-tokens and up: the Triton GEMM ran 28-32x slower than cuBLAS at 2,048 rows (RESULTS.md, issue
-35), while decoding costs one 16-bit write and read of the weight. 4-bit MoE experts: a decode
-step's few tokens (ops/gemm/skinny_moe.py fits) on the skinny template's MoE kernel with the same
-loaders, else the Triton fused MoE with the loader in its loop. CPU: dequantise to fp32
-through the reference and matmul in fp32 (the path the model tests hold to transformers).
+(csrc/skinny_w4.cuh; default_config's launch, not yet a measured table), or where its conditions
+fail (logged once) the Triton GEMM of kernels/w4a16_gemm.py; from DEQUANT_MIN_M (33) rows the
+weight decoded to 16 bits on the device (kernels/w4a16_gemm.py w4_dequant, DEQUANT_ROWS output
+columns at a time) and the 16-bit GEMM (cuBLAS): the untuned Triton GEMM ran 4-7x slower than
+that at 64 rows and 28-32x slower than cuBLAS at 2,048 (RESULTS.md, issue 35), while decoding
+costs one 16-bit write and read of the weight (vLLM runs AWQ the same way from 256 tokens).
+4-bit MoE experts: a decode step's few tokens (ops/gemm/skinny_moe.py fits) on the skinny
+template's MoE kernel with the same loaders, else the Triton fused MoE with the loader in its
+loop. CPU: dequantise to fp32 through the reference and matmul in fp32 (the path the model tests
+hold to transformers).
 """
 
 from __future__ import annotations
@@ -237,7 +238,10 @@ def fused_moe_w4(
     check_topk(x, topk_weights, topk_ids)
     check_shared(x, shared, shared_gate)
     check_expert_biases(w13, x.dtype, (e, two_i), (e, h), b13, b2, act)
-    check_same_device(x=x, w13=w13, w13_scales=w13_scales, w2=w2, w2_scales=w2_scales)
+    # zeros too: the kernels read every pointer they are given on the device
+    check_same_device(x=x, w13=w13, w13_scales=w13_scales, w2=w2, w2_scales=w2_scales,
+                      **({} if w13_zeros is None else {"w13_zeros": w13_zeros}),
+                      **({} if w2_zeros is None else {"w2_zeros": w2_zeros}))
     if not use_triton("fused_moe_w4", x):
         log_cpu_reference_once("fused_moe_w4")
         w13_d = _w4.dequant_reference(w13, w13_scales, w13_zeros, f).to(x.dtype)
