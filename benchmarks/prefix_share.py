@@ -18,6 +18,16 @@ later the rest arrive as a Poisson process of --rate requests/s, each generating
 measured requests: TTFT p50/p99 (client clock), output tok/s, the prompt share the prefix cache
 served (meta_info.cached_tokens) and the share of requests whose hit covers at least 90% of the
 system prompt (hits end on page boundaries, and a hybrid model's on its state snapshots).
+
+--documents D (the resume-point interval, issue 34's `--state-snapshot-interval`): D distinct
+documents of --prefix-tokens tokens arriving at --rate a second, each asked two questions one
+after the other. The second question shares only the document with the first, whose snapshots
+sit at its prompt's end and at prefill chunk ends every interval tokens: it resumes from the
+deepest of those inside the document and recomputes the rest. The table is over the second
+questions. A mode is `on`, `off` or NAME=FLAGS, e.g.
+
+    python benchmarks/prefix_share.py --documents 24 --prefix-tokens 24000 --rate 0.5 \
+        --modes "i1k=--state-snapshot-interval 1024,i8k=--state-snapshot-interval 8192,off" -- ...
 """
 
 from __future__ import annotations
@@ -47,6 +57,29 @@ def prompts(args: argparse.Namespace) -> list[list[int]]:
             for _ in range(args.requests)]
 
 
+async def documents(base_url: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
+    """--documents: per document, two questions one after the other; returns the second ones."""
+    rng = random.Random(args.seed)
+    lo = max(1, args.tail_tokens // 2)
+
+    def question(doc: list[int]) -> list[int]:
+        return doc + [rng.randrange(1000, args.vocab) for _ in range(rng.randint(lo, args.tail_tokens))]
+
+    docs = [[rng.randrange(1000, args.vocab) for _ in range(args.prefix_tokens)] for _ in range(args.documents)]
+    pairs = [(question(d), question(d)) for d in docs]
+    delays = np.cumsum([0.0] + [rng.expovariate(args.rate) for _ in pairs[1:]])
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
+        async def ask(pair: tuple[list[int], list[int]], delay: float) -> dict[str, Any]:
+            await asyncio.sleep(delay)
+            await turn(client, pair[0], args.output_tokens)
+            return await turn(client, pair[1], args.output_tokens)
+
+        start = time.perf_counter()
+        second = await asyncio.gather(*(ask(p, float(d)) for p, d in zip(pairs, delays)))
+        return list(second), time.perf_counter() - start
+
+
 async def workload(base_url: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
     ps = prompts(args)
     rng = random.Random(args.seed + 1)
@@ -68,8 +101,9 @@ async def workload(base_url: str, args: argparse.Namespace) -> tuple[list[dict[s
         return [*warm, *rest], time.perf_counter() - start
 
 
-def summarize(label: str, results: list[dict[str, Any]], duration: float, prefix: int) -> dict[str, Any]:
-    rest = results[2:]  # the two warm-up requests leave the prefix cached; the rest are the measured load
+def summarize(label: str, results: list[dict[str, Any]], duration: float, prefix: int,
+              warm: int = 2) -> dict[str, Any]:
+    rest = results[warm:]  # the two warm-up requests leave the prefix cached; the rest are the measured load
     ttft = np.array([r["ttft"] for r in rest]) * 1000
     return {
         "label": label, "requests": len(results), "duration_s": round(duration, 2),
@@ -95,7 +129,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     own, server_args = split_argv(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="on,off", help="comma-separated: on (the server's defaults), off (--off-args)")
+    p.add_argument("--modes", default="on,off",
+                   help="comma-separated: on (the server's defaults), off (--off-args), NAME=FLAGS (those flags)")
+    p.add_argument("--documents", type=int, default=0, help="the two-questions-per-document workload (see above)")
     p.add_argument("--off-args", default="--state-snapshots 0", help="server flags of the 'off' mode")
     p.add_argument("--requests", type=int, default=66, help="two warm-up requests and the measured ones")
     p.add_argument("--prefix-tokens", type=int, default=1000)
@@ -113,15 +149,16 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.log_dir, exist_ok=True)
     rows = []
     for mode in args.modes.split(","):
-        if mode not in ("on", "off"):
-            p.error(f"--modes: {mode!r} is neither on nor off")
-        extra = args.off_args.split() if mode == "off" else []
-        proc, base = start_server(server_args + extra, f"{args.log_dir}/server_{mode}.log", args.server_timeout)
+        name, sep, flags = mode.partition("=")
+        if not sep and mode not in ("on", "off"):
+            p.error(f"--modes: {mode!r} is neither on, off nor NAME=FLAGS")
+        extra = flags.split() if sep else args.off_args.split() if mode == "off" else []
+        proc, base = start_server(server_args + extra, f"{args.log_dir}/server_{name}.log", args.server_timeout)
         try:
-            results, duration = asyncio.run(workload(base, args))
+            results, duration = asyncio.run(documents(base, args) if args.documents else workload(base, args))
         finally:
             stop_server(proc)
-        rows.append(summarize(mode, results, duration, args.prefix_tokens))
+        rows.append(summarize(name, results, duration, args.prefix_tokens, 0 if args.documents else 2))
     for r in rows:
         print(json.dumps(r))
     print(table(rows))

@@ -28,3 +28,22 @@ def test_both_modes_on_a_hybrid_model_on_cpu(tiny_model_path, tmp_path, capsys) 
     assert rows["on"]["prefix_hit_rate"] >= 0.8 and rows["on"]["cached_share"] > 0.5, out
     assert rows["off"]["prefix_hit_rate"] == 0 and rows["off"]["cached_share"] == 0, out
     assert "| on |" in out and "| off |" in out
+
+
+def test_documents_workload_resumes_from_interval_snapshots_on_cpu(tiny_model_path, tmp_path, capsys) -> None:
+    """--documents with named modes: 16-token prefill chunks, snapshots every 16 tokens against
+    none inside a prompt. The second question of a document resumes from the first's interval
+    snapshots in the first mode and from nothing in the second (its only shared prefix is the
+    document, where the first question left no prompt-end snapshot)."""
+    model = str(tiny_model_path("qwen3_next"))
+    chunks = "--max-prefill-tokens 16 --state-snapshot-interval"
+    ps.main(["--documents", "3", "--prefix-tokens", "64", "--tail-tokens", "8", "--output-tokens", "3",
+             "--rate", "20", "--vocab", "4000", "--log-dir", str(tmp_path),
+             "--modes", f"i16={chunks} 16,none={chunks} 100000",
+             "--", "--model", model, "--device", "cpu", "--dtype", "float32", "--page-size", "1"])
+    out = capsys.readouterr().out
+    rows = {r["label"]: r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
+    assert set(rows) == {"i16", "none"}, out
+    assert all(r["requests"] == 3 for r in rows.values()), out
+    assert rows["i16"]["cached_share"] > 0.3, out
+    assert rows["none"]["cached_share"] == 0, out
