@@ -22,6 +22,7 @@ from minisgl.kernels.quant4 import dequant_int4_reference, dequant_mxfp4_referen
 from minisgl.kernels.tile_order import grouped_tile
 
 INT4, MXFP4 = 1, 2
+NAMES = {INT4: "int4", MXFP4: "mxfp4"}  # the format names ops/gemm uses
 
 
 @triton.jit
@@ -111,7 +112,7 @@ def w4_dequant(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
         out = torch.empty(n, k, dtype=dtype, device=w.device)
     if n == 0 or k == 0:
         return out
-    group = k // scales.shape[1] if fmt == INT4 else 32
+    group = k // scales.shape[1]  # MXFP4's scales are [N, K / 32]: 32
     bn, bk = 64, 128
     _w4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         w, scales, zeros if zeros is not None else scales, out, n, k, group, w.stride(0), scales.stride(0),

@@ -280,7 +280,8 @@ def test_fused_moe_w4_takes_the_skinny_path_up_to_max_tokens(monkeypatch, fmt: s
     for t in (1, skinny_moe.MAX_TOKENS, skinny_moe.MAX_TOKENS + 1):
         x, w13, w2, weights, ids, b13, b2, q, r13, r2 = _case_w4(f, t, 4, 16, 256, 128, 128 if f == W4.INT4 else 32,
                                                                   True, seed=t)
-        # Triton's grouped GEMM may read every expert's tiles: no poison for the batch past MAX_TOKENS
+        # every expert live (the Triton path's grouped GEMM, past MAX_TOKENS, may read any expert's
+        # tiles); the poisoned cases are the tests above
         if f == W4.INT4:
             q.s13.nan_to_num_(0.01)
             q.s2.nan_to_num_(0.01)

@@ -30,6 +30,7 @@ import torch
 
 from minisgl import env
 from minisgl.kernels import device as _device  # (its num_sms: a parameter here has that name)
+from minisgl.kernels import w4a16_gemm as _w4
 from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 from minisgl.ops.deterministic import is_deterministic
@@ -64,7 +65,6 @@ def _parse(text: str) -> tuple[int, SkinnyConfig | None, SkinnyConfig | None]:
 
 
 MAX_TOKENS, UP_CONFIG, DOWN_CONFIG = _parse(env.SKINNY_MOE)
-W4_FORMATS = {1: "int4", 2: "mxfp4"}  # kernels/w4a16_gemm.py's INT4 / MXFP4 -> ops/gemm's format names
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, share
     if not use_cuda_kernel("skinny_moe", x) or not hasattr(compiled(), "skinny_moe"):
         return False
     h, inter = x.shape[1], (w2.shape[2] if quant is None else w13.shape[1] // 2)
-    if quant is not None and (h % 32 or inter % 32 or (quant.fmt == 1 and (
+    if quant is not None and (h % 32 or inter % 32 or (quant.fmt == _w4.INT4 and (
             (h // quant.s13.shape[2]) % 32 or (inter // quant.s2.shape[2]) % 32))):
         return False
     return (h % 8 == 0 and inter % 8 == 0 and x.stride(1) == 1 and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
@@ -125,7 +125,7 @@ def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cf
     tokens, top_k = ids.shape
     n = out.shape[1]
     k = x.shape[1]
-    fmt = DENSE if q is None else W4_FORMATS[q[0]]
+    fmt = DENSE if q is None else _w4.NAMES[q[0]]
     z = tokens if down else tokens * top_k
     splits = cfg.splits * top_k if down else cfg.splits
     ws, ws_bytes, ctr = None, 0, None
@@ -146,7 +146,7 @@ def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cf
         0 if bias is None else bias.stride(0), down, 1 if gpt_oss else 0, act.alpha if gpt_oss else 0.0,
         act.limit if gpt_oss else 0.0, 0 if q is None else q[0], 0 if q is None else q[1].data_ptr(),
         0 if q is None or q[2] is None else q[2].data_ptr(), 0 if q is None else q[1].stride(1),
-        0 if q is None else (k // q[1].shape[2] if q[0] == 1 else 32), 0 if q is None else q[1].stride(0),
+        0 if q is None else k // q[1].shape[2], 0 if q is None else q[1].stride(0),
         _KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, cfg.splits, PDL, current_stream(x.device),
     )
 
@@ -163,7 +163,7 @@ def experts(
     tokens, h = x.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2] if quant is None else w13.shape[1] // 2
-    fmt = DENSE if quant is None else W4_FORMATS[quant.fmt]
+    fmt = DENSE if quant is None else _w4.NAMES[quant.fmt]
     if up is None or down is None:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         d_up, d_down = default_configs(top_k, h, inter, _device.num_sms(index), fmt)

@@ -33,7 +33,7 @@ from minisgl.ops.gemm import skinny_moe as _skinny_moe
 from minisgl.ops.moe import check_expert_biases, check_shared, check_topk
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FORMATS = {"int4": _w4.INT4, "mxfp4": _w4.MXFP4}
+FORMATS = {name: fmt for fmt, name in _w4.NAMES.items()}
 SKINNY_MAX_M = 32
 # Past the skinny kernel: benchmarks/kernels/w4_gemm.py's large-M table (RESULTS.md, twelfth
 # session, H100) had decode + cuBLAS 4-7x faster than the Triton GEMM at 64 rows and 6-22x at
@@ -170,7 +170,7 @@ def skinny_linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tens
     n_out = n_w // 2 if silu else n_w
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     shapes = skinny_w4_shapes()
-    name = "int4" if fmt == _w4.INT4 else "mxfp4"  # ops/gemm's format names
+    name = _w4.NAMES[fmt]
     sms = _device.num_sms(x.device)
     cfg = _sk.default_config(m, n_out, k, silu, sms, name) if config is None else config
     if config is not None:
@@ -186,7 +186,7 @@ def skinny_linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tens
     # fmt: off
     compiled().skinny_gemm_w4(
         x.data_ptr(), w.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), scales.stride(0),
-        k // scales.shape[1] if fmt == _w4.INT4 else 32, fmt, 0 if bias is None else bias.data_ptr(),
+        k // scales.shape[1], fmt, 0 if bias is None else bias.data_ptr(),
         out.data_ptr(), 0 if ws is None else ws.data_ptr(), 0 if ws is None else ws.numel() * 4,
         0 if ctr is None else ctr.data_ptr(), 0 if ctr is None else ctr.numel(), m, n_out, k,
         x.stride(0) if m > 1 else k, w.stride(0), out.stride(0) if m > 1 else n_out, silu,
