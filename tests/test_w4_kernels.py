@@ -13,6 +13,7 @@ import torch
 from minisgl import env
 from minisgl.kernels import fused_moe as G
 from minisgl.kernels.quant4 import E2M1_VALUES, pack_int4
+from minisgl.ops._backend import compiled
 from minisgl.ops.gemm import w4
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -287,3 +288,45 @@ def test_bad_input_is_named() -> None:
     routing = (torch.ones(2, 1).to(DEV), torch.zeros(2, 1, dtype=torch.int32).to(DEV))
     with pytest.raises(ValueError, match="w2_zeros is on meta"):
         w4.fused_moe_w4(x, "int4", w13, s13, z13, w2q[None], s2[None], z2[None].to("meta"), *routing)
+
+
+_NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU would run the good calls on fake pointers")
+
+
+@_NO_GPU
+def test_skinny_w4_launchers_check_the_weight_arguments() -> None:
+    """The 4-bit launchers' shared argument check (csrc/skinny_gemm.cu w4_args_ok), through the
+    bindings on a machine without a GPU: a bad 4-bit argument is refused before any CUDA call
+    ('invalid argument'), while good ones pass every check and fail only at the missing device."""
+    ext = compiled()
+    if ext is None or not ext.has_cuda:
+        pytest.skip("minisgl._C was built without CUDA")
+    p = 1 << 20  # a 16-byte aligned address, never dereferenced (no launch happens)
+    k = 256
+
+    def dense(fmt=1, w_stride=k // 8, zeros=p, q_group=128):
+        ext.skinny_gemm_w4(p, p, p, zeros, k // q_group if fmt == 1 else k // 32, q_group, fmt, 0, p, 0, 0, 0, 0,
+                           1, 64, k, k, w_stride, 64, False, 1, 0, 4, 1, False, 0)
+
+    def moe(fmt=1, w_expert_stride=64 * k // 8, zeros=p, q_group=128):
+        ext.skinny_moe(p, p, 0, p, 0, p, 0, 0, 0, 0, 1, 2, 64, k, k, k // 8 if fmt == 1 else k // 2, 64,
+                       w_expert_stride, 0, False, 0, 0.0, 0.0, fmt, p, zeros, 2, q_group, 128, 1, 0, 4, 1, False, 0)
+
+    bad = [
+        lambda: dense(fmt=3),
+        lambda: dense(w_stride=k // 8 + 1),  # INT4 rows not 16-byte aligned
+        lambda: dense(zeros=0),  # INT4 without zeros
+        lambda: dense(q_group=48),  # INT4 group not a multiple of 32
+        lambda: dense(fmt=2, w_stride=k // 2, zeros=p, q_group=32),  # MXFP4 with zeros
+        lambda: dense(fmt=2, w_stride=k // 2, zeros=0, q_group=64),  # MXFP4 scales per 32 only
+        lambda: moe(w_expert_stride=64 * k // 8 + 2),  # an expert's rows not 16-byte aligned
+        lambda: moe(fmt=2, w_expert_stride=64 * k // 2, zeros=p, q_group=32),
+    ]
+    for call in bad:
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            call()
+    for call in (dense, lambda: dense(fmt=2, w_stride=k // 2, zeros=0, q_group=32), moe,
+                 lambda: moe(fmt=2, w_expert_stride=64 * k // 2, zeros=0, q_group=32)):
+        with pytest.raises(RuntimeError) as e:
+            call()
+        assert "invalid argument" not in str(e.value), str(e.value)
