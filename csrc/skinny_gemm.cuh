@@ -295,8 +295,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_kernel(const Params p) 
 }
 
 // The routed experts of 1..few tokens (Params' MoE fields): each block reads its expert id, then
-// runs the dense block on that expert's W with m = 1 (16-bit or 4-bit loaders: W::expert). Up and down are separate instances
-// (kDown), so the up projection's blocks carry none of the top-k sum's code.
+// runs the dense block on that expert's W with m = 1 (16-bit or 4-bit loaders: W::expert). Up and
+// down are separate instances (kDown), so the up projection's blocks carry none of the top-k sum's code.
 // Programmatic dependent launch: the up launch follows the routing kernel, so it waits before it
 // reads the ids, and only then lets the down launch start. So when a down block starts, every up
 // block has passed its wait, the routing kernel has completed, and the ids and weights may be read
