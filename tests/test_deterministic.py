@@ -98,6 +98,14 @@ def test_deterministic_refuses_fp8_weights(tiny_model_path) -> None:
         LLM(str(tiny_model_path("qwen3")), device="cpu", dtype="float32", deterministic=True, quantization="fp8")
 
 
+def test_deterministic_refuses_4bit_weights_by_name(tiny_model_path, tmp_path) -> None:
+    import quant4_checkpoints as ck
+
+    q, _ = ck.write_quant4(tiny_model_path("qwen3"), tmp_path / "q", tmp_path / "deq", "gptq", 16)
+    with pytest.raises(ValueError, match="deterministic mode does not cover INT4 weights"):
+        LLM(str(q), device="cpu", dtype="float32", deterministic=True)
+
+
 def test_deterministic_refuses_speculative_decoding(tiny_model_path) -> None:
     with pytest.raises(ValueError, match="speculative"):
         LLM(str(tiny_model_path("qwen3")), device="cpu", dtype="float32", deterministic=True,

@@ -21,8 +21,10 @@ def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
         raise ValueError(f"deterministic mode does not cover sliding-window attention or attention sinks yet "
                          f"({mc.architecture}); leave out --deterministic for this model")
     if cfg.quantization is not None or mc.quantization is not None:
-        # The FP8 GEMMs (ops/gemm/fp8.py, the FP8 skinny loader) choose their tiles and splits by M.
-        raise ValueError("deterministic mode does not cover FP8 weights yet: leave out --quantization "
+        # The FP8 and 4-bit GEMMs (ops/gemm/fp8.py, ops/gemm/w4.py, their skinny loaders) choose
+        # their tiles and splits, or their path, by M.
+        fmt = "FP8" if mc.quantization is None else mc.quantization.fmt.upper()
+        raise ValueError(f"deterministic mode does not cover {fmt} weights yet: leave out --quantization "
                          "(quantization=) or use a 16-bit checkpoint")
     if cfg.spec is not None:
         # A seeded request's draws no longer depend on the draft (kernels/spec_accept.py: a
