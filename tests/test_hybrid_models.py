@@ -204,6 +204,45 @@ def test_shared_prefix_hits_its_snapshot_and_equals_no_hit(tiny_model_path: Call
         torch.testing.assert_close(torch.tensor(a["logprobs"]), torch.tensor(b["logprobs"]), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("supersede", [True, False])
+def test_long_prompts_interval_snapshots_leave_room_for_each_other(
+        tiny_model_path: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, supersede: bool) -> None:
+    """The documents workload (benchmarks/prefix_share.py --documents) in small: 4 documents of
+    56 tokens, asked one question each (one after the other, so chunks end on multiples of 16),
+    then a second one each, at once. Prompts are chunked by 16 with snapshots every 8 tokens, so
+    each first question leaves interval snapshots at 16, 32 and 48 and one at its end: 16 for 12
+    snapshot slots (the second questions, admitted two at a time by the prefill budget, take
+    two each: at the branch point and the end). Each interval snapshot supersedes its prompt's
+    previous one, so every document keeps its deepest (48) and every second question resumes
+    there. Without that rule (the radix cache's `supersede_snapshot` disabled, the
+    case this test must catch) plain LRU keeps only the last documents' snapshots. Tokens equal
+    those of the same requests without snapshots."""
+    from minisgl.kvcache.radix_cache import RadixCache
+
+    if not supersede:
+        monkeypatch.setattr(RadixCache, "supersede_snapshot", lambda self, token_ids: None)
+    path = str(tiny_model_path("qwen3_next"))
+    docs = random_prompts(21, (56,) * 4)
+    firsts = [d + t for d, t in zip(docs, random_prompts(22, (5, 7, 4, 6)), strict=True)]
+    seconds = [d + t for d, t in zip(docs, random_prompts(23, (6, 3, 8, 5)), strict=True)]
+    outs = {}
+    for snaps in (12, 0):
+        llm = LLM(path, device="cpu", dtype="float32", page_size=1, max_running_requests=4, max_prefill_tokens=16,
+                  state_snapshots=snaps, state_snapshot_interval=8)
+        for first in firsts:
+            llm.generate([first], greedy(2), use_tqdm=False)
+        hits = record_prefix_hits(llm)
+        outs[snaps] = llm.generate(seconds, greedy(4), use_tqdm=False)
+        llm.scheduler.check_integrity()
+        llm.shutdown()
+        if snaps and supersede:
+            assert hits == [48] * 4, f"second questions' hits {hits}: a document's deepest snapshot was dropped"
+        elif snaps:
+            assert min(hits) < 48, f"plain LRU kept every document's snapshot ({hits}): the test cannot tell"
+    for a, b in zip(outs[12], outs[0], strict=True):
+        assert a["token_ids"] == b["token_ids"]
+
+
 @pytest.mark.parametrize("name", HYBRID)
 def test_tp2_with_snapshot_hits_equals_tp1(tiny_model_path: Callable[[str], Path], name: str) -> None:
     """TP 2 over gloo (each rank one k-head with its two v-heads, its own state pool and

@@ -1,7 +1,7 @@
 """The radix cache's recurrent-state snapshots (kvcache/radix_snap.py): a match ends at the
 deepest snapshot on its path, splits keep a snapshot on the node that ends where it was taken,
-and every snapshot slot comes back through `free_snapshot` exactly once (eviction, LRU drop,
-reset)."""
+every snapshot slot comes back through `free_snapshot` exactly once (eviction, LRU drop,
+reset), and a superseded snapshot is dropped first."""
 
 from __future__ import annotations
 
@@ -80,6 +80,29 @@ def test_eviction_lru_drop_and_reset_free_each_slot_once() -> None:
     cache.reset()
     assert sorted(freed) == [700, 701, 702, 703] and cache.num_snapshots == 0
     assert not cache.drop_lru_snapshot()
+    cache.check_integrity()
+
+
+def test_a_superseded_snapshot_is_dropped_first() -> None:
+    """`supersede_snapshot` moves the snapshot after exactly those tokens to the front of the
+    drop order (older ones stay behind it) and touches nothing else: a length that ends inside
+    an edge or holds no snapshot, or tokens not cached, change nothing and split nothing."""
+    cache, freed = _cache()
+    a, b = list(range(100, 130)), list(range(200, 210))
+    cache.insert(a, list(range(1, 31)))
+    cache.insert(b, list(range(31, 41)))
+    assert cache.set_snapshot(b, 800) and cache.set_snapshot(a[:10], 801) and cache.set_snapshot(a[:20], 802)
+    before = sorted(cache.cached_prefixes())
+    for miss in (a[:15], a[:30], a[:5] + [1] * 5, [7] * 10):  # mid-edge, no snapshot there, not cached
+        cache.supersede_snapshot(miss)
+    assert sorted(cache.cached_prefixes()) == before, "supersede_snapshot split an edge"
+    assert cache.drop_lru_snapshot() and freed == [800], "a miss moved a snapshot"
+    cache.insert(b, list(range(31, 41)))
+    assert cache.set_snapshot(b, 803)
+    cache.supersede_snapshot(a[:10])  # 801 is now dropped before 802 and the newer 803
+    assert cache.drop_lru_snapshot() and freed == [800, 801]
+    assert cache.drop_lru_snapshot() and freed == [800, 801, 802]
+    assert cache.match_prefix(a + [1]).matched_tokens == 0
     cache.check_integrity()
 
 

@@ -12,7 +12,8 @@ the state where the hit ends (kvcache/radix_snap.py: a match ends at the deepest
 path): `attach` copies it into the request's slot. `snapshot` takes one after the step that
 computed a prompt up to a position (launched, so the copy follows it on the stream): at each
 prompt's end, where its KV match went past its snapshot (the chunk ends there: the next request
-sharing that prefix resumes it whole), and at chunk ends every `state_snapshot_interval` tokens.
+sharing that prefix resumes it whole), and at chunk ends every `state_snapshot_interval` tokens;
+such an interval snapshot supersedes the prompt's previous one (dropped first, radix_snap.py).
 Without snapshot slots (`--state-snapshots 0`) such a model takes no prefix hit; its KV still
 goes to the cache.
 
@@ -191,10 +192,15 @@ class RequestKV(HostLoads):
         branch = pos == req.snap_at
         if branch:
             req.snap_at = 0
-        if not (prompt_end or branch or pos // self.snapshot_interval > prefix // self.snapshot_interval):
+        interval = pos // self.snapshot_interval > prefix // self.snapshot_interval
+        if not (prompt_end or branch or interval):
             return
+        # A snapshot taken only for the interval supersedes this prompt's previous one (radix_snap.py).
+        interval = interval and not (prompt_end or branch)
         if req.match is None or req.match.matched_tokens < pos:  # a chunk's KV is cached already
             self.cache_progress(req)
+        if interval and req.interval_snap:  # before a drop picks its victim
+            self.cache.supersede_snapshot(req.tokens()[: req.interval_snap])  # type: ignore[attr-defined]
         slot = self.states.allocate_snapshot()
         if slot is None and self.cache.drop_lru_snapshot():  # type: ignore[attr-defined]
             slot = self.states.allocate_snapshot()
@@ -202,6 +208,8 @@ class RequestKV(HostLoads):
             return
         if self.cache.set_snapshot(req.tokens()[:pos], slot):  # type: ignore[attr-defined]
             self.states.copy(req.state_slot, slot)
+            if interval:
+                req.interval_snap = pos
         else:  # that prefix has one already
             self.states.free_snapshot(slot)
 

@@ -31,6 +31,9 @@ class Request:
     # With state snapshots: the prompt position where its KV match went past its snapshot (a
     # branch point): its prefill chunk ends there and the state is snapshotted (0: none).
     snap_at: int = 0
+    # Where its prefill took its last interval snapshot (kv.snapshot; 0: none): the next one
+    # supersedes it.
+    interval_snap: int = 0
     cached_len: int = 0  # tokens whose K/V are in the cache (or being computed in flight)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     # Prefix-cache state: the locked match whose pages start `pages`.
