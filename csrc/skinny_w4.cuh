@@ -62,6 +62,7 @@ struct Int4Magic;
 template <>
 struct Int4Magic<__half> {
   static constexpr uint32_t kBits = 0x64006400u;  // 1024 in both halves
+  static constexpr uint32_t kOne2 = 0x3C003C00u;  // 1 in both halves
   static constexpr float kValue = 1024.0f;
   static __device__ __forceinline__ uint32_t sub_mul(uint32_t v, uint32_t off, uint32_t sc) {
     const __half2 r = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&off)),
@@ -72,6 +73,7 @@ struct Int4Magic<__half> {
 template <>
 struct Int4Magic<__nv_bfloat16> {
   static constexpr uint32_t kBits = 0x43004300u;  // 128 in both halves
+  static constexpr uint32_t kOne2 = 0x3F803F80u;  // 1 in both halves
   static constexpr float kValue = 128.0f;
   static __device__ __forceinline__ uint32_t sub_mul(uint32_t v, uint32_t off, uint32_t sc) {
     using B2 = __nv_bfloat162;
@@ -142,14 +144,24 @@ struct W4Base {
 
 // INT4 (kernels/quant4.py): word k / 8 of a row holds elements k..k+7 as nibbles, lowest first;
 // a thread's 32 elements lie in one group (q_group % 32 == 0, the host checks).
+//
+// Folded path (fold: q_group a multiple of kChunk, or one group a row, so a quad's 128 elements,
+// the K of its MMAs, share one scale and zero): the MMAs take the raw pairs magic + q (exact
+// 16-bit integers) and a group's sum is s * (sum (magic + q) x - (magic + z) * sum x), sum x from
+// MMAs with an all-ones W shared by every row. That leaves three integer instructions a pair
+// (where the general path adds a subtract and a multiply), fewer rounding steps than the
+// reference's rounded W, and an error of the fp32 subtraction, about 2^-24 * magic * |sum x|.
 template <typename TT>
 struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
   using T = TT;
+  using Base = W4Base<Int4W<TT>, TT, uint32_t>;
   using Scale = unsigned short;  // scales and zeros: T's bits
   template <int RT, int U>
   struct Regs {
     uint4 lo[RT][U], hi[RT][U];
-    uint32_t off_lo[RT][U], off_hi[RT][U], sc_lo[RT][U], sc_hi[RT][U];  // T pairs (magic + z), s
+    // fold: fp32 bits of magic + z and of s; else T pairs (magic + z) and s.
+    uint32_t off_lo[RT][U], off_hi[RT][U], sc_lo[RT][U], sc_hi[RT][U];
+    bool fold;
   };
 
   // Rows and K ranges that are off get scale 0: their (zero) words then give W = 0.
@@ -163,29 +175,80 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
     const float sh = hi_ok ? bits_to_float<T>(__ldg(sc + s_hi + grp)) : 0.0f;
     const float zl = lo_ok ? bits_to_float<T>(__ldg(zr + s_lo + grp)) : 0.0f;
     const float zh = hi_ok ? bits_to_float<T>(__ldg(zr + s_hi + grp)) : 0.0f;
-    g.sc_lo[r][u] = splat2<T>(sl);
-    g.sc_hi[r][u] = splat2<T>(sh);
-    g.off_lo[r][u] = splat2<T>(Int4Magic<T>::kValue + zl);
-    g.off_hi[r][u] = splat2<T>(Int4Magic<T>::kValue + zh);
+    g.fold = p.q_group % Base::kChunk == 0 || p.q_group >= p.k;
+    if (g.fold) {
+      g.sc_lo[r][u] = __float_as_uint(sl);
+      g.sc_hi[r][u] = __float_as_uint(sh);
+      g.off_lo[r][u] = __float_as_uint(Int4Magic<T>::kValue + zl);
+      g.off_hi[r][u] = __float_as_uint(Int4Magic<T>::kValue + zh);
+    } else {
+      g.sc_lo[r][u] = splat2<T>(sl);
+      g.sc_hi[r][u] = splat2<T>(sh);
+      g.off_lo[r][u] = splat2<T>(Int4Magic<T>::kValue + zl);
+      g.off_hi[r][u] = splat2<T>(Int4Magic<T>::kValue + zh);
+    }
   }
 
-  // Pair p = elements 2p, 2p + 1 = nibbles 2j, 2j + 1 of word p / 4 (j = p % 4).
-  static __device__ __forceinline__ void to_pairs(const uint4 v, uint32_t off, uint32_t sc, uint32_t (&out)[16]) {
+  // Pair p = elements 2p, 2p + 1 = the low and high nibble of byte j = p % 4 of word p / 4, as
+  // the T pair (magic + lo, magic + hi): the byte copied to bits 0..7 and 12..19 (byte * 0x1001)
+  // puts the low nibble at bits 0..3 and the high one at 16..19.
+  static __device__ __forceinline__ void raw_pairs(const uint4 v, uint32_t (&out)[16]) {
     const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int w = 0; w < 4; ++w)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t t = words[w] >> (8 * j);
-        const uint32_t bits = (t & 0xFu) | ((t & 0xF0u) << 12) | Int4Magic<T>::kBits;
-        out[4 * w + j] = Int4Magic<T>::sub_mul(bits, off, sc);
+        const uint32_t u = ((words[w] >> (8 * j)) & 0xFFu) * 0x1001u;
+        out[4 * w + j] = (u & 0x000F000Fu) | Int4Magic<T>::kBits;
       }
   }
 
   template <typename R>
   static __device__ __forceinline__ void pairs(const R& g, int r, int u, uint32_t (&a)[16], uint32_t (&b)[16]) {
-    to_pairs(g.lo[r][u], g.off_lo[r][u], g.sc_lo[r][u], a);
-    to_pairs(g.hi[r][u], g.off_hi[r][u], g.sc_hi[r][u], b);
+    raw_pairs(g.lo[r][u], a);
+    raw_pairs(g.hi[r][u], b);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      a[i] = Int4Magic<T>::sub_mul(a[i], g.off_lo[r][u], g.sc_lo[r][u]);
+      b[i] = Int4Magic<T>::sub_mul(b[i], g.off_hi[r][u], g.sc_hi[r][u]);
+    }
+  }
+
+  template <int MT, int RT, int U, typename R>
+  static __device__ __forceinline__ void mma(float (&acc)[RT][MT][4], const R& g, const uint4 (&x)[MT][U][4]) {
+    if (!g.fold) {
+      Base::template mma<MT, RT, U>(acc, g, x);
+      return;
+    }
+    uint32_t ones[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) ones[i] = Int4Magic<T>::kOne2;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float sx[MT][4];  // sum x over the chunk, per token column (the accumulator's layout)
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        sx[t][0] = sx[t][1] = sx[t][2] = sx[t][3] = 0.0f;
+        mma_pairs<T, 4>(sx[t], ones, ones, x[t][u]);
+      }
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        uint32_t a[16], b[16];
+        raw_pairs(g.lo[r][u], a);
+        raw_pairs(g.hi[r][u], b);
+        const float sl = __uint_as_float(g.sc_lo[r][u]), sh = __uint_as_float(g.sc_hi[r][u]);
+        const float ol = __uint_as_float(g.off_lo[r][u]), oh = __uint_as_float(g.off_hi[r][u]);
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+          float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma_pairs<T, 4>(c, a, b, x[t][u]);
+          acc[r][t][0] = fmaf(sl, fmaf(-ol, sx[t][0], c[0]), acc[r][t][0]);
+          acc[r][t][1] = fmaf(sl, fmaf(-ol, sx[t][1], c[1]), acc[r][t][1]);
+          acc[r][t][2] = fmaf(sh, fmaf(-oh, sx[t][2], c[2]), acc[r][t][2]);
+          acc[r][t][3] = fmaf(sh, fmaf(-oh, sx[t][3], c[3]), acc[r][t][3]);
+        }
+      }
+    }
   }
 };
 
