@@ -66,6 +66,17 @@ struct Params {
 
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
 
+// Zeroes an accumulator set (RT row tiles x MT x tiles x the MMA's 4 floats).
+template <int RT, int MT>
+__device__ __forceinline__ void zero_acc(float (&acc)[RT][MT][4]) {
+#pragma unroll
+  for (int r = 0; r < RT; ++r)
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][t][i] = 0.0f;
+}
+
 // Streamed once: skip L1 allocation (it would only evict x).
 __device__ __forceinline__ uint4 load_w(const void* ptr, bool pred) {
   uint4 v = zero4();

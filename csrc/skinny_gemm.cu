@@ -21,103 +21,68 @@ using KernelFn = void (*)(Params);
 struct TileConfig {
   int rt, u, max_mt;
 };
-constexpr TileConfig kConfigs[] = {{1, 2, 4}, {1, 4, 4}, {2, 2, 4}, {2, 4, 2}};
-constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
-
-template <typename T, int MT>
-KernelFn pick_config(int cfg) {
-  switch (cfg) {
-    case 0: return skinny::skinny_kernel<skinny::Bf16W<T>, MT, 1, 2>;
-    case 1: return skinny::skinny_kernel<skinny::Bf16W<T>, MT, 1, 4>;
-    case 2: return skinny::skinny_kernel<skinny::Bf16W<T>, MT, 2, 2>;
-    case 3:
-      if constexpr (MT <= kConfigs[3].max_mt) return skinny::skinny_kernel<skinny::Bf16W<T>, MT, 2, 4>;
-      return nullptr;
-    default: return nullptr;
-  }
-}
-static_assert(kNumConfigs == 4, "pick_config must list every configuration");
-
-template <typename T>
-KernelFn pick_m(int m, int cfg) {
-  switch ((m + 7) / 8) {
-    case 1: return pick_config<T, 1>(cfg);
-    case 2: return pick_config<T, 2>(cfg);
-    case 3: return pick_config<T, 3>(cfg);
-    case 4: return pick_config<T, 4>(cfg);
-    default: return nullptr;
-  }
-}
-
+// One table per loader family (Tiles<W>::kList), four entries each (pick_config's cases).
+template <template <typename> class W>
+struct Tiles;
+template <>
+struct Tiles<skinny::Bf16W> {
+  static constexpr TileConfig kList[] = {{1, 2, 4}, {1, 4, 4}, {2, 2, 4}, {2, 4, 2}};
+};
 // FP8 weights (skinny_weights.cuh Fp8W): U counts 64-element chunks (16 e4m3 per 16-byte load) and is
 // even (whole 128-K scale spans); max_mt where a group's registers (W 16 * RT * U + x 16 * MT * U
-// bytes per thread, twice for the pipeline) stay near the bf16 tiles'. Append, never reorder.
-constexpr TileConfig kFp8Configs[] = {{1, 2, 4}, {2, 2, 4}, {1, 4, 2}, {2, 4, 1}};
-constexpr int kNumFp8Configs = sizeof(kFp8Configs) / sizeof(kFp8Configs[0]);
+// bytes per thread, twice for the pipeline) stay near the bf16 tiles'.
+template <>
+struct Tiles<skinny::Fp8W> {
+  static constexpr TileConfig kList[] = {{1, 2, 4}, {2, 2, 4}, {1, 4, 2}, {2, 4, 1}};
+};
+// 4-bit weights (Int4W / Mxfp4W, one table): U counts 128-element chunks (32 nibbles per 16-byte
+// load); x takes 4 pieces per chunk, so max_mt is lower than the 16-bit tiles' for the same U.
+template <>
+struct Tiles<skinny::Int4W> {
+  static constexpr TileConfig kList[] = {{1, 1, 4}, {2, 1, 4}, {1, 2, 2}, {2, 2, 1}};
+};
+template <>
+struct Tiles<skinny::Mxfp4W> : Tiles<skinny::Int4W> {};
 
-template <typename T, int MT>
-KernelFn pick_fp8_config(int cfg) {
-  switch (cfg) {
-    case 0: return skinny::skinny_kernel<skinny::Fp8W<T>, MT, 1, 2>;
-    case 1: return skinny::skinny_kernel<skinny::Fp8W<T>, MT, 2, 2>;
-    case 2:
-      if constexpr (MT <= kFp8Configs[2].max_mt) return skinny::skinny_kernel<skinny::Fp8W<T>, MT, 1, 4>;
-      return nullptr;
-    case 3:
-      if constexpr (MT <= kFp8Configs[3].max_mt) return skinny::skinny_kernel<skinny::Fp8W<T>, MT, 2, 4>;
-      return nullptr;
-    default: return nullptr;
-  }
+constexpr const TileConfig (&kConfigs)[4] = Tiles<skinny::Bf16W>::kList;
+constexpr const TileConfig (&kFp8Configs)[4] = Tiles<skinny::Fp8W>::kList;
+constexpr const TileConfig (&kW4Configs)[4] = Tiles<skinny::Int4W>::kList;
+constexpr int kNumConfigs = 4, kNumFp8Configs = 4, kNumW4Configs = 4;
+
+// Configuration I of W's table for MT x tiles (null past its max_mt: the registers would spill).
+template <template <typename> class W, typename T, int MT, int I>
+KernelFn instance() {
+  constexpr TileConfig c = Tiles<W>::kList[I];
+  if constexpr (MT <= c.max_mt) return skinny::skinny_kernel<W<T>, MT, c.rt, c.u>;
+  return nullptr;
 }
-static_assert(kNumFp8Configs == 4, "pick_fp8_config must list every configuration");
-
-template <typename T>
-KernelFn pick_fp8_m(int m, int cfg) {
-  switch ((m + 7) / 8) {
-    case 1: return pick_fp8_config<T, 1>(cfg);
-    case 2: return pick_fp8_config<T, 2>(cfg);
-    case 3: return pick_fp8_config<T, 3>(cfg);
-    case 4: return pick_fp8_config<T, 4>(cfg);
-    default: return nullptr;
-  }
-}
-
-// 4-bit weights (Int4W / Mxfp4W): U counts 128-element chunks (32 nibbles per 16-byte load);
-// x takes 4 pieces per chunk, so max_mt is lower than the 16-bit tiles' for the same U. Not yet
-// swept on a GPU: a first table. Append, never reorder.
-constexpr TileConfig kW4Configs[] = {{1, 1, 4}, {2, 1, 4}, {1, 2, 2}, {2, 2, 1}};
-constexpr int kNumW4Configs = sizeof(kW4Configs) / sizeof(kW4Configs[0]);
 
 template <template <typename> class W, typename T, int MT>
-KernelFn pick_w4_config(int cfg) {
+KernelFn pick_config(int cfg) {
+  static_assert(sizeof(Tiles<W>::kList) == 4 * sizeof(TileConfig), "pick_config and pick_moe list 4 configurations");
   switch (cfg) {
-    case 0: return skinny::skinny_kernel<W<T>, MT, 1, 1>;
-    case 1: return skinny::skinny_kernel<W<T>, MT, 2, 1>;
-    case 2:
-      if constexpr (MT <= kW4Configs[2].max_mt) return skinny::skinny_kernel<W<T>, MT, 1, 2>;
-      return nullptr;
-    case 3:
-      if constexpr (MT <= kW4Configs[3].max_mt) return skinny::skinny_kernel<W<T>, MT, 2, 2>;
-      return nullptr;
+    case 0: return instance<W, T, MT, 0>();
+    case 1: return instance<W, T, MT, 1>();
+    case 2: return instance<W, T, MT, 2>();
+    case 3: return instance<W, T, MT, 3>();
     default: return nullptr;
   }
 }
-static_assert(kNumW4Configs == 4, "pick_w4_config must list every configuration");
 
 template <template <typename> class W, typename T>
-KernelFn pick_w4_m(int m, int cfg) {
+KernelFn pick_m(int m, int cfg) {
   switch ((m + 7) / 8) {
-    case 1: return pick_w4_config<W, T, 1>(cfg);
-    case 2: return pick_w4_config<W, T, 2>(cfg);
-    case 3: return pick_w4_config<W, T, 3>(cfg);
-    case 4: return pick_w4_config<W, T, 4>(cfg);
+    case 1: return pick_config<W, T, 1>(cfg);
+    case 2: return pick_config<W, T, 2>(cfg);
+    case 3: return pick_config<W, T, 3>(cfg);
+    case 4: return pick_config<W, T, 4>(cfg);
     default: return nullptr;
   }
 }
 
 template <typename T>
 KernelFn pick_w4(int fmt, int m, int cfg) {
-  return fmt == 1 ? pick_w4_m<skinny::Int4W, T>(m, cfg) : fmt == 2 ? pick_w4_m<skinny::Mxfp4W, T>(m, cfg) : nullptr;
+  return fmt == 1 ? pick_m<skinny::Int4W, T>(m, cfg) : fmt == 2 ? pick_m<skinny::Mxfp4W, T>(m, cfg) : nullptr;
 }
 
 // Bounds the workspace and keeps split * k_split within int.
@@ -125,35 +90,30 @@ constexpr int kMaxSplits = 64;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The MoE kernels (skinny_moe_kernel) of a 16-bit tile configuration: up (kDown false) or down.
-template <typename T, bool kDown>
-KernelFn pick_moe(int cfg) {
-  switch (cfg) {
-    case 0: return skinny::skinny_moe_kernel<skinny::Bf16W<T>, 1, 2, kDown>;
-    case 1: return skinny::skinny_moe_kernel<skinny::Bf16W<T>, 1, 4, kDown>;
-    case 2: return skinny::skinny_moe_kernel<skinny::Bf16W<T>, 2, 2, kDown>;
-    case 3: return skinny::skinny_moe_kernel<skinny::Bf16W<T>, 2, 4, kDown>;
-    default: return nullptr;
-  }
+// The MoE kernels (skinny_moe_kernel, one token's x row: no MT) of W's configuration cfg: up
+// (kDown false) or down.
+template <template <typename> class W, typename T, bool kDown, int I>
+KernelFn moe_instance() {
+  constexpr TileConfig c = Tiles<W>::kList[I];
+  return skinny::skinny_moe_kernel<W<T>, c.rt, c.u, kDown>;
 }
 
-// The same for the 4-bit loaders (W Int4W or Mxfp4W) of a 4-bit tile configuration (kW4Configs).
 template <template <typename> class W, typename T, bool kDown>
-KernelFn pick_moe_w4(int cfg) {
+KernelFn pick_moe(int cfg) {
   switch (cfg) {
-    case 0: return skinny::skinny_moe_kernel<W<T>, 1, 1, kDown>;
-    case 1: return skinny::skinny_moe_kernel<W<T>, 2, 1, kDown>;
-    case 2: return skinny::skinny_moe_kernel<W<T>, 1, 2, kDown>;
-    case 3: return skinny::skinny_moe_kernel<W<T>, 2, 2, kDown>;
+    case 0: return moe_instance<W, T, kDown, 0>();
+    case 1: return moe_instance<W, T, kDown, 1>();
+    case 2: return moe_instance<W, T, kDown, 2>();
+    case 3: return moe_instance<W, T, kDown, 3>();
     default: return nullptr;
   }
 }
 
 template <typename T, bool kDown>
 KernelFn pick_moe_fmt(int fmt, int cfg) {
-  return fmt == 0   ? pick_moe<T, kDown>(cfg)
-         : fmt == 1 ? pick_moe_w4<skinny::Int4W, T, kDown>(cfg)
-         : fmt == 2 ? pick_moe_w4<skinny::Mxfp4W, T, kDown>(cfg)
+  return fmt == 0   ? pick_moe<skinny::Bf16W, T, kDown>(cfg)
+         : fmt == 1 ? pick_moe<skinny::Int4W, T, kDown>(cfg)
+         : fmt == 2 ? pick_moe<skinny::Mxfp4W, T, kDown>(cfg)
                     : nullptr;
 }
 
@@ -247,7 +207,9 @@ int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* 
   if (cfg < 0 || cfg >= kNumConfigs || w_stride % 8 != 0 ||
       !common_args_ok(m, kConfigs[cfg].max_mt * 8, n, k, warps, num_splits, x_stride, x, w, silu))
     return static_cast<int>(cudaErrorInvalidValue);
-  KernelFn fn = dtype == 0 ? pick_m<__half>(m, cfg) : dtype == 1 ? pick_m<__nv_bfloat16>(m, cfg) : nullptr;
+  KernelFn fn = dtype == 0   ? pick_m<skinny::Bf16W, __half>(m, cfg)
+                : dtype == 1 ? pick_m<skinny::Bf16W, __nv_bfloat16>(m, cfg)
+                             : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
            nullptr, nullptr, 0, 0,
@@ -265,7 +227,9 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
       (block_scales != 0 && block_scales != 1) || s_stride < 1 ||
       !common_args_ok(m, kFp8Configs[cfg].max_mt * 8, n, k, warps, num_splits, x_stride, x, w, silu))
     return static_cast<int>(cudaErrorInvalidValue);
-  KernelFn fn = dtype == 0 ? pick_fp8_m<__half>(m, cfg) : dtype == 1 ? pick_fp8_m<__nv_bfloat16>(m, cfg) : nullptr;
+  KernelFn fn = dtype == 0   ? pick_m<skinny::Fp8W, __half>(m, cfg)
+                : dtype == 1 ? pick_m<skinny::Fp8W, __nv_bfloat16>(m, cfg)
+                             : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0,
            scale, s_stride, block_scales, nullptr, nullptr, 0, 0,

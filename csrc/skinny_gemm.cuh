@@ -244,12 +244,7 @@ __device__ __forceinline__ void skinny_block(const Params& p, int split, int ws_
   }
 
   float acc[RT][MT][4];
-#pragma unroll
-  for (int r = 0; r < RT; ++r)
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[r][t][i] = 0.0f;
+  zero_acc(acc);
 
   const int k_begin = split * p.k_split;
   const int k_end = min(p.k, k_begin + p.k_split);

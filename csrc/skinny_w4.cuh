@@ -56,32 +56,32 @@ __device__ __forceinline__ float bits_to_float<__nv_bfloat16>(unsigned short b) 
   return __uint_as_float(static_cast<uint32_t>(b) << 16);
 }
 
-// (magic + q) pairs minus (magic + z), times s: (q - z) * s rounded once to T.
+// The INT4 magic: the T whose bits ORed with a nibble q are magic + q (exactly: ulp 1 there).
 template <typename T>
 struct Int4Magic;
 template <>
 struct Int4Magic<__half> {
+  using Pair = __half2;
   static constexpr uint32_t kBits = 0x64006400u;  // 1024 in both halves
   static constexpr uint32_t kOne2 = 0x3C003C00u;  // 1 in both halves
   static constexpr float kValue = 1024.0f;
-  static __device__ __forceinline__ uint32_t sub_mul(uint32_t v, uint32_t off, uint32_t sc) {
-    const __half2 r = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&off)),
-                              *reinterpret_cast<const __half2*>(&sc));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
 };
 template <>
 struct Int4Magic<__nv_bfloat16> {
+  using Pair = __nv_bfloat162;
   static constexpr uint32_t kBits = 0x43004300u;  // 128 in both halves
   static constexpr uint32_t kOne2 = 0x3F803F80u;  // 1 in both halves
   static constexpr float kValue = 128.0f;
-  static __device__ __forceinline__ uint32_t sub_mul(uint32_t v, uint32_t off, uint32_t sc) {
-    using B2 = __nv_bfloat162;
-    const B2 r = __hmul2(__hsub2(*reinterpret_cast<const B2*>(&v), *reinterpret_cast<const B2*>(&off)),
-                         *reinterpret_cast<const B2*>(&sc));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
 };
+
+// (magic + q) pairs minus (magic + z), times s: (q - z) * s rounded once to T.
+template <typename T>
+__device__ __forceinline__ uint32_t sub_mul(uint32_t v, uint32_t off, uint32_t sc) {
+  using P = typename Int4Magic<T>::Pair;
+  const P r = __hmul2(__hsub2(*reinterpret_cast<const P*>(&v), *reinterpret_cast<const P*>(&off)),
+                      *reinterpret_cast<const P*>(&sc));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
 
 // Shared by the two 4-bit loaders (CRTP: D is the loader): 32 elements (16 bytes) per load, one
 // scale set per load and row (D::load_scales), the W pairs of a load from D::pairs.
@@ -209,8 +209,8 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
     raw_pairs(g.hi[r][u], b);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      a[i] = Int4Magic<T>::sub_mul(a[i], g.off_lo[r][u], g.sc_lo[r][u]);
-      b[i] = Int4Magic<T>::sub_mul(b[i], g.off_hi[r][u], g.sc_hi[r][u]);
+      a[i] = sub_mul<T>(a[i], g.off_lo[r][u], g.sc_lo[r][u]);
+      b[i] = sub_mul<T>(b[i], g.off_hi[r][u], g.sc_hi[r][u]);
     }
   }
 

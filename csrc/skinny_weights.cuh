@@ -152,12 +152,7 @@ struct Fp8W {
 #pragma unroll
     for (int j = 0; j < U / 2; ++j) {
       float part[RT][MT][4];
-#pragma unroll
-      for (int r = 0; r < RT; ++r)
-#pragma unroll
-        for (int t = 0; t < MT; ++t)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) part[r][t][i] = 0.0f;
+      zero_acc(part);
 #pragma unroll
       for (int u = 2 * j; u < 2 * j + 2; ++u) {
 #pragma unroll

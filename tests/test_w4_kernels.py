@@ -330,3 +330,60 @@ def test_skinny_w4_launchers_check_the_weight_arguments() -> None:
         with pytest.raises(RuntimeError) as e:
             call()
         assert "invalid argument" not in str(e.value), str(e.value)
+
+
+@_NO_GPU
+def test_every_skinny_table_entry_has_its_kernels() -> None:
+    """Each launcher (16-bit, FP8, INT4, MXFP4 dense; MoE 16-bit and 4-bit) finds a kernel for every
+    configuration of its table at every row count up to that entry's max m, in both 16-bit
+    dtypes (csrc/skinny_gemm.cu: Tiles<W> and the pick functions): those calls pass every check
+    and fail only at the missing device, while one row past max m is refused by argument."""
+    ext = compiled()
+    if ext is None or not ext.has_cuda:
+        pytest.skip("minisgl._C was built without CUDA")
+    p, k, n = 1 << 20, 256, 64
+
+    def bf16(m, dtype, cfg):
+        ext.skinny_gemm(p, p, 0, p, 0, 0, 0, 0, m, n, k, k, k, n, False, dtype, cfg, 4, 1, False, 0)
+
+    def fp8(m, dtype, cfg):
+        ext.skinny_gemm_fp8(p, p, p, 1, False, 0, p, 0, 0, 0, 0, m, n, k, k, k, n, False, dtype, cfg, 4, 1, False, 0)
+
+    def w4(fmt):
+        def call(m, dtype, cfg):
+            ext.skinny_gemm_w4(p, p, p, p if fmt == 1 else 0, k // (128 if fmt == 1 else 32), 128 if fmt == 1 else 32,
+                               fmt, 0, p, 0, 0, 0, 0, m, n, k, k, k // 8 if fmt == 1 else k // 2, n, False, dtype,
+                               cfg, 4, 1, False, 0)
+        return call
+
+    def moe(fmt):
+        def call(m, dtype, cfg):
+            stride = k if fmt == 0 else k // 8 if fmt == 1 else k // 2
+            ext.skinny_moe(p, p, 0, p, 0, p, 0, 0, 0, 0, 1, 2, n, k, k, stride, n, n * stride, 0, False, 0, 0.0, 0.0,
+                           fmt, p if fmt else 0, p if fmt == 1 else 0, k // 128 if fmt == 1 else k // 32,
+                           128 if fmt == 1 else 32, k // 32, dtype, cfg, 4, 1, False, 0)
+        return call
+
+    tables = {"16-bit": (ext.skinny_gemm_configs(False), bf16), "fp8": (ext.skinny_gemm_configs(True), fp8),
+              "int4": (ext.skinny_gemm_w4_configs(), w4(1)), "mxfp4": (ext.skinny_gemm_w4_configs(), w4(2))}
+    for name, (table, launch) in tables.items():
+        assert len(table) == 4, name
+        for cfg, (_, _, max_m) in enumerate(table):
+            for dtype in (0, 1):
+                for m in sorted({1, 8, 9, max_m}):
+                    if m > max_m:
+                        continue
+                    with pytest.raises(RuntimeError) as e:
+                        launch(m, dtype, cfg)
+                    assert "invalid argument" not in str(e.value), f"{name} cfg {cfg} m {m} dtype {dtype}"
+                with pytest.raises(RuntimeError, match="invalid argument"):
+                    launch(max_m + 1, dtype, cfg)
+    for fmt, table in ((0, ext.skinny_gemm_configs(False)), (1, ext.skinny_gemm_w4_configs()),
+                       (2, ext.skinny_gemm_w4_configs())):
+        for cfg in range(len(table)):
+            for dtype in (0, 1):
+                with pytest.raises(RuntimeError) as e:
+                    moe(fmt)(1, dtype, cfg)
+                assert "invalid argument" not in str(e.value), f"moe fmt {fmt} cfg {cfg} dtype {dtype}"
+            with pytest.raises(RuntimeError, match="invalid argument"):
+                moe(fmt)(1, 2, cfg)  # no such dtype
