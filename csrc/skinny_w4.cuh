@@ -145,8 +145,8 @@ struct W4Base {
 // INT4 (kernels/quant4.py): word k / 8 of a row holds elements k..k+7 as nibbles, lowest first;
 // a thread's 32 elements lie in one group (q_group % 32 == 0, the host checks).
 //
-// Folded path (fold: q_group a multiple of kChunk, or one group a row, so a quad's 128 elements,
-// the K of its MMAs, share one scale and zero): the MMAs take the raw pairs magic + q (exact
+// Folded path (fold: q_group a multiple of kChunk, so K is one too and a quad's 128 elements,
+// the K of its MMAs, share one scale and zero, and lie all inside K or all past it): the MMAs take the raw pairs magic + q (exact
 // 16-bit integers) and a group's sum is s * (sum (magic + q) x - (magic + z) * sum x), sum x from
 // MMAs with an all-ones W shared by every row. That leaves three integer instructions a pair
 // (where the general path adds a subtract and a multiply), fewer rounding steps than the
@@ -175,7 +175,9 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
     const float sh = hi_ok ? bits_to_float<T>(__ldg(sc + s_hi + grp)) : 0.0f;
     const float zl = lo_ok ? bits_to_float<T>(__ldg(zr + s_lo + grp)) : 0.0f;
     const float zh = hi_ok ? bits_to_float<T>(__ldg(zr + s_hi + grp)) : 0.0f;
-    g.fold = p.q_group % Base::kChunk == 0 || p.q_group >= p.k;
+    // Not for one group a row with K % 128 != 0: in the last chunk a thread past K has scale 0
+    // and would zero its MMA sums, which hold the quad's other threads' (valid) K too.
+    g.fold = p.q_group % Base::kChunk == 0;
     if (g.fold) {
       g.sc_lo[r][u] = __float_as_uint(sl);
       g.sc_hi[r][u] = __float_as_uint(sh);

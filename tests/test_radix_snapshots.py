@@ -99,11 +99,20 @@ def test_a_superseded_snapshot_is_dropped_first() -> None:
     assert cache.drop_lru_snapshot() and freed == [800], "a miss moved a snapshot"
     cache.insert(b, list(range(31, 41)))
     assert cache.set_snapshot(b, 803)
-    cache.supersede_snapshot(a[:10])  # 801 is now dropped before 802 and the newer 803
-    assert cache.drop_lru_snapshot() and freed == [800, 801]
-    assert cache.drop_lru_snapshot() and freed == [800, 801, 802]
+    cache.supersede_snapshot(a[:20])  # 802 is now dropped before the older 801 and the newer 803
+    assert cache.drop_lru_snapshot() and freed == [800, 802]
+    assert cache.drop_lru_snapshot() and freed == [800, 802, 801]
     assert cache.match_prefix(a + [1]).matched_tokens == 0
     cache.check_integrity()
+    paged, freed = _cache(ps=2)
+    paged.insert(a[:8], [1, 2, 3, 4])
+    assert paged.set_snapshot(a[:4], 900) and paged.set_snapshot(a[:8], 901)
+    paged.supersede_snapshot(a[:5])  # not a page boundary: nothing
+    assert paged.drop_lru_snapshot() and freed == [900]
+    assert paged.set_snapshot(a[:4], 902)
+    paged.supersede_snapshot(a[:8])
+    assert paged.drop_lru_snapshot() and freed == [900, 901]
+    paged.check_integrity()
 
 
 def test_random_operations_keep_snapshots_consistent() -> None:

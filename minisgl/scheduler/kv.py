@@ -180,6 +180,7 @@ class RequestKV(HostLoads):
             if match.snapshot >= 0:  # the state after the hit (the KV match cut to it)
                 self.states.copy(match.snapshot, req.state_slot)
             req.snap_at = match.branch_tokens if self.snapshots else 0
+            req.interval_snap = 0  # a requeued request's old one may since be another prompt's
 
     def snapshot(self, req: Request, prefix: int) -> None:
         """After the launch of the step that computed `req`'s prompt from `prefix` to
@@ -199,7 +200,7 @@ class RequestKV(HostLoads):
         interval = interval and not (prompt_end or branch)
         if req.match is None or req.match.matched_tokens < pos:  # a chunk's KV is cached already
             self.cache_progress(req)
-        if interval and req.interval_snap:  # before a drop picks its victim
+        if interval and 0 < req.interval_snap <= prefix:  # this pass's own; before a drop picks its victim
             self.cache.supersede_snapshot(req.tokens()[: req.interval_snap])  # type: ignore[attr-defined]
         slot = self.states.allocate_snapshot()
         if slot is None and self.cache.drop_lru_snapshot():  # type: ignore[attr-defined]
