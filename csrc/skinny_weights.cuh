@@ -9,7 +9,8 @@
 // (K is a reduction: W and x permuted alike), so 16-bit pair p of a thread is its elements
 // 2p, 2p + 1, and MMA i reads W pairs 2i, 2i + 1 of the lo and hi rows and x piece i / 2.
 // 4-bit formats scale before the MMA (one MMA mixes four threads' K ranges, i.e. up to four
-// groups), so their W pairs are dequantised to T in registers: INT4 exactly as (q - z) * s
+// groups; INT4 groups of a multiple of 128 are the exception: skinny_w4.cuh's folded path), so
+// their W pairs are dequantised to T in registers: INT4 exactly as (q - z) * s
 // rounded once to T (the magic-number trick: 1024 + q in fp16, 128 + q in bf16, both exact),
 // MXFP4 as e2m1 * 2^(e8m0 - 127): bf16 by placing the nibble's bits and exact power-of-two
 // multiplies, fp16 built in fp32 and rounded once (both exact where T's range holds it).

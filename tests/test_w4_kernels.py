@@ -400,3 +400,26 @@ def test_every_skinny_table_entry_has_its_kernels() -> None:
                 assert "invalid argument" not in str(e.value), f"moe fmt {fmt} cfg {cfg} dtype {dtype}"
             with pytest.raises(RuntimeError, match="invalid argument"):
                 moe(fmt)(1, 2, cfg)  # no such dtype
+
+
+def test_four_bit_tiles_count_32_element_chunks_for_the_split_rule() -> None:
+    """tile_shapes reports every format's chunks in 32-element units (the 4-bit loaders' 128-element
+    chunks as 4 x 32), so default_config's and skinny_moe.default_configs' split rule, every warp
+    keeps at least two warp groups of K, holds for 4-bit weights too (it counted 32 for them)."""
+    ext = compiled()
+    if ext is None or not ext.has_cuda:
+        pytest.skip("minisgl._C was built without CUDA")
+    from minisgl.ops.gemm import skinny as sk
+    from minisgl.ops.gemm import skinny_moe
+
+    w4_tiles = ext.skinny_gemm_w4_configs()
+    for fmt in ("int4", "mxfp4"):
+        assert sk.tile_shapes(fmt) == tuple((rt, 4 * u, mm) for rt, u, mm in w4_tiles)
+        for n, k in ((256, 2048), (1031, 4096), (4096, 14336)):
+            cfg = sk.default_config(1, n, k, False, 132, fmt)
+            group = 128 * w4_tiles[cfg.tile][1]
+            assert k // cfg.splits >= 2 * cfg.warps * group, (fmt, n, k, cfg)
+        up, down = skinny_moe.default_configs(4, 2880, 2880, 132, fmt)
+        for cfg in (up, down):
+            assert 2880 // cfg.splits >= 2 * cfg.warps * 128 * w4_tiles[cfg.tile][1], (fmt, cfg)
+    assert sk.default_config(1, 256, 2048, False, 132, "int4").splits == 2  # 4 when 32 was counted

@@ -92,7 +92,7 @@ def skinny_call(fmt: int, s: dict, silu: bool, cfg: SkinnyConfig | None):
 
 def sweep_configs(m: int, n_out: int, silu: bool, name: str) -> list[SkinnyConfig]:
     out = []
-    for tile, (_rt, _u, max_m) in enumerate(w4.skinny_w4_shapes()):
+    for tile, (_rt, _chunks, max_m) in enumerate(w4.skinny_w4_shapes()):
         if m <= max_m:
             out += [SkinnyConfig(tile, w, s) for w in SWEEP_WARPS for s in SWEEP_SPLITS
                     if num_tiles(n_out, silu, tile, name) * s <= 1 << 16]
@@ -121,7 +121,7 @@ def sweep(ms: list[int], reps: int, read_gbs: float) -> None:
                 rows.append([layer, f"{n}x{k}", str(m), name, str(default), f"{times[str(default)]:.1f}",
                              f"{100 * nbytes / times[str(default)] / 1e3 / read_gbs:.0f}%", best,
                              f"{times[best]:.1f}", f"{100 * nbytes / times[best] / 1e3 / read_gbs:.0f}%"])
-    print_table(f"4-bit skinny launch sweep (config t<tile>w<warps>s<splits>; tiles (RT, U, max M) "
+    print_table(f"4-bit skinny launch sweep (config t<tile>w<warps>s<splits>; tiles (RT, 32-element chunks, max M) "
                 f"{w4.skinny_w4_shapes()}): ops' default vs the best", ["layer", "N x K", "M", "format", "default",
                 "us", "%read", "best", "us", "%read"], rows)
 

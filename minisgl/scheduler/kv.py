@@ -193,11 +193,11 @@ class RequestKV(HostLoads):
         branch = pos == req.snap_at
         if branch:
             req.snap_at = 0
-        interval = pos // self.snapshot_interval > prefix // self.snapshot_interval
-        if not (prompt_end or branch or interval):
+        crossed = pos // self.snapshot_interval > prefix // self.snapshot_interval
+        if not (prompt_end or branch or crossed):
             return
         # A snapshot taken only for the interval supersedes this prompt's previous one (radix_snap.py).
-        interval = interval and not (prompt_end or branch)
+        interval = crossed and not (prompt_end or branch)
         if req.match is None or req.match.matched_tokens < pos:  # a chunk's KV is cached already
             self.cache_progress(req)
         if interval and 0 < req.interval_snap <= prefix:  # this pass's own; before a drop picks its victim

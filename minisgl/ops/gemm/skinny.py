@@ -67,15 +67,17 @@ class SkinnyConfig:
 @functools.cache
 def tile_shapes(fmt: str = DENSE) -> tuple[tuple[int, int, int], ...]:
     """(row tiles per block, 32-element chunks per warp group, largest M) of each compiled tile of
-    `fmt`, by id. The FP8 loader's chunks are 64 elements: counted here as 2 x 32, so candidate
-    and split rules are the same for every format."""
+    `fmt`, by id. The FP8 loader's chunks are 64 elements and the 4-bit loaders' 128: counted here
+    as 2 x 32 and 4 x 32, so candidate and split rules are the same for every format."""
     ext = compiled()
     if ext is None or not ext.has_cuda:
         return ()
     if fmt == FP8_FORMAT:
         return tuple((rt, 2 * u, max_m) for rt, u, max_m in ext.skinny_gemm_configs(fp8=True))
     if fmt in ("int4", "mxfp4"):  # the 4-bit loaders' own tile table (ops/gemm/w4.py launches them)
-        return tuple(tuple(t) for t in ext.skinny_gemm_w4_configs()) if hasattr(ext, "skinny_gemm_w4") else ()
+        if not hasattr(ext, "skinny_gemm_w4"):
+            return ()
+        return tuple((rt, 4 * u, max_m) for rt, u, max_m in ext.skinny_gemm_w4_configs())
     return tuple(tuple(t) for t in ext.skinny_gemm_configs())
 
 

@@ -111,7 +111,7 @@ def default_configs(top_k: int, hidden: int, inter: int, num_sms: int,
     pad batches: eager and replay give the same bits). Cached: the decode step's layers ask it per
     call."""
     tile, warps = 1, 4
-    group = tile_shapes(fmt)[tile][1] * (32 if fmt == DENSE else 128)  # K elements per warp group
+    group = tile_shapes(fmt)[tile][1] * 32  # K elements per warp group
     up_blocks = num_tiles(inter, True, tile, fmt) * top_k
     down_blocks = num_tiles(hidden, False, tile, fmt) * top_k
     up = SkinnyConfig(tile, warps, split_count(up_blocks, hidden, group, warps, num_sms))
@@ -126,6 +126,10 @@ def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cf
     n = out.shape[1]
     k = x.shape[1]
     fmt = DENSE if q is None else _w4.NAMES[q[0]]
+    # 4-bit: format id, scales, zeros, scale row and expert strides, group (16-bit: all 0)
+    f_id, s_ptr, z_ptr, q_stride, q_group, q_estride = (0,) * 6 if q is None else (
+        q[0], q[1].data_ptr(), 0 if q[2] is None else q[2].data_ptr(), q[1].stride(1), k // q[1].shape[2],
+        q[1].stride(0))
     z = tokens if down else tokens * top_k
     splits = cfg.splits * top_k if down else cfg.splits
     ws, ws_bytes, ctr = None, 0, None
@@ -144,10 +148,8 @@ def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cf
         0 if ctr is None else ctr.data_ptr(), 0 if ctr is None else ctr.numel(), tokens, top_k, n, k,
         x.stride(0) if x.shape[0] > 1 else k, w.stride(1), out.stride(0) if out.shape[0] > 1 else n, w.stride(0),
         0 if bias is None else bias.stride(0), down, 1 if gpt_oss else 0, act.alpha if gpt_oss else 0.0,
-        act.limit if gpt_oss else 0.0, 0 if q is None else q[0], 0 if q is None else q[1].data_ptr(),
-        0 if q is None or q[2] is None else q[2].data_ptr(), 0 if q is None else q[1].stride(1),
-        0 if q is None else k // q[1].shape[2], 0 if q is None else q[1].stride(0),
-        _KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, cfg.splits, PDL, current_stream(x.device),
+        act.limit if gpt_oss else 0.0, f_id, s_ptr, z_ptr, q_stride, q_group, q_estride, _KERNEL_DTYPES[x.dtype],
+        cfg.tile, cfg.warps, cfg.splits, PDL, current_stream(x.device),
     )
 
 

@@ -16,8 +16,6 @@ hold to transformers).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from minisgl.kernels import device as _device
@@ -132,13 +130,9 @@ def dequant_linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Ten
     return y if out is None else out
 
 
-@functools.cache
 def skinny_w4_shapes() -> tuple[tuple[int, int, int], ...]:
-    """(row tiles, 128-K chunks per warp group, largest M) of each compiled 4-bit skinny tile."""
-    ext = compiled()
-    if ext is None or not ext.has_cuda or not hasattr(ext, "skinny_gemm_w4"):
-        return ()
-    return tuple(tuple(t) for t in ext.skinny_gemm_w4_configs())
+    """The compiled 4-bit skinny tiles (both 4-bit formats share them): ops/gemm/skinny.tile_shapes."""
+    return _sk.tile_shapes("int4")
 
 
 def _skinny_fits(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: int) -> bool:
