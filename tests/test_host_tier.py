@@ -152,12 +152,12 @@ def test_multi_turn_greedy_tokens_identical_with_tier(tiny_model_path) -> None:
                                rtol=1e-4, atol=1e-4)
 
 
-def test_a_load_in_flight_waits_aside_and_the_batch_goes_on(tiny_model_path) -> None:
-    """A request whose prefix comes back from the host tier waits aside while the copy is in
-    flight (its completion is held back here): the decode beside it keeps stepping and a request
-    behind it is admitted and served. Once the copy is done it is admitted with the loaded prefix
-    and gives the tier-off run's tokens. A request aborted during its load: the load still ends
-    in the cache, and no page or host slot leaks."""
+def test_a_loaded_request_is_admitted_in_the_step_of_its_load(tiny_model_path) -> None:
+    """A request whose prefix comes back from the host tier is admitted in the step that starts
+    its load (its attention waits per chunk of layers; on the CPU the copy is synchronous) and
+    gives the tier-off run's tokens; a request needing the same pages then matches them on the
+    GPU (one load); every extend step, and no decode step, passes the pool's load wait of every
+    layer; a request aborted right after the step that loaded it leaks no page or host slot."""
     path = str(tiny_model_path("qwen3"))
     rng = random.Random(11)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -167,59 +167,56 @@ def test_a_load_in_flight_waits_aside_and_the_batch_goes_on(tiny_model_path) -> 
 
     llm = LLM(path, device="cpu", dtype="float32", num_pages=160, page_size=1, host_kv_cache_gb=0.01)
     sched, kv = llm.scheduler, llm.scheduler.kv
+    pool = kv.engine.pool
     a = prompt(30)
     a2 = a + llm.generate([a], params, use_tqdm=False)[0]["token_ids"] + prompt(8)
-    twin_prompt = a2[:-8] + prompt(8)  # needs the same host pages: waits for the same load
-    fillers = [prompt(40) for _ in range(4)]
+    twin_prompt = a2[:-8] + prompt(8)  # needs the same host pages
     ref = LLM(path, device="cpu", dtype="float32", num_pages=160, page_size=1)
     want, want_twin = (o["token_ids"] for o in ref.generate([a2, twin_prompt], params, use_tqdm=False))
 
-    gate = {"open": False}
-    run = kv.tier._copier.run
+    waits: list[tuple[str, int]] = []
+    modes: list[str] = []
+    prepare = kv.engine.attn.prepare
 
-    def gated(copy, timed, wait=True):  # noqa: ANN001, ANN202 - the copy runs; its completion is held back
-        done = run(copy, timed, wait)
-        return done if wait else (lambda: gate["open"] and done())
+    def seen_prepare(batch):  # noqa: ANN001, ANN202 - the step's mode, then its layers' waits
+        modes.append(batch.mode)
+        return prepare(batch)
 
-    kv.tier._copier.run = gated
-    llm.generate(fillers, params, use_tqdm=False)  # a's KV is evicted to the host tier
+    kv.engine.attn.prepare = seen_prepare
+    pool.wait_loaded = lambda layer: waits.append((modes[-1], layer))
+    llm.generate([prompt(40) for _ in range(4)], params, use_tqdm=False)  # a's KV is evicted to the host tier
     assert sched.cache.match_prefix(a2[:-1]).matched_tokens < len(a), "a's prefix should have left the GPU pool"
-    long = llm._make_request(prompt(20), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-    sched.add(long)
+    layers = list(range(kv.engine.model_config.num_layers))
+    assert "decode" in modes and not any(m == "decode" for m, _ in waits), "a decode step waited for loads"
+    for mode in {m for m in modes if m != "decode"}:
+        per_step = [layer for m, layer in waits if m == mode]
+        assert per_step and per_step[: len(layers)] == layers, f"a {mode} step skipped a layer's load wait"
+
+    hits = kv.tier.hits
+    req = llm._make_request(a2, params)
+    sched.add(req)
     sched.step()
-    sched.step()
-    req, twin, behind = (llm._make_request(p, params) for p in (a2, twin_prompt, prompt(12)))
-    for r in (req, twin, behind):
-        sched.add(r)
-    before = len(long.output)
-    for _ in range(10):
-        sched.step()
-        sched.check_integrity()
-    assert req in sched.queues.loading and not req.output, "the loading request was admitted before its copy"
-    assert twin in sched.queues.loading and len(kv._loads) == 1, "the twin should wait for the same load"
-    assert len(long.output) >= before + 5, "the decode beside the load stalled"
-    assert behind.finished and len(behind.output) == 6, "the request behind the load was not served"
-    gate["open"] = True
+    assert req not in sched.queues.waiting and kv.tier.hits == hits + 1, "not admitted in the step of its load"
+    assert req.cache_hit_tokens >= len(a), "the loaded prefix was not used"
+    twin = llm._make_request(twin_prompt, params)
+    sched.add(twin)
     while sched.has_work:
         sched.step()
-    assert req.output == want and req.cache_hit_tokens >= len(a)
-    assert twin.output == want_twin and twin.cache_hit_tokens >= len(a)
-    sched.check_integrity()
+        sched.check_integrity()
+    assert req.output == want and twin.output == want_twin
+    assert twin.cache_hit_tokens >= len(a) and kv.tier.hits == hits + 1, "the twin loaded the same pages again"
 
-    # Aborted during its load.
-    gate["open"] = False
+    # Aborted right after the step that loaded it: the loaded pages stay cached, nothing leaks.
     a3 = a2 + want + prompt(5)
     llm.generate([prompt(40) for _ in range(4)], params, use_tqdm=False)
     req3 = llm._make_request(a3, params)
     sched.add(req3)
     sched.step()
-    assert req3 in sched.queues.loading
+    assert kv.tier.hits == hits + 2 and req3 not in sched.queues.waiting
     sched.finish(req3, "abort")
-    assert not sched.queues.loading
-    sched.check_integrity()  # its load's pages still held, counted
-    gate["open"] = True
-    llm.generate([prompt(5)], params, use_tqdm=False)  # the next admission completes the load
-    assert not kv._loads
+    sched.check_integrity()
+    while sched.has_work:
+        sched.step()
     assert sched.cache.match_prefix(a3[:-1], whole=True).matched_tokens >= len(a2) - 1
     sched.check_integrity()
     assert kv.flush_cache([]) is None and kv.allocator.free_pages == kv.allocator.total_pages

@@ -112,7 +112,7 @@ def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
     # allocations made first, the first index_select after the load still drained it).
     pool._k.index_copy_(1, idx, truth)
     _bytes(pool._k).index_fill_(1, idx, POISON)
-    torch.index_select(pool._k, 1, fresh_idx, out=got_k)
+    torch.index_select(pool._k[0], 0, fresh_idx, out=got_k[0])
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of compute-stream work ahead of everything below
     pool._k.index_copy_(1, idx, truth)  # "the in-flight step writes the prefix's KV"
@@ -125,12 +125,67 @@ def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
     assert len(nodes) == n
     tier.load(nodes, fresh)
     assert not torch.cuda.current_stream().query(), "the host waited for the GPU"
-    torch.index_select(pool._k, 1, fresh_idx, out=got_k)  # "the next step"
-    torch.index_select(pool._v, 1, fresh_idx, out=got_v)
+    for layer in range(layers):  # "the next step": its attention waits per chunk of layers
+        pool.wait_loaded(layer)
+        torch.index_select(pool._k[layer], 0, fresh_idx, out=got_k[layer])
+        torch.index_select(pool._v[layer], 0, fresh_idx, out=got_v[layer])
     assert not torch.cuda.current_stream().query(), "the host waited for the GPU"
     torch.cuda.synchronize()
     assert torch.equal(got_k, truth) and torch.equal(got_v, neg)
     assert tier.load_seconds > 0 and tier.tokens_loaded == n
+
+
+def test_a_captured_step_waits_for_a_load_issued_after_capture() -> None:
+    """The pool's per-chunk load events are external: a CUDA graph captured before any load (as
+    the engine's are) holds event-wait nodes that wait, at replay, for a load issued later. The
+    copy stream is held back here (~0.5 s of sleep on it), so a reader that did not wait would
+    read the poisoned pages. The first chunk's layers are read before the last chunk's copy
+    lands (the overlap), and the host never waits."""
+    layers, heads, dim, n = 8, 8, 128, 1024
+    pool = KVPool(layers, 2 * n + 1, 1, heads, dim, torch.bfloat16, torch.device("cuda"))
+    tier = HostKVTier(pool, 2 * n * pool.bytes_per_token / 2**30)
+    chunks = pool.load_chunks
+    assert len(chunks) > 1 and chunks[0][0] == 0 and chunks[-1][1] == layers
+    pages, tokens = list(range(1, n + 1)), tuple(range(n))
+    fresh_idx = torch.tensor(range(n + 1, 2 * n + 1), device="cuda")
+    truth = torch.randn(layers, n, heads, dim, device="cuda").to(torch.bfloat16)
+    got = torch.empty_like(truth)
+    first_read = torch.cuda.Event(enable_timing=True)
+    last_copy = torch.cuda.Event(enable_timing=True)
+    copy_slots(pool._k, pool._v, pages, pool._k, pool._v, pages)  # the copy path's first-call work
+
+    def step() -> None:  # "an extend step": per layer, the wait, then a read of the loaded slots
+        for layer in range(layers):
+            pool.wait_loaded(layer)
+            torch.index_select(pool._k[layer], 0, fresh_idx, out=got[layer])
+            if layer == chunks[0][1] - 1:
+                first_read.record()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    pool._k[:, 1 : n + 1] = truth
+    tier.on_evict(tokens, pages)  # to the host
+    torch.cuda.synchronize()
+    _bytes(pool._k).fill_(POISON)
+    nodes = tier.lookup(tokens, 0)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(tier._copier.stream):
+        torch.cuda._sleep(1_000_000_000)  # the copies below start ~0.5 s late
+    tier.load(nodes, list(range(n + 1, 2 * n + 1)))
+    with torch.cuda.stream(tier._copier.stream):
+        last_copy.record()
+    graph.replay()
+    assert not torch.cuda.current_stream().query(), "the host waited for the GPU"
+    torch.cuda.synchronize()
+    assert torch.equal(got, truth), "the graph read pages before their load landed"
+    # The first chunk's reads ran before the last chunk's copy finished: layers overlap the load.
+    assert first_read.elapsed_time(last_copy) > 0
 
 
 def test_multi_turn_greedy_tokens_with_tier_bf16(tiny_model_path) -> None:

@@ -57,6 +57,13 @@ class AttentionBackend(ABC):
         else:
             ops.apply_rope_and_store(q, k, v, rope[0], rope[1], k_cache, v_cache, out_slots, ks, vs)
 
+    def wait_loaded(self, layer: int, batch: ForwardBatch) -> None:
+        """Before a step other than a decode stores or reads layer `layer`: a host-tier load may
+        be filling pages it reads (KVPool.wait_loaded). A request is admitted with its load in
+        an extend or mixed step, never a decode step."""
+        if not batch.is_decode:
+            self.pool.wait_loaded(layer)
+
     def prepare(self, batch: ForwardBatch) -> None:
         """Build `batch.attn_metadata` once per step (default: nothing needed)."""
 

@@ -48,6 +48,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
         ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]
         req_to_slot, out_slots = self.tables(layer, batch)
+        self.wait_loaded(layer, batch)
         self.store(q, k, v, k_cache, v_cache, out_slots, ks, vs, rope)
         window = self.window_of(layer)
         out = torch.empty_like(q)

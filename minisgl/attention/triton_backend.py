@@ -45,6 +45,7 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k_cache(layer), self.pool.v_cache(layer)
         ks, vs = self.pool.k_scales[layer], self.pool.v_scales[layer]  # FP8 cache: K / ks, V / vs
         req_to_slot, out_slots = self.tables(layer, batch)
+        self.wait_loaded(layer, batch)
         self.store(q, k, v, k_cache, v_cache, out_slots, ks, vs, rope)
         window = self.window_of(layer)
         if batch.is_decode and not self.deterministic:

@@ -12,19 +12,20 @@ so every host page's ancestors stay reachable; a placeholder left without childr
 A host copy stays after a load-back (its GPU copy is identical), so evicting that prefix again
 costs no copy.
 
-Copies (ops/kv_copy.py: on CUDA one gather/scatter kernel launch for all layers, reading or
-writing the pinned host pool through its device address) run on the tier's own CUDA stream and
-never block the host. Ordering, per copy: the copy stream first waits for everything already
-enqueued on the compute stream (a write-back reads KV that an in-flight step may still be
-writing; a load fills pages that an in-flight step may still touch, e.g. those of a request
-aborted meanwhile). After a write-back the compute stream waits for an event recorded after
-the copy, so the first step that may reuse the freed pages starts once it read them. A load
-(`load(..., wait=False)`, one GPU) makes nothing wait: RequestKV keeps its pages from every
-reader and its request aside until the event has completed (the batch goes on meanwhile); with
-TP (`wait=True`) the next step's forward waits for it, once for all layers. Host-pool slots are
-only touched on the copy stream, so stores and loads of the same slot stay in order. No
-per-layer overlap (graphs capture whole forwards). On the CPU (a second CPU tensor) the same
-calls run synchronously.
+Copies (ops/kv_copy.py: on CUDA a gather/scatter kernel, reading or writing the pinned host pool
+through its device address) run on the tier's own CUDA stream and never block the host.
+Ordering, per copy: the copy stream first waits for everything already enqueued on the compute
+stream (a write-back reads KV that an in-flight step may still be writing; a load fills pages
+that an in-flight step may still touch, e.g. those of a request aborted meanwhile). After a
+write-back the compute stream waits for an event recorded after the copy, so the first step that
+may reuse the freed pages starts once it read them (one launch for all layers). A load copies
+the layers in LOAD_CHUNKS chunks, recording each chunk's event of the pool (KVPool.load_chunks)
+after it; the step that reads the pages (the request is admitted in the step that starts its
+load, and every extend or mixed step waits so) waits per chunk at the chunk's first layer
+(KVPool.wait_loaded): the load overlaps the forward, and decode steps never wait. Pages freed
+while a load may still be writing them (`fence`) make the compute stream wait for the copy
+stream first. Host-pool slots are only touched on the copy stream, so stores and loads of the
+same slot stay in order. On the CPU (a second CPU tensor) the same calls run synchronously.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import torch
 
 from minisgl.kvcache.pool import KVPool
 from minisgl.ops.kv_copy import copy_slots, pinned_empty, prepare_kernel_copies
+
+LOAD_CHUNKS = 4  # chunks of layers a load lands in (each one event and one copy launch)
 
 
 class _HNode:
@@ -68,6 +71,10 @@ class HostKVTier:
             prepare_kernel_copies()
         self._k, self._v = self._kv[0], self._kv[1]
         self._copier = _Copier(pool.device)
+        # Per chunk of layers: (first, last + 1, event) on CUDA; one chunk without event on the CPU.
+        self._chunks = pool.enable_load_waits(LOAD_CHUNKS) if cuda else [(0, pool.num_full_layers, None)]
+        # Loads not known to be done: (event after the copy, its GPU pages), for `fence`.
+        self._in_flight: list[tuple[torch.cuda.Event, frozenset[int]]] = []
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
         self._root = _HNode((), None)
         self._lru: OrderedDict[_HNode, None] = OrderedDict()  # nodes holding a host page, oldest first
@@ -144,6 +151,7 @@ class HostKVTier:
     def on_evict(self, tokens: tuple[int, ...], pages: list[int]) -> None:
         """The radix cache evicts `pages`, the last pages of the prefix `tokens`: keep a host
         copy of those not already on the host (the GPU pages are freed after this returns)."""
+        self.fence(pages)
         ps = self.page_size
         total = len(tokens) // ps
         nodes = self._path(tokens, total, create=True)[total - len(pages) :]
@@ -181,27 +189,47 @@ class HostKVTier:
     def unpin(self, nodes: list[_HNode]) -> None:
         self._busy.difference_update(nodes)
 
-    def load(self, nodes: list[_HNode], gpu_pages: list[int], wait: bool = True) -> Callable[[], bool]:
-        """Copies the host pages of `nodes` into `gpu_pages`. wait: the next step's forward waits
-        for the copy (the compute stream waits on it); else nothing waits and the caller keeps
-        the pages from every reader until the returned `done()` is true (RequestKV's loads in
-        flight). On the CPU the copy is synchronous: done at once."""
+    def load(self, nodes: list[_HNode], gpu_pages: list[int]) -> None:
+        """Copies the host pages of `nodes` into `gpu_pages`, chunk of layers by chunk, each
+        chunk's pool event recorded after it: every extend or mixed step waits for a chunk before
+        its attention reads it (KVPool.wait_loaded), nothing else waits. On the CPU the copy is
+        synchronous."""
         slots = [n.slot for n in nodes]
         assert None not in slots, "load of a node without a host page"
-        done = self._copy(gpu_pages, slots, to_host=False, wait=wait)  # type: ignore[arg-type]
+        self._copy(gpu_pages, slots, to_host=False)  # type: ignore[arg-type]
         self.hits += 1
         self.tokens_loaded += len(nodes) * self.page_size
-        return done
 
-    def _copy(self, gpu_pages: list[int], host_pages: list[int], to_host: bool, wait: bool = True
-              ) -> Callable[[], bool]:
+    def fence(self, pages: Sequence[int] | None = None) -> None:
+        """`pages` (None: any) leave the GPU pool's cache to be reused: where a load still in
+        flight writes one of them, the compute stream's later work (a step reusing it, which may
+        be a decode step: no load wait) waits for that load first. The step that admitted a
+        load's request waits for the whole load itself, and all later work on the stream comes
+        after it: this matters only for pages freed before that step, e.g. an admission undone."""
+        self._in_flight = [(ev, p) for ev, p in self._in_flight if not ev.query()]
+        hit = None if pages is None else set(pages)
+        for ev, p in self._in_flight:
+            if hit is None or not hit.isdisjoint(p):
+                torch.cuda.current_stream(self.pool.device).wait_event(ev)
+
+    def _copy(self, gpu_pages: list[int], host_pages: list[int], to_host: bool) -> None:
         ps = self.page_size
         g = _slots(gpu_pages, ps)
         h = _slots(host_pages, ps)
         pool_k, pool_v = self.pool._k, self.pool._v
         if to_host:
-            return self._copier.run(lambda: copy_slots(pool_k, pool_v, g, self._k, self._v, h), timed=False)
-        return self._copier.run(lambda: copy_slots(self._k, self._v, h, pool_k, pool_v, g), timed=True, wait=wait)
+            self._copier.run(lambda: copy_slots(pool_k, pool_v, g, self._k, self._v, h), timed=False)
+            return
+
+        def chunks() -> None:
+            for a, b, event in self._chunks:
+                copy_slots(self._k[a:b], self._v[a:b], h, pool_k[a:b], pool_v[a:b], g)
+                if event is not None:
+                    event.record()  # on the copy stream (the current one here)
+
+        done = self._copier.run(chunks, timed=True, wait=False)
+        if done is not None:
+            self._in_flight.append((done, frozenset(gpu_pages)))
 
     def synchronize(self) -> None:
         """Waits for every copy enqueued so far (tests and benchmarks)."""
@@ -243,15 +271,15 @@ class _Copier:
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # timed copies not yet read
         self._seconds = 0.0
 
-    def run(self, copy: Callable[[], None], timed: bool, wait: bool = True) -> Callable[[], bool]:
-        """Runs `copy`; returns whether it has completed (a query of its event). wait: the
-        compute stream waits for it (else the caller orders its readers, by that query)."""
+    def run(self, copy: Callable[[], None], timed: bool, wait: bool = True) -> torch.cuda.Event | None:
+        """Runs `copy`; returns an event recorded after it (None on the CPU: done). wait: the
+        compute stream waits for it (else the caller orders its readers)."""
         if self.stream is None:
             t0 = time.perf_counter()
             copy()
             if timed:
                 self._seconds += time.perf_counter() - t0
-            return lambda: True
+            return None
         compute = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
@@ -267,7 +295,7 @@ class _Copier:
             self._pending.append((start, done))
             if len(self._pending) > 64:  # nothing read the time lately (an offline LLM): fold it in
                 _ = self.seconds
-        return done.query
+        return done
 
     @property
     def seconds(self) -> float:

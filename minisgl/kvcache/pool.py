@@ -11,6 +11,16 @@ Two pool groups (`swa_pages > 0`, a model with sliding-window layers of W < the 
 full layers' K/V in `num_slots` slots through `req_to_slot`, the sliding layers' in their own
 `swa_slots` slots through `req_to_swa_slot` (same rows; positions out of the window hold the
 dummy slot 0). Each group has its own PageAllocator; `k_cache(layer)` picks the group.
+
+Layers filling from the host (`load_chunks`, set by the host KV tier on CUDA): a prefix's KV
+loaded back from host memory lands chunk of layers by chunk of layers on the tier's copy stream,
+each chunk followed by a record of its event. A step that may read such pages (every extend and
+mixed step) calls `wait_loaded(layer)` before its attention reads layer `layer`: at a chunk's
+first layer the compute stream waits for that chunk's event, so layer i's attention starts once
+layer i's pages arrived and the layers before it run meanwhile. The events are external
+(torch.cuda.Event(external=True)): inside a captured CUDA graph the wait is an event-wait node
+that waits, at each replay, for the event's latest record (a load issued after the capture);
+an event never recorded, or whose load is done, makes it a no-op.
 """
 
 from __future__ import annotations
@@ -67,6 +77,35 @@ class KVPool:
         # Per-tensor scales of an FP8 cache (it holds K / k_scale, V / v_scale); 1.0 otherwise.
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
+        # Host-tier loads: [(first layer, last layer + 1, event)] per chunk (module docstring).
+        self.load_chunks: list[tuple[int, int, torch.cuda.Event]] = []
+        self._wait_at: dict[int, torch.cuda.Event] = {}
+
+    def enable_load_waits(self, chunks: int) -> list[tuple[int, int, torch.cuda.Event]]:
+        """Splits the full group's layers into up to `chunks` chunks, each with an external
+        event that host-tier loads record after copying it (CUDA pools only; before any CUDA
+        graph is captured, so the graphs hold the waits)."""
+        if self.device.type != "cuda":
+            raise ValueError("per-layer load waits are for a CUDA pool (CPU copies are synchronous)")
+        if self.num_swa_layers:
+            raise ValueError("per-layer load waits cover one full-attention pool group only")
+        n = self.num_full_layers
+        bounds = sorted({round(i * n / chunks) for i in range(chunks + 1)})
+        self.load_chunks = [(a, b, torch.cuda.Event(external=True)) for a, b in zip(bounds, bounds[1:])]
+        for _, _, ev in self.load_chunks:
+            # torch creates a CUDA event at its first record and skips a wait on one not yet
+            # created, a graph capture too: recorded here once, each wait is captured.
+            ev.record(torch.cuda.current_stream(self.device))
+        self._wait_at = {a: ev for a, _, ev in self.load_chunks}
+        return self.load_chunks
+
+    def wait_loaded(self, layer: int) -> None:
+        """Before attention reads layer `layer` in a step that may read pages a host-tier load
+        fills: at a chunk's first layer, the compute stream waits for the chunk's copy."""
+        group, index = self._where[layer]
+        ev = self._wait_at.get(index) if group == 0 else None
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
 
     def is_swa_layer(self, layer: int) -> bool:
         """Layer `layer`'s K/V live in the sliding-window group (slots of `req_to_swa_slot`)."""

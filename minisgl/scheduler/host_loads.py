@@ -1,18 +1,16 @@
 """Host-tier loads of a request's prefix (a mixin of RequestKV, scheduler/kv.py).
 
 `match_and_load` extends a GPU prefix match with the host pages that continue it: fresh GPU
-pages, a copy back (kvcache/host_tier.py), then the pages join the radix cache. On one GPU the
-copy runs while the batch goes on: the request waits aside until the copy's event completed
-(`finished_loads`, at each admission); requests needing the same host pages wait for the same
-load; an aborted request's load still lands in the cache. With TP the ranks admit in lockstep,
-which a copy's completion time is not: there the next step's forward waits for the copy.
+pages, a copy back (kvcache/host_tier.py) started on the tier's copy stream, and the pages join
+the radix cache at once. The request is admitted in the same step: its attention, like every
+extend or mixed step's, waits per chunk of layers for the copy (KVPool.wait_loaded), so the load
+overlaps the forward and decode steps never wait. Same on one GPU and with TP (the ranks admit
+in lockstep: nothing depends on when a copy completes).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.engine.engine import Engine
@@ -22,21 +20,6 @@ from minisgl.kvcache.radix_cache import RadixCache
 from minisgl.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class PendingLoad:
-    """A host-tier load in flight: `pages` (fresh, held here) fill with the KV of `tokens`
-    past the locked GPU `match`, from the pinned host `nodes`; `req` (None once aborted) and
-    `waiters` (requests that need the same host pages) wait for `done()`."""
-
-    req: Request | None
-    tokens: tuple[int, ...]
-    match: MatchResult
-    nodes: list
-    pages: list[int]
-    done: Callable[[], bool]
-    waiters: list[Request] = field(default_factory=list)
 
 
 def make_host_tier(engine: Engine, cache: PrefixCache, gb: float) -> HostKVTier | None:
@@ -69,15 +52,11 @@ class HostLoads:
     cache: PrefixCache
     allocator: Any
     page_size: int
-    defer_loads: bool
-    _loads: list[PendingLoad]
 
-    def match_and_load(self, req: Request) -> MatchResult | None:
+    def match_and_load(self, req: Request) -> MatchResult:
         """`match`, extended by the host tier: host pages continuing the GPU match are copied
-        into fresh GPU pages and inserted into the prefix cache (when the pool has room).
-        None: the copy is in flight and `req` waits for it (`finished_loads`; one GPU). With TP
-        the ranks must admit in lockstep, which a copy's completion time is not: there the
-        next step's forward waits for the copy instead."""
+        into fresh GPU pages, which join the prefix cache at once (when the pool has room); the
+        steps that read them wait for the copy per chunk of layers."""
         match = self.match(req)  # type: ignore[attr-defined]  # RequestKV's
         if self.tier is None or req.needs_prompt_logprobs or req.pooling is not None:
             return match
@@ -85,50 +64,21 @@ class HostLoads:
         nodes = self.tier.lookup(tokens, len(match.pages))
         if not nodes:
             return match
-        busy = next((ld for ld in self._loads if nodes[0] in ld.nodes), None)
-        if busy is not None:  # its next host page is coming back already: wait for that load
-            busy.waiters.append(req)
-            return None
         self.cache.lock(match.handle)  # the GPU part must survive the eviction reserve() may do
         self.tier.pin(nodes)  # and the host part the host eviction that eviction may cause
-        if not self.reserve(len(nodes)):  # type: ignore[attr-defined]
+        try:
+            if not self.reserve(len(nodes)):  # type: ignore[attr-defined]
+                return match
+            pages = self.allocator.allocate(len(nodes))
+            self.tier.load(nodes, pages)
+            m = len(match.pages)
+            end = (m + len(nodes)) * self.page_size
+            n = self.cache.insert(tuple(tokens[:end]), list(match.pages) + pages) // self.page_size
+            if n > m:  # already cached (not expected: the match just ended there): duplicates
+                dup = pages[: n - m]
+                self.tier.fence(dup)
+                self.allocator.free(dup)
+        finally:
             self.tier.unpin(nodes)
             self.cache.unlock(match.handle)
-            return match
-        pages = self.allocator.allocate(len(nodes))
-        end = (len(match.pages) + len(nodes)) * self.page_size
-        load = PendingLoad(req, tuple(tokens[:end]), match, nodes, pages,
-                     self.tier.load(nodes, pages, wait=not self.defer_loads))
-        if not self.defer_loads or load.done():
-            self._finish_load(load)
-            return self.match(req)  # type: ignore[attr-defined]
-        self._loads.append(load)
-        return None
-
-    def _finish_load(self, load: PendingLoad) -> None:
-        """The copy is done: its pages join the prefix cache (those some request cached
-        meanwhile are duplicates, freed), the locks go."""
-        m = len(load.match.pages)
-        n = self.cache.insert(load.tokens, list(load.match.pages) + load.pages) // self.page_size
-        self.allocator.free(load.pages[: max(0, n - m)])
-        assert self.tier is not None
-        self.tier.unpin(load.nodes)
-        self.cache.unlock(load.match.handle)
-
-    def finished_loads(self) -> list[Request]:
-        """Completes the loads whose copies are done; the requests waiting for them (not
-        aborted meanwhile), to be queued again."""
-        out: list[Request] = []
-        for load in [ld for ld in self._loads if ld.done()]:
-            self._loads.remove(load)
-            self._finish_load(load)
-            out.extend(r for r in (load.req, *load.waiters) if r is not None)
-        return out
-
-    def _forget_load(self, req: Request) -> None:
-        """An aborted request stops waiting; its load runs on (its pages end up cached)."""
-        for load in self._loads:
-            if load.req is req:
-                load.req = None
-            if req in load.waiters:
-                load.waiters.remove(req)
+        return self.match(req)  # type: ignore[attr-defined]

@@ -30,7 +30,7 @@ import logging
 from minisgl.engine.engine import Engine
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
 from minisgl.kvcache.radix_cache import RadixCache
-from minisgl.scheduler.host_loads import HostLoads, PendingLoad, make_host_tier
+from minisgl.scheduler.host_loads import HostLoads, make_host_tier
 from minisgl.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -41,10 +41,6 @@ class RequestKV(HostLoads):
         self.engine = engine
         self.cache = cache
         self.tier = make_host_tier(engine, cache, host_kv_cache_gb)
-        # Host-tier loads in flight (one GPU): their requests wait aside, the batch goes on.
-        self._loads: list[PendingLoad] = []
-        tp = getattr(engine, "tp", None)
-        self.defer_loads = tp is None or tp.size == 1
         self.page_size = engine.cfg.page_size
         self.allocator = engine.allocator
         self.swa = getattr(engine, "swa_allocator", None)  # the sliding group's pages (or None)
@@ -90,13 +86,13 @@ class RequestKV(HostLoads):
         """Empties the prefix cache unless an `active` request holds some of its pages; returns
         why not, or None once flushed. (A step in flight writes only pages its requests hold,
         or later the same stream's work does: nothing to wait for.)"""
-        if self._loads:
-            return f"{len(self._loads)} host KV tier load(s) in flight; retry in a moment"
         held = self.cache.protected_pages
         if held:
             holders = sum(1 for r in active if r.match is not None and r.match.pages)
             return (f"{held} cached pages are in use by {holders} running request(s) sharing a cached prefix; "
                     "retry once they finish")
+        if self.tier is not None:
+            self.tier.fence()  # a load still in flight may write some of the pages freed here
         self.allocator.free(self.cache.reset())
         self._free_swa([])
         if self.tier is not None:
@@ -287,8 +283,6 @@ class RequestKV(HostLoads):
         """A finished, aborted or retracted request hands its computed KV to the prefix cache
         and frees the rest, plus its table row."""
         if req.match is None:
-            if self._loads:
-                self._forget_load(req)
             return
         # An embedding's KV is not kept: no later request could use it (they match nothing).
         computed = [] if req.pooling is not None else req.tokens()[: req.cached_len]
@@ -328,7 +322,7 @@ class RequestKV(HostLoads):
         self.cache.check_integrity()
         if self.tier is not None:
             self.tier.check_integrity()
-        private: list[int] = [p for ld in self._loads for p in ld.pages]  # host-tier loads in flight
+        private: list[int] = []
         for r in active:
             if r.match is not None:
                 head = r.pages[: len(r.match.pages)]

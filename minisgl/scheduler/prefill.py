@@ -45,7 +45,6 @@ def admit(queues: RequestQueues, kv: RequestKV, budget: int, new_token_ratio: fl
     remaining tokens count at `new_token_ratio`). `prompt_logprob_rows`: prompt positions whose
     logits the step may compute for prompt logprobs."""
     plan = PrefillPlan()
-    queues.loaded(kv.finished_loads())  # host-tier loads done: those requests queue again, first
     reserved = reserved_pages(queues, kv, new_token_ratio)
     logit_rows = prompt_logprob_rows
     while budget > 0:
@@ -54,10 +53,7 @@ def admit(queues: RequestQueues, kv: RequestKV, budget: int, new_token_ratio: fl
             req = queues.prefilling
         elif waiting is not None and kv.free_rows > 0 and (logit_rows or not waiting.needs_prompt_logprobs):
             req = waiting
-            match = kv.match_and_load(req)  # host-tier pages come back to the GPU here
-            if match is None:  # they are in flight: it waits aside, admission goes on behind it
-                queues.set_aside(req)
-                continue
+            match = kv.match_and_load(req)  # host-tier pages come back to the GPU here (the step waits per layer)
             need = expected_pages(kv, req, new_token_ratio) - len(match.pages)
             alone = not queues.running and not plan.reqs
             if not alone and need + reserved > kv.available_pages:

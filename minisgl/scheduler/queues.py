@@ -2,9 +2,8 @@
 
 A request is in at most one place: `waiting` (FIFO, a retracted or un-admitted request going
 back to its front; under the priority policy ordered by (priority, arrival), so that it goes
-back to its own place), `loading` (set aside while its prefix's KV comes back from the host
-tier: the requests behind it are admitted meanwhile; it goes back to the front when the load is
-done), `prefilling` (the one request mid chunked prefill) or `running` (prefilled, decoding).
+back to its own place), `prefilling` (the one request mid chunked prefill) or `running`
+(prefilled, decoding).
 Admission (prefill.py), the speculative step and the scheduler itself change states through
 these calls alone, so each transition is written once.
 """
@@ -29,7 +28,6 @@ class RequestQueues:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefilling: Request | None = None
-        self.loading: list[Request] = []
 
     @property
     def active(self) -> list[Request]:
@@ -41,7 +39,7 @@ class RequestQueues:
         return len(self.running) + (self.prefilling is not None)
 
     def __bool__(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling or self.loading)
+        return bool(self.waiting or self.running or self.prefilling)
 
     def add(self, req: Request) -> None:
         req.arrival = next(self._arrivals)
@@ -56,19 +54,6 @@ class RequestQueues:
     def take_waiting(self) -> Request:
         """The first waiting request leaves the queue (admission took it)."""
         return self.waiting.popleft()
-
-    def set_aside(self, req: Request) -> None:
-        """The first waiting request waits for its host-tier load (admission goes on past it)."""
-        assert self.waiting and self.waiting[0] is req, "only the first waiting request is set aside"
-        self.waiting.popleft()
-        self.loading.append(req)
-
-    def loaded(self, reqs: list[Request]) -> None:
-        """Their loads are done: back to the front of the queue (by priority: to their places),
-        in arrival order."""
-        for req in sorted(reqs, key=lambda r: r.arrival, reverse=True):
-            self.loading.remove(req)
-            self.requeue(req)
 
     def requeue(self, req: Request) -> None:
         """Back to the front of the queue (retracted, or its admission undone); by priority, to
@@ -96,5 +81,3 @@ class RequestQueues:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        elif req in self.loading:
-            self.loading.remove(req)

@@ -151,7 +151,7 @@ class Scheduler:
         free = self.engine.allocator.free_pages * self.engine.cfg.page_size
         return {
             "running": self.queues.num_active,
-            "queued": len(self.queues.waiting) + len(self.queues.loading),
+            "queued": len(self.queues.waiting),
             "kv_slots_total": total,
             "kv_slots_used": total - free - self.cache.evictable_pages * self.engine.cfg.page_size,
             "kv_slots_cached": self.cache.cached_pages * self.engine.cfg.page_size,
@@ -186,7 +186,7 @@ class Scheduler:
             self._drain()  # retraction needs every token value on the host; some may finish here
             for victim in preemption_victims(q, self.kv, self.new_token_ratio):
                 self._retract(victim)
-        want_prefill = bool(q.waiting or q.prefilling or q.loading)  # admission also completes host loads
+        want_prefill = bool(q.waiting or q.prefilling)
         if want_prefill and self.cfg.mixed_chunk_tokens > 0 and self._decodable():
             return self._launch_mixed()
         if want_prefill and not (self._decode_next and self._decodable()):
