@@ -26,13 +26,16 @@ def _value(tokens, i: int) -> float:
     return float(tokens[i] * 1000 + i)  # the "KV" of position i: a function of its prefix's end
 
 
-def test_store_load_roundtrip_and_lru_order() -> None:
+@pytest.mark.parametrize("chunks", [1, 2], ids=["one-chunk", "chunks-of-layers"])
+def test_store_load_roundtrip_and_lru_order(chunks) -> None:
     ps = 2
     pool = KVPool(LAYERS, 16, ps, HEADS, DIM, torch.float32, torch.device("cpu"))
     pool._k.normal_()
     pool._v.normal_()
     tier = HostKVTier(pool, _gb(3, ps))
-    assert tier.num_pages == 3
+    assert tier.num_pages == 3 and tier._chunks == [(0, LAYERS, None)]
+    if chunks > 1:  # as on CUDA, where a load lands in chunks of layers (without events here)
+        tier._chunks = [(0, 1, None), (1, LAYERS, None)]
     a, b, c = (1, 2, 3, 4), (1, 2, 5, 6), (7, 8)
     want = {p: (pool._k[:, p * ps : (p + 1) * ps].clone(), pool._v[:, p * ps : (p + 1) * ps].clone())
             for p in (1, 2, 3, 4)}
