@@ -23,7 +23,7 @@ prompt share served by the prefix cache (either tier, meta_info.cached_tokens), 
 (turns whose prefix came partly from the host tier: minisgl_host_kv_hits / turns), load-back
 GB/s (minisgl_host_kv_tokens_loaded x KV bytes per token / minisgl_host_kv_load_seconds, the
 copies' GPU time) against the H2D ceiling, and where TTFT goes: the means of the requests
-waiting (queued or loading) and running and of the pool's share in use, sampled from /metrics
+waiting (queued) and running and of the pool's share in use, sampled from /metrics
 every 0.25 s, and the mean wait for admission they imply (Little's law: waiting / arrival rate).
 KV bytes per token come from the model folder's
 config.json and --kv-cache-dtype (one rank's share with TP is the total / TP).

@@ -13,6 +13,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.kvcache.host_tier import HostKVTier
 from minisgl.kvcache.pool import KVPool, PageAllocator, RequestTable
 from minisgl.kvcache.radix_cache import RadixCache
+from minisgl.ops.kv_copy import copy_slots
 from minisgl.scheduler.kv import RequestKV
 
 LAYERS, HEADS, DIM = 2, 2, 4
@@ -225,12 +226,26 @@ def test_a_loaded_request_is_admitted_in_the_step_of_its_load(tiny_model_path) -
     assert kv.flush_cache([]) is None and kv.allocator.free_pages == kv.allocator.total_pages
 
 
+def test_copy_slots_by_chunks_of_layers() -> None:
+    """A load's path: the layers chunk by chunk, `after_chunk(i)` once each chunk is enqueued;
+    every layer copied exactly once; ranges outside the layers refused."""
+    src_k, src_v = torch.randn(5, 9, 2, 3), torch.randn(5, 9, 2, 3)
+    dst_k, dst_v = torch.full((5, 7, 2, 3), float("nan")), torch.full((5, 7, 2, 3), float("nan"))
+    seen: list[int] = []
+    copy_slots(src_k, src_v, [8, 1, 4], dst_k, dst_v, [0, 6, 3], [(0, 2), (2, 3), (3, 5)], seen.append)
+    assert seen == [0, 1, 2]
+    assert torch.equal(dst_k[:, [0, 6, 3]], src_k[:, [8, 1, 4]])
+    assert torch.equal(dst_v[:, [0, 6, 3]], src_v[:, [8, 1, 4]])
+    assert bool(dst_k[:, [1, 2, 4, 5]].isnan().all())
+    with pytest.raises(ValueError, match="layer chunks"):
+        copy_slots(src_k, src_v, [1], dst_k, dst_v, [1], [(0, 6)])
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_copy_slots_matches_indexing(device, dtype) -> None:
     """Both directions (device -> host, host -> device) against plain torch indexing, on fresh
     random data with scattered, unsorted slots; untouched destination slots stay NaN."""
-    from minisgl.ops.kv_copy import copy_slots
 
     g = torch.Generator().manual_seed(0)
     shape = (3, 64, 2, 8)

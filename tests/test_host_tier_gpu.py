@@ -3,7 +3,10 @@ indexing, the side-stream ordering of stores and loads, and greedy tokens with t
 
 from __future__ import annotations
 
+import os
 import random
+import sys
+import time
 
 import pytest
 import torch
@@ -123,6 +126,8 @@ def test_side_stream_copies_are_ordered_against_the_compute_stream() -> None:
     _bytes(pool._v).index_fill_(1, idx, POISON)
     nodes = tier.lookup(tokens, 0)
     assert len(nodes) == n
+    with torch.cuda.stream(tier._copier.stream):
+        torch.cuda._sleep(500_000_000)  # the load lands well after the compute stream's sleep ends
     tier.load(nodes, fresh)
     assert not torch.cuda.current_stream().query(), "the host waited for the GPU"
     for layer in range(layers):  # "the next step": its attention waits per chunk of layers
@@ -150,7 +155,8 @@ def test_a_captured_step_waits_for_a_load_issued_after_capture() -> None:
     fresh_idx = torch.tensor(range(n + 1, 2 * n + 1), device="cuda")
     truth = torch.randn(layers, n, heads, dim, device="cuda").to(torch.bfloat16)
     got = torch.empty_like(truth)
-    first_read = torch.cuda.Event(enable_timing=True)
+    # External: recorded by the graph's replay (a plain event's record inside a capture is not).
+    first_read = torch.cuda.Event(enable_timing=True, external=True)
     last_copy = torch.cuda.Event(enable_timing=True)
     copy_slots(pool._k, pool._v, pages, pool._k, pool._v, pages)  # the copy path's first-call work
 
@@ -186,6 +192,84 @@ def test_a_captured_step_waits_for_a_load_issued_after_capture() -> None:
     assert torch.equal(got, truth), "the graph read pages before their load landed"
     # The first chunk's reads ran before the last chunk's copy finished: layers overlap the load.
     assert first_read.elapsed_time(last_copy) > 0
+
+
+def _finishes(seconds: float) -> bool:
+    """Whether the current stream drains within `seconds` (a deadlock would never)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if torch.cuda.current_stream().query():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_load_issued_while_a_waiting_replay_is_queued_does_not_deadlock() -> None:
+    """The overlap scheduler issues step N+1's load while step N's graph (whose waits may not
+    have run yet) is queued: the load's copy waits for step N, so step N must not wait for the
+    load's fresh records. An event-wait node waits for the record before its graph's launch."""
+    layers, heads, dim, n = 4, 8, 128, 256
+    pool = KVPool(layers, 2 * n + 1, 1, heads, dim, torch.bfloat16, torch.device("cuda"))
+    tier = HostKVTier(pool, 2 * n * pool.bytes_per_token / 2**30)
+    pages, tokens = list(range(1, n + 1)), tuple(range(n))
+    got = torch.empty(n, heads, dim, device="cuda", dtype=torch.bfloat16)
+    idx = torch.tensor(range(n + 1, 2 * n + 1), device="cuda")
+    copy_slots(pool._k, pool._v, pages, pool._k, pool._v, pages)
+
+    def step() -> None:
+        for layer in range(layers):
+            pool.wait_loaded(layer)
+        torch.index_select(pool._k[layers - 1], 0, idx, out=got)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    tier.on_evict(tokens, pages)
+    nodes = tier.lookup(tokens, 0)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # "step N-1" still running: the replay below is queued
+    graph.replay()  # "step N"
+    tier.load(nodes, list(range(n + 1, 2 * n + 1)))  # "step N+1's admission": its copy waits for step N
+    graph.replay()  # "step N+1"
+    if not _finishes(30.0):
+        # The GPU is stuck: nothing after this in the process could run. Say why, then stop.
+        print("DEADLOCK: a replay waited for a load enqueued after its launch", file=sys.stderr, flush=True)
+        os._exit(3)
+    torch.cuda.synchronize()
+
+
+def test_fence_keeps_a_late_load_from_overwriting_reused_pages() -> None:
+    """Pages a load is still writing, freed (an admission undone, then evicted) and reused by a
+    step that does not wait for loads (a decode): `on_evict` fences them, so the reuse's writes
+    come after the late copy and survive it."""
+    layers, heads, dim, n = 4, 8, 128, 512
+    pool = KVPool(layers, 2 * n + 1, 1, heads, dim, torch.bfloat16, torch.device("cuda"))
+    tier = HostKVTier(pool, 2 * n * pool.bytes_per_token / 2**30)
+    pages, tokens = list(range(1, n + 1)), tuple(range(n))
+    fresh = list(range(n + 1, 2 * n + 1))
+    idx = torch.tensor(fresh, device="cuda")
+    ones = torch.ones(layers, n, heads, dim, device="cuda", dtype=torch.bfloat16)
+    copy_slots(pool._k, pool._v, pages, pool._k, pool._v, pages)
+    pool._k.index_copy_(1, idx, ones)  # first launches made before the GPU is kept busy
+    pool._k[:, 1 : n + 1] = -ones
+    tier.on_evict(tokens, pages)
+    nodes = tier.lookup(tokens, 0)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(tier._copier.stream):
+        torch.cuda._sleep(500_000_000)
+    tier.load(nodes, fresh)  # lands late, writing -1
+    # The loaded prefix leaves the cache again: its host copy exists, so no write-back (which
+    # would order the compute stream by itself); only the fence orders the reuse below.
+    tier.on_evict(tokens, fresh)
+    assert tier.pages_stored == n
+    pool._k.index_copy_(1, idx, ones)  # a decode reuses the pages at once, writing 1
+    torch.cuda.synchronize()
+    assert bool((pool._k[:, fresh] == 1).all()), "the late load overwrote the reused pages"
 
 
 def test_multi_turn_greedy_tokens_with_tier_bf16(tiny_model_path) -> None:

@@ -19,13 +19,13 @@ stream (a write-back reads KV that an in-flight step may still be writing; a loa
 that an in-flight step may still touch, e.g. those of a request aborted meanwhile). After a
 write-back the compute stream waits for an event recorded after the copy, so the first step that
 may reuse the freed pages starts once it read them (one launch for all layers). A load copies
-the layers in LOAD_CHUNKS chunks, recording each chunk's event of the pool (KVPool.load_chunks)
-after it; the step that reads the pages (the request is admitted in the step that starts its
-load, and every extend or mixed step waits so) waits per chunk at the chunk's first layer
-(KVPool.wait_loaded): the load overlaps the forward, and decode steps never wait. Pages freed
-while a load may still be writing them (`fence`) make the compute stream wait for the copy
-stream first. Host-pool slots are only touched on the copy stream, so stores and loads of the
-same slot stay in order. On the CPU (a second CPU tensor) the same calls run synchronously.
+the layers in LOAD_CHUNKS chunks (one launch each, the slot lists uploaded once), recording each
+chunk's event of the pool (KVPool.load_chunks) after it. Its request is admitted in the step that
+starts the load, and that step (every extend, mixed or verify step) waits per chunk at the
+chunk's first layer (KVPool.wait_loaded): the load overlaps the forward, and decode steps never
+wait. Pages freed while a load may still be writing them (`fence`) make the compute stream wait
+for that load first. Host-pool slots are only touched on the copy stream, so stores and loads of
+the same slot stay in order. On the CPU (a second CPU tensor) the same calls run synchronously.
 """
 
 from __future__ import annotations
@@ -221,14 +221,16 @@ class HostKVTier:
             self._copier.run(lambda: copy_slots(pool_k, pool_v, g, self._k, self._v, h), timed=False)
             return
 
-        def chunks() -> None:
-            for a, b, event in self._chunks:
-                copy_slots(self._k[a:b], self._v[a:b], h, pool_k[a:b], pool_v[a:b], g)
-                if event is not None:
-                    event.record()  # on the copy stream (the current one here)
+        def recorded(i: int) -> None:  # chunk i is enqueued on the copy stream (the current one here)
+            event = self._chunks[i][2]
+            if event is not None:
+                event.record()
 
-        done = self._copier.run(chunks, timed=True, wait=False)
+        spans = [(a, b) for a, b, _ in self._chunks]
+        done = self._copier.run(lambda: copy_slots(self._k, self._v, h, pool_k, pool_v, g, spans, recorded),
+                                timed=True, wait=False)
         if done is not None:
+            self._in_flight = [(ev, p) for ev, p in self._in_flight if not ev.query()]
             self._in_flight.append((done, frozenset(gpu_pages)))
 
     def synchronize(self) -> None:

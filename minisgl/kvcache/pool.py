@@ -18,9 +18,12 @@ each chunk followed by a record of its event. A step that may read such pages (e
 mixed step) calls `wait_loaded(layer)` before its attention reads layer `layer`: at a chunk's
 first layer the compute stream waits for that chunk's event, so layer i's attention starts once
 layer i's pages arrived and the layers before it run meanwhile. The events are external
-(torch.cuda.Event(external=True)): inside a captured CUDA graph the wait is an event-wait node
-that waits, at each replay, for the event's latest record (a load issued after the capture);
-an event never recorded, or whose load is done, makes it a no-op.
+(torch.cuda.Event(external=True), torch >= 2.8): inside a captured CUDA graph the wait is an
+event-wait node that waits, at each replay, for the event's latest record before the replay was
+launched (a load issued after the capture; a load issued while the replay is queued or running
+is not waited for: no deadlock against a copy that itself waits for that replay). A completed
+record makes it a no-op. torch creates a CUDA event at its first record and drops a wait on one
+not created yet, a wait being captured too: `enable_load_waits` records each event once.
 """
 
 from __future__ import annotations
@@ -89,12 +92,16 @@ class KVPool:
             raise ValueError("per-layer load waits are for a CUDA pool (CPU copies are synchronous)")
         if self.num_swa_layers:
             raise ValueError("per-layer load waits cover one full-attention pool group only")
+        try:
+            torch.cuda.Event(external=True)
+        except TypeError as e:  # torch < 2.8
+            raise ValueError(f"the host KV tier on a GPU needs torch >= 2.8 (torch.cuda.Event(external=True), for "
+                             f"waits inside CUDA graphs), found torch {torch.__version__}: upgrade torch or run "
+                             "without --host-kv-cache-gb") from e
         n = self.num_full_layers
         bounds = sorted({round(i * n / chunks) for i in range(chunks + 1)})
         self.load_chunks = [(a, b, torch.cuda.Event(external=True)) for a, b in zip(bounds, bounds[1:])]
-        for _, _, ev in self.load_chunks:
-            # torch creates a CUDA event at its first record and skips a wait on one not yet
-            # created, a graph capture too: recorded here once, each wait is captured.
+        for _, _, ev in self.load_chunks:  # created now, so that every captured wait exists (docstring)
             ev.record(torch.cuda.current_stream(self.device))
         self._wait_at = {a: ev for a, _, ev in self.load_chunks}
         return self.load_chunks

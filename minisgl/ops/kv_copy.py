@@ -27,7 +27,7 @@ import functools
 import logging
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -63,7 +63,12 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def copy_slots(src_k: torch.Tensor, src_v: torch.Tensor, src_slots: Sequence[int],
-               dst_k: torch.Tensor, dst_v: torch.Tensor, dst_slots: Sequence[int]) -> None:
+               dst_k: torch.Tensor, dst_v: torch.Tensor, dst_slots: Sequence[int],
+               chunks: Sequence[tuple[int, int]] | None = None,
+               after_chunk: Callable[[int], None] | None = None) -> None:
+    """`chunks`: copy the layers [a, b) of each chunk in turn, calling `after_chunk(i)` after
+    chunk i is enqueued (the host tier records chunk i's event there); the slot lists are
+    staged once for all chunks. Default: all layers at once."""
     n = len(src_slots)
     if n != len(dst_slots):
         raise ValueError(f"copy_slots: {n} source slots for {len(dst_slots)} destination slots")
@@ -73,7 +78,13 @@ def copy_slots(src_k: torch.Tensor, src_v: torch.Tensor, src_slots: Sequence[int
                              f"{tuple(b.shape)} {b.dtype} (layers, heads, dim and dtype must agree)")
     if src_k.shape != src_v.shape or dst_k.shape != dst_v.shape:
         raise ValueError("copy_slots: K and V of a pool must have the same shape")
+    chunks = [(0, src_k.shape[0])] if chunks is None else list(chunks)
+    if any(not 0 <= a < b <= src_k.shape[0] for a, b in chunks):
+        raise ValueError(f"copy_slots: layer chunks {chunks} must be non-empty ranges within {src_k.shape[0]} layers")
     if not n:
+        for i in range(len(chunks)):
+            if after_chunk is not None:
+                after_chunk(i)
         return
     idx = np.empty((2, n), dtype=np.int64)
     idx[0], idx[1] = src_slots, dst_slots
@@ -85,10 +96,15 @@ def copy_slots(src_k: torch.Tensor, src_v: torch.Tensor, src_slots: Sequence[int
     path, why = _pick(src_k, src_v, dst_k, dst_v)
     log_once(f"kv_copy:{path}:{why}", f"KV copy between the GPU pool and the host tier: {path} path ({why})",
              logging.INFO)
-    if path == "kernel":
-        _kernel_copy(src_k, src_v, dst_k, dst_v, idx)
-    else:
-        _torch_copy(src_k, src_v, dst_k, dst_v, idx)
+    dev_idx = _upload(idx, src_k, dst_k) if path == "kernel" else None
+    for i, (a, b) in enumerate(chunks):
+        sk, sv, dk, dv = src_k[a:b], src_v[a:b], dst_k[a:b], dst_v[a:b]
+        if dev_idx is not None:
+            _kernel_copy(sk, sv, dk, dv, dev_idx)
+        else:
+            _torch_copy(sk, sv, dk, dv, idx)
+        if after_chunk is not None:
+            after_chunk(i)
 
 
 def _pick(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor) -> tuple[str, str]:
@@ -167,8 +183,8 @@ def prepare_kernel_copies() -> None:
     _slot_ring()
 
 
-def _kernel_copy(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
-                 idx: np.ndarray) -> None:
+def _upload(idx: np.ndarray, src_k: torch.Tensor, dst_k: torch.Tensor) -> torch.Tensor:
+    """The int32 [2, n] slot lists on the GPU, through a region of the pinned ring."""
     gpu = next(t.device for t in (src_k, dst_k) if t.device.type == "cuda")
     n = idx.shape[1]
     ring = _slot_ring()
@@ -182,6 +198,13 @@ def _kernel_copy(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, 
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(gpu))
         ring.release(region[1], region[2], done)
+    return dev_idx
+
+
+def _kernel_copy(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
+                 dev_idx: torch.Tensor) -> None:
+    gpu = dev_idx.device
+    n = dev_idx.shape[1]
     es = src_k.element_size()
     compiled().kv_copy_slots(
         _device_address(src_k), _device_address(src_v), _device_address(dst_k), _device_address(dst_v),

@@ -40,6 +40,9 @@ def make_host_tier(engine: Engine, cache: PrefixCache, gb: float) -> HostKVTier 
     if engine.drafter is not None and engine.cfg.speculative_algorithm != "ngram":
         raise ValueError("--host-kv-cache-gb does not restore a draft model's KV yet; use it without "
                          f"--speculative-algorithm {engine.cfg.speculative_algorithm}")
+    if getattr(engine, "graphs", None) is not None:
+        # The graphs would hold no wait for the loads (KVPool.enable_load_waits runs below).
+        raise RuntimeError("the host KV tier must be built before the engine captures its CUDA graphs")
     tier = HostKVTier(engine.pool, gb)
     cache.on_evict = tier.on_evict
     logger.info("host KV tier: %.3f GiB, %d pages of %d tokens (%s host memory)", tier.capacity_bytes / 2**30,

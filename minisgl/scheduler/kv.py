@@ -85,7 +85,7 @@ class RequestKV(HostLoads):
     def flush_cache(self, active: list[Request]) -> str | None:
         """Empties the prefix cache unless an `active` request holds some of its pages; returns
         why not, or None once flushed. (A step in flight writes only pages its requests hold,
-        or later the same stream's work does: nothing to wait for.)"""
+        or later the same stream's work does; a host-tier load still in flight is fenced.)"""
         held = self.cache.protected_pages
         if held:
             holders = sum(1 for r in active if r.match is not None and r.match.pages)
