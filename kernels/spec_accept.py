@@ -234,9 +234,11 @@ def accept_reference(
         else:
             tok[s] = torch.where(cdf[:, -1] > 0, pick, xs)  # nothing left to draw: p == q
             accept_row[s] = ds & (u1_t * q_x < p_x)
-    rows = torch.arange(t_rows, device=dev)
     tok = torch.where(accept_row, x_d, tok)
-    logp = logits.float()[rows, tok] - logits.float().logsumexp(dim=-1)
+    # The plain reference sampler's formula (ops.sample_reference), one row at a time as the
+    # deterministic sampler calls it: a verify row's logprob is a decode's bit for bit.
+    logp = torch.stack([torch.log_softmax(logits[r : r + 1].float(), dim=-1)[0, tok[r]] for r in range(t_rows)]) \
+        if t_rows else logits.new_zeros(0)
 
     tokens = torch.zeros(b, kmax + 1, dtype=torch.int64, device=dev)
     logprobs = torch.zeros(b, kmax + 1, dtype=torch.float32, device=dev)

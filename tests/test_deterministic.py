@@ -106,10 +106,32 @@ def test_deterministic_refuses_4bit_weights_by_name(tiny_model_path, tmp_path) -
         LLM(str(q), device="cpu", dtype="float32", deterministic=True)
 
 
-def test_deterministic_refuses_speculative_decoding(tiny_model_path) -> None:
-    with pytest.raises(ValueError, match="speculative"):
-        LLM(str(tiny_model_path("qwen3")), device="cpu", dtype="float32", deterministic=True,
-            speculative_algorithm="ngram")
+@pytest.mark.parametrize("algo", ["ngram", "draft"])
+def test_cpu_speculation_changes_no_bit_in_the_mode(tiny_model_path, algo: str) -> None:
+    """Speculation in deterministic mode: a verify step's logits are a decode's bit for bit (its
+    tokens are one-token-like rows of the same batch-invariant kernels), and a verify row draws
+    its token as the plain sampler draws it at (seed, step): greedy and seeded requests give
+    the tokens and logprobs of the mode without speculation, alone or batched. The target is
+    its own draft (n-gram: repetitive prompts), so drafts are accepted."""
+    path = str(tiny_model_path("qwen3"))
+    rng = random.Random(3)
+    base = [rng.randrange(1000) for _ in range(6)]
+    mine = [base * 4 + [rng.randrange(1000) for _ in range(i)] for i in range(4)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.05, top_p=0.95, top_k=20, seed=7, ignore_eos=True)] * 2
+    opts = dict(device="cpu", dtype="float32", num_pages=4096, deterministic=True)
+    with LLM(path, **opts) as llm:
+        want = [run(llm, [p], [sp])[0] for p, sp in zip(mine, params)]
+    spec = dict(speculative_algorithm=algo, speculative_num_draft_tokens=3)
+    spec |= {"speculative_draft_model": path} if algo == "draft" else {"speculative_ngram_min": 2}
+    with LLM(path, **opts, **spec) as llm:
+        alone = [run(llm, [p], [sp])[0] for p, sp in zip(mine, params)]
+        others = prompts(3, 1000, seed=5, shared=0)
+        batched = run(llm, others + mine, [SEEDED] * 3 + params)[3:]
+        st = llm.scheduler.stats()
+    assert st["spec_verified"] > 0 and st["spec_accepted"] > 0, "no draft was accepted: the test shows nothing"
+    assert alone == want, "speculation changed a request's tokens or logprobs"
+    assert batched == want, "speculation in a batch changed a request's tokens or logprobs"
 
 
 @pytest.mark.gpu

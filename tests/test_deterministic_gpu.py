@@ -194,3 +194,34 @@ def test_requests_bit_identical_smollm2(smollm2_gguf) -> None:
     CUDA graphs (256 eager steps per request would take minutes); the eager path is among the
     batched runs."""
     _check_requests(str(smollm2_gguf), None, 32, 256, alone_graphs=True)
+
+
+@pytest.mark.parametrize("algo", ["ngram", "draft"])
+def test_speculation_changes_no_bit_in_the_mode(tiny_model_path, algo: str) -> None:
+    """Speculation on, in the mode: a verify step's logits equal a decode's bit for bit (its rows
+    run the same batch-invariant GEMMs and fixed-chunk extend attention), and a verify row draws
+    as the sampling kernel draws at (seed, step + j) (the same Triton row functions): greedy and
+    seeded requests get the tokens and logprobs of the mode without speculation, batched with
+    others, with CUDA graphs and eagerly. The target is its own draft (n-gram: repetitive
+    prompts), so drafts are accepted."""
+    path = str(tiny_model_path("qwen3"))
+    rng = random.Random(5)
+    mine = []
+    for i in range(16):
+        base = [rng.randrange(5000) for _ in range(8)]
+        mine.append(base * 6 + [rng.randrange(5000) for _ in range(i)])
+    params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=48, temperature=0.3, top_p=0.95, top_k=40, seed=11, ignore_eos=True)] * 8
+    base = dict(device="cuda", deterministic=True)
+    with LLM(path, **base) as llm:
+        want = run(llm, mine, params)
+    spec = dict(speculative_algorithm=algo, speculative_num_draft_tokens=4)
+    spec |= {"speculative_draft_model": path} if algo == "draft" else {"speculative_ngram_min": 2}
+    for graphs in (True, False):
+        with LLM(path, disable_cuda_graph=not graphs, **base, **spec) as llm:
+            others = prompts(24, 5000, seed=rng.randrange(1 << 30), shared=0)
+            got = run(llm, others + mine, [SEEDED] * len(others) + params)[len(others):]
+            st = llm.scheduler.stats()
+        assert st["spec_verified"] > 0 and st["spec_accepted"] > 0, "no draft was accepted: the test shows nothing"
+        bad = [i for i in range(len(mine)) if got[i] != want[i]]
+        assert not bad, f"graphs {graphs}: requests {bad} differ with speculation"

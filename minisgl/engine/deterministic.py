@@ -26,12 +26,6 @@ def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
         fmt = "FP8" if mc.quantization is None else mc.quantization.fmt.upper()
         raise ValueError(f"deterministic mode does not cover {fmt} weights yet: leave out --quantization "
                          "(quantization=) or use a 16-bit checkpoint")
-    if cfg.spec is not None:
-        # A seeded request's draws no longer depend on the draft (kernels/spec_accept.py: a
-        # greedy drafter's rows draw as the plain sampler does); what is not shown yet is that
-        # a verify step's logits equal a plain decode's bit for bit on the GPU.
-        raise ValueError("deterministic mode does not cover speculative decoding yet: leave out "
-                         "--speculative-algorithm (speculative_algorithm=) or --deterministic")
     if tp.size > 1:
         import os
 
