@@ -230,3 +230,51 @@ def test_tune_gemms_measures_then_reads_the_cache(monkeypatch, tmp_path, caplog)
     monkeypatch.setattr(gemm_tuning, "GraphTimer", NoTimer)
     again = gemm_tuning.tune_gemms(calls, dev, [1, 4])
     assert again is not None and again.to_dict() == table.to_dict()
+
+
+def test_four_bit_shapes_name_their_format_and_group() -> None:
+    """A 4-bit layer's table key: INT4 with its group (groups of a multiple of 128 take another
+    loader path), MXFP4; `shape_format` reads any key's format back. The INT4 zero points and
+    MXFP4's scales per 32 give (K, group); shapes the kernel cannot take have no key."""
+    from minisgl.ops.gemm.table import GemmCall, shape_format, table_dtype
+    from minisgl.ops.gemm.tuning import call_shape
+
+    assert [table_dtype(torch.bfloat16, f, block=b, group=g) for f, b, g in
+            (("dense", False, 0), ("fp8", True, 0), ("fp8", False, 0), ("int4", False, 128), ("mxfp4", False, 0))] == \
+        ["bfloat16", "bfloat16-fp8block", "bfloat16-fp8chan", "bfloat16-int4g128", "bfloat16-mxfp4"]
+    for d, f in (("float16", "dense"), ("bfloat16-fp8block", "fp8"), ("float16-int4g32", "int4"),
+                 ("bfloat16-mxfp4", "mxfp4")):
+        assert shape_format(d) == f
+    with pytest.raises(ValueError, match="not a GEMM table dtype"):
+        shape_format("bfloat16-nf4")
+    qw = torch.zeros(96, 4096 // 8, dtype=torch.int32)
+    c = GemmCall(qw, True, "int4", torch.ones(96, 4096 // 128), 0, torch.zeros(96, 4096 // 128))
+    assert call_shape(c, torch.bfloat16) == GemmShape("bfloat16-int4g128", 96, 4096, True)
+    assert call_shape(c, torch.float32) is None  # the kernel takes 16-bit activations
+    odd = GemmCall(torch.zeros(96, 72 // 8, dtype=torch.int32), False, "int4", torch.ones(96, 1), 0, torch.ones(96, 1))
+    assert call_shape(odd, torch.float16) is None  # K 72: not a multiple of 32
+    blocks, e8m0 = torch.zeros(64, 2880 // 2, dtype=torch.uint8), torch.zeros(64, 2880 // 32, dtype=torch.uint8)
+    mx = GemmCall(blocks, False, "mxfp4", e8m0)
+    assert call_shape(mx, torch.bfloat16) == GemmShape("bfloat16-mxfp4", 64, 2880, False)
+
+
+def test_table_entry_tells_a_measured_large_batch_choice_from_none() -> None:
+    """`entry` is the raw choice (4-bit calls keep default_config's launch where there is none,
+    and take the large-batch path where "cublas" was measured); `lookup` folds both into None."""
+    shape = GemmShape("bfloat16-int4g128", 96, 4096, False)
+    t = GemmTable()
+    t.set(shape, 1, CUBLAS)
+    t.set(shape, 8, "t0w8s1")
+    assert t.entry(shape, 1) == CUBLAS and t.lookup(shape, 1) is None
+    assert t.entry(shape, 5) == "t0w8s1" and t.lookup(shape, 5) == SkinnyConfig(0, 8, 1)
+    assert t.entry(shape, 9) is None and t.entry(QKV, 1) is None
+
+
+def test_four_bit_layers_list_their_zero_points() -> None:
+    from minisgl.core.quant_config import from_hf
+
+    quant = from_hf({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False})
+    layer = MergedColumnParallelLinear(64, [48, 48], False, TPInfo(0, 1), silu_and_mul=True, quant=quant)
+    (call,) = layer.gemm_calls()
+    assert call.silu
+    assert call.fmt == "int4" and call.zeros is layer.weight_zero and call.scale is layer.weight_scale

@@ -423,3 +423,43 @@ def test_four_bit_tiles_count_32_element_chunks_for_the_split_rule() -> None:
         for cfg in (up, down):
             assert 2880 // cfg.splits >= 2 * cfg.warps * 128 * w4_tiles[cfg.tile][1], (fmt, cfg)
     assert sk.default_config(1, 256, 2048, False, 132, "int4").splits == 2  # 4 when 32 was counted
+
+
+@gpu
+@pytest.mark.gpu
+def test_int4_dispatch_table_is_measured_and_followed(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The engine-start tuner measures 4-bit shapes too (our configs against the decode + cuBLAS
+    path), and ops.linear follows the entry: a config goes to the skinny launch, "cublas" to the
+    decode + cuBLAS path, no entry to default_config's launch; each equals the reference."""
+    from minisgl import ops
+    from minisgl.ops.gemm import tuning
+    from minisgl.ops.gemm.dispatch import install_table, table_for
+    from minisgl.ops.gemm.skinny import SkinnyConfig
+    from minisgl.ops.gemm.table import CUBLAS, GemmCall, GemmShape, GemmTable
+
+    monkeypatch.setattr(env, "CACHE_DIR", str(tmp_path))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    saved = table_for(dev)
+    gen = torch.Generator().manual_seed(3)
+    n, k, group = 768, 2048, 128
+    qw, s, z, w = make_int4(n, k, group, torch.bfloat16, gen)
+    shape = GemmShape("bfloat16-int4g128", n, k, False)
+    try:
+        table = tuning.tune_gemms([GemmCall(qw, False, "int4", s, 0, z)], dev, [1, 4], torch.bfloat16, budget_s=60)
+        assert table is not None and table.has(shape, 1) and table.has(shape, 4)
+        seen: list[object] = []
+        skinny, dequant = w4.skinny_linear, w4.dequant_linear
+        monkeypatch.setattr(w4, "skinny_linear", lambda *a, **kw: seen.append(kw.get("config")) or skinny(*a, **kw))
+        monkeypatch.setattr(w4, "dequant_linear", lambda *a, **kw: seen.append(CUBLAS) or dequant(*a, **kw))
+        forced = GemmTable()
+        forced.set(shape, 1, CUBLAS)
+        forced.set(shape, 4, "t0w8s2")
+        install_table(dev, forced)
+        for m, want in ((1, CUBLAS), (4, SkinnyConfig(0, 8, 2)), (5, None)):
+            x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
+            seen.clear()
+            y = ops.linear(x, qw, fmt="int4", scale=s, zeros=z)
+            assert seen == [want], f"M {m}: {seen}"
+            assert_close(y, reference(x, w, None, False))
+    finally:
+        install_table(dev, saved if saved is not None else GemmTable())

@@ -141,7 +141,8 @@ class _QuantMixin(nn.Module):
                           block_k=self.block_k)
 
     def gemm_calls(self) -> list[GemmCall]:
-        return [GemmCall(self.weight, bool(self.silu_and_mul), self.fmt, self.weight_scale, self.block_k)]
+        return [GemmCall(self.weight, bool(self.silu_and_mul), self.fmt, self.weight_scale, self.block_k,
+                         self.weight_zero)]
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:

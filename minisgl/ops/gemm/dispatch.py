@@ -12,7 +12,8 @@ y = x W^T (+ bias) [then SiLU-and-mul], W in the layer's format:
 
 The table (ops/gemm/table.py, one for every format, keyed by the activations' dtype and the
 weight format) is per device, filled at engine start by ops/gemm/tuning.py (M of the CUDA graph
-ladder up to 32); a shape or M it does not hold takes the large-batch path. The choice happens
+ladder up to 32); a shape or M it does not hold takes the large-batch path (4-bit: the skinny
+kernel at default_config's launch up to M 32, as ops/gemm/w4.py did before the table held them). The choice happens
 per call from the shapes alone, so a CUDA graph captured at batch size b keeps the kernel chosen
 for M = b. MINISGL_DISABLE_SKINNY_GEMM=1 turns our skinny kernel off.
 """
@@ -28,10 +29,19 @@ from minisgl.ops.deterministic import batch_invariant_linear, is_deterministic
 from minisgl.ops.gemm import w4 as _w4
 from minisgl.ops.gemm.fp8 import fp8_gemm
 from minisgl.ops.gemm.reference import fp8_linear_reference, int4_linear_reference, mxfp4_linear_reference
-from minisgl.ops.gemm.skinny import DENSE, FP8_FORMAT, MAX_M, counters, cublas_linear, fp8_fits, launch, vector_aligned
-from minisgl.ops.gemm.table import GemmShape, GemmTable, table_dtype
+from minisgl.ops.gemm.skinny import (
+    DENSE,
+    FP8_FORMAT,
+    MAX_M,
+    SkinnyConfig,
+    counters,
+    cublas_linear,
+    fp8_fits,
+    launch,
+    vector_aligned,
+)
+from minisgl.ops.gemm.table import CUBLAS, INT4, MXFP4, GemmShape, GemmTable, table_dtype
 
-INT4, MXFP4 = "int4", "mxfp4"
 FORMATS = (DENSE, FP8_FORMAT, INT4, MXFP4)
 _tables: dict[int, GemmTable] = {}
 
@@ -79,11 +89,14 @@ def linear(
     if fmt == INT4:
         if x.device.type != "cuda":
             return int4_linear_reference(x, weight, scale, zeros, bias, silu)
-        return _w4.int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu)
+        k = weight.size(1) * 8
+        shape = GemmShape(table_dtype(x.dtype, INT4, group=k // scale.size(1)), weight.size(0), k, silu)
+        return _w4.int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu, choice=_entry(x, shape))
     if fmt == MXFP4:
         if x.device.type != "cuda":
             return mxfp4_linear_reference(x, weight, scale, bias, silu)
-        return _w4.mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu)
+        shape = GemmShape(table_dtype(x.dtype, MXFP4), weight.size(0), weight.size(1) * 2, silu)
+        return _w4.mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu, choice=_entry(x, shape))
     raise ValueError(f"linear: weight format {fmt!r} is not one of {FORMATS}")
 
 
@@ -94,6 +107,17 @@ def _lookup(x: torch.Tensor, shape: GemmShape):
         return None
     table = _tables.get(_index(x.device))
     return None if table is None else table.lookup(shape, m)
+
+
+def _entry(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | str | None:
+    """A 4-bit call's table entry: our config, CUBLAS (the large-batch path) or None (no entry:
+    ops/gemm/w4.py takes default_config's launch, as before the table held 4-bit shapes)."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    table = _tables.get(_index(x.device))
+    if table is None or not 0 < m <= MAX_M:
+        return None
+    choice = table.entry(shape, m)
+    return choice if choice is None or choice == CUBLAS else SkinnyConfig.parse(choice)
 
 
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:

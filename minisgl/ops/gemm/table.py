@@ -2,7 +2,10 @@
 measured choice between the format's large-batch path (spelled "cublas": cuBLAS for 16-bit
 weights, the FP8 GEMM for FP8 ones) and one of the skinny template's launch configurations, and
 its on-disk cache. The dtype field names the activations and the weight format: "bfloat16" for
-a 16-bit weight, "bfloat16-fp8chan" / "bfloat16-fp8block" for FP8 ones (`table_dtype`).
+a 16-bit weight, "bfloat16-fp8chan" / "bfloat16-fp8block" for FP8 ones, "bfloat16-int4g128"
+(INT4 with its group size: groups of a multiple of 128 take another loader path) and
+"bfloat16-mxfp4" for 4-bit ones, whose large-batch path is the decode to 16 bits + cuBLAS
+(`table_dtype`).
 
 Pure logic (no device work here: ops/gemm/tuning.py measures, ops/gemm/dispatch.py looks up),
 so all of it is tested on the CPU. A shape the table does not hold goes to the large-batch
@@ -24,7 +27,7 @@ from minisgl.ops.gemm.skinny import DENSE, FP8_FORMAT, MAX_SPLITS, SkinnyConfig
 
 CUBLAS = "cublas"
 # Bump when the kernel or the candidate rules change: cached tables of older kernels are ignored.
-TABLE_VERSION = 1
+TABLE_VERSION = 2
 # Ours must beat cuBLAS by this fraction to be chosen: repeated timings of one kernel differ
 # by about 1%, and a flip on noise would make the choice unstable from run to run.
 MARGIN = 0.01
@@ -34,19 +37,26 @@ CANDIDATE_PAIRS: tuple[tuple[int, int], ...] = ((1, 4), (0, 4), (2, 4), (1, 8))
 # FP8: every tile at 4 warps, and tile 0 at 8. Not yet swept on a GPU
 # (benchmarks/kernels/fp8_gemm.py prints the best of each per shape and M).
 FP8_CANDIDATE_PAIRS: tuple[tuple[int, int], ...] = ((0, 4), (1, 4), (2, 4), (3, 4), (0, 8))
-PAIRS = {DENSE: CANDIDATE_PAIRS, FP8_FORMAT: FP8_CANDIDATE_PAIRS}
+# 4-bit (INT4 and MXFP4 share the tiles): every tile at 4 and 8 warps. The launch sweep
+# (`benchmarks/kernels/w4_gemm.py --sweep`, RESULTS.md twelfth session) found t0w8, t2w8, t1w4 and
+# t1w8 best on Llama-3.1-8B's layers, up to 38% faster than default_config's launch.
+W4_CANDIDATE_PAIRS: tuple[tuple[int, int], ...] = ((0, 4), (1, 4), (2, 4), (3, 4), (0, 8), (1, 8), (2, 8))
+INT4, MXFP4 = "int4", "mxfp4"
+PAIRS = {DENSE: CANDIDATE_PAIRS, FP8_FORMAT: FP8_CANDIDATE_PAIRS, INT4: W4_CANDIDATE_PAIRS, MXFP4: W4_CANDIDATE_PAIRS}
 SPLITS = (1, 2, 4, 8)
 
 
 class GemmCall(NamedTuple):
     """One GEMM a model runs, as the layers list it for the tuner: the weight in format `fmt`
-    (with its FP8 `scale` and `block_k`), and whether SiLU-and-mul is fused in."""
+    (with its FP8 `scale` and `block_k`, or its 4-bit `scale` and `zeros`), and whether
+    SiLU-and-mul is fused in."""
 
     weight: Any  # torch.Tensor, [N, K] in the format's layout
     silu: bool
     fmt: str = DENSE
     scale: Any = None  # torch.Tensor or None
     block_k: int = 0
+    zeros: Any = None  # INT4's zero points, or None
 
 
 @functools.cache
@@ -54,11 +64,33 @@ def _parse(choice: str) -> SkinnyConfig:
     return SkinnyConfig.parse(choice)
 
 
-def table_dtype(x_dtype, fmt: str, block: bool = False) -> str:
+def table_dtype(x_dtype, fmt: str, block: bool = False, group: int = 0) -> str:
     """The dtype field of a GemmShape: the activations' dtype, and the weight format where it is
-    not 16-bit, e.g. 'bfloat16' or 'bfloat16-fp8block'."""
+    not 16-bit, e.g. 'bfloat16', 'bfloat16-fp8block', 'bfloat16-int4g128', 'bfloat16-mxfp4'."""
     name = str(x_dtype).removeprefix("torch.")
-    return name if fmt == DENSE else f"{name}-fp8{'block' if block else 'chan'}"
+    if fmt == DENSE:
+        return name
+    if fmt == FP8_FORMAT:
+        return f"{name}-fp8{'block' if block else 'chan'}"
+    if fmt == INT4:
+        return f"{name}-int4g{group}"
+    if fmt == MXFP4:
+        return f"{name}-mxfp4"
+    raise ValueError(f"table_dtype: unknown weight format {fmt!r}")
+
+
+def shape_format(dtype: str) -> str:
+    """The weight format of a GemmShape's dtype field (table_dtype's inverse)."""
+    tail = dtype.partition("-")[2]
+    if not tail:
+        return DENSE
+    if tail.startswith("fp8"):
+        return FP8_FORMAT
+    if tail.startswith("int4"):
+        return INT4
+    if tail == "mxfp4":
+        return MXFP4
+    raise ValueError(f"not a GEMM table dtype: {dtype!r}")
 
 
 @dataclass(frozen=True, order=True)
@@ -138,17 +170,19 @@ class GemmTable:
             _parse(choice)  # a malformed choice fails here, not at a launch
         self.choices.setdefault(shape, {})[m] = choice
 
-    def lookup(self, shape: GemmShape, m: int) -> SkinnyConfig | None:
-        """Our config for (shape, M), or None for cuBLAS (also when nothing was measured)."""
+    def entry(self, shape: GemmShape, m: int) -> str | None:
+        """The choice measured for (shape, the smallest measured M >= m), or None if none was."""
         by_m = self.choices.get(shape)
         if not by_m:
             return None
         ms = sorted(by_m)
         i = bisect.bisect_left(ms, m)
-        if i == len(ms):
-            return None
-        choice = by_m[ms[i]]
-        return None if choice == CUBLAS else _parse(choice)
+        return None if i == len(ms) else by_m[ms[i]]
+
+    def lookup(self, shape: GemmShape, m: int) -> SkinnyConfig | None:
+        """Our config for (shape, M), or None for cuBLAS (also when nothing was measured)."""
+        choice = self.entry(shape, m)
+        return None if choice is None or choice == CUBLAS else _parse(choice)
 
     def has(self, shape: GemmShape, m: int) -> bool:
         return m in self.choices.get(shape, {})

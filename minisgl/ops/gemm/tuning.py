@@ -1,11 +1,12 @@
 """Measures the GEMM dispatch table on the device at engine start, one tuner for every weight
 format the skinny template loads: for each distinct linear-layer (format, shape) and each M of
 the CUDA-graph ladder up to 32, the format's large-batch path (cuBLAS for 16-bit weights; for FP8
-ones activation quant + the FP8 GEMM, then SiLU where fused) and our kernel's candidate
-configurations are timed as CUDA-graph replays over the model's own weights (several layers'
-weights in rotation, so W comes from HBM as in a decode step), within a time budget; the result
-is cached on disk keyed by the GPU and software versions, so the next start only measures what is
-missing. Entries the budget leaves out take the large-batch path.
+ones activation quant + the FP8 GEMM, then SiLU where fused; for 4-bit ones the decode to 16 bits
++ cuBLAS) and our kernel's candidate configurations are timed as CUDA-graph replays over the
+model's own weights (several layers' weights in rotation, so W comes from HBM as in a decode
+step), within a time budget; the result is cached on disk keyed by the GPU and software versions,
+so the next start only measures what is missing. Entries the budget leaves out take the
+large-batch path (4-bit ones: default_config's launch of our kernel, ops/gemm/w4.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from minisgl import env
 from minisgl.logging_setup import get_logger
+from minisgl.ops.gemm import w4 as _w4
 from minisgl.ops.gemm.dispatch import fp8_large_batch, install_table, skinny_enabled
 from minisgl.ops.gemm.skinny import (
     DENSE,
@@ -31,6 +33,8 @@ from minisgl.ops.gemm.skinny import (
 )
 from minisgl.ops.gemm.table import (
     CUBLAS,
+    INT4,
+    MXFP4,
     PAIRS,
     SPLITS,
     TABLE_VERSION,
@@ -41,6 +45,7 @@ from minisgl.ops.gemm.table import (
     choose,
     load_cache,
     save_cache,
+    shape_format,
     table_dtype,
 )
 from minisgl.ops.graph_capture import no_gc
@@ -95,7 +100,13 @@ def device_key(device: torch.device) -> str:
 
 
 def shape_fmt(shape: GemmShape) -> str:
-    return FP8_FORMAT if "-fp8" in shape.dtype else DENSE
+    return shape_format(shape.dtype)
+
+
+def w4_dims(c: GemmCall) -> tuple[int, int]:
+    """(K, group) of a 4-bit GemmCall: INT4 packs 8 values an int32, MXFP4 2 a byte (scales per 32)."""
+    k = c.weight.size(1) * (8 if c.fmt == INT4 else 2)
+    return k, k // c.scale.size(1)
 
 
 def call_shape(c: GemmCall, dtype: torch.dtype | None) -> GemmShape | None:
@@ -112,13 +123,21 @@ def call_shape(c: GemmCall, dtype: torch.dtype | None) -> GemmShape | None:
         if not fp8_fits(torch.empty(1, w.size(1), dtype=dtype, device=w.device), w, c.scale, c.block_k):
             return None
         return GemmShape(table_dtype(dtype, FP8_FORMAT, c.scale.size(1) > 1), w.size(0), w.size(1), c.silu)
-    return None  # 4-bit formats: not in the skinny table yet
+    if c.fmt in (INT4, MXFP4) and dtype in (torch.float16, torch.bfloat16):
+        k, group = w4_dims(c)
+        # ops/gemm/w4.py's _skinny_fits without x (aligned by construction: the engine's buffers)
+        if k % 32 or group % 32 or w.data_ptr() % 16:
+            return None
+        return GemmShape(table_dtype(dtype, c.fmt, group=group), w.size(0), k, c.silu)
+    return None
 
 
 def baseline(x: torch.Tensor, c: GemmCall) -> torch.Tensor:
     """The format's large-batch path (the table's "cublas" choice)."""
     if c.fmt == DENSE:
         return cublas_linear(x, c.weight, None, c.silu, None)
+    if c.fmt in (INT4, MXFP4):
+        return _w4.dequant_linear(_w4.FORMATS[c.fmt], x, c.weight, c.scale, c.zeros, None, c.silu)
     return fp8_large_batch(x, c.weight, c.scale, c.block_k, None, c.silu)
 
 
@@ -161,6 +180,9 @@ class GraphTimer:
         if choice == CUBLAS:
             return time_graph([lambda c=c: baseline(x, c) for c in cs])
         cfg = SkinnyConfig.parse(choice)
+        if shape_fmt(shape) in (INT4, MXFP4):
+            return time_graph([lambda c=c: _w4.skinny_linear(_w4.FORMATS[c.fmt], x, c.weight, c.scale, c.zeros, None,
+                                                             c.silu, config=cfg) for c in cs])
         out = torch.empty(m, shape.n // 2 if shape.silu else shape.n, dtype=x.dtype, device=self.device)
         return time_graph([lambda c=c: launch(x, c.weight, None, out, c.silu, cfg, pdl=False, scale=c.scale)
                            for c in cs])

@@ -2,8 +2,10 @@
 
 Weights are in kernels/quant4.py's layouts (the loaders repack every checkpoint format into
 them once). GPU: M <= 32 the skinny CUDA template with the Int4W / Mxfp4W loader
-(csrc/skinny_w4.cuh; default_config's launch, not yet a measured table), or where its conditions
-fail (logged once) the Triton GEMM of kernels/w4a16_gemm.py; from DEQUANT_MIN_M (33) rows the
+(csrc/skinny_w4.cuh) at the launch the measured table chose (ops/gemm/tuning.py; the dispatch
+passes it as `choice`: a config, or "cublas" for the large-batch path below; default_config's
+launch where the table has no entry, e.g. direct calls), or where its conditions fail (logged
+once) the Triton GEMM of kernels/w4a16_gemm.py; from DEQUANT_MIN_M (33) rows the
 weight decoded to 16 bits on the device (kernels/w4a16_gemm.py w4_dequant, DEQUANT_ROWS output
 columns at a time) and the 16-bit GEMM (cuBLAS): the untuned Triton GEMM ran 4-7x slower than
 that at 64 rows and 28-32x slower than cuBLAS at 2,048 (RESULTS.md, issue 35), while decoding
@@ -28,6 +30,7 @@ from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_onc
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
 from minisgl.ops.gemm import skinny as _sk
 from minisgl.ops.gemm import skinny_moe as _skinny_moe
+from minisgl.ops.gemm.table import CUBLAS
 from minisgl.ops.moe import check_expert_biases, check_shared, check_topk
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -86,7 +89,8 @@ def _check_weight(fmt: int, w: object, scales: object, zeros: object, k: int, dt
 
 
 def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-            bias: torch.Tensor | None, silu_and_mul: bool) -> torch.Tensor:
+            bias: torch.Tensor | None, silu_and_mul: bool, choice: _sk.SkinnyConfig | str | None = None,
+            ) -> torch.Tensor:
     _check_x(x)
     k = x.shape[-1]
     n, _ = _check_weight(fmt, w, scales, zeros, k, x.dtype if fmt == _w4.INT4 else torch.uint8)
@@ -99,9 +103,11 @@ def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
     check_same_device(x=x, weight=w, scales=scales, **({} if zeros is None else {"zeros": zeros}),
                       **({} if bias is None else {"bias": bias}))
     x2 = x.reshape(-1, k)
-    if x2.shape[0] <= SKINNY_MAX_M and _skinny_fits(x2, w, scales, fmt):
-        y = skinny_linear(fmt, x2, w, scales, zeros, bias, silu_and_mul)
-    elif use_triton("w4_linear", x) and x2.shape[0] >= DEQUANT_MIN_M:
+    large = choice == CUBLAS  # the table measured the large-batch path faster at this M
+    if x2.shape[0] <= SKINNY_MAX_M and not large and _skinny_fits(x2, w, scales, fmt):
+        y = skinny_linear(fmt, x2, w, scales, zeros, bias, silu_and_mul,
+                          config=choice if isinstance(choice, _sk.SkinnyConfig) else None)
+    elif use_triton("w4_linear", x) and (x2.shape[0] >= DEQUANT_MIN_M or large):
         y = dequant_linear(fmt, x2, w, scales, zeros, bias, silu_and_mul)
     elif use_triton("w4_linear", x):
         y = _w4.w4_gemm(x2, w, scales, zeros, fmt, bias, silu_and_mul)
@@ -191,16 +197,18 @@ def skinny_linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tens
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                bias: torch.Tensor | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None = None, silu_and_mul: bool = False,
+                choice: _sk.SkinnyConfig | str | None = None) -> torch.Tensor:
     """x [..., K] @ W^T with W in the INT4 layout (qweight int32 [N, K/8], scales / zeros [N, K/group]
-    in x's dtype) (+ bias [N]); silu_and_mul: W is (gate | up), y [..., N/2] = silu(gate) * up."""
-    return _linear(_w4.INT4, x, qweight, scales, zeros, bias, silu_and_mul)
+    in x's dtype) (+ bias [N]); silu_and_mul: W is (gate | up), y [..., N/2] = silu(gate) * up.
+    `choice`: the dispatch table's entry for this call (module docstring)."""
+    return _linear(_w4.INT4, x, qweight, scales, zeros, bias, silu_and_mul, choice)
 
 
 def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                 silu_and_mul: bool = False) -> torch.Tensor:
+                 silu_and_mul: bool = False, choice: _sk.SkinnyConfig | str | None = None) -> torch.Tensor:
     """x [..., K] @ W^T with W in the MXFP4 layout (blocks uint8 [N, K/2], e8m0 scales uint8 [N, K/32])."""
-    return _linear(_w4.MXFP4, x, blocks, scales, None, bias, silu_and_mul)
+    return _linear(_w4.MXFP4, x, blocks, scales, None, bias, silu_and_mul, choice)
 
 
 def fused_moe_w4(
