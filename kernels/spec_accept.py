@@ -208,7 +208,11 @@ def accept_reference(
     s = (temperature[req_d] > 0).nonzero().squeeze(1)  # sampled rows (the only ones sorted)
     if s.numel():
         rs = req_d[s]
-        probs = filtered_probs_reference(logits[s], temperature[rs], top_k[rs], top_p[rs], min_p[rs])
+        # One row at a time, as the deterministic mode's CPU sampler filters (a reduction over
+        # several rows may split a row differently: a draw near a boundary would flip).
+        probs = torch.cat([filtered_probs_reference(logits[i : i + 1], temperature[r : r + 1], top_k[r : r + 1],
+                                                    top_p[r : r + 1], min_p[r : r + 1])
+                           for i, r in zip(s.tolist(), rs.tolist())])
         xs, ds = x_d[s], is_draft_d[s]
         ar = torch.arange(s.numel(), device=dev)
         p_x = probs[ar, xs]

@@ -116,9 +116,15 @@ def test_cpu_speculation_changes_no_bit_in_the_mode(tiny_model_path, algo: str) 
     path = str(tiny_model_path("qwen3"))
     rng = random.Random(3)
     base = [rng.randrange(1000) for _ in range(6)]
-    mine = [base * 4 + [rng.randrange(1000) for _ in range(i)] for i in range(4)]
+    mine = [base * 4 + [rng.randrange(1000) for _ in range(i)] for i in range(6)]
+    # Greedy; seeded and filtered; penalized and biased (the verify rows' raw logprobs); seeded at
+    # temperature 1 without filters (a draw over the whole vocabulary).
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=12, temperature=0.05, top_p=0.95, top_k=20, seed=7, ignore_eos=True)] * 2
+              SamplingParams(max_tokens=12, temperature=0.05, top_p=0.95, top_k=20, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.0, frequency_penalty=0.1, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.05, seed=5, logit_bias={5: 0.1}, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=4, presence_penalty=0.2, ignore_eos=True)]
     opts = dict(device="cpu", dtype="float32", num_pages=4096, deterministic=True)
     with LLM(path, **opts) as llm:
         want = [run(llm, [p], [sp])[0] for p, sp in zip(mine, params)]
@@ -127,7 +133,8 @@ def test_cpu_speculation_changes_no_bit_in_the_mode(tiny_model_path, algo: str) 
     with LLM(path, **opts, **spec) as llm:
         alone = [run(llm, [p], [sp])[0] for p, sp in zip(mine, params)]
         others = prompts(3, 1000, seed=5, shared=0)
-        batched = run(llm, others + mine, [SEEDED] * 3 + params)[3:]
+        long_seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7)
+        batched = run(llm, others + mine, [long_seeded] * 3 + params)[3:]
         st = llm.scheduler.stats()
     assert st["spec_verified"] > 0 and st["spec_accepted"] > 0, "no draft was accepted: the test shows nothing"
     assert alone == want, "speculation changed a request's tokens or logprobs"

@@ -37,8 +37,10 @@ from minisgl.sampling.logits_plan import StepOutput
 # A verify step's grammar mask: changes the fp32 [T, V] verify logits in place (after the
 # penalties, before acceptance) at the rows of the requests VerifyStep.masked names.
 # `first_rows[b]`: request b's first verify row (its last token's logits; a masked request
-# drafts nothing, so it is its only row). Run on the host once the forward is launched.
-VerifyMask = Callable[[torch.Tensor, list[int]], None]
+# drafts nothing, so it is its only row). Run on the host once the forward is launched. Returns
+# (the masked rows int64 [k], their log-normalizers before the mask f32 [k]) as a decode step's
+# mask does (the chosen tokens' logprobs come from them alike), or None when no row was masked.
+VerifyMask = Callable[[torch.Tensor, list[int]], "tuple[torch.Tensor, torch.Tensor | None] | None"]
 
 
 class StepRequest(Protocol):

@@ -45,6 +45,8 @@ class VerifyPlan:
     raw_flat: torch.Tensor | None  # int64 [r]: b * width + j of plan.raw_rows
     count_batch: torch.Tensor | None  # int64 [m]: requests whose accepted tokens are counted
     count_state: torch.Tensor | None  # int64 [m]: their request-table rows
+    slot_of_row: torch.Tensor | None = None  # int64 [T]: b * width + j of each verify row (masked rows')
+    _masked: tuple | None = None  # (logits, rows, lse) of the last apply's mask, for finish
 
     @staticmethod
     def build(specs: Sequence[LogitsSpec | None], generated: Sequence[int], drafts: Sequence[Sequence[int]],
@@ -57,7 +59,7 @@ class VerifyPlan:
         masked = masked if mask is not None and masked is not None else [False] * len(specs)
         if all(s is None for s in specs) and not any(masked):
             return None
-        row_specs, row_gen, row_state, row_reports, row_bj, row_masked = [], [], [], [], [], []
+        row_specs, row_gen, row_state, row_reports, row_bj = [], [], [], [], []
         src, d_rows, d_ids, count_b = [], [], [], []
         for b, (spec, gen, d, srow, rep) in enumerate(zip(specs, generated, drafts, state_rows, reports)):
             tracks = spec is not None and spec.tracks_counts
@@ -67,7 +69,6 @@ class VerifyPlan:
                 row_specs.append(spec)
                 row_gen.append(gen + j)
                 row_reports.append(rep)
-                row_masked.append(masked[b])
                 row_bj.append((b, j))
                 if tracks:
                     d_rows.extend([len(src)] * j)
@@ -81,17 +82,19 @@ class VerifyPlan:
         if plan is None:
             return None
         plan.count_rows = plan.count_state_rows = None  # counted after acceptance instead
-        # Raw copies of the reporting rows that the penalties or the mask change. A decode step's
-        # mask hands back its rows' raw log-normalizers instead (LogitsMask); the verify mask
-        # returns nothing, so masked rows keep a copy here as penalized ones do.
-        raw = [t for t, (spec, gen, rep, m) in enumerate(zip(row_specs, row_gen, row_reports, row_masked))
-               if rep and (m or (spec is not None and (spec.tracks_counts or spec.sparse(gen)[0])))]
+        # Raw copies of the reporting rows that the penalties change. The mask hands back its rows'
+        # raw log-normalizers as a decode step's does (the same formula, so the same bits: the
+        # deterministic mode's guarantee); a row both penalized and masked takes its raw copy, as in
+        # a decode step.
+        raw = [t for t, (spec, gen, rep) in enumerate(zip(row_specs, row_gen, row_reports))
+               if rep and spec is not None and (spec.tracks_counts or spec.sparse(gen)[0])]
         plan.raw_rows = _dev(raw, device) if raw else None
         raw_flat = _dev([row_bj[t][0] * width + row_bj[t][1] for t in raw], device) if raw else None
         return VerifyPlan(
             plan, width, row_bj, _dev(src, device) if src else None, _dev(d_rows, device) if d_rows else None,
             _dev(d_ids, device) if d_ids else None, raw_flat, _dev(count_b, device) if count_b else None,
             _dev([state_rows[b] for b in count_b], device) if count_b else None,
+            _dev([b * width + j for b, j in row_bj], device) if any(masked) else None,
         )
 
     def apply(self, logits: torch.Tensor, state: PenaltyState) -> tuple[torch.Tensor | None, tuple | None]:
@@ -115,18 +118,28 @@ class VerifyPlan:
                     prompt = state.prompt.index_select(0, self.scratch_src)
             ops.apply_penalties(logits, pen.rows, pen.state_rows, counts, prompt, pen.rep, pen.pres, pen.freq,
                                 pen.bias_ptr, pen.bias_ids, pen.bias_vals)
+        self._masked = None
         if plan.mask is not None:
-            plan.mask(logits)
+            out = plan.mask(logits)
+            if out is not None and out[1] is not None:
+                self._masked = (logits, out[0], out[1])
         return raw, tops
 
     def finish(self, tokens: torch.Tensor, logprobs: torch.Tensor, num_acc: torch.Tensor, raw: torch.Tensor | None,
                state: PenaltyState) -> None:
         """After acceptance: raw logprobs of the changed rows' chosen tokens, and the accepted
         tokens added to the histories of the requests that count them (device only)."""
+        if self._masked is not None:  # a masked row's logprob as a decode step takes it (sampling/logits_plan.py)
+            logits, rows, lse = self._masked
+            slots = self.slot_of_row.index_select(0, rows)
+            chosen = tokens.view(-1).index_select(0, slots)
+            logprobs.view(-1).index_copy_(0, slots, logits[rows, chosen] - lse)
+            self._masked = None
         if raw is not None:
             assert self.raw_flat is not None
             chosen = tokens.view(-1).index_select(0, self.raw_flat)
-            raw_lp = raw.gather(1, chosen[:, None]).squeeze(1) - raw.logsumexp(dim=-1)
+            # Each row reduced alone in deterministic mode, as a decode step's raw rows are.
+            raw_lp = raw.gather(1, chosen[:, None]).squeeze(1) - ops.logsumexp_rows(raw)
             logprobs.view(-1).index_copy_(0, self.raw_flat, raw_lp)
         if self.count_batch is not None:
             assert self.count_state is not None and state.counts is not None

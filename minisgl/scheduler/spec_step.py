@@ -104,10 +104,12 @@ class SpecStep:
             return None, None
         constrained = [b for b, m in enumerate(masked) if m]
 
-        def mask(logits: torch.Tensor, first_rows: list[int]) -> None:
+        def mask(logits: torch.Tensor, first_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
             live = [b for b in constrained if not reqs[b].finished and reqs[b].grammar.needs_mask]
-            if live:
-                self.grammar.masks.apply(logits, [first_rows[b] for b in live], [reqs[b].grammar for b in live])
+            if not live:
+                return None
+            return self.grammar.masks.apply(logits, [first_rows[b] for b in live], [reqs[b].grammar for b in live],
+                                            with_lse=True)
 
         return mask, masked
 
