@@ -236,7 +236,7 @@ def test_four_bit_shapes_name_their_format_and_group() -> None:
     """A 4-bit layer's table key: INT4 with its group (groups of a multiple of 128 take another
     loader path), MXFP4; `shape_format` reads any key's format back. The INT4 zero points and
     MXFP4's scales per 32 give (K, group); shapes the kernel cannot take have no key."""
-    from minisgl.ops.gemm.table import GemmCall, shape_format, table_dtype
+    from minisgl.ops.gemm.table import GemmCall, shape_format, table_dtype, w4_shape
     from minisgl.ops.gemm.tuning import call_shape
 
     assert [table_dtype(torch.bfloat16, f, block=b, group=g) for f, b, g in
@@ -250,6 +250,8 @@ def test_four_bit_shapes_name_their_format_and_group() -> None:
     qw = torch.zeros(96, 4096 // 8, dtype=torch.int32)
     c = GemmCall(qw, True, "int4", torch.ones(96, 4096 // 128), 0, torch.zeros(96, 4096 // 128))
     assert call_shape(c, torch.bfloat16) == GemmShape("bfloat16-int4g128", 96, 4096, True)
+    # the dispatch's key of the same call (ops/gemm/dispatch.py builds it with w4_shape too)
+    assert w4_shape(torch.bfloat16, "int4", 96, 4096 // 8, 4096 // 128, True) == call_shape(c, torch.bfloat16)
     assert call_shape(c, torch.float32) is None  # the kernel takes 16-bit activations
     odd = GemmCall(torch.zeros(96, 72 // 8, dtype=torch.int32), False, "int4", torch.ones(96, 1), 0, torch.ones(96, 1))
     assert call_shape(odd, torch.float16) is None  # K 72: not a multiple of 32

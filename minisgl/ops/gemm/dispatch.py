@@ -40,7 +40,7 @@ from minisgl.ops.gemm.skinny import (
     launch,
     vector_aligned,
 )
-from minisgl.ops.gemm.table import CUBLAS, INT4, MXFP4, GemmShape, GemmTable, table_dtype
+from minisgl.ops.gemm.table import CUBLAS, INT4, MXFP4, GemmShape, GemmTable, parse_choice, table_dtype, w4_shape
 
 FORMATS = (DENSE, FP8_FORMAT, INT4, MXFP4)
 _tables: dict[int, GemmTable] = {}
@@ -89,13 +89,12 @@ def linear(
     if fmt == INT4:
         if x.device.type != "cuda":
             return int4_linear_reference(x, weight, scale, zeros, bias, silu)
-        k = weight.size(1) * 8
-        shape = GemmShape(table_dtype(x.dtype, INT4, group=k // scale.size(1)), weight.size(0), k, silu)
+        shape = w4_shape(x.dtype, INT4, weight.size(0), weight.size(1), scale.size(1), silu)
         return _w4.int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu, choice=_entry(x, shape))
     if fmt == MXFP4:
         if x.device.type != "cuda":
             return mxfp4_linear_reference(x, weight, scale, bias, silu)
-        shape = GemmShape(table_dtype(x.dtype, MXFP4), weight.size(0), weight.size(1) * 2, silu)
+        shape = w4_shape(x.dtype, MXFP4, weight.size(0), weight.size(1), scale.size(1), silu)
         return _w4.mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu, choice=_entry(x, shape))
     raise ValueError(f"linear: weight format {fmt!r} is not one of {FORMATS}")
 
@@ -117,7 +116,7 @@ def _entry(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | str | None:
     if table is None or not 0 < m <= MAX_M:
         return None
     choice = table.entry(shape, m)
-    return choice if choice is None or choice == CUBLAS else SkinnyConfig.parse(choice)
+    return choice if choice is None or choice == CUBLAS else parse_choice(choice)
 
 
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:

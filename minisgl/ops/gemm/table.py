@@ -60,8 +60,12 @@ class GemmCall(NamedTuple):
 
 
 @functools.cache
-def _parse(choice: str) -> SkinnyConfig:
+def parse_choice(choice: str) -> SkinnyConfig:
+    """A config choice's text, parsed once per distinct text (the dispatch parses per call)."""
     return SkinnyConfig.parse(choice)
+
+
+_parse = parse_choice
 
 
 def table_dtype(x_dtype, fmt: str, block: bool = False, group: int = 0) -> str:
@@ -77,6 +81,13 @@ def table_dtype(x_dtype, fmt: str, block: bool = False, group: int = 0) -> str:
     if fmt == MXFP4:
         return f"{name}-mxfp4"
     raise ValueError(f"table_dtype: unknown weight format {fmt!r}")
+
+
+def w4_shape(x_dtype, fmt: str, weight_rows: int, weight_cols: int, scale_cols: int, silu: bool) -> GemmShape:
+    """A 4-bit call's table key from its packed weight's and scales' widths: INT4 packs 8 values an
+    int32 (its group is K / scale columns), MXFP4 2 a byte."""
+    k = weight_cols * (8 if fmt == INT4 else 2)
+    return GemmShape(table_dtype(x_dtype, fmt, group=k // max(scale_cols, 1)), weight_rows, k, silu)
 
 
 def shape_format(dtype: str) -> str:

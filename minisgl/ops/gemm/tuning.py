@@ -26,6 +26,7 @@ from minisgl.ops.gemm.skinny import (
     FP8_FORMAT,
     SkinnyConfig,
     cublas_linear,
+    default_config,
     fp8_fits,
     launch,
     tile_shapes,
@@ -47,6 +48,7 @@ from minisgl.ops.gemm.table import (
     save_cache,
     shape_format,
     table_dtype,
+    w4_shape,
 )
 from minisgl.ops.graph_capture import no_gc
 
@@ -128,7 +130,7 @@ def call_shape(c: GemmCall, dtype: torch.dtype | None) -> GemmShape | None:
         # ops/gemm/w4.py's _skinny_fits without x (aligned by construction: the engine's buffers)
         if k % 32 or group % 32 or w.data_ptr() % 16:
             return None
-        return GemmShape(table_dtype(dtype, c.fmt, group=group), w.size(0), k, c.silu)
+        return w4_shape(dtype, c.fmt, w.size(0), w.size(1), c.scale.size(1), c.silu)  # the dispatch's key
     return None
 
 
@@ -229,7 +231,11 @@ def tune_gemms(
     def candidates(shape: GemmShape, m: int) -> list[SkinnyConfig]:
         n_out = shape.n // 2 if shape.silu else shape.n
         fmt = shape_fmt(shape)
-        return candidate_configs(m, n_out, shape.k, shape.silu, tile_shapes(fmt), sms, PAIRS[fmt])
+        out = candidate_configs(m, n_out, shape.k, shape.silu, tile_shapes(fmt), sms, PAIRS[fmt])
+        if fmt in (INT4, MXFP4):  # what a 4-bit call ran before the table (it may split K more)
+            default = default_config(m, n_out, shape.k, shape.silu, sms, fmt)
+            out += [] if default in out else [default]
+        return out
 
     with torch.cuda.device(device):
         cached = load_cache(path, key)
