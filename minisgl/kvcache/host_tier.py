@@ -206,7 +206,7 @@ class HostKVTier:
         be a decode step: no load wait) waits for that load first. The step that admitted a
         load's request waits for the whole load itself, and all later work on the stream comes
         after it: this matters only for pages freed before that step, e.g. an admission undone."""
-        self._in_flight = [(ev, p) for ev, p in self._in_flight if not ev.query()]
+        self._prune_loads()
         hit = None if pages is None else set(pages)
         for ev, p in self._in_flight:
             if hit is None or not hit.isdisjoint(p):
@@ -230,8 +230,11 @@ class HostKVTier:
         done = self._copier.run(lambda: copy_slots(self._k, self._v, h, pool_k, pool_v, g, spans, recorded),
                                 timed=True, wait=False)
         if done is not None:
-            self._in_flight = [(ev, p) for ev, p in self._in_flight if not ev.query()]
+            self._prune_loads()
             self._in_flight.append((done, frozenset(gpu_pages)))
+
+    def _prune_loads(self) -> None:
+        self._in_flight = [(ev, p) for ev, p in self._in_flight if not ev.query()]
 
     def synchronize(self) -> None:
         """Waits for every copy enqueued so far (tests and benchmarks)."""

@@ -67,7 +67,7 @@ def copy_slots(src_k: torch.Tensor, src_v: torch.Tensor, src_slots: Sequence[int
                chunks: Sequence[tuple[int, int]] | None = None,
                after_chunk: Callable[[int], None] | None = None) -> None:
     """`chunks`: copy the layers [a, b) of each chunk in turn, calling `after_chunk(i)` after
-    chunk i is enqueued (the host tier records chunk i's event there); the slot lists are
+    chunk i is enqueued (the host tier records chunk i's event there; no call without slots); the slot lists are
     staged once for all chunks. Default: all layers at once."""
     n = len(src_slots)
     if n != len(dst_slots):
@@ -82,9 +82,6 @@ def copy_slots(src_k: torch.Tensor, src_v: torch.Tensor, src_slots: Sequence[int
     if any(not 0 <= a < b <= src_k.shape[0] for a, b in chunks):
         raise ValueError(f"copy_slots: layer chunks {chunks} must be non-empty ranges within {src_k.shape[0]} layers")
     if not n:
-        for i in range(len(chunks)):
-            if after_chunk is not None:
-                after_chunk(i)
         return
     idx = np.empty((2, n), dtype=np.int64)
     idx[0], idx[1] = src_slots, dst_slots
