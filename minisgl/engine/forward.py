@@ -136,13 +136,13 @@ class ForwardCalls:
         bias, min_tokens and alternatives at every row (sampling/verify_plan.py); then the fourth
         value is (top ids, top logprobs) of its top rows, else None."""
         logits = self.forward(batch, all_positions=True)
-        raw, tops = plan.apply(logits, self.penalties) if plan is not None else (None, None)
+        kept, tops = plan.apply(logits, self.penalties) if plan is not None else (None, None)
         tokens, logprobs, num_acc = ops.spec_accept(
             logits, batch.cu_seqlens_q, drafts, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps
         )
         if self.state_pool is not None:  # the recurrent states advance over the accepted tokens only
             self.model.commit_verify(batch, num_acc)
         if plan is not None:
-            plan.finish(tokens, logprobs, num_acc, raw, self.penalties)
+            plan.finish(tokens, logprobs, num_acc, kept, self.penalties)
         self.token_buffer[batch.req_rows.long()] = tokens.gather(1, num_acc.long()[:, None]).squeeze(1)
         return tokens, logprobs, num_acc, tops

@@ -46,7 +46,6 @@ class VerifyPlan:
     count_batch: torch.Tensor | None  # int64 [m]: requests whose accepted tokens are counted
     count_state: torch.Tensor | None  # int64 [m]: their request-table rows
     slot_of_row: torch.Tensor | None = None  # int64 [T]: b * width + j of each verify row (masked rows')
-    _masked: tuple | None = None  # (logits, rows, lse) of the last apply's mask, for finish
 
     @staticmethod
     def build(specs: Sequence[LogitsSpec | None], generated: Sequence[int], drafts: Sequence[Sequence[int]],
@@ -97,9 +96,10 @@ class VerifyPlan:
             _dev([b * width + j for b, j in row_bj], device) if any(masked) else None,
         )
 
-    def apply(self, logits: torch.Tensor, state: PenaltyState) -> tuple[torch.Tensor | None, tuple | None]:
-        """In place on the verify logits [T, V], before the acceptance kernel. Returns (raw
-        copies of plan.raw_rows, (top ids, top logprobs) of plan.top_rows or None)."""
+    def apply(self, logits: torch.Tensor, state: PenaltyState) -> tuple[tuple, tuple | None]:
+        """In place on the verify logits [T, V], before the acceptance kernel. Returns (what
+        `finish` needs: the raw copies of plan.raw_rows and the mask's (logits, rows, raw
+        normalizers), each or None; (top ids, top logprobs) of plan.top_rows or None)."""
         plan = self.plan
         tops = None
         if plan.top_rows is not None:
@@ -118,23 +118,23 @@ class VerifyPlan:
                     prompt = state.prompt.index_select(0, self.scratch_src)
             ops.apply_penalties(logits, pen.rows, pen.state_rows, counts, prompt, pen.rep, pen.pres, pen.freq,
                                 pen.bias_ptr, pen.bias_ids, pen.bias_vals)
-        self._masked = None
+        masked = None
         if plan.mask is not None:
             out = plan.mask(logits)
             if out is not None and out[1] is not None:
-                self._masked = (logits, out[0], out[1])
-        return raw, tops
+                masked = (logits, out[0], out[1])
+        return (raw, masked), tops
 
-    def finish(self, tokens: torch.Tensor, logprobs: torch.Tensor, num_acc: torch.Tensor, raw: torch.Tensor | None,
+    def finish(self, tokens: torch.Tensor, logprobs: torch.Tensor, num_acc: torch.Tensor, kept: tuple,
                state: PenaltyState) -> None:
         """After acceptance: raw logprobs of the changed rows' chosen tokens, and the accepted
         tokens added to the histories of the requests that count them (device only)."""
-        if self._masked is not None:  # a masked row's logprob as a decode step takes it (sampling/logits_plan.py)
-            logits, rows, lse = self._masked
+        raw, masked = kept
+        if masked is not None:  # a masked row's logprob as a decode step takes it (sampling/logits_plan.py)
+            logits, rows, lse = masked
             slots = self.slot_of_row.index_select(0, rows)
             chosen = tokens.view(-1).index_select(0, slots)
             logprobs.view(-1).index_copy_(0, slots, logits[rows, chosen] - lse)
-            self._masked = None
         if raw is not None:
             assert self.raw_flat is not None
             chosen = tokens.view(-1).index_select(0, self.raw_flat)
