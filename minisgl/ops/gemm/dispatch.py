@@ -90,32 +90,32 @@ def linear(
         if x.device.type != "cuda":
             return int4_linear_reference(x, weight, scale, zeros, bias, silu)
         shape = w4_shape(x.dtype, INT4, weight.size(0), weight.size(1), scale.size(1), silu)
-        return _w4.int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu, choice=_entry(x, shape))
+        return _w4.int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu, choice=_w4_choice(x, shape))
     if fmt == MXFP4:
         if x.device.type != "cuda":
             return mxfp4_linear_reference(x, weight, scale, bias, silu)
         shape = w4_shape(x.dtype, MXFP4, weight.size(0), weight.size(1), scale.size(1), silu)
-        return _w4.mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu, choice=_entry(x, shape))
+        return _w4.mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu, choice=_w4_choice(x, shape))
     raise ValueError(f"linear: weight format {fmt!r} is not one of {FORMATS}")
 
 
-def _lookup(x: torch.Tensor, shape: GemmShape):
-    """The table's config for this call, or None (the large-batch path)."""
-    m = x.shape[0]
-    if x.dim() != 2 or not 0 < m <= MAX_M or x.device.type != "cuda":
-        return None
-    table = _tables.get(_index(x.device))
-    return None if table is None else table.lookup(shape, m)
+def _entry(x: torch.Tensor, shape: GemmShape) -> str | None:
+    """The table's measured choice for this call (x's rows as M), or None where it has none."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    table = _tables.get(_index(x.device)) if x.device.type == "cuda" else None
+    return None if table is None or not 0 < m <= MAX_M else table.entry(shape, m)
 
 
-def _entry(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | str | None:
+def _lookup(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | None:
+    """The table's config for this 2-D call, or None (the large-batch path)."""
+    choice = _entry(x, shape) if x.dim() == 2 else None
+    return None if choice is None or choice == CUBLAS else parse_choice(choice)
+
+
+def _w4_choice(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | str | None:
     """A 4-bit call's table entry: our config, CUBLAS (the large-batch path) or None (no entry:
     ops/gemm/w4.py takes default_config's launch, as before the table held 4-bit shapes)."""
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    table = _tables.get(_index(x.device))
-    if table is None or not 0 < m <= MAX_M:
-        return None
-    choice = table.entry(shape, m)
+    choice = _entry(x, shape)
     return choice if choice is None or choice == CUBLAS else parse_choice(choice)
 
 

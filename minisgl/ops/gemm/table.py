@@ -65,8 +65,6 @@ def parse_choice(choice: str) -> SkinnyConfig:
     return SkinnyConfig.parse(choice)
 
 
-_parse = parse_choice
-
 
 def table_dtype(x_dtype, fmt: str, block: bool = False, group: int = 0) -> str:
     """The dtype field of a GemmShape: the activations' dtype, and the weight format where it is
@@ -178,7 +176,7 @@ class GemmTable:
 
     def set(self, shape: GemmShape, m: int, choice: str) -> None:
         if choice != CUBLAS:
-            _parse(choice)  # a malformed choice fails here, not at a launch
+            parse_choice(choice)  # a malformed choice fails here, not at a launch
         self.choices.setdefault(shape, {})[m] = choice
 
     def entry(self, shape: GemmShape, m: int) -> str | None:
@@ -193,7 +191,7 @@ class GemmTable:
     def lookup(self, shape: GemmShape, m: int) -> SkinnyConfig | None:
         """Our config for (shape, M), or None for cuBLAS (also when nothing was measured)."""
         choice = self.entry(shape, m)
-        return None if choice is None or choice == CUBLAS else _parse(choice)
+        return None if choice is None or choice == CUBLAS else parse_choice(choice)
 
     def has(self, shape: GemmShape, m: int) -> bool:
         return m in self.choices.get(shape, {})

@@ -105,12 +105,6 @@ def shape_fmt(shape: GemmShape) -> str:
     return shape_format(shape.dtype)
 
 
-def w4_dims(c: GemmCall) -> tuple[int, int]:
-    """(K, group) of a 4-bit GemmCall: INT4 packs 8 values an int32, MXFP4 2 a byte (scales per 32)."""
-    k = c.weight.size(1) * (8 if c.fmt == INT4 else 2)
-    return k, k // c.scale.size(1)
-
-
 def call_shape(c: GemmCall, dtype: torch.dtype | None) -> GemmShape | None:
     """The table key of a layer's GEMM with `dtype` activations (16-bit weights: their own dtype),
     or None where the skinny template cannot take it (the dispatch would not ask the table)."""
@@ -126,11 +120,11 @@ def call_shape(c: GemmCall, dtype: torch.dtype | None) -> GemmShape | None:
             return None
         return GemmShape(table_dtype(dtype, FP8_FORMAT, c.scale.size(1) > 1), w.size(0), w.size(1), c.silu)
     if c.fmt in (INT4, MXFP4) and dtype in (torch.float16, torch.bfloat16):
-        k, group = w4_dims(c)
+        shape = w4_shape(dtype, c.fmt, w.size(0), w.size(1), c.scale.size(1), c.silu)  # the dispatch's key
         # ops/gemm/w4.py's _skinny_fits without x (aligned by construction: the engine's buffers)
-        if k % 32 or group % 32 or w.data_ptr() % 16:
+        if shape.k % 32 or (shape.k // c.scale.size(1)) % 32 or w.data_ptr() % 16:
             return None
-        return w4_shape(dtype, c.fmt, w.size(0), w.size(1), c.scale.size(1), c.silu)  # the dispatch's key
+        return shape
     return None
 
 
