@@ -1,7 +1,8 @@
 """Deterministic mode's kernel candidates on the GPU (issue 24), for benchmarks/determinism.py.
 
-GEMM: kernels/batch_invariant_gemm.CANDIDATES against cuBLAS on Qwen3-0.6B's and
-Llama-3.1-8B's linear shapes at M = 1 ... 4096, timed as 10 back-to-back calls in a CUDA graph
+GEMM: kernels/batch_invariant_gemm.CANDIDATES (16-bit: the skinny K order and the shape's fixed
+splits) and the mode's in-use path (ops.linear: the skinny kernel up to 32 rows) against cuBLAS on
+Qwen3-0.6B's and Llama-3.1-8B's linear shapes at M = 1 ... 4096, timed as 10 back-to-back calls in a CUDA graph
 (no launch overhead; the engine runs graphs): median us per call, and % = cuBLAS's time / ours.
 Also the candidates' bit classes per shape (which configs give identical bits on the same
 rows, at M = 1 and M = 300) and the proposed batch_invariant_gemm_configs.json: per shape the
@@ -69,13 +70,25 @@ def propose(times: dict[int, list[float]], base: dict[int, float], classes: list
 
 
 def _time_gemms(gemm, x: torch.Tensor, w: torch.Tensor, cands: list) -> tuple[float, list[float], float]:
-    """(cuBLAS us, each candidate's us, the in-use config's us) for x @ w^T."""
+    """(cuBLAS us, each candidate's us, the mode's in-use path's us) for x @ w^T. The in-use
+    path is ops.linear in deterministic mode: the skinny kernel in the batch-invariant order up
+    to 32 rows, the Triton GEMM with the table's config above."""
+    from minisgl import ops
+
     base = graph_us(lambda: torch.nn.functional.linear(x, w))
-    return base, [graph_us(lambda c=c: gemm(x, w, None, c)) for c in cands], graph_us(lambda: gemm(x, w))
+    cand = [graph_us(lambda c=c: gemm(x, w, None, c)) for c in cands]
+    ops.set_deterministic(x.device, True)
+    ops.prepare_deterministic(x.device)
+    try:
+        used = graph_us(lambda: ops.linear(x, w))
+    finally:
+        ops.set_deterministic(x.device, False)
+    return base, cand, used
 
 
 def gemm_candidates(out_dir: Path | None) -> None:
     from minisgl.kernels.batch_invariant_gemm import CANDIDATES, configs_for, gemm
+    from minisgl.ops import skinny_gemm
 
     print("\n== batch-invariant GEMM candidates vs cuBLAS (bf16, us per call in CUDA graphs; full table in "
           f"{out_dir / 'gemm.txt' if out_dir else 'the lines below'})")
@@ -92,12 +105,21 @@ def gemm_candidates(out_dir: Path | None) -> None:
             times: dict[int, list[float]] = {}
             base: dict[int, float] = {}
             in_use = 0.0
+            skinny_vs: list[str] = []
             for m in MS:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
                 base[m], times[m], used = _time_gemms(gemm, x, w, CANDIDATES)
                 in_use += used / base[m]
                 lines.append(f"{n:>6}x{k:<5} {m:5} {base[m]:8.1f} " + " ".join(
-                    f"{t:9.1f} ({100 * base[m] / t:4.0f}%)" for t in times[m]))
+                    f"{t:9.1f} ({100 * base[m] / t:4.0f}%)" for t in times[m]) + f" in use {used:9.1f}")
+                if m <= 32:  # the mode's skinny launch against the default mode's kernel (default config)
+                    sk = graph_us(lambda x=x, w=w: skinny_gemm(x, w))
+                    skinny_vs.append(f"M {m}: {used:.1f} vs {sk:.1f} us ({100 * (used / sk - 1):+.0f}%)")
+                else:  # the skinny order and splits against the plain K order, one split (same config)
+                    plain = graph_us(lambda x=x, w=w: gemm(x, w, None, None, splits=1, skinny_k=False))
+                    skinny_vs.append(f"M {m}: {used:.1f} vs plain order {plain:.1f} us")
+            print(f"{n:>6}x{k:<5} deterministic vs default skinny (M <= 32) / vs the plain K order: "
+                  + "; ".join(skinny_vs))
             entries, best, single = propose(times, base, classes, CANDIDATES)
             proposed[f"{n}x{k}"] = entries
             tot["cublas"] += len(MS)

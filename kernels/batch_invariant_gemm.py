@@ -1,8 +1,9 @@
 """y = x W^T (+ bias): a Triton GEMM whose every output row is bit-identical whatever M is and
 whatever rows share its launch (deterministic mode's one GEMM family; fp32 reference beside).
 
-Batch invariance by construction: no split-K; each program owns a whole BLOCK_M x BLOCK_N
-output tile and walks K from 0 upwards in BLOCK_K steps, accumulating in fp32 in that order.
+Batch invariance by construction: no split-K across programs; each program owns a whole
+BLOCK_M x BLOCK_N output tile and walks K from 0 upwards in BLOCK_K steps, accumulating in fp32
+in that order (in fixed splits, below, each its own chain).
 M only changes how many programs run (and in which order: grouped, so programs that run
 together share W tiles in L2), never what one output element's reduction is: element (i, j)
 is the same chain of tensor-core dot products, added in the same order, in the same compiled
@@ -14,6 +15,21 @@ batch_invariant_gemm_configs.json per weight shape (N, K), never per M: one shap
 compiled kernel for every M. An entry may list several configs by M only where the GPU test
 (tests/test_deterministic_gpu.py) shows those configs give identical bits;
 benchmarks/determinism.py measures the candidates and proposes the table.
+
+16-bit weights on the GPU take the skinny kernel's order (issue 39), so that up to 32 rows the
+skinny CUDA kernel (ops/gemm/skinny.py, one warp per block) gives the same bits and batch 1 runs
+at its speed:
+- K is cut into `splits_for(N, K)` splits at fixed positions (a multiple of 128 elements each,
+  the same for every M); each split's chain starts from zero and the splits are added in order
+  to a zero total, as the skinny kernel's split-K reduction adds them.
+- Inside a 32-element chunk the dot takes K in the order the skinny kernel feeds its m16n8k16
+  MMAs (`skinny_k_order`): a quad's thread t loads elements [8t, 8t + 8) with one 16-byte load
+  and gives [8t, 8t + 4) to the chunk's first MMA, in k slots (2t, 2t + 1, 2t + 8, 2t + 9), and
+  [8t + 4, 8t + 8) to its second. So this kernel's k16 dot steps hold the same products in the
+  same slots, chained in the same order.
+Whether a tensor-core chain gives the same bits in both kernels (mma.sync there; mma.sync or
+wgmma here, by tile) is the GPU test's to show (tests/test_deterministic_gpu.py, rows at M 1-32
+through the skinny kernel against the same rows at larger M through this one).
 """
 
 from __future__ import annotations
@@ -33,6 +49,9 @@ CONFIG_FILE = Path(__file__).with_name("batch_invariant_gemm_configs.json")
 INTERPRETER_CONFIG: Config = (16, 16, 16, 1, 1)  # small tiles keep the CPU interpreter fast in CI
 FLOAT32_CONFIG: Config = (64, 64, 32, 4, 3)  # ieee dots on FMA units
 GROUP_M = 8
+SPLIT_ALIGN = 128  # a split's K elements: a multiple of every skinny warp group (U * 32) and BLOCK_K
+SPLIT_BLOCKS = 1024  # splits_for aims at this many (16-row tile, split) blocks at M = 1
+MAX_SPLITS = 16
 # What benchmarks/determinism.py times (and the GPU test compares bit for bit) on the H100.
 CANDIDATES: list[Config] = [
     (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 32, 64, 4, 4),
@@ -40,33 +59,78 @@ CANDIDATES: list[Config] = [
 ]
 
 
+def skinny_k_order(block_k: int) -> list[int]:
+    """The K offset of each of a dot step's block_k elements in the skinny kernel's MMA order:
+    element j of the step is the product the skinny kernel puts in k slot j % 16 of MMA j // 16
+    (what _skinny_perm_x / _skinny_perm_w do to a loaded tile, for tests)."""
+    out = []
+    for j in range(block_k):
+        c, r = divmod(j, 32)
+        mma, h, t, e = r // 16, (r // 8) % 2, (r // 2) % 4, r % 2
+        out.append(32 * c + 8 * t + 4 * mma + 2 * h + e)
+    return out
+
+
 @triton.jit
-def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+def _skinny_perm_x(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x [BLOCK_M, BLOCK_K] in K order -> the skinny order (skinny_k_order): element
+    8 t + 4 mma + 2 h + e of a 32-element chunk (thread t's 16-byte load, its pair 2 mma + h)
+    moves to slot 16 mma + 8 h + 2 t + e. Permuting loaded tiles in registers keeps the
+    loads 16-byte and pipelined (compiled for sm_90: cp.async as in K order; gathering the
+    order from memory instead compiled to 2-byte loads without cp.async)."""
+    x = tl.reshape(x, [BLOCK_M, BLOCK_K // 32, 4, 2, 2, 2])
+    return tl.reshape(tl.permute(x, [0, 1, 3, 4, 2, 5]), [BLOCK_M, BLOCK_K])
+
+
+@triton.jit
+def _skinny_perm_w(w, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """w [BLOCK_K, BLOCK_N] in K order -> the skinny order along K (as _skinny_perm_x)."""
+    w = tl.reshape(w, [BLOCK_K // 32, 4, 2, 2, 2, BLOCK_N])
+    return tl.reshape(tl.permute(w, [0, 2, 3, 1, 4, 5]), [BLOCK_K, BLOCK_N])
+
+
+@triton.jit
+def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLIT,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr):
+                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr, SPLITS: tl.constexpr,
+                 SKINNY_K: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_m % M).to(tl.int64)  # clamped: loads need no row / column masks
     cols = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = X + rows[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = W + cols[None, :] * stride_wn + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:  # masked K tail: zeros add nothing to the chain
-            x = tl.load(x_ptrs, mask=(k0 + offs_k)[None, :] < K, other=0.0)
-            w = tl.load(w_ptrs, mask=(k0 + offs_k)[:, None] < K, other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    x_base = X + rows[:, None] * stride_xm + offs_k[None, :]
+    w_base = W + cols[None, :] * stride_wn + offs_k[:, None]
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for s in range(SPLITS):  # each split's chain from zero, added in split order (the skinny kernel's)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(s * K_SPLIT, tl.minimum(K, (s + 1) * K_SPLIT), BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_base + k0)
+                w = tl.load(w_base + k0)
+            else:  # masked K tail (one split): zeros add nothing to the chain
+                x = tl.load(x_base + k0, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+                w = tl.load(w_base + k0, mask=(k0 + offs_k)[:, None] < K, other=0.0)
+            if SKINNY_K:  # loaded in K order, the skinny order made in registers
+                x = _skinny_perm_x(x, BLOCK_M, BLOCK_K)
+                w = _skinny_perm_w(w, BLOCK_K, BLOCK_N)
+            acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
+        total += acc
     if HAS_BIAS:
-        acc += tl.load(Bias + cols).to(tl.float32)[None, :]
+        total += tl.load(Bias + cols).to(tl.float32)[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], total.to(Y.dtype.element_ty), mask=mask)
+
+
+def splits_for(n: int, k: int) -> int:
+    """The fixed K splits of a 16-bit weight (N, K) in deterministic mode, for every M: doubled
+    while the skinny kernel's M = 1 launch (16-row tiles x splits) stays within SPLIT_BLOCKS
+    blocks and each split stays a whole multiple of SPLIT_ALIGN elements."""
+    tiles, s = -(-n // 16), 1
+    while 2 * s <= MAX_SPLITS and tiles * 2 * s <= SPLIT_BLOCKS and k % (2 * s * SPLIT_ALIGN) == 0:
+        s *= 2
+    return s
 
 
 @functools.cache
@@ -93,20 +157,39 @@ def config_for(dtype: torch.dtype, device: torch.device, n: int = 0, k: int = 0,
     return [c for lo, c in configs_for(n, k) if lo <= m][-1]
 
 
+def skinny_order(x: torch.Tensor) -> bool:
+    """Whether `gemm` takes the skinny kernel's order by default: 16-bit on the GPU (the skinny
+    kernel's dtypes; fp32 runs ieee dots on FMA units, and the CPU interpreter needs no match)."""
+    return x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16)
+
+
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: Config | None = None) -> torch.Tensor:
-    """x [M, K] (unit column stride) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+         config: Config | None = None, *, splits: int | None = None, skinny_k: bool | None = None) -> torch.Tensor:
+    """x [M, K] (unit column stride) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
+    splits / skinny_k default to the skinny kernel's order where skinny_order(x) (splits_for),
+    else one split in plain K order; tests set them on the CPU."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     bm, bn, bk, warps, stages = config or config_for(x.dtype, x.device, n, k, m)
+    if skinny_k is None:
+        skinny_k = skinny_order(x)
+    if splits is None:
+        splits = splits_for(n, k) if skinny_k else 1
+    k_split = -(-k // splits)
+    if splits > 1 and (k % splits or k_split % bk or k_split % SPLIT_ALIGN and x.device.type == "cuda"):
+        raise ValueError(f"batch-invariant GEMM: K {k} in {splits} splits needs splits of a multiple of "
+                         f"BLOCK_K {bk}" + (f" and of {SPLIT_ALIGN}" if x.device.type == "cuda" else ""))
+    if skinny_k and bk % 32:
+        raise ValueError(f"batch-invariant GEMM: the skinny K order needs BLOCK_K a multiple of 32, got {bk}")
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bm),)
     _gemm_kernel[grid](
-        x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_split,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SPLITS=splits, SKINNY_K=skinny_k,
+        num_warps=warps, num_stages=stages,
     )
     return y
 

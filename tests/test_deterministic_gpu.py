@@ -48,6 +48,38 @@ def test_gemm_rows_invariant_up_to_8192(n: int, k: int) -> None:
         ops.set_deterministic(dev, False)
 
 
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336), (1024, 2048), (1000, 1000)])
+def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
+    """Deterministic mode's two GEMM kernels give a row the same bits: rows at M <= 32 through
+    ops.linear (the skinny kernel, one warp per block, the shape's fixed splits) and through each
+    skinny tile directly equal the same rows of the batch-invariant Triton GEMM at M = 300, with
+    and without SiLU-and-mul. (1000, 1000): one split, a masked K tail, a bias."""
+    from minisgl.kernels.batch_invariant_gemm import gemm, splits_for
+    from minisgl.ops.gemm.skinny import SkinnyConfig, launch, tile_shapes
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(5)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.05
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g) if n == 1000 else None
+    x = torch.randn(300, k, device=dev, dtype=torch.bfloat16, generator=g)
+    ref = gemm(x, w, bias)
+    ops.set_deterministic(dev, True)
+    ops.prepare_deterministic(dev)
+    try:
+        ref_silu = ops.linear(x, w, bias, silu=True)  # M = 300: the Triton GEMM, then SiLU-and-mul
+        for m in (1, 2, 7, 8, 17, 32):
+            got = ops.linear(x[:m], w, bias)
+            assert torch.equal(got, ref[:m]), f"M={m}: {(got != ref[:m]).sum().item()} elements differ"
+            assert torch.equal(ops.linear(x[:m], w, bias, silu=True), ref_silu[:m]), f"M={m} with SiLU"
+        for tile, (_, _, max_m) in enumerate(tile_shapes()):
+            m = min(max_m, 32)
+            y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            launch(x[:m], w, bias, y, False, SkinnyConfig(tile, 1, splits_for(n, k)))
+            assert torch.equal(y, ref[:m]), f"tile {tile}: {(y != ref[:m]).sum().item()} elements differ"
+    finally:
+        ops.set_deterministic(dev, False)
+
+
 def test_gemm_table_entries_share_bits() -> None:
     """Where the config table picks different tiles for different M of one shape, those tiles
     must give the same bits (else a row's bits would change with M): each entry's configs on

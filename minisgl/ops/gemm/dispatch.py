@@ -44,6 +44,13 @@ from minisgl.ops.gemm.table import CUBLAS, INT4, MXFP4, GemmShape, GemmTable, pa
 
 FORMATS = (DENSE, FP8_FORMAT, INT4, MXFP4)
 _tables: dict[int, GemmTable] = {}
+# Deterministic mode (issue 39): a 16-bit GEMM of up to DETERMINISTIC_SKINNY_M rows runs the skinny
+# kernel in the order the batch-invariant Triton GEMM reproduces for larger M (one warp per block,
+# so one chain per split; the shape's fixed splits, kernels/batch_invariant_gemm.splits_for). Any
+# tile gives the same bits with one warp: DETERMINISTIC_TILE is the speed choice. 0 rows sends
+# every M to the Triton GEMM (the GPU test compares the two).
+DETERMINISTIC_SKINNY_M = MAX_M
+DETERMINISTIC_TILE = 1
 
 
 def skinny_enabled(device: torch.device) -> bool:
@@ -119,9 +126,41 @@ def _w4_choice(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | str | None:
     return choice if choice is None or choice == CUBLAS else parse_choice(choice)
 
 
+def prepare_deterministic(device: torch.device) -> None:
+    """Deterministic mode's GEMMs on `device` need the skinny kernel's split-K counters: call
+    this outside CUDA-graph capture (the engine does, when it enters the mode)."""
+    if skinny_enabled(device):
+        counters(device)
+
+
+def _deterministic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    """A 16-bit GEMM in deterministic mode: the skinny kernel in the batch-invariant order up to
+    DETERMINISTIC_SKINNY_M rows where its 16-byte loads fit, else the batch-invariant GEMM (the
+    same bits by construction: kernels/batch_invariant_gemm.py). SiLU-and-mul is always its own
+    kernel on the rounded GEMM output, as the Triton path has it."""
+    m = x.shape[0] if x.dim() == 2 else 0
+    if (
+        0 < m <= DETERMINISTIC_SKINNY_M
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and skinny_enabled(x.device)
+        and vector_aligned(x, weight)
+    ):
+        from minisgl.kernels.batch_invariant_gemm import splits_for
+
+        n, k = weight.shape
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        launch(x, weight, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, 1, splits_for(n, k)))
+        return silu_and_mul(y) if silu else y
+    return batch_invariant_linear(x, weight, bias, silu)
+
+
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     if is_deterministic(x.device):
-        return batch_invariant_linear(x, weight, bias, silu)
+        return _deterministic(x, weight, bias, silu)
     cfg = _lookup(x, GemmShape(table_dtype(x.dtype, DENSE), weight.size(0), weight.size(-1), silu))
     if cfg is None:
         return cublas_linear(x, weight, bias, silu, None)
