@@ -148,7 +148,7 @@ struct W4Base {
 // Folded path (fold: q_group a multiple of kChunk, so K is one too and a quad's 128 elements,
 // the K of its MMAs, share one scale and zero, and lie all inside K or all past it): the MMAs take the raw pairs magic + q (exact
 // 16-bit integers) and a group's sum is s * (sum (magic + q) x - (magic + z) * sum x), sum x from
-// MMAs with an all-ones W shared by every row. That leaves three integer instructions a pair
+// MMAs with an all-ones W shared by every row. That leaves two integer instructions a pair
 // (where the general path adds a subtract and a multiply), fewer rounding steps than the
 // reference's rounded W, and an error of the fp32 subtraction, about 2^-24 * magic * |sum x|.
 template <typename TT>
@@ -194,18 +194,27 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
     }
   }
 
-  // Pair p = elements 2p, 2p + 1 = the low and high nibble of byte j = p % 4 of word p / 4, as
-  // the T pair (magic + lo, magic + hi): the byte copied to bits 0..7 and 12..19 (byte * 0x1001)
-  // puts the low nibble at bits 0..3 and the high one at 16..19.
+  // Pair 4w + j = elements 8w + j and 8w + j + 4 (nibbles j and j + 4 of word w), as the T pair
+  // (magic + lo, magic + hi): one shift and one and-or (lop3) a pair, the word's nibbles left
+  // where they are. K is a reduction, so x's pairs follow the same order (x_pairs).
   static __device__ __forceinline__ void raw_pairs(const uint4 v, uint32_t (&out)[16]) {
     const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int w = 0; w < 4; ++w)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t u = ((words[w] >> (8 * j)) & 0xFFu) * 0x1001u;
-        out[4 * w + j] = (u & 0x000F000Fu) | Int4Magic<T>::kBits;
-      }
+      for (int j = 0; j < 4; ++j) out[4 * w + j] = ((words[w] >> (4 * j)) & 0x000F000Fu) | Int4Magic<T>::kBits;
+  }
+
+  // A thread's 32 x elements (four 16-byte pieces of 8) as the pairs raw_pairs' order needs:
+  // register j of piece w holds elements 8w + j and 8w + j + 4 (one byte permute each).
+  static __device__ __forceinline__ void x_pairs(const uint4 (&x)[4], uint4 (&out)[4]) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      out[w].x = __byte_perm(x[w].x, x[w].z, 0x5410);  // elements 0 and 4 of the piece
+      out[w].y = __byte_perm(x[w].x, x[w].z, 0x7632);  // 1 and 5
+      out[w].z = __byte_perm(x[w].y, x[w].w, 0x5410);  // 2 and 6
+      out[w].w = __byte_perm(x[w].y, x[w].w, 0x7632);  // 3 and 7
+    }
   }
 
   template <typename R>
@@ -221,20 +230,29 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
 
   template <int MT, int RT, int U, typename R>
   static __device__ __forceinline__ void mma(float (&acc)[RT][MT][4], const R& g, const uint4 (&x)[MT][U][4]) {
-    if (!g.fold) {
-      Base::template mma<MT, RT, U>(acc, g, x);
-      return;
-    }
     uint32_t ones[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) ones[i] = Int4Magic<T>::kOne2;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      uint4 xp[MT][4];  // x in raw_pairs' order, once for every row tile
+#pragma unroll
+      for (int t = 0; t < MT; ++t) x_pairs(x[t][u], xp[t]);
+      if (!g.fold) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          uint32_t a[16], b[16];
+          pairs(g, r, u, a, b);
+#pragma unroll
+          for (int t = 0; t < MT; ++t) mma_pairs<T, 4>(acc[r][t], a, b, xp[t]);
+        }
+        continue;
+      }
       float sx[MT][4];  // sum x over the chunk, per token column (the accumulator's layout)
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
         sx[t][0] = sx[t][1] = sx[t][2] = sx[t][3] = 0.0f;
-        mma_pairs<T, 4>(sx[t], ones, ones, x[t][u]);
+        mma_pairs<T, 4>(sx[t], ones, ones, xp[t]);
       }
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
@@ -246,7 +264,7 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
 #pragma unroll
         for (int t = 0; t < MT; ++t) {
           float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          mma_pairs<T, 4>(c, a, b, x[t][u]);
+          mma_pairs<T, 4>(c, a, b, xp[t]);
           acc[r][t][0] = fmaf(sl, fmaf(-ol, sx[t][0], c[0]), acc[r][t][0]);
           acc[r][t][1] = fmaf(sl, fmaf(-ol, sx[t][1], c[1]), acc[r][t][1]);
           acc[r][t][2] = fmaf(sh, fmaf(-oh, sx[t][2], c[2]), acc[r][t][2]);
