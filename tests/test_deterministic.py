@@ -276,7 +276,7 @@ def test_batch_invariant_gemm_in_the_skinny_order_and_splits(splits: int) -> Non
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(1)
-    k, n = 128, 24  # INTERPRETER_CONFIG's BLOCK_K is 16: a skinny-order step needs 32
+    k, n = 512, 24  # 4 splits of 128 (the GPU's split alignment); a skinny-order step needs BLOCK_K 32
     config = INTERPRETER_CONFIG[:2] + (32,) + INTERPRETER_CONFIG[3:]
     w = torch.randn(n, k, generator=g).to(dev)
     bias = torch.randn(n, generator=g).to(dev)
