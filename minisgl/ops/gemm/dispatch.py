@@ -90,33 +90,29 @@ def linear(
         if x.device.type != "cuda":
             return int4_linear_reference(x, weight, scale, zeros, bias, silu)
         shape = w4_shape(x.dtype, INT4, weight.size(0), weight.size(1), scale.size(1), silu)
-        return _w4.int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu, choice=_w4_choice(x, shape))
+        return _w4.int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu, choice=_choice(x, shape))
     if fmt == MXFP4:
         if x.device.type != "cuda":
             return mxfp4_linear_reference(x, weight, scale, bias, silu)
         shape = w4_shape(x.dtype, MXFP4, weight.size(0), weight.size(1), scale.size(1), silu)
-        return _w4.mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu, choice=_w4_choice(x, shape))
+        return _w4.mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu, choice=_choice(x, shape))
     raise ValueError(f"linear: weight format {fmt!r} is not one of {FORMATS}")
 
 
-def _entry(x: torch.Tensor, shape: GemmShape) -> str | None:
-    """The table's measured choice for this call (x's rows as M), or None where it has none."""
+def _choice(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | str | None:
+    """The table's measured choice for this call (x's rows as M): our config, CUBLAS (the
+    large-batch path), or None where it has none (a 4-bit call then takes default_config's
+    launch in ops/gemm/w4.py, as before the table held 4-bit shapes)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     table = _tables.get(_index(x.device)) if x.device.type == "cuda" else None
-    return None if table is None or not 0 < m <= MAX_M else table.entry(shape, m)
+    choice = None if table is None or not 0 < m <= MAX_M else table.entry(shape, m)
+    return choice if choice is None or choice == CUBLAS else parse_choice(choice)
 
 
 def _lookup(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | None:
     """The table's config for this 2-D call, or None (the large-batch path)."""
-    choice = _entry(x, shape) if x.dim() == 2 else None
-    return None if choice is None or choice == CUBLAS else parse_choice(choice)
-
-
-def _w4_choice(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | str | None:
-    """A 4-bit call's table entry: our config, CUBLAS (the large-batch path) or None (no entry:
-    ops/gemm/w4.py takes default_config's launch, as before the table held 4-bit shapes)."""
-    choice = _entry(x, shape)
-    return choice if choice is None or choice == CUBLAS else parse_choice(choice)
+    choice = _choice(x, shape) if x.dim() == 2 else None
+    return choice if isinstance(choice, SkinnyConfig) else None
 
 
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
