@@ -142,12 +142,8 @@ def _deterministic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if (
         0 < m <= DETERMINISTIC_SKINNY_M
         and x.dtype in (torch.float16, torch.bfloat16)
-        and weight.dtype == x.dtype
-        and (bias is None or bias.dtype == x.dtype)
-        and x.stride(1) == 1
-        and weight.stride(1) == 1
         and skinny_enabled(x.device)
-        and vector_aligned(x, weight)
+        and _skinny_misfit(x, weight, bias) is None
     ):
         from minisgl.kernels.batch_invariant_gemm import splits_for
 
@@ -158,15 +154,26 @@ def _deterministic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return batch_invariant_linear(x, weight, bias, silu)
 
 
+def _skinny_misfit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why a 16-bit call cannot take the skinny kernel ("dtype": mixed dtypes, which torch reports
+    or handles; "align": no 16-byte loads), or None."""
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return "dtype"
+    if x.stride(1) != 1 or weight.stride(1) != 1 or not vector_aligned(x, weight):
+        return "align"
+    return None
+
+
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     if is_deterministic(x.device):
         return _deterministic(x, weight, bias, silu)
     cfg = _lookup(x, GemmShape(table_dtype(x.dtype, DENSE), weight.size(0), weight.size(-1), silu))
     if cfg is None:
         return cublas_linear(x, weight, bias, silu, None)
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        return cublas_linear(x, weight, bias, silu, None)  # torch reports (or handles) the mix
-    if x.stride(1) != 1 or weight.stride(1) != 1 or not vector_aligned(x, weight):
+    why = _skinny_misfit(x, weight, bias)
+    if why == "dtype":
+        return cublas_linear(x, weight, bias, silu, None)
+    if why == "align":
         log_once(
             f"linear:align:{weight.shape}",
             f"linear: x {tuple(x.shape)} (strides {x.stride()}) with weight {tuple(weight.shape)} does not allow "
