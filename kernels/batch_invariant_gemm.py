@@ -123,6 +123,7 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLI
     tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], total.to(Y.dtype.element_ty), mask=mask)
 
 
+@functools.cache  # the mode's dispatch asks per call
 def splits_for(n: int, k: int) -> int:
     """The fixed K splits of a 16-bit weight (N, K) in deterministic mode, for every M: doubled
     while the skinny kernel's M = 1 launch (16-row tiles x splits) stays within SPLIT_BLOCKS

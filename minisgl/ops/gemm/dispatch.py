@@ -97,33 +97,29 @@ def linear(
         if x.device.type != "cuda":
             return int4_linear_reference(x, weight, scale, zeros, bias, silu)
         shape = w4_shape(x.dtype, INT4, weight.size(0), weight.size(1), scale.size(1), silu)
-        return _w4.int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu, choice=_w4_choice(x, shape))
+        return _w4.int4_linear(x, weight, scale, zeros, bias=bias, silu_and_mul=silu, choice=_choice(x, shape))
     if fmt == MXFP4:
         if x.device.type != "cuda":
             return mxfp4_linear_reference(x, weight, scale, bias, silu)
         shape = w4_shape(x.dtype, MXFP4, weight.size(0), weight.size(1), scale.size(1), silu)
-        return _w4.mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu, choice=_w4_choice(x, shape))
+        return _w4.mxfp4_linear(x, weight, scale, bias=bias, silu_and_mul=silu, choice=_choice(x, shape))
     raise ValueError(f"linear: weight format {fmt!r} is not one of {FORMATS}")
 
 
-def _entry(x: torch.Tensor, shape: GemmShape) -> str | None:
-    """The table's measured choice for this call (x's rows as M), or None where it has none."""
+def _choice(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | str | None:
+    """The table's measured choice for this call (x's rows as M): our config, CUBLAS (the
+    large-batch path), or None where it has none (a 4-bit call then takes default_config's
+    launch in ops/gemm/w4.py, as before the table held 4-bit shapes)."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     table = _tables.get(_index(x.device)) if x.device.type == "cuda" else None
-    return None if table is None or not 0 < m <= MAX_M else table.entry(shape, m)
+    choice = None if table is None or not 0 < m <= MAX_M else table.entry(shape, m)
+    return choice if choice is None or choice == CUBLAS else parse_choice(choice)
 
 
 def _lookup(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | None:
     """The table's config for this 2-D call, or None (the large-batch path)."""
-    choice = _entry(x, shape) if x.dim() == 2 else None
-    return None if choice is None or choice == CUBLAS else parse_choice(choice)
-
-
-def _w4_choice(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | str | None:
-    """A 4-bit call's table entry: our config, CUBLAS (the large-batch path) or None (no entry:
-    ops/gemm/w4.py takes default_config's launch, as before the table held 4-bit shapes)."""
-    choice = _entry(x, shape)
-    return choice if choice is None or choice == CUBLAS else parse_choice(choice)
+    choice = _choice(x, shape) if x.dim() == 2 else None
+    return choice if isinstance(choice, SkinnyConfig) else None
 
 
 def prepare_deterministic(device: torch.device) -> None:
@@ -142,12 +138,8 @@ def _deterministic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if (
         0 < m <= DETERMINISTIC_SKINNY_M
         and x.dtype in (torch.float16, torch.bfloat16)
-        and weight.dtype == x.dtype
-        and (bias is None or bias.dtype == x.dtype)
-        and x.stride(1) == 1
-        and weight.stride(1) == 1
         and skinny_enabled(x.device)
-        and vector_aligned(x, weight)
+        and _skinny_misfit(x, weight, bias) is None
     ):
         from minisgl.kernels.batch_invariant_gemm import splits_for
 
@@ -158,15 +150,26 @@ def _deterministic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return batch_invariant_linear(x, weight, bias, silu)
 
 
+def _skinny_misfit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why a 16-bit call cannot take the skinny kernel ("dtype": mixed dtypes, which torch reports
+    or handles; "align": no 16-byte loads), or None."""
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        return "dtype"
+    if x.stride(1) != 1 or weight.stride(1) != 1 or not vector_aligned(x, weight):
+        return "align"
+    return None
+
+
 def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     if is_deterministic(x.device):
         return _deterministic(x, weight, bias, silu)
     cfg = _lookup(x, GemmShape(table_dtype(x.dtype, DENSE), weight.size(0), weight.size(-1), silu))
     if cfg is None:
         return cublas_linear(x, weight, bias, silu, None)
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        return cublas_linear(x, weight, bias, silu, None)  # torch reports (or handles) the mix
-    if x.stride(1) != 1 or weight.stride(1) != 1 or not vector_aligned(x, weight):
+    why = _skinny_misfit(x, weight, bias)
+    if why == "dtype":
+        return cublas_linear(x, weight, bias, silu, None)
+    if why == "align":
         log_once(
             f"linear:align:{weight.shape}",
             f"linear: x {tuple(x.shape)} (strides {x.stride()}) with weight {tuple(weight.shape)} does not allow "

@@ -65,7 +65,6 @@ def parse_choice(choice: str) -> SkinnyConfig:
     return SkinnyConfig.parse(choice)
 
 
-
 def table_dtype(x_dtype, fmt: str, block: bool = False, group: int = 0) -> str:
     """The dtype field of a GemmShape: the activations' dtype, and the weight format where it is
     not 16-bit, e.g. 'bfloat16', 'bfloat16-fp8block', 'bfloat16-int4g128', 'bfloat16-mxfp4'."""
@@ -81,6 +80,7 @@ def table_dtype(x_dtype, fmt: str, block: bool = False, group: int = 0) -> str:
     raise ValueError(f"table_dtype: unknown weight format {fmt!r}")
 
 
+@functools.cache  # the dispatch builds it on every eager 4-bit call: one key object per layer shape
 def w4_shape(x_dtype, fmt: str, weight_rows: int, weight_cols: int, scale_cols: int, silu: bool) -> GemmShape:
     """A 4-bit call's table key from its packed weight's and scales' widths: INT4 packs 8 values an
     int32 (its group is K / scale columns), MXFP4 2 a byte."""

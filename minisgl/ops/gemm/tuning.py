@@ -121,10 +121,8 @@ def call_shape(c: GemmCall, dtype: torch.dtype | None) -> GemmShape | None:
         return GemmShape(table_dtype(dtype, FP8_FORMAT, c.scale.size(1) > 1), w.size(0), w.size(1), c.silu)
     if c.fmt in (INT4, MXFP4) and dtype in (torch.float16, torch.bfloat16):
         shape = w4_shape(dtype, c.fmt, w.size(0), w.size(1), c.scale.size(1), c.silu)  # the dispatch's key
-        # ops/gemm/w4.py's _skinny_fits without x (aligned by construction: the engine's buffers)
-        if shape.k % 32 or (shape.k // c.scale.size(1)) % 32 or w.data_ptr() % 16:
-            return None
-        return shape
+        x = torch.empty(1, shape.k, dtype=dtype, device=w.device)  # the engine's buffers are aligned alike
+        return None if _w4.skinny_misfit(x, w, c.scale, _w4.FORMATS[c.fmt]) else shape
     return None
 
 

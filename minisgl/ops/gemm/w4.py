@@ -141,19 +141,26 @@ def skinny_w4_shapes() -> tuple[tuple[int, int, int], ...]:
     return _sk.tile_shapes("int4")
 
 
+def skinny_misfit(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: int) -> str | None:
+    """Why the 4-bit skinny kernel's layout needs do not hold for these tensors, or None (also
+    the tuner's test of a layer's weight, with a stand-in x)."""
+    k = x.shape[1]
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"{x.dtype} activations (the kernel takes fp16/bf16)"
+    if k % 32 or (fmt == _w4.INT4 and (k // scales.shape[1]) % 32):
+        return f"K = {k}, group {k // scales.shape[1]} (the kernel needs multiples of 32)"
+    if x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 8) or w.data_ptr() % 16:
+        return "x / the weight not 16-byte aligned"
+    return None
+
+
 def _skinny_fits(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: int) -> bool:
     if x.shape[0] == 0 or not use_cuda_kernel("w4_linear", x):
         return False
-    k = x.shape[1]
-    why = None
     if not skinny_w4_shapes():
         why = "minisgl._C has no 4-bit skinny kernel (rebuild the extension)"
-    elif x.dtype not in (torch.float16, torch.bfloat16):
-        why = f"{x.dtype} activations (the kernel takes fp16/bf16)"
-    elif k % 32 or (fmt == _w4.INT4 and (k // scales.shape[1]) % 32):
-        why = f"K = {k}, group {k // scales.shape[1]} (the kernel needs multiples of 32)"
-    elif x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 8) or w.data_ptr() % 16:
-        why = "x / the weight not 16-byte aligned"
+    else:
+        why = skinny_misfit(x, w, scales, fmt)
     if why is not None:
         log_once(f"w4-skinny:{why}", f"4-bit linear at M <= {SKINNY_MAX_M}: {why}; the Triton GEMM instead")
         return False
