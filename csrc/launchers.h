@@ -73,7 +73,7 @@ int skinny_gemm_config(int fp8, int cfg, int* row_tiles, int* chunks, int* max_m
 int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* workspace,
                 int64_t workspace_bytes, int* counters, int64_t num_counters, int m, int n, int k,
                 int64_t x_stride, int64_t w_stride, int64_t y_stride, int silu, int dtype, int cfg,
-                int warps, int num_splits, int pdl, void* stream);
+                int warps, int num_splits, int pdl, void* stream, int warp_ranges = 0);
 // The same with e4m3 weights (csrc/skinny_weights.cuh (Fp8W)): w [n_w, k] bytes (w_stride in bytes, % 16),
 // scale fp32 [n_w, KB] (s_stride elements): block_scales 0: KB = 1 per-channel; 1: one per 128-K
 // block of each row. k % 16 == 0. x, bias, y in `dtype`.

@@ -145,6 +145,8 @@ int launch_kernel(KernelFn fn, Params p, int rt, int64_t group, int warps, int n
   if (tiles > INT32_MAX || z < 1 || z > 65535) return static_cast<int>(cudaErrorInvalidValue);
   if (k_splits < 1) k_splits = num_splits;
   const int64_t per_split = ((p.k + k_splits - 1) / k_splits + group - 1) / group * group;
+  if (p.warp_ranges && (per_split % (group * warps) != 0 || z != 1))  // whole groups per warp, dense only
+    return static_cast<int>(cudaErrorInvalidValue);
   if (num_splits > 1) {
     const int64_t items = static_cast<int64_t>(rt) * mt * 2 * 32;  // float2 per (tile, split)
     if (workspace == nullptr || counters == nullptr || num_counters < tiles * z ||
@@ -203,8 +205,8 @@ bool w4_args_ok(int fmt, int k, int64_t w_stride, int64_t w_expert_stride, const
 int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* workspace,
                 int64_t workspace_bytes, int* counters, int64_t num_counters, int m, int n, int k,
                 int64_t x_stride, int64_t w_stride, int64_t y_stride, int silu, int dtype, int cfg,
-                int warps, int num_splits, int pdl, void* stream) {
-  if (cfg < 0 || cfg >= kNumConfigs || w_stride % 8 != 0 ||
+                int warps, int num_splits, int pdl, void* stream, int warp_ranges) {
+  if (cfg < 0 || cfg >= kNumConfigs || w_stride % 8 != 0 || (warp_ranges != 0 && warp_ranges != 1) ||
       !common_args_ok(m, kConfigs[cfg].max_mt * 8, n, k, warps, num_splits, x_stride, x, w, silu))
     return static_cast<int>(cudaErrorInvalidValue);
   KernelFn fn = dtype == 0   ? pick_m<skinny::Bf16W, __half>(m, cfg)
@@ -213,7 +215,7 @@ int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* 
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
            nullptr, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, warp_ranges};
   return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk, warps,
                        num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -233,7 +235,7 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0,
            scale, s_stride, block_scales, nullptr, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, 0};
   return launch_kernel(fn, p, kFp8Configs[cfg].rt, static_cast<int64_t>(kFp8Configs[cfg].u) * skinny::Fp8W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -249,7 +251,7 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
            qscale, qzero, q_stride, q_group,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, 0};
   return launch_kernel(fn, p, kW4Configs[cfg].rt, static_cast<int64_t>(kW4Configs[cfg].u) * skinny::Int4W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -287,7 +289,7 @@ int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, c
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, 1, n, k, silu, 0, 0, nullptr, 0, 0,
            qscale, qzero, q_stride, q_group, ids, weights, w_expert_stride, b_expert_stride, top_k, splits, act,
-           alpha, limit, q_expert_stride};
+           alpha, limit, q_expert_stride, 0};
   const int64_t z = down ? tokens : static_cast<int64_t>(tokens) * top_k;
   return launch_kernel(fn, p, rt, group, warps, down ? splits * top_k : splits, workspace, workspace_bytes, counters,
                        num_counters, pdl, stream, z, splits);

@@ -17,7 +17,8 @@
 //
 // Work split: block (tile, split) computes RT row tiles (16 W rows each) over one K range;
 // its warps interleave over that range in groups of U chunks (U * 32 contiguous elements
-// of every row per group), with the next group's RT * 2 * U 16-byte W loads (+ MT * U of x)
+// of every row per group; in deterministic mode each warp takes a contiguous share instead,
+// Params::warp_ranges), with the next group's RT * 2 * U 16-byte W loads (+ MT * U of x)
 // in flight per thread while the current group's MMAs run. Warps reduce
 // in shared memory; with num_splits > 1 blocks of one tile meet through an fp32 workspace
 // and a counter, and the last to arrive sums the splits in split order (deterministic) and
@@ -247,10 +248,16 @@ __device__ __forceinline__ void skinny_block(const Params& p, int split, int ws_
   zero_acc(acc);
 
   const int k_begin = split * p.k_split;
-  const int k_end = min(p.k, k_begin + p.k_split);
+  int k_end = min(p.k, k_begin + p.k_split);
   constexpr int kGroup = U * W::kChunk;
-  const int stride = warps * kGroup;
+  int stride = warps * kGroup;
   int k0 = k_begin + warp * kGroup;
+  if (p.warp_ranges) {  // deterministic mode: this warp's contiguous share (Params::warp_ranges)
+    const int share = p.k_split / warps;
+    k0 = k_begin + warp * share;
+    k_end = min(k_end, k0 + share);
+    stride = kGroup;
+  }
   // Programmatic dependent launch (sm_90, when the launch asks for it): the previous kernel
   // on the stream may still be running here. W and its scales are never written during
   // inference, so the first group of W is loaded before griddepcontrol.wait; x, and every

@@ -17,11 +17,11 @@ compiled kernel for every M. An entry may list several configs by M only where t
 benchmarks/determinism.py measures the candidates and proposes the table.
 
 16-bit weights on the GPU take the skinny kernel's order (issue 39), so that up to 32 rows the
-skinny CUDA kernel (ops/gemm/skinny.py, one warp per block) gives the same bits and batch 1 runs
-at its speed:
+skinny CUDA kernel (ops/gemm/skinny.py, the splits as one block's warps, each warp a contiguous
+split) gives the same bits and batch 1 runs at its speed:
 - K is cut into `splits_for(N, K)` splits at fixed positions (a multiple of 128 elements each,
   the same for every M); each split's chain starts from zero and the splits are added in order
-  to a zero total, as the skinny kernel's split-K reduction adds them.
+  to a zero total, as the skinny kernel's warp reduction (or its split-K reduction) adds them.
 - Inside a 32-element chunk the dot takes K in the order the skinny kernel feeds its m16n8k16
   MMAs (`skinny_k_order`): a quad's thread t loads elements [8t, 8t + 8) with one 16-byte load
   and gives [8t, 8t + 4) to the chunk's first MMA, in k slots (2t, 2t + 1, 2t + 8, 2t + 9), and
@@ -50,8 +50,8 @@ INTERPRETER_CONFIG: Config = (16, 16, 16, 1, 1)  # small tiles keep the CPU inte
 FLOAT32_CONFIG: Config = (64, 64, 32, 4, 3)  # ieee dots on FMA units
 GROUP_M = 8
 SPLIT_ALIGN = 128  # a split's K elements: a multiple of every skinny warp group (U * 32) and BLOCK_K
-SPLIT_BLOCKS = 1024  # splits_for aims at this many (16-row tile, split) blocks at M = 1
-MAX_SPLITS = 16
+MIN_SPLIT_K = 512  # splits_for keeps every split at least this long (short chains slow this kernel)
+MAX_SPLITS = 8  # the skinny kernel runs the splits as one block's warps (at most 8)
 # What benchmarks/determinism.py times (and the GPU test compares bit for bit) on the H100.
 CANDIDATES: list[Config] = [
     (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 32, 64, 4, 4),
@@ -126,10 +126,14 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLI
 @functools.cache  # the mode's dispatch asks per call
 def splits_for(n: int, k: int) -> int:
     """The fixed K splits of a 16-bit weight (N, K) in deterministic mode, for every M: doubled
-    while the skinny kernel's M = 1 launch (16-row tiles x splits) stays within SPLIT_BLOCKS
-    blocks and each split stays a whole multiple of SPLIT_ALIGN elements."""
-    tiles, s = -(-n // 16), 1
-    while 2 * s <= MAX_SPLITS and tiles * 2 * s <= SPLIT_BLOCKS and k % (2 * s * SPLIT_ALIGN) == 0:
+    up to MAX_SPLITS while each split stays a whole multiple of SPLIT_ALIGN elements and at least
+    MIN_SPLIT_K long. Up to 32 rows the skinny kernel runs them as the warps of one block (every
+    warp a contiguous split), so they set its warps per block; here, each split is a chain whose
+    pipeline refills, so fewer long splits are faster at large M (benchmarks/determinism.py).
+    N does not matter (kept in the signature: the choice is per weight shape)."""
+    del n
+    s = 1
+    while 2 * s <= MAX_SPLITS and k % (2 * s * SPLIT_ALIGN) == 0 and k // (2 * s) >= MIN_SPLIT_K:
         s *= 2
     return s
 

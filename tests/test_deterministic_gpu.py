@@ -51,9 +51,10 @@ def test_gemm_rows_invariant_up_to_8192(n: int, k: int) -> None:
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336), (1024, 2048), (1000, 1000)])
 def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
     """Deterministic mode's two GEMM kernels give a row the same bits: rows at M <= 32 through
-    ops.linear (the skinny kernel, one warp per block, the shape's fixed splits) and through each
-    skinny tile directly equal the same rows of the batch-invariant Triton GEMM at M = 300, with
-    and without SiLU-and-mul. (1000, 1000): one split, a masked K tail, a bias."""
+    ops.linear (the skinny kernel, the shape's fixed splits as one block's warps) and through each
+    skinny tile directly, both as warp ranges and as one-warp blocks split-K, equal the same rows
+    of the batch-invariant Triton GEMM at M = 300, with and without SiLU-and-mul. (1000, 1000):
+    one split, a masked K tail, a bias."""
     from minisgl.kernels.batch_invariant_gemm import gemm, splits_for
     from minisgl.ops.gemm.skinny import SkinnyConfig, launch, tile_shapes
 
@@ -74,8 +75,11 @@ def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
         for tile, (_, _, max_m) in enumerate(tile_shapes()):
             m = min(max_m, 32)
             y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            launch(x[:m], w, bias, y, False, SkinnyConfig(tile, 1, splits_for(n, k)))
-            assert torch.equal(y, ref[:m]), f"tile {tile}: {(y != ref[:m]).sum().item()} elements differ"
+            s = splits_for(n, k)
+            for cfg, ranges in ((SkinnyConfig(tile, 1, s), False), (SkinnyConfig(tile, s, 1), True)):
+                y.fill_(float("nan"))
+                launch(x[:m], w, bias, y, False, cfg, warp_ranges=ranges)
+                assert torch.equal(y, ref[:m]), f"tile {tile}, {cfg}: {(y != ref[:m]).sum().item()} elements differ"
     finally:
         ops.set_deterministic(dev, False)
 

@@ -45,10 +45,11 @@ from minisgl.ops.gemm.table import CUBLAS, INT4, MXFP4, GemmShape, GemmTable, pa
 FORMATS = (DENSE, FP8_FORMAT, INT4, MXFP4)
 _tables: dict[int, GemmTable] = {}
 # Deterministic mode (issue 39): a 16-bit GEMM of up to DETERMINISTIC_SKINNY_M rows runs the skinny
-# kernel in the order the batch-invariant Triton GEMM reproduces for larger M (one warp per block,
-# so one chain per split; the shape's fixed splits, kernels/batch_invariant_gemm.splits_for). Any
-# tile gives the same bits with one warp: DETERMINISTIC_TILE is the speed choice. 0 rows sends
-# every M to the Triton GEMM (the GPU test compares the two).
+# kernel in the order the batch-invariant Triton GEMM reproduces for larger M: the shape's fixed
+# splits (kernels/batch_invariant_gemm.splits_for) as the warps of one block, each warp a
+# contiguous split (warp_ranges), summed in warp order as split-K sums splits. Any tile gives
+# the same bits that way: DETERMINISTIC_TILE is the speed choice. 0 rows sends every M to the
+# Triton GEMM (the GPU test compares the two).
 DETERMINISTIC_SKINNY_M = MAX_M
 DETERMINISTIC_TILE = 1
 
@@ -145,7 +146,7 @@ def _deterministic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
         n, k = weight.shape
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        launch(x, weight, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, 1, splits_for(n, k)))
+        launch(x, weight, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, splits_for(n, k), 1), warp_ranges=True)
         return silu_and_mul(y) if silu else y
     return batch_invariant_linear(x, weight, bias, silu)
 

@@ -282,9 +282,15 @@ def launch(
     cfg: SkinnyConfig,
     pdl: bool = PDL,
     scale: torch.Tensor | None = None,
+    warp_ranges: bool = False,
 ) -> None:
     """The launch alone, for callers that checked the arguments (the dispatch): a 16-bit weight,
-    or with `scale` an FP8 one. The split-K workspace and counters are the same for both."""
+    or with `scale` an FP8 one. The split-K workspace and counters are the same for both.
+    warp_ranges (16-bit, deterministic mode): each warp sums a contiguous share of its block's K
+    range, so a block of w warps gives the bits of w one-warp splits (K must hold whole groups of
+    128 elements per warp and split; the launch refuses it otherwise)."""
+    if warp_ranges and scale is not None:
+        raise ValueError("skinny GEMM: warp_ranges is for 16-bit weights only (deterministic mode refuses FP8)")
     fmt = DENSE if scale is None else FP8_FORMAT
     m, k = x.shape
     n_out = out.size(1)
@@ -310,7 +316,7 @@ def launch(
                   _KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, splits, pdl, current_stream(x.device))
     b = 0 if bias is None else bias.data_ptr()
     if scale is None:
-        compiled().skinny_gemm(x.data_ptr(), weight.data_ptr(), b, out.data_ptr(), *split_args)
+        compiled().skinny_gemm(x.data_ptr(), weight.data_ptr(), b, out.data_ptr(), *split_args, warp_ranges)
         return
     s_stride = scale.stride(0) if scale.size(0) > 1 else scale.size(1)
     compiled().skinny_gemm_fp8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), s_stride, scale.size(1) > 1, b,
