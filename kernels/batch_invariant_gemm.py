@@ -52,6 +52,12 @@ GROUP_M = 8
 SPLIT_ALIGN = 128  # a split's K elements: a multiple of every skinny warp group (U * 32) and BLOCK_K
 MIN_SPLIT_K = 512  # splits_for keeps every split at least this long (short chains slow this kernel)
 MAX_SPLITS = 8  # the skinny kernel runs the splits as one block's warps (at most 8)
+# How the kernel takes a tile in the skinny order: False permutes the loaded tiles in registers
+# (16-byte cp.async loads; the permuted W tile goes back through shared memory before the dot),
+# True gathers the order from memory a K pair at a time (4-byte cp.async; the tiles stay in shared
+# memory for wgmma as in the plain order). Same tiles, so the same bits; which is faster is
+# benchmarks/determinism.py's to say (compiled for sm_90 here, both keep wgmma).
+SKINNY_GATHER = False
 # What benchmarks/determinism.py times (and the GPU test compares bit for bit) on the H100.
 CANDIDATES: list[Config] = [
     (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 32, 64, 4, 4),
@@ -90,6 +96,17 @@ def _skinny_perm_w(w, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _skinny_offsets(BLOCK_K: tl.constexpr):
+    """The K offsets of a dot step's BLOCK_K slots in the skinny order (skinny_k_order), each
+    pair (2 contiguous elements, 4 bytes) one load: slot 16 mma + 8 h + 2 t + e of a 32-element
+    chunk reads element 8 t + 4 mma + 2 h + e."""
+    j = tl.arange(0, BLOCK_K)
+    r = j % 32
+    offs = (j - r) + 8 * ((r // 2) % 4) + 4 * (r // 16) + 2 * ((r // 8) % 2) + r % 2
+    return tl.max_contiguous(tl.multiple_of(offs, 2), 2)
+
+
+@triton.jit
 def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLIT,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr, SPLITS: tl.constexpr,
@@ -99,7 +116,10 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLI
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_m % M).to(tl.int64)  # clamped: loads need no row / column masks
     cols = (offs_n % N).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
+    if SKINNY_K == 2:  # the skinny order gathered from memory
+        offs_k = _skinny_offsets(BLOCK_K)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
     x_base = X + rows[:, None] * stride_xm + offs_k[None, :]
     w_base = W + cols[None, :] * stride_wn + offs_k[:, None]
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -112,7 +132,7 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLI
             else:  # masked K tail (one split): zeros add nothing to the chain
                 x = tl.load(x_base + k0, mask=(k0 + offs_k)[None, :] < K, other=0.0)
                 w = tl.load(w_base + k0, mask=(k0 + offs_k)[:, None] < K, other=0.0)
-            if SKINNY_K:  # loaded in K order, the skinny order made in registers
+            if SKINNY_K == 1:  # loaded in K order, the skinny order made in registers
                 x = _skinny_perm_x(x, BLOCK_M, BLOCK_K)
                 w = _skinny_perm_w(w, BLOCK_K, BLOCK_N)
             acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
@@ -169,10 +189,12 @@ def skinny_order(x: torch.Tensor) -> bool:
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: Config | None = None, *, splits: int | None = None, skinny_k: bool | None = None) -> torch.Tensor:
+         config: Config | None = None, *, splits: int | None = None, skinny_k: bool | None = None,
+         gather: bool | None = None) -> torch.Tensor:
     """x [M, K] (unit column stride) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
     splits / skinny_k default to the skinny kernel's order where skinny_order(x) (splits_for),
-    else one split in plain K order; tests set them on the CPU."""
+    else one split in plain K order; tests set them on the CPU. gather: how the skinny order is
+    made (SKINNY_GATHER when None); the bits are the same either way."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -193,7 +215,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemm_kernel[grid](
         x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_split,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SPLITS=splits, SKINNY_K=skinny_k,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SPLITS=splits,
+        SKINNY_K=0 if not skinny_k else 2 if (SKINNY_GATHER if gather is None else gather) else 1,
         num_warps=warps, num_stages=stages,
     )
     return y

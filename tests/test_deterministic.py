@@ -251,7 +251,8 @@ def test_skinny_k_order_is_the_skinny_kernels_mma_slots() -> None:
 @pytest.mark.triton
 def test_skinny_order_in_the_kernel_matches_python() -> None:
     """The kernel's in-register permutations (x tiles along their rows, w tiles along their
-    columns) move each K offset where skinny_k_order says."""
+    columns) move each K offset where skinny_k_order says, and the gathering variant loads
+    those offsets."""
     from skinny_order_probe import skinny_order_probe
 
     from minisgl.kernels.batch_invariant_gemm import skinny_k_order
@@ -259,10 +260,12 @@ def test_skinny_order_in_the_kernel_matches_python() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out_x = torch.full((16, 128), -1, dtype=torch.int32, device=dev)
     out_w = torch.full((128, 16), -1, dtype=torch.int32, device=dev)
-    skinny_order_probe[(1,)](out_x, out_w, ROWS=16, BLOCK_K=128)
+    out_g = torch.full((128,), -1, dtype=torch.int32, device=dev)
+    skinny_order_probe[(1,)](out_x, out_w, out_g, ROWS=16, BLOCK_K=128)
     order = torch.tensor(skinny_k_order(128), dtype=torch.int32)
     assert torch.equal(out_x.cpu(), order.expand(16, 128))
     assert torch.equal(out_w.cpu(), order[:, None].expand(128, 16))
+    assert torch.equal(out_g.cpu(), order)
 
 
 @pytest.mark.triton
@@ -287,8 +290,9 @@ def test_batch_invariant_gemm_in_the_skinny_order_and_splits(splits: int) -> Non
     assert not torch.equal(gemm(probe, w, bias, config, splits=splits, skinny_k=False), first)
     for m in (17, 37):
         others = torch.randn(m - 5, k, generator=g).to(dev)
-        got = gemm(torch.cat([probe, others]), w, bias, config, splits=splits, skinny_k=True)
-        assert torch.equal(got[:5], first), f"M={m}, {splits} splits: rows differ from the same rows at M=5"
+        for gather in (False, True):  # the two ways of making the order dot the same tiles
+            got = gemm(torch.cat([probe, others]), w, bias, config, splits=splits, skinny_k=True, gather=gather)
+            assert torch.equal(got[:5], first), f"M={m}, {splits} splits, gather {gather}: rows differ from M=5's"
     with pytest.raises(ValueError, match="BLOCK_K"):
         gemm(probe, w, bias, config, splits=3, skinny_k=True)
     with pytest.raises(ValueError, match="multiple of 32"):
