@@ -64,10 +64,18 @@ def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
     bias = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g) if n == 1000 else None
     x = torch.randn(300, k, device=dev, dtype=torch.bfloat16, generator=g)
     ref = gemm(x, w, bias)
+    from minisgl.ops.gemm import dispatch
+
+    launched = []  # the skinny launches ops.linear makes (so the rows below are the skinny kernel's)
+    spy = lambda *a, **kw: (launched.append(kw.get("warp_ranges")), launch(*a, **kw))  # noqa: E731
     ops.set_deterministic(dev, True)
     ops.prepare_deterministic(dev)
     try:
         ref_silu = ops.linear(x, w, bias, silu=True)  # M = 300: the Triton GEMM, then SiLU-and-mul
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dispatch, "launch", spy)
+            ops.linear(x[:1], w, bias)
+        assert launched == [True], f"ops.linear at M = 1 did not launch the skinny kernel in warp ranges: {launched}"
         for m in (1, 2, 7, 8, 17, 32):
             got = ops.linear(x[:m], w, bias)
             assert torch.equal(got, ref[:m]), f"M={m}: {(got != ref[:m]).sum().item()} elements differ"

@@ -48,7 +48,8 @@ _tables: dict[int, GemmTable] = {}
 # kernel in the order the batch-invariant Triton GEMM reproduces for larger M: the shape's fixed
 # splits (kernels/batch_invariant_gemm.splits_for) as the warps of one block, each warp a
 # contiguous split (warp_ranges), summed in warp order as split-K sums splits. Any tile gives
-# the same bits that way: DETERMINISTIC_TILE is the speed choice. 0 rows sends every M to the
+# the same bits that way (where its rows fit: tile 3 takes 16): DETERMINISTIC_TILE, which takes
+# 32, is the speed choice. 0 rows sends every M to the
 # Triton GEMM (the GPU test compares the two).
 DETERMINISTIC_SKINNY_M = MAX_M
 DETERMINISTIC_TILE = 1
@@ -124,8 +125,9 @@ def _lookup(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | None:
 
 
 def prepare_deterministic(device: torch.device) -> None:
-    """Deterministic mode's GEMMs on `device` need the skinny kernel's split-K counters: call
-    this outside CUDA-graph capture (the engine does, when it enters the mode)."""
+    """The skinny kernel's split-K counters on `device`, made outside CUDA-graph capture (the
+    engine calls this when it enters the mode). The mode's own launches take one split since the
+    splits became warps; the counters stay ready for any split-K launch captured in the mode."""
     if skinny_enabled(device):
         counters(device)
 

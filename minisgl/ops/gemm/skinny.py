@@ -286,11 +286,13 @@ def launch(
 ) -> None:
     """The launch alone, for callers that checked the arguments (the dispatch): a 16-bit weight,
     or with `scale` an FP8 one. The split-K workspace and counters are the same for both.
-    warp_ranges (16-bit, deterministic mode): each warp sums a contiguous share of its block's K
-    range, so a block of w warps gives the bits of w one-warp splits (K must hold whole groups of
-    128 elements per warp and split; the launch refuses it otherwise)."""
+    warp_ranges (16-bit, one split, deterministic mode): each warp sums a contiguous share of the
+    block's K range, so a block of w warps gives the bits of w one-warp splits (the share must be
+    whole warp groups of the tile's U x 32 elements; the launch refuses it otherwise)."""
     if warp_ranges and scale is not None:
         raise ValueError("skinny GEMM: warp_ranges is for 16-bit weights only (deterministic mode refuses FP8)")
+    if warp_ranges and cfg.splits != 1:  # with splits it would sum warps within splits: not one chain
+        raise ValueError(f"skinny GEMM: warp_ranges takes one split (the warps are the splits), got {cfg}")
     fmt = DENSE if scale is None else FP8_FORMAT
     m, k = x.shape
     n_out = out.size(1)
