@@ -19,7 +19,7 @@ benchmarks/determinism.py measures the candidates and proposes the table.
 16-bit weights on the GPU take the skinny kernel's order (issue 39), so that up to 32 rows the
 skinny CUDA kernel (ops/gemm/skinny.py, the splits as one block's warps, each warp a contiguous
 split) gives the same bits and batch 1 runs at its speed:
-- K is cut into `splits_for(N, K)` splits at fixed positions (a multiple of 128 elements each,
+- K is cut into `splits_for(K)` splits at fixed positions (a multiple of 128 elements each,
   the same for every M); each split's chain starts from zero and the splits are added in order
   to a zero total, as the skinny kernel's warp reduction (or its split-K reduction) adds them.
 - Inside a 32-element chunk the dot takes K in the order the skinny kernel feeds its m16n8k16
@@ -58,6 +58,8 @@ MAX_SPLITS = 8  # the skinny kernel runs the splits as one block's warps (at mos
 # memory for wgmma as in the plain order). Same tiles, so the same bits; which is faster is
 # benchmarks/determinism.py's to say (compiled for sm_90 here, both keep wgmma).
 SKINNY_GATHER = False
+# _gemm_kernel's SKINNY_K: the K order and how it is made (constexpr: the kernel reads them)
+PLAIN_K, PERMUTED_K, GATHERED_K = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # What benchmarks/determinism.py times (and the GPU test compares bit for bit) on the H100.
 CANDIDATES: list[Config] = [
     (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 32, 64, 4, 4),
@@ -116,7 +118,7 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLI
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_m % M).to(tl.int64)  # clamped: loads need no row / column masks
     cols = (offs_n % N).to(tl.int64)
-    if SKINNY_K == 2:  # the skinny order gathered from memory
+    if SKINNY_K == GATHERED_K:  # the skinny order gathered from memory
         offs_k = _skinny_offsets(BLOCK_K)
     else:
         offs_k = tl.arange(0, BLOCK_K)
@@ -132,7 +134,7 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLI
             else:  # masked K tail (one split): zeros add nothing to the chain
                 x = tl.load(x_base + k0, mask=(k0 + offs_k)[None, :] < K, other=0.0)
                 w = tl.load(w_base + k0, mask=(k0 + offs_k)[:, None] < K, other=0.0)
-            if SKINNY_K == 1:  # loaded in K order, the skinny order made in registers
+            if SKINNY_K == PERMUTED_K:  # loaded in K order, the skinny order made in registers
                 x = _skinny_perm_x(x, BLOCK_M, BLOCK_K)
                 w = _skinny_perm_w(w, BLOCK_K, BLOCK_N)
             acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
@@ -144,14 +146,12 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLI
 
 
 @functools.cache  # the mode's dispatch asks per call
-def splits_for(n: int, k: int) -> int:
-    """The fixed K splits of a 16-bit weight (N, K) in deterministic mode, for every M: doubled
+def splits_for(k: int) -> int:
+    """The fixed K splits of a 16-bit weight with K columns in deterministic mode, for every M: doubled
     up to MAX_SPLITS while each split stays a whole multiple of SPLIT_ALIGN elements and at least
     MIN_SPLIT_K long. Up to 32 rows the skinny kernel runs them as the warps of one block (every
     warp a contiguous split), so they set its warps per block; here, each split is a chain whose
-    pipeline refills, so fewer long splits are faster at large M (benchmarks/determinism.py).
-    N does not matter (kept in the signature: the choice is per weight shape)."""
-    del n
+    pipeline refills, so fewer long splits are faster at large M (benchmarks/determinism.py)."""
     s = 1
     while 2 * s <= MAX_SPLITS and k % (2 * s * SPLIT_ALIGN) == 0 and k // (2 * s) >= MIN_SPLIT_K:
         s *= 2
@@ -188,6 +188,10 @@ def skinny_order(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16)
 
 
+def _k_mode(skinny_k: bool, gather: bool) -> int:
+    return (GATHERED_K if gather else PERMUTED_K).value if skinny_k else PLAIN_K.value
+
+
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: Config | None = None, *, splits: int | None = None, skinny_k: bool | None = None,
          gather: bool | None = None) -> torch.Tensor:
@@ -204,7 +208,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if skinny_k is None:
         skinny_k = skinny_order(x)
     if splits is None:
-        splits = splits_for(n, k) if skinny_k else 1
+        splits = splits_for(k) if skinny_k else 1
     k_split = -(-k // splits)
     if splits > 1 and (k % splits or k_split % bk or k_split % SPLIT_ALIGN and x.device.type == "cuda"):
         raise ValueError(f"batch-invariant GEMM: K {k} in {splits} splits needs splits of a multiple of "
@@ -216,7 +220,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_split,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SPLITS=splits,
-        SKINNY_K=0 if not skinny_k else 2 if (SKINNY_GATHER if gather is None else gather) else 1,
+        SKINNY_K=_k_mode(skinny_k, SKINNY_GATHER if gather is None else gather),
         num_warps=warps, num_stages=stages,
     )
     return y

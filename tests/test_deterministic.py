@@ -299,22 +299,20 @@ def test_batch_invariant_gemm_in_the_skinny_order_and_splits(splits: int) -> Non
         gemm(probe, w, bias, INTERPRETER_CONFIG, splits=1, skinny_k=True)
 
 
-def test_deterministic_splits_are_fixed_by_shape() -> None:
+def test_deterministic_splits_are_fixed_by_k() -> None:
     """splits_for: up to 8 splits (the skinny kernel's warps per block), each a whole multiple of
     128 K elements and at least 512 long, none where K is not a multiple of 256."""
     from minisgl.kernels.batch_invariant_gemm import MAX_SPLITS, MIN_SPLIT_K, SPLIT_ALIGN, splits_for
-
-    assert splits_for(4096, 4096) == 8
-    assert splits_for(28672, 4096) == 8  # N does not matter
-    assert splits_for(4096, 14336) == 8
-    assert splits_for(1024, 3072) == 4  # 8 would be 384 long
-    assert splits_for(1024, 2048) == 4
-    assert splits_for(151936, 1024) == 2
-    assert splits_for(1024, 1000) == 1  # K not a multiple of 256: one split
-    assert splits_for(16, 384) == 1  # 384 = 3 x 128: two splits would not be whole multiples
     from minisgl.ops.gemm.skinny import MAX_WARPS
 
+    assert splits_for(4096) == 8
+    assert splits_for(14336) == 8
+    assert splits_for(3072) == 4  # 8 would be 384 long
+    assert splits_for(2048) == 4
+    assert splits_for(1024) == 2
+    assert splits_for(1000) == 1  # K not a multiple of 256: one split
+    assert splits_for(384) == 1  # 384 = 3 x 128: two splits would not be whole multiples
     assert MAX_SPLITS <= MAX_WARPS  # the skinny kernel runs the splits as one block's warps
-    for n, k in [(4096, 4096), (1024, 3072), (6144, 1024), (151936, 1024), (64, 640), (64, 1536)]:
-        s = splits_for(n, k)
-        assert k % (s * SPLIT_ALIGN) == 0 and (s == 1 or k // s >= MIN_SPLIT_K) and s <= 8
+    for k in (4096, 3072, 1024, 640, 1536):
+        s = splits_for(k)
+        assert k % (s * SPLIT_ALIGN) == 0 and (s == 1 or k // s >= MIN_SPLIT_K) and s <= MAX_SPLITS

@@ -56,6 +56,7 @@ def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
     of the batch-invariant Triton GEMM at M = 300, with and without SiLU-and-mul. (1000, 1000):
     one split, a masked K tail, a bias."""
     from minisgl.kernels.batch_invariant_gemm import gemm, splits_for
+    from minisgl.ops.gemm import dispatch
     from minisgl.ops.gemm.skinny import SkinnyConfig, launch, tile_shapes
 
     dev = torch.device("cuda")
@@ -64,12 +65,9 @@ def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
     bias = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g) if n == 1000 else None
     x = torch.randn(300, k, device=dev, dtype=torch.bfloat16, generator=g)
     ref = gemm(x, w, bias)
-    from minisgl.ops.gemm import dispatch
-
     launched = []  # the skinny launches ops.linear makes (so the rows below are the skinny kernel's)
     spy = lambda *a, **kw: (launched.append(kw.get("warp_ranges")), launch(*a, **kw))  # noqa: E731
     ops.set_deterministic(dev, True)
-    ops.prepare_deterministic(dev)
     try:
         ref_silu = ops.linear(x, w, bias, silu=True)  # M = 300: the Triton GEMM, then SiLU-and-mul
         with pytest.MonkeyPatch.context() as mp:
@@ -83,7 +81,7 @@ def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
         for tile, (_, _, max_m) in enumerate(tile_shapes()):
             m = min(max_m, 32)
             y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            s = splits_for(n, k)
+            s = splits_for(k)
             for cfg, ranges in ((SkinnyConfig(tile, 1, s), False), (SkinnyConfig(tile, s, 1), True)):
                 y.fill_(float("nan"))
                 launch(x[:m], w, bias, y, False, cfg, warp_ranges=ranges)

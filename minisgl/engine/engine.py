@@ -92,8 +92,6 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         with phase("model built, weights " + ("filled" if cfg.load_format == "dummy" else "loaded")):
             self.model = self._build_model()
         ops.set_deterministic(self.device, cfg.deterministic)
-        if cfg.deterministic:  # the skinny kernel's split-K counters, before any graph capture
-            ops.prepare_deterministic(self.device)
         if self.device.type == "cuda" and not cfg.deterministic:  # deterministic: one GEMM, nothing to choose
             with phase("GEMM dispatch table (measured, or from the cache)"):
                 self._tune_gemms()

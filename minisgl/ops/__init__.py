@@ -12,7 +12,7 @@ from minisgl.ops.attention import (
 from minisgl.ops.decode_attention import paged_decode_attention, paged_decode_attention_reference
 from minisgl.ops.deterministic import is_deterministic, logsumexp_rows, set_deterministic
 from minisgl.ops.embedding import embedding_lookup, embedding_lookup_reference
-from minisgl.ops.gemm import linear, prepare_deterministic, skinny_gemm, skinny_gemm_reference
+from minisgl.ops.gemm import linear, skinny_gemm, skinny_gemm_reference
 from minisgl.ops.linear_attention import (
     SequencePlan,
     causal_conv1d_decode,
@@ -61,7 +61,6 @@ __all__ = [
     "moe_route",
     "paged_decode_attention",
     "plan_sequences",
-    "prepare_deterministic",
     "paged_decode_attention_reference",
     "qk_norm_rope",
     "rmsnorm",

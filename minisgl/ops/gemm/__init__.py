@@ -8,9 +8,9 @@
 - reference.py: every format's fp32 dequantize-then-matmul reference (the CPU path).
 """
 
-from minisgl.ops.gemm.dispatch import FORMATS, INT4, MXFP4, linear, prepare_deterministic
+from minisgl.ops.gemm.dispatch import FORMATS, INT4, MXFP4, linear
 from minisgl.ops.gemm.reference import skinny_gemm_reference
 from minisgl.ops.gemm.skinny import DENSE, FP8_FORMAT, skinny_gemm, skinny_gemm_fp8
 
-__all__ = ["DENSE", "FORMATS", "FP8_FORMAT", "INT4", "MXFP4", "linear", "prepare_deterministic", "skinny_gemm",
+__all__ = ["DENSE", "FORMATS", "FP8_FORMAT", "INT4", "MXFP4", "linear", "skinny_gemm",
            "skinny_gemm_fp8", "skinny_gemm_reference"]

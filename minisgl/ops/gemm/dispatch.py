@@ -47,10 +47,10 @@ _tables: dict[int, GemmTable] = {}
 # Deterministic mode (issue 39): a 16-bit GEMM of up to DETERMINISTIC_SKINNY_M rows runs the skinny
 # kernel in the order the batch-invariant Triton GEMM reproduces for larger M: the shape's fixed
 # splits (kernels/batch_invariant_gemm.splits_for) as the warps of one block, each warp a
-# contiguous split (warp_ranges), summed in warp order as split-K sums splits. Any tile gives
-# the same bits that way (where its rows fit: tile 3 takes 16): DETERMINISTIC_TILE, which takes
-# 32, is the speed choice. 0 rows sends every M to the
-# Triton GEMM (the GPU test compares the two).
+# contiguous split (warp_ranges), summed in warp order as split-K sums splits; one split, so no
+# split-K counters. Any tile gives the same bits that way (where its rows fit: tile 3 takes 16):
+# DETERMINISTIC_TILE, which takes 32, is the speed choice. 0 rows sends every M to the Triton
+# GEMM (the GPU test compares the two).
 DETERMINISTIC_SKINNY_M = MAX_M
 DETERMINISTIC_TILE = 1
 
@@ -124,14 +124,6 @@ def _lookup(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | None:
     return choice if isinstance(choice, SkinnyConfig) else None
 
 
-def prepare_deterministic(device: torch.device) -> None:
-    """The skinny kernel's split-K counters on `device`, made outside CUDA-graph capture (the
-    engine calls this when it enters the mode). The mode's own launches take one split since the
-    splits became warps; the counters stay ready for any split-K launch captured in the mode."""
-    if skinny_enabled(device):
-        counters(device)
-
-
 def _deterministic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     """A 16-bit GEMM in deterministic mode: the skinny kernel in the batch-invariant order up to
     DETERMINISTIC_SKINNY_M rows where its 16-byte loads fit, else the batch-invariant GEMM (the
@@ -148,7 +140,7 @@ def _deterministic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
         n, k = weight.shape
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        launch(x, weight, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, splits_for(n, k), 1), warp_ranges=True)
+        launch(x, weight, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, splits_for(k), 1), warp_ranges=True)
         return silu_and_mul(y) if silu else y
     return batch_invariant_linear(x, weight, bias, silu)
 
