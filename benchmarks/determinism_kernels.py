@@ -86,7 +86,7 @@ def _time_gemms(gemm, x: torch.Tensor, w: torch.Tensor, cands: list) -> tuple[fl
 
 
 def gemm_candidates(out_dir: Path | None) -> None:
-    from minisgl.kernels.batch_invariant_gemm import CANDIDATES, SKINNY_GATHER, configs_for, gemm
+    from minisgl.kernels.batch_invariant_gemm import CANDIDATES, configs_for, gemm
     from minisgl.ops import skinny_gemm
 
     print("\n== batch-invariant GEMM candidates vs cuBLAS (bf16, us per call in CUDA graphs; full table in "
@@ -114,13 +114,10 @@ def gemm_candidates(out_dir: Path | None) -> None:
                 if m <= 32:  # the mode's skinny launch against the default mode's kernel (default config)
                     sk = graph_us(lambda x=x, w=w: skinny_gemm(x, w))
                     skinny_vs.append(f"M {m}: {used:.1f} vs {sk:.1f} us ({100 * (used / sk - 1):+.0f}%)")
-                else:  # the skinny order and splits against the plain K order, one split (same config),
-                    # and the other way of making the skinny order (batch_invariant_gemm.SKINNY_GATHER)
-                    plain = graph_us(lambda x=x, w=w: gemm(x, w, None, None, splits=1, skinny_k=False))
-                    other = graph_us(lambda x=x, w=w: gemm(x, w, None, None, gather=not SKINNY_GATHER))
-                    skinny_vs.append(f"M {m}: {used:.1f} vs plain order {plain:.1f} us, "
-                                     f"{'permuted' if SKINNY_GATHER else 'gathered'} {other:.1f} us")
-            print(f"{n:>6}x{k:<5} deterministic vs default skinny (M <= 32) / vs the plain K order: "
+                else:  # the skinny kernel's splits against one chain over K (same config)
+                    one = graph_us(lambda x=x, w=w: gemm(x, w, None, None, splits=1))
+                    skinny_vs.append(f"M {m}: {used:.1f} vs one split {one:.1f} us")
+            print(f"{n:>6}x{k:<5} deterministic vs default skinny (M <= 32) / vs one split: "
                   + "; ".join(skinny_vs))
             entries, best, single = propose(times, base, classes, CANDIDATES)
             proposed[f"{n}x{k}"] = entries

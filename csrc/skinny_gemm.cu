@@ -37,6 +37,12 @@ struct Tiles<skinny::Fp8W> {
 };
 // 4-bit weights (Int4W / Mxfp4W, one table): U counts 128-element chunks (32 nibbles per 16-byte
 // load); x takes 4 pieces per chunk, so max_mt is lower than the 16-bit tiles' for the same U.
+// Deterministic mode launches one configuration (ops/gemm/dispatch.py DETERMINISTIC_TILE, 1 = rt 1,
+// u 4); the others are not built (max_mt 0: instance() returns null, the launch is refused).
+template <>
+struct Tiles<skinny::Bf16DetW> {
+  static constexpr TileConfig kList[] = {{1, 2, 0}, {1, 4, 4}, {2, 2, 0}, {2, 4, 0}};
+};
 template <>
 struct Tiles<skinny::Int4W> {
   static constexpr TileConfig kList[] = {{1, 1, 4}, {2, 1, 4}, {1, 2, 2}, {2, 2, 1}};
@@ -78,6 +84,12 @@ KernelFn pick_m(int m, int cfg) {
     case 4: return pick_config<W, T, 4>(cfg);
     default: return nullptr;
   }
+}
+
+// warp_ranges (deterministic mode) also takes the loader whose k16 steps are contiguous K (Bf16DetW).
+template <typename T>
+KernelFn pick_16bit(int m, int cfg, int warp_ranges) {
+  return warp_ranges ? pick_m<skinny::Bf16DetW, T>(m, cfg) : pick_m<skinny::Bf16W, T>(m, cfg);
 }
 
 template <typename T>
@@ -209,8 +221,8 @@ int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* 
   if (cfg < 0 || cfg >= kNumConfigs || w_stride % 8 != 0 || (warp_ranges != 0 && warp_ranges != 1) ||
       !common_args_ok(m, kConfigs[cfg].max_mt * 8, n, k, warps, num_splits, x_stride, x, w, silu))
     return static_cast<int>(cudaErrorInvalidValue);
-  KernelFn fn = dtype == 0   ? pick_m<skinny::Bf16W, __half>(m, cfg)
-                : dtype == 1 ? pick_m<skinny::Bf16W, __nv_bfloat16>(m, cfg)
+  KernelFn fn = dtype == 0   ? pick_16bit<__half>(m, cfg, warp_ranges)
+                : dtype == 1 ? pick_16bit<__nv_bfloat16>(m, cfg, warp_ranges)
                              : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,

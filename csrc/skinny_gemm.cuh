@@ -14,6 +14,8 @@
 // them to two MMAs as the fragment's k pairs {2t, 2t+1, 2t+8, 2t+9}. So W goes global ->
 // registers -> tensor core with no shared memory and no shuffles, and the CUDA cores only
 // issue loads. (On CUDA cores M = 16 would need ~50 fp32 TFLOP/s at the read ceiling.)
+// Deterministic mode's loader (skinny_weights.cuh Bf16DetW) gives each MMA 16 contiguous K
+// elements instead, for two shuffles per load, so its rows match a plain-order GEMM's bits.
 //
 // Work split: block (tile, split) computes RT row tiles (16 W rows each) over one K range;
 // its warps interleave over that range in groups of U chunks (U * 32 contiguous elements
@@ -193,12 +195,18 @@ __device__ __forceinline__ void load_group_x(Group<W, MT, RT, U>& grp, const XRo
                                              int quad) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int kk = k0 + u * W::kChunk + W::kPerThread * quad;
+    if constexpr (W::kTwoPieces) {  // Bf16DetW: thread q's load at det_load_offset(q), pieces swapped at MMA time
+      const int kk = k0 + u * W::kChunk + det_load_offset(quad);
 #pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      const bool ok = kk < k_end && xr.ok[t];
+      for (int t = 0; t < MT; ++t) grp.x[t][u][0] = load_x(xr.x[t] + kk, kk < k_end && xr.ok[t]);
+    } else {
+      const int kk = k0 + u * W::kChunk + W::kPerThread * quad;
 #pragma unroll
-      for (int j = 0; j < W::kPerThread / 8; ++j) grp.x[t][u][j] = load_x(xr.x[t] + kk + 8 * j, ok);
+      for (int t = 0; t < MT; ++t) {
+        const bool ok = kk < k_end && xr.ok[t];
+#pragma unroll
+        for (int j = 0; j < W::kPerThread / 8; ++j) grp.x[t][u][j] = load_x(xr.x[t] + kk + 8 * j, ok);
+      }
     }
   }
 }

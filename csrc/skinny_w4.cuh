@@ -91,6 +91,7 @@ struct W4Base {
   static constexpr int kPerThread = 32, kChunk = 128;
   static constexpr int kPerElem = 2 * sizeof(Elem);  // K elements per Elem: 8 per int32, 2 per byte
   static constexpr bool kChannelScale = false;
+  static constexpr bool kTwoPieces = false;
   template <int RT>
   struct Rows : WRows<Elem, RT> {
     int64_t s_lo[RT], s_hi[RT];  // this row's first scale (element offset into qscale / qzero)

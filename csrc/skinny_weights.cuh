@@ -60,6 +60,7 @@ struct Bf16W {
   using T = TT;
   static constexpr int kPerThread = 8, kChunk = 32;
   static constexpr bool kChannelScale = false;
+  static constexpr bool kTwoPieces = false;  // Bf16DetW's loads (x's too: load_group_x)
   template <int RT>
   using Rows = WRows<T, RT>;
   template <int RT, int U>
@@ -103,6 +104,69 @@ struct Bf16W {
   }
 };
 
+// 16-bit W in deterministic mode (skinny_gemm with warp_ranges): Bf16W's MMAs, but each MMA holds
+// the products of 16 contiguous K elements (the chunk's first [0, 16), its second [16, 32)), as a
+// dot over K in plain order does (the batch-invariant Triton GEMM, kernels/batch_invariant_gemm.py).
+// On sm_90 a k16 step's result depends only on which products it holds, not on their k slots
+// (mma.sync and wgmma alike; tests/test_deterministic_gpu.py checks it), so the two kernels give
+// the same bits. For that thread q must feed elements [4q, 4q + 4) and [16 + 4q, 20 + 4q) (x's
+// alike). Loads stay 16-byte (two 8-byte ones made the mode's batch-1 decode 20% slower, seventeenth
+// session): thread q loads 8 elements at det_load_offset(q), [0, 8), [16, 24), [8, 16), [24, 32) for
+// q = 0..3, and at MMA time the threads of a pair (q, q ^ 1) swap halves with two shuffles: the
+// even one keeps its low half and takes its partner's low half; the odd one takes its partner's
+// high half and keeps its own.
+__device__ __forceinline__ uint4 det_pieces(uint4 v, bool odd) {
+  const uint32_t a = __shfl_xor_sync(0xffffffffu, odd ? v.x : v.z, 1);
+  const uint32_t b = __shfl_xor_sync(0xffffffffu, odd ? v.y : v.w, 1);
+  return odd ? make_uint4(a, b, v.z, v.w) : make_uint4(v.x, v.y, a, b);
+}
+
+template <typename TT>
+struct Bf16DetW : Bf16W<TT> {
+  using T = TT;
+  static constexpr bool kTwoPieces = true;
+  template <int RT>
+  using Rows = WRows<T, RT>;
+  template <int RT, int U>
+  using Regs = typename Bf16W<TT>::template Regs<RT, U>;
+
+  template <int RT, int U>
+  static __device__ __forceinline__ void load_w(Regs<RT, U>& g, const Rows<RT>& rows, const Params&, int k0, int k_end,
+                                                int quad) {
+    const int off = det_load_offset(quad);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int kk = k0 + u * Bf16W<TT>::kChunk + off;
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        g.lo[r][u] = skinny::load_w(rows.lo[r] + kk, kk < k_end && rows.lo_ok[r]);
+        g.hi[r][u] = skinny::load_w(rows.hi[r] + kk, kk < k_end && rows.hi_ok[r]);
+      }
+    }
+  }
+
+  // The pieces exchanged here, not at the loads: a shuffle waits for its load's data, and the
+  // pipeline keeps the next group's loads in flight while this group's MMAs run.
+  template <int MT, int RT, int U>
+  static __device__ __forceinline__ void mma(float (&acc)[RT][MT][4], const Regs<RT, U>& g,
+                                             const uint4 (&x)[MT][U][1]) {
+    const bool odd = threadIdx.x & 1;  // quad & 1: lane = 4 g + quad
+    Regs<RT, U> w;
+    uint4 xs[MT][U][1];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+        w.lo[r][u] = det_pieces(g.lo[r][u], odd);
+        w.hi[r][u] = det_pieces(g.hi[r][u], odd);
+      }
+#pragma unroll
+      for (int t = 0; t < MT; ++t) xs[t][u][0] = det_pieces(x[t][u][0], odd);
+    }
+    Bf16W<TT>::template mma<MT, RT, U>(acc, w, xs);
+  }
+};
+
 // e4m3 W: 16 elements per load, a chunk of 64; fp32 scales per row (per-channel, in the
 // epilogue) or per 128-K span (U even: a group is whole spans; each span's MMAs go to a fresh
 // accumulator added scaled). Bytes become exact T pairs in fp8_convert.cuh.
@@ -111,6 +175,7 @@ struct Fp8W {
   using T = TT;
   static constexpr int kPerThread = 16, kChunk = 64, kSpan = 128;
   static constexpr bool kChannelScale = true;
+  static constexpr bool kTwoPieces = false;
   template <int RT>
   struct Rows : WRows<uint8_t, RT> {
     const float* s_lo[RT];  // this row's scales (row 0's for rows past the end)

@@ -21,15 +21,14 @@ skinny CUDA kernel (ops/gemm/skinny.py, the splits as one block's warps, each wa
 split) gives the same bits and batch 1 runs at its speed:
 - K is cut into `splits_for(K)` splits at fixed positions (a multiple of 128 elements each,
   the same for every M); each split's chain starts from zero and the splits are added in order
-  to a zero total, as the skinny kernel's warp reduction (or its split-K reduction) adds them.
-- Inside a 32-element chunk the dot takes K in the order the skinny kernel feeds its m16n8k16
-  MMAs (`skinny_k_order`): a quad's thread t loads elements [8t, 8t + 8) with one 16-byte load
-  and gives [8t, 8t + 4) to the chunk's first MMA, in k slots (2t, 2t + 1, 2t + 8, 2t + 9), and
-  [8t + 4, 8t + 8) to its second. So this kernel's k16 dot steps hold the same products in the
-  same slots, chained in the same order.
-Whether a tensor-core chain gives the same bits in both kernels (mma.sync there; mma.sync or
-wgmma here, by tile) is the GPU test's to show (tests/test_deterministic_gpu.py, rows at M 1-32
-through the skinny kernel against the same rows at larger M through this one).
+  to a zero total, as the skinny kernel's warp reduction adds them.
+- Inside a split the dot takes K in plain order: every tensor-core k16 step holds the products
+  of 16 contiguous K elements, and so does each MMA of the skinny kernel's deterministic loader
+  (csrc/skinny_weights.cuh Bf16DetW, two 8-byte pieces per thread). On sm_90 a k16 step's result
+  depends only on which products it holds, not on their k slots (mma.sync and wgmma alike, and
+  the steps chain in K order in both), which the GPU test checks
+  (tests/test_deterministic_gpu.py: the slot test, and rows at M 1-32 through the skinny kernel
+  against the same rows at larger M through this one).
 """
 
 from __future__ import annotations
@@ -52,14 +51,6 @@ GROUP_M = 8
 SPLIT_ALIGN = 128  # a split's K elements: a multiple of every skinny warp group (U * 32) and BLOCK_K
 MIN_SPLIT_K = 512  # splits_for keeps every split at least this long (short chains slow this kernel)
 MAX_SPLITS = 8  # the skinny kernel runs the splits as one block's warps (at most 8)
-# How the kernel takes a tile in the skinny order: False permutes the loaded tiles in registers
-# (16-byte cp.async loads; the permuted W tile goes back through shared memory before the dot),
-# True gathers the order from memory a K pair at a time (4-byte cp.async; the tiles stay in shared
-# memory for wgmma as in the plain order). Same tiles, so the same bits; which is faster is
-# benchmarks/determinism.py's to say (compiled for sm_90 here, both keep wgmma).
-SKINNY_GATHER = False
-# _gemm_kernel's SKINNY_K: the K order and how it is made (constexpr: the kernel reads them)
-PLAIN_K, PERMUTED_K, GATHERED_K = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # What benchmarks/determinism.py times (and the GPU test compares bit for bit) on the H100.
 CANDIDATES: list[Config] = [
     (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 32, 64, 4, 4),
@@ -67,61 +58,16 @@ CANDIDATES: list[Config] = [
 ]
 
 
-def skinny_k_order(block_k: int) -> list[int]:
-    """The K offset of each of a dot step's block_k elements in the skinny kernel's MMA order:
-    element j of the step is the product the skinny kernel puts in k slot j % 16 of MMA j // 16
-    (what _skinny_perm_x / _skinny_perm_w do to a loaded tile, for tests)."""
-    out = []
-    for j in range(block_k):
-        c, r = divmod(j, 32)
-        mma, h, t, e = r // 16, (r // 8) % 2, (r // 2) % 4, r % 2
-        out.append(32 * c + 8 * t + 4 * mma + 2 * h + e)
-    return out
-
-
-@triton.jit
-def _skinny_perm_x(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x [BLOCK_M, BLOCK_K] in K order -> the skinny order (skinny_k_order): element
-    8 t + 4 mma + 2 h + e of a 32-element chunk (thread t's 16-byte load, its pair 2 mma + h)
-    moves to slot 16 mma + 8 h + 2 t + e. Permuting loaded tiles in registers keeps the
-    loads 16-byte and pipelined (compiled for sm_90: cp.async as in K order; gathering the
-    order from memory instead compiled to 2-byte loads without cp.async)."""
-    x = tl.reshape(x, [BLOCK_M, BLOCK_K // 32, 4, 2, 2, 2])
-    return tl.reshape(tl.permute(x, [0, 1, 3, 4, 2, 5]), [BLOCK_M, BLOCK_K])
-
-
-@triton.jit
-def _skinny_perm_w(w, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """w [BLOCK_K, BLOCK_N] in K order -> the skinny order along K (as _skinny_perm_x)."""
-    w = tl.reshape(w, [BLOCK_K // 32, 4, 2, 2, 2, BLOCK_N])
-    return tl.reshape(tl.permute(w, [0, 2, 3, 1, 4, 5]), [BLOCK_K, BLOCK_N])
-
-
-@triton.jit
-def _skinny_offsets(BLOCK_K: tl.constexpr):
-    """The K offsets of a dot step's BLOCK_K slots in the skinny order (skinny_k_order), each
-    pair (2 contiguous elements, 4 bytes) one load: slot 16 mma + 8 h + 2 t + e of a 32-element
-    chunk reads element 8 t + 4 mma + 2 h + e."""
-    j = tl.arange(0, BLOCK_K)
-    r = j % 32
-    offs = (j - r) + 8 * ((r // 2) % 4) + 4 * (r // 16) + 2 * ((r // 8) % 2) + r % 2
-    return tl.max_contiguous(tl.multiple_of(offs, 2), 2)
-
-
 @triton.jit
 def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLIT,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr, SPLITS: tl.constexpr,
-                 SKINNY_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr, SPLITS: tl.constexpr):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (offs_m % M).to(tl.int64)  # clamped: loads need no row / column masks
     cols = (offs_n % N).to(tl.int64)
-    if SKINNY_K == GATHERED_K:  # the skinny order gathered from memory
-        offs_k = _skinny_offsets(BLOCK_K)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)
     x_base = X + rows[:, None] * stride_xm + offs_k[None, :]
     w_base = W + cols[None, :] * stride_wn + offs_k[:, None]
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -134,9 +80,6 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLI
             else:  # masked K tail (one split): zeros add nothing to the chain
                 x = tl.load(x_base + k0, mask=(k0 + offs_k)[None, :] < K, other=0.0)
                 w = tl.load(w_base + k0, mask=(k0 + offs_k)[:, None] < K, other=0.0)
-            if SKINNY_K == PERMUTED_K:  # loaded in K order, the skinny order made in registers
-                x = _skinny_perm_x(x, BLOCK_M, BLOCK_K)
-                w = _skinny_perm_w(w, BLOCK_K, BLOCK_N)
             acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
         total += acc
     if HAS_BIAS:
@@ -182,45 +125,33 @@ def config_for(dtype: torch.dtype, device: torch.device, n: int = 0, k: int = 0,
     return [c for lo, c in configs_for(n, k) if lo <= m][-1]
 
 
-def skinny_order(x: torch.Tensor) -> bool:
-    """Whether `gemm` takes the skinny kernel's order by default: 16-bit on the GPU (the skinny
+def skinny_splits(x: torch.Tensor) -> bool:
+    """Whether `gemm` sums in the skinny kernel's splits by default: 16-bit on the GPU (the skinny
     kernel's dtypes; fp32 runs ieee dots on FMA units, and the CPU interpreter needs no match)."""
     return x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16)
 
 
-def _k_mode(skinny_k: bool, gather: bool) -> int:
-    return (GATHERED_K if gather else PERMUTED_K).value if skinny_k else PLAIN_K.value
-
-
 def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: Config | None = None, *, splits: int | None = None, skinny_k: bool | None = None,
-         gather: bool | None = None) -> torch.Tensor:
+         config: Config | None = None, *, splits: int | None = None) -> torch.Tensor:
     """x [M, K] (unit column stride) @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
-    splits / skinny_k default to the skinny kernel's order where skinny_order(x) (splits_for),
-    else one split in plain K order; tests set them on the CPU. gather: how the skinny order is
-    made (SKINNY_GATHER when None); the bits are the same either way."""
+    splits defaults to splits_for(K) where skinny_splits(x), else 1; tests set it on the CPU."""
     m, k = x.shape
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     bm, bn, bk, warps, stages = config or config_for(x.dtype, x.device, n, k, m)
-    if skinny_k is None:
-        skinny_k = skinny_order(x)
     if splits is None:
-        splits = splits_for(k) if skinny_k else 1
+        splits = splits_for(k) if skinny_splits(x) else 1
     k_split = -(-k // splits)
     if splits > 1 and (k % splits or k_split % bk or k_split % SPLIT_ALIGN and x.device.type == "cuda"):
         raise ValueError(f"batch-invariant GEMM: K {k} in {splits} splits needs splits of a multiple of "
                          f"BLOCK_K {bk}" + (f" and of {SPLIT_ALIGN}" if x.device.type == "cuda" else ""))
-    if skinny_k and bk % 32:
-        raise ValueError(f"batch-invariant GEMM: the skinny K order needs BLOCK_K a multiple of 32, got {bk}")
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bm),)
     _gemm_kernel[grid](
         x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_split,
         HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M,
         DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SPLITS=splits,
-        SKINNY_K=_k_mode(skinny_k, SKINNY_GATHER if gather is None else gather),
         num_warps=warps, num_stages=stages,
     )
     return y

@@ -228,75 +228,30 @@ def test_gemm_config_table_is_by_shape_and_checked(tmp_path, monkeypatch) -> Non
     assert shipped[0][0] == 1
 
 
-def test_skinny_k_order_is_the_skinny_kernels_mma_slots() -> None:
-    """The Triton GEMM's K order for 16-bit weights is the skinny kernel's: derived here from
-    csrc/skinny_weights.cuh's Bf16W::mma call, independently of skinny_k_order's arithmetic.
-    Thread t of a quad loads elements [8t, 8t + 8) of a 32-element chunk (one 16-byte load,
-    four 32-bit registers of two elements); registers 0 and 1 feed the chunk's first MMA,
-    registers 2 and 3 its second, each as the fragment's k pairs (2t, 2t + 1) and (2t + 8, 2t + 9)."""
-    from minisgl.kernels.batch_invariant_gemm import skinny_k_order
-
-    expected = [0] * 64
-    for chunk in range(2):
-        for t in range(4):
-            for reg in range(4):  # uint4 component x, y, z, w
-                mma, pair = divmod(reg, 2)  # x, y -> first MMA (a0/b0, a2/b1); z, w -> second
-                slot0 = 2 * t + 8 * pair
-                for e in range(2):
-                    expected[32 * chunk + 16 * mma + slot0 + e] = 32 * chunk + 8 * t + 2 * reg + e
-    assert skinny_k_order(64) == expected
-    assert sorted(skinny_k_order(128)) == list(range(128))
-
-
-@pytest.mark.triton
-def test_skinny_order_in_the_kernel_matches_python() -> None:
-    """The kernel's in-register permutations (x tiles along their rows, w tiles along their
-    columns) move each K offset where skinny_k_order says, and the gathering variant loads
-    those offsets."""
-    from skinny_order_probe import skinny_order_probe
-
-    from minisgl.kernels.batch_invariant_gemm import skinny_k_order
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    out_x = torch.full((16, 128), -1, dtype=torch.int32, device=dev)
-    out_w = torch.full((128, 16), -1, dtype=torch.int32, device=dev)
-    out_g = torch.full((128,), -1, dtype=torch.int32, device=dev)
-    skinny_order_probe[(1,)](out_x, out_w, out_g, ROWS=16, BLOCK_K=128)
-    order = torch.tensor(skinny_k_order(128), dtype=torch.int32)
-    assert torch.equal(out_x.cpu(), order.expand(16, 128))
-    assert torch.equal(out_w.cpu(), order[:, None].expand(128, 16))
-    assert torch.equal(out_g.cpu(), order)
-
-
 @pytest.mark.triton
 @pytest.mark.parametrize("splits", [1, 2, 4])
-def test_batch_invariant_gemm_in_the_skinny_order_and_splits(splits: int) -> None:
-    """The skinny order with K in fixed splits: right values (a wrong permutation of x against W
-    would not be), rows unchanged by M (probe rows keep their places: the interpreter's matmul
-    rounds by a row's place in the tile), and splits that do not cut K into whole BLOCK_K
-    steps refused by name."""
+def test_batch_invariant_gemm_in_the_skinny_splits(splits: int) -> None:
+    """K in fixed splits (the skinny kernel's warps): right values, rows unchanged by M (probe rows
+    keep their places: the interpreter's matmul rounds by a row's place in the tile), and splits
+    that do not cut K into whole BLOCK_K steps refused by name."""
     from minisgl.kernels.batch_invariant_gemm import INTERPRETER_CONFIG, gemm, gemm_reference
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(1)
-    k, n = 512, 24  # 4 splits of 128 (the GPU's split alignment); a skinny-order step needs BLOCK_K 32
-    config = INTERPRETER_CONFIG[:2] + (32,) + INTERPRETER_CONFIG[3:]
+    k, n = 512, 24  # 4 splits of 128 (the GPU's split alignment)
     w = torch.randn(n, k, generator=g).to(dev)
     bias = torch.randn(n, generator=g).to(dev)
     probe = torch.randn(5, k, generator=g).to(dev)
-    first = gemm(probe, w, bias, config, splits=splits, skinny_k=True)
+    first = gemm(probe, w, bias, INTERPRETER_CONFIG, splits=splits)
     torch.testing.assert_close(first, gemm_reference(probe, w, bias), atol=1e-4, rtol=1e-4)
-    # the plain K order sums in another order (so the equalities below are not trivially true)
-    assert not torch.equal(gemm(probe, w, bias, config, splits=splits, skinny_k=False), first)
+    if splits > 1:  # the splits sum in another order than one chain (so the equalities below are not trivial)
+        assert not torch.equal(gemm(probe, w, bias, INTERPRETER_CONFIG, splits=1), first)
     for m in (17, 37):
         others = torch.randn(m - 5, k, generator=g).to(dev)
-        for gather in (False, True):  # the two ways of making the order dot the same tiles
-            got = gemm(torch.cat([probe, others]), w, bias, config, splits=splits, skinny_k=True, gather=gather)
-            assert torch.equal(got[:5], first), f"M={m}, {splits} splits, gather {gather}: rows differ from M=5's"
+        got = gemm(torch.cat([probe, others]), w, bias, INTERPRETER_CONFIG, splits=splits)
+        assert torch.equal(got[:5], first), f"M={m}, {splits} splits: rows differ from M=5's"
     with pytest.raises(ValueError, match="BLOCK_K"):
-        gemm(probe, w, bias, config, splits=3, skinny_k=True)
-    with pytest.raises(ValueError, match="multiple of 32"):
-        gemm(probe, w, bias, INTERPRETER_CONFIG, splits=1, skinny_k=True)
+        gemm(probe, w, bias, (16, 16, 256, 1, 1), splits=4)
 
 
 def test_deterministic_splits_are_fixed_by_k() -> None:

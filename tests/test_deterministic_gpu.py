@@ -51,13 +51,14 @@ def test_gemm_rows_invariant_up_to_8192(n: int, k: int) -> None:
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336), (1024, 2048), (1000, 1000)])
 def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
     """Deterministic mode's two GEMM kernels give a row the same bits: rows at M <= 32 through
-    ops.linear (the skinny kernel, the shape's fixed splits as one block's warps) and through each
-    skinny tile directly, both as warp ranges and as one-warp blocks split-K, equal the same rows
-    of the batch-invariant Triton GEMM at M = 300, with and without SiLU-and-mul. (1000, 1000):
-    one split, a masked K tail, a bias."""
+    ops.linear (the skinny kernel's deterministic loader, the shape's fixed splits as one block's
+    warps) equal the same rows of the batch-invariant Triton GEMM at M = 300, with and without
+    SiLU-and-mul. The default loader in the same splits (one-warp blocks, split-K) sums other
+    products per k16 step, so it must differ (the equality is not trivial); warp ranges on another
+    tile are refused by name. (1000, 1000): one split, a masked K tail, a bias."""
     from minisgl.kernels.batch_invariant_gemm import gemm, splits_for
     from minisgl.ops.gemm import dispatch
-    from minisgl.ops.gemm.skinny import SkinnyConfig, launch, tile_shapes
+    from minisgl.ops.gemm.skinny import DETERMINISTIC_TILE, SkinnyConfig, launch, tile_shapes
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(5)
@@ -78,16 +79,44 @@ def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
             got = ops.linear(x[:m], w, bias)
             assert torch.equal(got, ref[:m]), f"M={m}: {(got != ref[:m]).sum().item()} elements differ"
             assert torch.equal(ops.linear(x[:m], w, bias, silu=True), ref_silu[:m]), f"M={m} with SiLU"
-        for tile, (_, _, max_m) in enumerate(tile_shapes()):
-            m = min(max_m, 32)
-            y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
-            s = splits_for(k)
-            for cfg, ranges in ((SkinnyConfig(tile, 1, s), False), (SkinnyConfig(tile, s, 1), True)):
-                y.fill_(float("nan"))
-                launch(x[:m], w, bias, y, False, cfg, warp_ranges=ranges)
-                assert torch.equal(y, ref[:m]), f"tile {tile}, {cfg}: {(y != ref[:m]).sum().item()} elements differ"
+        s = splits_for(k)
+        y = torch.full((32, n), float("nan"), device=dev, dtype=torch.bfloat16)
+        launch(x[:32], w, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, 1, s))  # the default loader
+        assert not torch.equal(y, ref[:32]), "the default loader's k16 steps gave the plain order's bits"
+        for tile in range(len(tile_shapes())):
+            if tile != DETERMINISTIC_TILE:
+                with pytest.raises(ValueError, match="warp_ranges takes tile"):
+                    launch(x[:32], w, bias, y, False, SkinnyConfig(tile, s, 1), warp_ranges=True)
     finally:
         ops.set_deterministic(dev, False)
+
+
+def test_k16_step_depends_only_on_its_products() -> None:
+    """What the two GEMM kernels' equality rests on (kernels/batch_invariant_gemm.py): a tensor-core
+    k16 step's result depends on which 16 products it holds, not on their k slots. The Triton GEMM
+    (every candidate tile: wgmma and mma.sync) on x, W with K shuffled inside every 16-element group
+    gives the unshuffled bits; moving one element across groups must change them (the test can fail).
+    Data spans 2^-8..2^8 so that the steps' alignment and rounding are exercised."""
+    from minisgl.kernels.batch_invariant_gemm import CANDIDATES, gemm
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(11)
+    m, n, k = 128, 256, 1024
+
+    def spread(*shape: int) -> torch.Tensor:
+        e = torch.randint(-8, 9, shape, device=dev, generator=g).float()
+        return (torch.randn(*shape, device=dev, generator=g) * torch.exp2(e)).bfloat16()
+
+    x, w = spread(m, k), spread(n, k)
+    groups = 16 * torch.arange(k // 16, device=dev)[:, None]
+    inside = torch.rand(k // 16, 16, device=dev, generator=g).argsort(1) + groups
+    across = torch.arange(k, device=dev).view(-1, 16).clone()
+    across[0::2, 3], across[1::2, 3] = across[1::2, 3].clone(), across[0::2, 3].clone()
+    for cfg in CANDIDATES:
+        base = gemm(x, w, None, cfg, splits=1)
+        for perm, same in ((inside.view(-1), True), (across.view(-1), False)):
+            got = gemm(x[:, perm].contiguous(), w[:, perm].contiguous(), None, cfg, splits=1)
+            assert torch.equal(got, base) == same, f"{cfg}: {(got != base).sum().item()} of {m * n} differ"
 
 
 def test_gemm_table_entries_share_bits() -> None:

@@ -31,6 +31,7 @@ from minisgl.ops.gemm.fp8 import fp8_gemm
 from minisgl.ops.gemm.reference import fp8_linear_reference, int4_linear_reference, mxfp4_linear_reference
 from minisgl.ops.gemm.skinny import (
     DENSE,
+    DETERMINISTIC_TILE,
     FP8_FORMAT,
     MAX_M,
     SkinnyConfig,
@@ -45,14 +46,12 @@ from minisgl.ops.gemm.table import CUBLAS, INT4, MXFP4, GemmShape, GemmTable, pa
 FORMATS = (DENSE, FP8_FORMAT, INT4, MXFP4)
 _tables: dict[int, GemmTable] = {}
 # Deterministic mode (issue 39): a 16-bit GEMM of up to DETERMINISTIC_SKINNY_M rows runs the skinny
-# kernel in the order the batch-invariant Triton GEMM reproduces for larger M: the shape's fixed
-# splits (kernels/batch_invariant_gemm.splits_for) as the warps of one block, each warp a
-# contiguous split (warp_ranges), summed in warp order as split-K sums splits; one split, so no
-# split-K counters. Any tile gives the same bits that way (where its rows fit: tile 3 takes 16):
-# DETERMINISTIC_TILE, which takes 32, is the speed choice. 0 rows sends every M to the Triton
+# kernel in the order the batch-invariant Triton GEMM takes for every M: the shape's fixed splits
+# (kernels/batch_invariant_gemm.splits_for) as the warps of one block, each warp a contiguous
+# split in contiguous k16 steps (warp_ranges, skinny.DETERMINISTIC_TILE: the one tile built so),
+# summed in warp order; one split, so no split-K counters. 0 rows sends every M to the Triton
 # GEMM (the GPU test compares the two).
 DETERMINISTIC_SKINNY_M = MAX_M
-DETERMINISTIC_TILE = 1
 
 
 def skinny_enabled(device: torch.device) -> bool:

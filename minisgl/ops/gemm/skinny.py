@@ -33,6 +33,9 @@ MAX_WARPS = 8
 # (the conservative figure: in the model most GEMMs follow a kernel that is not ours).
 PDL = True
 MAX_SPLITS = 64
+# The one tile built with deterministic mode's loader (warp_ranges: csrc/skinny_gemm.cu
+# Tiles<Bf16DetW>, whose MMAs take K in contiguous 16-element steps); rt 1, u 4, up to 32 rows.
+DETERMINISTIC_TILE = 1
 _KERNEL_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Split-K counters, one per row tile of a launch (zero between launches: the kernel's last
@@ -286,13 +289,15 @@ def launch(
 ) -> None:
     """The launch alone, for callers that checked the arguments (the dispatch): a 16-bit weight,
     or with `scale` an FP8 one. The split-K workspace and counters are the same for both.
-    warp_ranges (16-bit, one split, deterministic mode): each warp sums a contiguous share of the
-    block's K range, so a block of w warps gives the bits of w one-warp splits (the share must be
-    whole warp groups of the tile's U x 32 elements; the launch refuses it otherwise)."""
+    warp_ranges (16-bit, tile DETERMINISTIC_TILE, one split: deterministic mode): each warp sums a
+    contiguous share of the block's K range in contiguous k16 steps, so a block of w warps gives
+    the bits of the batch-invariant Triton GEMM in w splits (the share must be whole warp groups
+    of the tile's U x 32 elements; the launch refuses it otherwise)."""
     if warp_ranges and scale is not None:
         raise ValueError("skinny GEMM: warp_ranges is for 16-bit weights only (deterministic mode refuses FP8)")
-    if warp_ranges and cfg.splits != 1:  # with splits it would sum warps within splits: not one chain
-        raise ValueError(f"skinny GEMM: warp_ranges takes one split (the warps are the splits), got {cfg}")
+    if warp_ranges and (cfg.splits != 1 or cfg.tile != DETERMINISTIC_TILE):  # warps within splits: not one chain
+        raise ValueError(f"skinny GEMM: warp_ranges takes tile {DETERMINISTIC_TILE} and one split (the warps are "
+                         f"the splits), got {cfg}")
     fmt = DENSE if scale is None else FP8_FORMAT
     m, k = x.shape
     n_out = out.size(1)
