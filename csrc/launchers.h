@@ -66,6 +66,8 @@ int custom_all_reduce_rmsnorm(void* const* bases, int world, int rank, const voi
 // tiles, chunks per warp group, and the largest m it takes); warps 1..8 per block; num_splits 1..64 K splits,
 // with num_splits > 1 an fp32 workspace and `tiles` zeroed int counters (left zeroed).
 // pdl: launch as a programmatic dependent of the previous kernel on the stream (sm_90+).
+// warp_ranges = 1 (deterministic mode; cfg 1 only, one split): each warp sums a contiguous share of K
+// with the loader whose MMAs take 16 contiguous K elements (skinny_weights.cuh Bf16DetW).
 // fp8 = 1: the FP8-weight kernel's configurations (chunks of 64 K elements instead of 32); 2: the
 // 4-bit kernels' (chunks of 128).
 int skinny_gemm_num_configs(int fp8);

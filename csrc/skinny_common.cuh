@@ -64,10 +64,11 @@ struct Params {
   int64_t q_expert_stride;
   // Deterministic mode (16-bit dense launches only; 0 elsewhere): warp w of a block sums its own
   // contiguous share [w * k_split / warps, (w + 1) * k_split / warps) of the block's K range, one
-  // group after another, instead of every warps-th group. The block's sum over its warps (in warp
-  // order, from zero) is then the same chain as `warps` one-warp splits added in order: the order
-  // the batch-invariant Triton GEMM reproduces (kernels/batch_invariant_gemm.py), at the speed of
-  // a multi-warp block. The host requires k_split to be a whole number of groups per warp.
+  // group after another, instead of every warps-th group; and the launch takes the deterministic
+  // loader (Bf16DetW: each MMA over 16 contiguous K elements). The block's sum over its warps (in
+  // warp order, from zero) is then the batch-invariant Triton GEMM's chain in `warps` splits
+  // (kernels/batch_invariant_gemm.py), at the speed of a multi-warp block. The host requires
+  // k_split to be a whole number of groups per warp.
   int warp_ranges;
 };
 

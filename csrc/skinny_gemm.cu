@@ -28,6 +28,17 @@ template <>
 struct Tiles<skinny::Bf16W> {
   static constexpr TileConfig kList[] = {{1, 2, 4}, {1, 4, 4}, {2, 2, 4}, {2, 4, 2}};
 };
+// Deterministic mode's 16-bit loader (skinny_weights.cuh Bf16DetW, with warp_ranges) is built for one
+// configuration, ops/gemm/skinny.py DETERMINISTIC_TILE; the others have max_mt 0 (instance() returns
+// null, so their launch is refused). The launch sizes it from Bf16W's entry, so the two must agree.
+template <>
+struct Tiles<skinny::Bf16DetW> {
+  static constexpr TileConfig kList[] = {{1, 2, 0}, {1, 4, 4}, {2, 2, 0}, {2, 4, 0}};
+};
+static_assert(Tiles<skinny::Bf16DetW>::kList[1].rt == Tiles<skinny::Bf16W>::kList[1].rt &&
+                  Tiles<skinny::Bf16DetW>::kList[1].u == Tiles<skinny::Bf16W>::kList[1].u &&
+                  Tiles<skinny::Bf16DetW>::kList[1].max_mt == Tiles<skinny::Bf16W>::kList[1].max_mt,
+              "the deterministic tile is Bf16W's configuration 1");
 // FP8 weights (skinny_weights.cuh Fp8W): U counts 64-element chunks (16 e4m3 per 16-byte load) and is
 // even (whole 128-K scale spans); max_mt where a group's registers (W 16 * RT * U + x 16 * MT * U
 // bytes per thread, twice for the pipeline) stay near the bf16 tiles'.
@@ -37,12 +48,6 @@ struct Tiles<skinny::Fp8W> {
 };
 // 4-bit weights (Int4W / Mxfp4W, one table): U counts 128-element chunks (32 nibbles per 16-byte
 // load); x takes 4 pieces per chunk, so max_mt is lower than the 16-bit tiles' for the same U.
-// Deterministic mode launches one configuration (ops/gemm/dispatch.py DETERMINISTIC_TILE, 1 = rt 1,
-// u 4); the others are not built (max_mt 0: instance() returns null, the launch is refused).
-template <>
-struct Tiles<skinny::Bf16DetW> {
-  static constexpr TileConfig kList[] = {{1, 2, 0}, {1, 4, 4}, {2, 2, 0}, {2, 4, 0}};
-};
 template <>
 struct Tiles<skinny::Int4W> {
   static constexpr TileConfig kList[] = {{1, 1, 4}, {2, 1, 4}, {1, 2, 2}, {2, 2, 1}};

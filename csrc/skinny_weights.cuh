@@ -4,8 +4,8 @@
 //   kChannelScale (the epilogue applies p.scale per row: FP8 per-channel),
 //   Rows<RT> (this thread's W row pointers), Regs<RT, U> (a warp group's W registers),
 //   set_row, load_w (a warp group of W and its scales), mma (the group's MMAs).
-// The MMA fragment mapping is the same for all: thread q of a quad holds kPerThread contiguous
-// K elements; MMA i takes elements 4i..4i+3 as the fragment's k pairs {2q, 2q+1, 2q+8, 2q+9}
+// The MMA fragment mapping is the same for all but Bf16DetW (below): thread q of a quad holds
+// kPerThread contiguous K elements; MMA i takes elements 4i..4i+3 as the fragment's k pairs {2q, 2q+1, 2q+8, 2q+9}
 // (K is a reduction: W and x permuted alike), so 16-bit pair p of a thread is its elements
 // 2p, 2p + 1, and MMA i reads W pairs 2i, 2i + 1 of the lo and hi rows and x piece i / 2
 // (INT4 pairs nibbles j and j + 4 of a word instead, and permutes x's pairs to match: Int4W).

@@ -16,19 +16,19 @@ compiled kernel for every M. An entry may list several configs by M only where t
 (tests/test_deterministic_gpu.py) shows those configs give identical bits;
 benchmarks/determinism.py measures the candidates and proposes the table.
 
-16-bit weights on the GPU take the skinny kernel's order (issue 39), so that up to 32 rows the
-skinny CUDA kernel (ops/gemm/skinny.py, the splits as one block's warps, each warp a contiguous
-split) gives the same bits and batch 1 runs at its speed:
+16-bit weights on the GPU sum in the skinny kernel's deterministic order (issue 39), so that up
+to 32 rows the skinny CUDA kernel (ops/gemm/skinny.py, the splits as one block's warps, each warp
+a contiguous split) gives the same bits and batch 1 runs at its speed:
 - K is cut into `splits_for(K)` splits at fixed positions (a multiple of 128 elements each,
   the same for every M); each split's chain starts from zero and the splits are added in order
   to a zero total, as the skinny kernel's warp reduction adds them.
 - Inside a split the dot takes K in plain order: every tensor-core k16 step holds the products
   of 16 contiguous K elements, and so does each MMA of the skinny kernel's deterministic loader
-  (csrc/skinny_weights.cuh Bf16DetW, two 8-byte pieces per thread). On sm_90 a k16 step's result
-  depends only on which products it holds, not on their k slots (mma.sync and wgmma alike, and
-  the steps chain in K order in both), which the GPU test checks
-  (tests/test_deterministic_gpu.py: the slot test, and rows at M 1-32 through the skinny kernel
-  against the same rows at larger M through this one).
+  (csrc/skinny_weights.cuh Bf16DetW: one 16-byte load per thread, halves swapped between quad
+  partners by two shuffles). On sm_90 a k16 step's result depends only on which products it
+  holds, not on their k slots (mma.sync and wgmma alike, and the steps chain in K order in
+  both), which the GPU test checks (tests/test_deterministic_gpu.py: the slot test, and rows at
+  M 1-32 through the skinny kernel against the same rows at larger M through this one).
 """
 
 from __future__ import annotations

@@ -250,7 +250,9 @@ def test_batch_invariant_gemm_in_the_skinny_splits(splits: int) -> None:
         others = torch.randn(m - 5, k, generator=g).to(dev)
         got = gemm(torch.cat([probe, others]), w, bias, INTERPRETER_CONFIG, splits=splits)
         assert torch.equal(got[:5], first), f"M={m}, {splits} splits: rows differ from M=5's"
-    with pytest.raises(ValueError, match="BLOCK_K"):
+    with pytest.raises(ValueError, match="BLOCK_K"):  # K does not cut into 3 equal splits
+        gemm(probe, w, bias, INTERPRETER_CONFIG, splits=3)
+    with pytest.raises(ValueError, match="BLOCK_K"):  # splits of 128 are not whole BLOCK_K 256 steps
         gemm(probe, w, bias, (16, 16, 256, 1, 1), splits=4)
 
 
