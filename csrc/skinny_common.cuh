@@ -107,10 +107,6 @@ __device__ __forceinline__ uint4 load_x(const void* ptr, bool pred) {
   return v;
 }
 
-// Deterministic mode's 16-bit loader (Bf16DetW, skinny_weights.cuh): where thread q of a quad loads
-// its 8 elements of a 32-element chunk (W's and x's alike).
-__device__ __forceinline__ int det_load_offset(int quad) { return 8 * (((quad & 1) << 1) | (quad >> 1)); }
-
 __device__ __forceinline__ float2 load_f2_l2(const float2* ptr) {
   float2 v;
   asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(ptr));

@@ -195,18 +195,12 @@ __device__ __forceinline__ void load_group_x(Group<W, MT, RT, U>& grp, const XRo
                                              int quad) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    if constexpr (W::kTwoPieces) {  // Bf16DetW: thread q's load at det_load_offset(q), pieces swapped at MMA time
-      const int kk = k0 + u * W::kChunk + det_load_offset(quad);
+    const int kk = k0 + u * W::kChunk + W::piece(quad);
 #pragma unroll
-      for (int t = 0; t < MT; ++t) grp.x[t][u][0] = load_x(xr.x[t] + kk, kk < k_end && xr.ok[t]);
-    } else {
-      const int kk = k0 + u * W::kChunk + W::kPerThread * quad;
+    for (int t = 0; t < MT; ++t) {
+      const bool ok = kk < k_end && xr.ok[t];
 #pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        const bool ok = kk < k_end && xr.ok[t];
-#pragma unroll
-        for (int j = 0; j < W::kPerThread / 8; ++j) grp.x[t][u][j] = load_x(xr.x[t] + kk + 8 * j, ok);
-      }
+      for (int j = 0; j < W::kPerThread / 8; ++j) grp.x[t][u][j] = load_x(xr.x[t] + kk + 8 * j, ok);
     }
   }
 }

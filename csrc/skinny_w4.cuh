@@ -91,7 +91,7 @@ struct W4Base {
   static constexpr int kPerThread = 32, kChunk = 128;
   static constexpr int kPerElem = 2 * sizeof(Elem);  // K elements per Elem: 8 per int32, 2 per byte
   static constexpr bool kChannelScale = false;
-  static constexpr bool kTwoPieces = false;
+  static __device__ __forceinline__ int piece(int quad) { return kPerThread * quad; }
   template <int RT>
   struct Rows : WRows<Elem, RT> {
     int64_t s_lo[RT], s_hi[RT];  // this row's first scale (element offset into qscale / qzero)
@@ -118,7 +118,7 @@ struct W4Base {
     constexpr int U = sizeof(g.lo[0]) / sizeof(uint4);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int kk = k0 + u * kChunk + kPerThread * quad;
+      const int kk = k0 + u * kChunk + piece(quad);
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
         const bool lo_ok = kk < k_end && rows.lo_ok[r], hi_ok = kk < k_end && rows.hi_ok[r];

@@ -3,6 +3,7 @@
 //   T, kPerThread (K elements per thread per 16-byte W load), kChunk = 4 * kPerThread,
 //   kChannelScale (the epilogue applies p.scale per row: FP8 per-channel),
 //   Rows<RT> (this thread's W row pointers), Regs<RT, U> (a warp group's W registers),
+//   piece(quad) (where thread q's kPerThread elements of a chunk start, W's and x's alike),
 //   set_row, load_w (a warp group of W and its scales), mma (the group's MMAs).
 // The MMA fragment mapping is the same for all but Bf16DetW (below): thread q of a quad holds
 // kPerThread contiguous K elements; MMA i takes elements 4i..4i+3 as the fragment's k pairs {2q, 2q+1, 2q+8, 2q+9}
@@ -39,13 +40,13 @@ struct WRows {
 };
 
 // A warp group's W loads of the 16-bit and FP8 loaders: U chunks of RT row tiles, one 16-byte
-// load of kPerThread elements per (chunk, row) and thread.
-template <int kChunk, int kPerThread, typename Elem, int RT, int U>
+// load per (chunk, row) and thread, at `piece` (the loader's piece(quad)) into each chunk.
+template <int kChunk, typename Elem, int RT, int U>
 __device__ __forceinline__ void load_rows(uint4 (&lo)[RT][U], uint4 (&hi)[RT][U], const WRows<Elem, RT>& rows, int k0,
-                                          int k_end, int quad) {
+                                          int k_end, int piece) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int kk = k0 + u * kChunk + kPerThread * quad;
+    const int kk = k0 + u * kChunk + piece;
 #pragma unroll
     for (int r = 0; r < RT; ++r) {
       lo[r][u] = skinny::load_w(rows.lo[r] + kk, kk < k_end && rows.lo_ok[r]);
@@ -60,7 +61,7 @@ struct Bf16W {
   using T = TT;
   static constexpr int kPerThread = 8, kChunk = 32;
   static constexpr bool kChannelScale = false;
-  static constexpr bool kTwoPieces = false;  // Bf16DetW's loads (x's too: load_group_x)
+  static __device__ __forceinline__ int piece(int quad) { return kPerThread * quad; }
   template <int RT>
   using Rows = WRows<T, RT>;
   template <int RT, int U>
@@ -82,7 +83,7 @@ struct Bf16W {
   template <int RT, int U>
   static __device__ __forceinline__ void load_w(Regs<RT, U>& g, const Rows<RT>& rows, const Params&, int k0, int k_end,
                                                 int quad) {
-    load_rows<kChunk, kPerThread>(g.lo, g.hi, rows, k0, k_end, quad);
+    load_rows<kChunk>(g.lo, g.hi, rows, k0, k_end, piece(quad));
   }
 
   template <int MT, int RT, int U>
@@ -111,7 +112,7 @@ struct Bf16W {
 // (mma.sync and wgmma alike; tests/test_deterministic_gpu.py checks it), so the two kernels give
 // the same bits. For that thread q must feed elements [4q, 4q + 4) and [16 + 4q, 20 + 4q) (x's
 // alike). Loads stay 16-byte (two 8-byte ones made the mode's batch-1 decode 20% slower, seventeenth
-// session): thread q loads 8 elements at det_load_offset(q), [0, 8), [16, 24), [8, 16), [24, 32) for
+// session): thread q loads 8 elements at piece(q), [0, 8), [16, 24), [8, 16), [24, 32) for
 // q = 0..3, and at MMA time the threads of a pair (q, q ^ 1) swap halves with two shuffles: the
 // even one keeps its low half and takes its partner's low half; the odd one takes its partner's
 // high half and keeps its own.
@@ -123,26 +124,16 @@ __device__ __forceinline__ uint4 det_pieces(uint4 v, bool odd) {
 
 template <typename TT>
 struct Bf16DetW : Bf16W<TT> {
-  using T = TT;
-  static constexpr bool kTwoPieces = true;
   template <int RT>
-  using Rows = WRows<T, RT>;
+  using Rows = WRows<TT, RT>;
   template <int RT, int U>
   using Regs = typename Bf16W<TT>::template Regs<RT, U>;
+  static __device__ __forceinline__ int piece(int quad) { return 8 * (((quad & 1) << 1) | (quad >> 1)); }
 
   template <int RT, int U>
   static __device__ __forceinline__ void load_w(Regs<RT, U>& g, const Rows<RT>& rows, const Params&, int k0, int k_end,
                                                 int quad) {
-    const int off = det_load_offset(quad);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int kk = k0 + u * Bf16W<TT>::kChunk + off;
-#pragma unroll
-      for (int r = 0; r < RT; ++r) {
-        g.lo[r][u] = skinny::load_w(rows.lo[r] + kk, kk < k_end && rows.lo_ok[r]);
-        g.hi[r][u] = skinny::load_w(rows.hi[r] + kk, kk < k_end && rows.hi_ok[r]);
-      }
-    }
+    load_rows<Bf16W<TT>::kChunk>(g.lo, g.hi, rows, k0, k_end, piece(quad));
   }
 
   // The pieces exchanged here, not at the loads: a shuffle waits for its load's data, and the
@@ -175,7 +166,7 @@ struct Fp8W {
   using T = TT;
   static constexpr int kPerThread = 16, kChunk = 64, kSpan = 128;
   static constexpr bool kChannelScale = true;
-  static constexpr bool kTwoPieces = false;
+  static __device__ __forceinline__ int piece(int quad) { return kPerThread * quad; }
   template <int RT>
   struct Rows : WRows<uint8_t, RT> {
     const float* s_lo[RT];  // this row's scales (row 0's for rows past the end)
@@ -199,7 +190,7 @@ struct Fp8W {
   static __device__ __forceinline__ void load_w(Regs<RT, U>& g, const Rows<RT>& rows, const Params& p, int k0,
                                                 int k_end, int quad) {
     static_assert(U % 2 == 0, "a warp group must be whole 128-K spans");
-    load_rows<kChunk, kPerThread>(g.lo, g.hi, rows, k0, k_end, quad);
+    load_rows<kChunk>(g.lo, g.hi, rows, k0, k_end, piece(quad));
     const int block_scales = p.block_scales;
 #pragma unroll
     for (int j = 0; j < U / 2; ++j) {

@@ -66,6 +66,8 @@ def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
     bias = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g) if n == 1000 else None
     x = torch.randn(300, k, device=dev, dtype=torch.bfloat16, generator=g)
     ref = gemm(x, w, bias)
+    torch.testing.assert_close(ref.float(), x.float() @ w.float().T + (bias.float() if bias is not None else 0),
+                               atol=0.05, rtol=0.02)  # the reference rows themselves, against fp32 torch
     launched = []  # the skinny launches ops.linear makes (so the rows below are the skinny kernel's)
     spy = lambda *a, **kw: (launched.append(kw.get("warp_ranges")), launch(*a, **kw))  # noqa: E731
     ops.set_deterministic(dev, True)
