@@ -71,15 +71,21 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLI
     x_base = X + rows[:, None] * stride_xm + offs_k[None, :]
     w_base = W + cols[None, :] * stride_wn + offs_k[:, None]
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for s in range(SPLITS):  # each split's chain from zero, added in split order (the skinny kernel's)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(s * K_SPLIT, tl.minimum(K, (s + 1) * K_SPLIT), BLOCK_K):
-            if EVEN_K:
-                x = tl.load(x_base + k0)
-                w = tl.load(w_base + k0)
-            else:  # masked K tail (one split): zeros add nothing to the chain
-                x = tl.load(x_base + k0, mask=(k0 + offs_k)[None, :] < K, other=0.0)
-                w = tl.load(w_base + k0, mask=(k0 + offs_k)[:, None] < K, other=0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if EVEN_K:  # whole BLOCK_K steps in every split: one flat loop, so the loads stay pipelined across splits
+        steps = K_SPLIT // BLOCK_K
+        for i in range(0, SPLITS * steps):
+            x = tl.load(x_base + i * BLOCK_K)
+            w = tl.load(w_base + i * BLOCK_K)
+            acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
+            if (i + 1) % steps == 0:  # a split ends: its chain joins the total (in split order), the next starts at 0
+                total += acc
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:  # masked K tail (one split): zeros add nothing to the chain
+        tl.static_assert(SPLITS == 1)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_base + k0, mask=(k0 + offs_k)[None, :] < K, other=0.0)
+            w = tl.load(w_base + k0, mask=(k0 + offs_k)[:, None] < K, other=0.0)
             acc = tl.dot(x, w, acc, input_precision=DOT_PREC)
         total += acc
     if HAS_BIAS:
