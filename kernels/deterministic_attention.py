@@ -35,13 +35,13 @@ from minisgl.kernels.extend_attention import default_config, fold_split, launch
 DETERMINISTIC_CONFIGS: list[tuple[int, int, int, int]] = [
     (64, 64, 4, 2), (32, 64, 4, 2), (16, 64, 4, 2), (64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 3),
 ]
-SPLIT = 256  # keys per split on the GPU (a multiple of every candidate's BLOCK_N)
+SPLIT = 128  # keys per split on the GPU (a multiple of every candidate's BLOCK_N)
 INTERPRETER_SPLIT = 64  # small, so CPU tests fold several splits
 SPLIT_DECODE_PROGRAMS = 1024  # about this many programs share a split decode's splits
 # Decode steps run the splits in parallel (faster than one program walking a request's keys at
 # every batch measured, 1 to 256, H200) unless the fp32 partials' workspace, sized by the step's
 # max_seq_len bound (a CUDA graph's: the context length), would pass this.
-SPLIT_DECODE_WORKSPACE_BYTES = 256 << 20
+SPLIT_DECODE_WORKSPACE_BYTES = 512 << 20
 
 
 def heads_per_tile(group: int, block_m: int) -> int:
