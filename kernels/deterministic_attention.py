@@ -7,8 +7,8 @@ grouped in splits of SPLIT keys (also at fixed positions), each split from a fre
 state, and the splits folded in order by `fold_split`. What a query's row computes therefore
 depends only on its own q and keys, never on the batch, the tile it sits in, or the launch.
 
-A decode step at small batch (one program per head group and request would walk all of a
-long context alone) runs the same splits in parallel instead: the extend kernel in PARTIAL
+A decode step (one program per head group and request would walk all of a long context alone)
+runs the same splits in parallel instead, up to a workspace bound: the extend kernel in PARTIAL
 mode writes each split's (acc, m, l) to a workspace, and `_combine_kernel` folds them in the
 same order with the same `fold_split` (explicit FMAs, so no compiler contraction choice can
 differ): the same bits as the sequential fold (tests/test_deterministic_gpu.py). The number
@@ -27,13 +27,21 @@ from minisgl.kernels.extend_attention import default_config, fold_split, launch
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for every step of the mode. Any fixed choice is
 # batch-invariant (one compiled kernel for every step); the choice is speed only:
 # benchmarks/determinism.py --only attention times these; the first is the one in use.
+# Why one config for prefill and decode alike (H200, eighteenth session): two configs give a row
+# the same bits only when their compiled QK^T MMA layouts split a row's keys over the same number
+# of warps (wgmma at 64 rows and 4 warps: none; mma.sync at 16 rows and 4 warps: four), and which
+# layout Triton picks depends on the head dim too (at head dim 32, (32, 64, 4, 2) splits none, at
+# 128 four). The configs fast at decode split rows, the ones fast at prefill do not.
 DETERMINISTIC_CONFIGS: list[tuple[int, int, int, int]] = [
     (64, 64, 4, 2), (32, 64, 4, 2), (16, 64, 4, 2), (64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 3),
 ]
-SPLIT = 256  # keys per split on the GPU (a multiple of every candidate's BLOCK_N)
+SPLIT = 128  # keys per split on the GPU (a multiple of every candidate's BLOCK_N)
 INTERPRETER_SPLIT = 64  # small, so CPU tests fold several splits
-SPLIT_DECODE_MAX_BATCH = 16  # decode steps of at most this many requests run the splits in parallel
 SPLIT_DECODE_PROGRAMS = 1024  # about this many programs share a split decode's splits
+# Decode steps run the splits in parallel (faster than one program walking a request's keys at
+# every batch measured, 1 to 256, H200) unless the fp32 partials' workspace, sized by the step's
+# max_seq_len bound (a CUDA graph's: the context length), would pass this.
+SPLIT_DECODE_WORKSPACE_BYTES = 512 << 20
 
 
 def heads_per_tile(group: int, block_m: int) -> int:
@@ -76,6 +84,16 @@ def _combine_kernel(PartAcc, PartML, Out, SeqLens, v_scale, stride_ot, stride_oh
     out = acc * (v_scale / l_i)[:, None]  # as the extend kernel's last line
     o_ptrs = Out + b.to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d[None, :] < HEAD_DIM)
+
+
+def split_decode_workspace(batch: int, num_q_heads: int, head_dim: int, max_seq_len: int, split: int) -> int:
+    """Bytes of `split_decode`'s fp32 partials (acc, m, l per split) for this decode step."""
+    return batch * num_q_heads * triton.cdiv(max_seq_len, split) * (triton.next_power_of_2(head_dim) + 2) * 4
+
+
+def use_split_decode(batch: int, num_q_heads: int, head_dim: int, max_seq_len: int, split: int) -> bool:
+    """Whether a decode step runs its splits in parallel (the same bits either way)."""
+    return split_decode_workspace(batch, num_q_heads, head_dim, max_seq_len, split) <= SPLIT_DECODE_WORKSPACE_BYTES
 
 
 def split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, req_to_slot: torch.Tensor,

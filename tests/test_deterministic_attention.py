@@ -64,3 +64,15 @@ def test_split_decode_matches_reference_and_sequential_splits() -> None:
     seq = torch.full_like(q, float("nan"))
     ops.extend_attention(**{**c, "q": q}, out=seq, tiles=tiles, deterministic=True)
     torch.testing.assert_close(out[:real], seq[:real], atol=2e-3, rtol=2e-3)
+
+
+def test_split_decode_choice_follows_its_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps run the splits in parallel while the fp32 partials (acc padded to a power of
+    two, then m and l, per request, q head and split of the max_seq_len bound) fit the bound."""
+    per_request = 16 * 160 * (128 + 2) * 4  # Qwen3-0.6B: 16 q heads, head dim 128, 40,960 / 256 splits
+    assert D.split_decode_workspace(1, 16, 128, 40960, 256) == per_request
+    assert D.split_decode_workspace(1, 16, 96, 40705, 256) == 16 * 160 * (128 + 2) * 4  # padded dim, split tail
+    monkeypatch.setattr(D, "SPLIT_DECODE_WORKSPACE_BYTES", 10 * per_request)
+    assert D.use_split_decode(10, 16, 128, 40960, 256)
+    assert not D.use_split_decode(11, 16, 128, 40960, 256)
+    assert D.use_split_decode(11, 16, 128, 4096, 256)  # a shorter bound: fewer splits

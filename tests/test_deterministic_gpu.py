@@ -146,8 +146,8 @@ def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> N
     """Deterministic mode's attention launch (each candidate config, GQA-packed tiles, keys in
     splits of SPLIT): a token's output from a whole prefill equals its output from chunks,
     extends and one-token decodes, in the plain launch and in the tile-map launch the engine
-    uses (graph or eager), alone or beside another request's tiles in the same launch; and a
-    decode's through the parallel splits (split_decode) too."""
+    uses (graph or eager), alone or beside another request's tiles in the same launch; and every
+    token's as a decode step, one program per request and through the parallel splits."""
     from minisgl.kernels.deterministic_attention import SPLIT, heads_per_tile, split_decode
     from minisgl.kernels.extend_attention import extend_attention, tile_map
 
@@ -179,14 +179,19 @@ def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> N
                                heads_per_tile=heads, split=SPLIT)
         return out[: hi - lo]
 
-    def decode(positions: list[int]) -> torch.Tensor:
-        """One token per request (request 0 at each position, then request 1 at 411), split decode."""
+    def decode(positions: list[int], parallel: bool) -> torch.Tensor:
+        """A decode step: one token per request (request 0 at each position, then request 1 at
+        411), one program per request or with the splits in parallel (split_decode)."""
         reqs = [(0, p) for p in positions] + [(1, 411)]
         qs = torch.cat([q[p : p + 1] for p in positions] + [q_other[411:412]])
         rows, pre = i32([r for r, _ in reqs]), i32([p for _, p in reqs])
         cu = i32(list(range(len(reqs) + 1)))
         tiles = i32(tile_map(pre.tolist(), [1] * len(reqs), tokens, len(reqs) + 2)).view(-1, 2)
-        out = split_decode(qs, kc, vc, table, rows, pre, pre + 1, cu, tiles, 2 * n, d**-0.5, config, heads, SPLIT)
+        if parallel:
+            out = split_decode(qs, kc, vc, table, rows, pre, pre + 1, cu, tiles, 2 * n, d**-0.5, config, heads, SPLIT)
+        else:
+            out = extend_attention(qs, kc, vc, table, rows, pre, cu, 1, d**-0.5, config=config, tiles=tiles,
+                                   heads_per_tile=heads, split=SPLIT)
         return out[: len(positions)]
 
     full = ext(0, n, False)
@@ -196,8 +201,10 @@ def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> N
             for other in (None, (0, 130), (411, 412)):  # beside a prefill, beside a decode
                 got = ext(lo, hi, tiled, other)
                 assert torch.equal(got, full[lo:hi]), f"tokens {lo}..{hi}, tiled {tiled}, beside {other}"
-    positions = [0, 255, 256, 300, 511, 512, 699]  # split edges
-    assert torch.equal(decode(positions), full[positions]), "split decode"
+    # Every position as a decode step, both ways (split edges 255/256 and 511/512 among them).
+    positions = list(range(n))
+    assert torch.equal(decode(positions, False), full), "decode step"
+    assert torch.equal(decode(positions, True), full), "split decode"
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1), kc[table[0].long()].float().repeat_interleave(hq // hkv, 1).transpose(0, 1),
         vc[table[0].long()].float().repeat_interleave(hq // hkv, 1).transpose(0, 1), is_causal=True)
