@@ -1,6 +1,6 @@
 """The cost of deterministic mode, on and off in the same run (issue 24). GPU only.
 
-    python benchmarks/determinism.py                       # every table, ~4 min on an H100
+    python benchmarks/determinism.py                       # every table, ~5 min on an H200
     python benchmarks/determinism.py --only gemm attention # some: offline decode moe attention gemm
 
 1. offline: the offline standard workload (benchmarks/offline.py's: 256 requests, Qwen3-0.6B

@@ -183,7 +183,7 @@ def _attention_case(b: int, prefix: int, ext: int, hq: int, hkv: int, configs: l
         cells.append(f"{t:9.1f} ({100 * base / t:4.0f}%)")
         outs.append(extend_attention(q, kc, vc, table, rows, pre, cu, ext, d**-0.5, config=cfg, tiles=tiles,
                                      heads_per_tile=heads, split=SPLIT))
-    if ext == 1:  # the first config's splits in parallel (the engine's path for small decode batches)
+    if ext == 1:  # the first config's splits in parallel (the engine's decode path while its workspace fits)
         cfg = configs[0]
         heads = heads_per_tile(hq // hkv, cfg[0])
         tiles = torch.tensor(tile_map([prefix] * b, [ext] * b, cfg[0] // heads), **i32).view(-1, 2)

@@ -39,9 +39,10 @@ SPLIT = 128  # keys per split on the GPU (a multiple of every candidate's BLOCK_
 INTERPRETER_SPLIT = 64  # small, so CPU tests fold several splits
 SPLIT_DECODE_PROGRAMS = 1024  # about this many programs share a split decode's splits
 # Decode steps run the splits in parallel (faster than one program walking a request's keys at
-# every batch measured, 1 to 256, with 256-key splits; H200, eighteenth session) unless the fp32
-# partials' workspace, sized by the step's max_seq_len bound (a CUDA graph's: the context
-# length), would pass this.
+# every batch measured, 16 to 256, with 256-key splits; H200, eighteenth session; the 128-key
+# splits were measured end to end only) unless the fp32 partials' workspace, sized by the step's
+# max_seq_len bound (a CUDA graph's: the context length), would pass this. The engine keeps it
+# out of the KV budget (ops.deterministic_decode_workspace_bytes).
 SPLIT_DECODE_WORKSPACE_BYTES = 512 << 20
 
 

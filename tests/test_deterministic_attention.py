@@ -29,7 +29,7 @@ def _case(hq: int, hkv: int, prefix: list[int], ext: list[int], pad: int, seed: 
 @pytest.mark.parametrize("tiled", [False, True])
 def test_packed_split_launch_matches_reference(hq: int, hkv: int, tiled: bool) -> None:
     """A tile's rows are tokens x the q heads of one KV group; keys in splits (64 keys in the
-    interpreter, 256 on the GPU; the prefixes scale with it): a decode past 2 splits, a prompt
+    interpreter, 128 on the GPU; the prefixes scale with it): a decode past 2 splits, a prompt
     longer than a tile, a chunk after a prefix; unused rows stay NaN."""
     dev = torch.device(DEV)
     tokens = ops.extend_block_m(64, torch.float16, dev, hq // hkv, deterministic=True)
@@ -69,10 +69,50 @@ def test_split_decode_matches_reference_and_sequential_splits() -> None:
 def test_split_decode_choice_follows_its_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode steps run the splits in parallel while the fp32 partials (acc padded to a power of
     two, then m and l, per request, q head and split of the max_seq_len bound) fit the bound."""
-    per_request = 16 * 160 * (128 + 2) * 4  # Qwen3-0.6B: 16 q heads, head dim 128, 40,960 / 256 splits
-    assert D.split_decode_workspace(1, 16, 128, 40960, 256) == per_request
-    assert D.split_decode_workspace(1, 16, 96, 40705, 256) == 16 * 160 * (128 + 2) * 4  # padded dim, split tail
+    per_request = 16 * 320 * (128 + 2) * 4  # Qwen3-0.6B: 16 q heads, head dim 128, 40,960 / 128 splits
+    assert D.split_decode_workspace(1, 16, 128, 40960, 128) == per_request
+    assert D.split_decode_workspace(1, 16, 96, 40833, 128) == per_request  # padded dim, split tail
     monkeypatch.setattr(D, "SPLIT_DECODE_WORKSPACE_BYTES", 10 * per_request)
-    assert D.use_split_decode(10, 16, 128, 40960, 256)
-    assert not D.use_split_decode(11, 16, 128, 40960, 256)
-    assert D.use_split_decode(11, 16, 128, 4096, 256)  # a shorter bound: fewer splits
+    assert D.use_split_decode(10, 16, 128, 40960, 128)
+    assert not D.use_split_decode(11, 16, 128, 40960, 128)
+    assert D.use_split_decode(11, 16, 128, 4096, 128)  # a shorter bound: fewer splits
+
+
+@needs_triton
+def test_decode_steps_take_the_split_decode_while_its_workspace_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through ops: a decode step calls split_decode, whose fp32 allocations are exactly
+    split_decode_workspace(...) of the step's batch, heads, dim, bound and split; with the bound
+    at exactly that bound it still does, one byte short the same step walks the splits in one
+    program per request."""
+    prefix, ext = [300, 5, 129, 0], [1, 1, 1, 0]
+    c, q, real = _case(8, 2, prefix, ext, 1, seed=13)
+    dev = torch.device(DEV)
+    tokens = ops.extend_block_m(64, torch.float16, dev, 4, deterministic=True)
+    tiles = torch.tensor(ops.extend_tile_map(prefix, ext, tokens, 4), dtype=torch.int32, device=DEV).view(-1, 2)
+    c["cu_seqlens_q"] = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32, device=DEV)
+    calls: list[int] = []
+    fp32_bytes: list[int] = []
+    split_decode, empty = D.split_decode, torch.empty
+
+    def spy_split(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return split_decode(*args, **kwargs)
+
+    def spy_empty(*args: object, **kwargs: object) -> torch.Tensor:
+        t = empty(*args, **kwargs)
+        if t.dtype == torch.float32 and calls:
+            fp32_bytes.append(t.numel() * 4)
+        return t
+
+    monkeypatch.setattr(D, "split_decode", spy_split)
+    monkeypatch.setattr(torch, "empty", spy_empty)
+    step = dict(c, q=q, tiles=tiles, deterministic=True, decode_max_seq_len=400)
+    ops.extend_attention(**step, out=torch.full_like(q, float("nan")))
+    _, _, split = D.deterministic_config(64, torch.float16, dev, 4)
+    need = D.split_decode_workspace(4, 8, 64, 400, split)
+    assert calls and sum(fp32_bytes) == need
+    for bound, parallel in ((need, True), (need - 1, False)):  # exactly at the bound, one byte short
+        monkeypatch.setattr(D, "SPLIT_DECODE_WORKSPACE_BYTES", bound)
+        calls.clear()
+        ops.extend_attention(**step, out=torch.full_like(q, float("nan")))
+        assert bool(calls) == parallel, f"bound {bound} of {need} bytes"

@@ -201,7 +201,7 @@ def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> N
             for other in (None, (0, 130), (411, 412)):  # beside a prefill, beside a decode
                 got = ext(lo, hi, tiled, other)
                 assert torch.equal(got, full[lo:hi]), f"tokens {lo}..{hi}, tiled {tiled}, beside {other}"
-    # Every position as a decode step, both ways (split edges 255/256 and 511/512 among them).
+    # Every position as a decode step, both ways (every split edge among them).
     positions = list(range(n))
     assert torch.equal(decode(positions, False), full), "decode step"
     assert torch.equal(decode(positions, True), full), "split decode"

@@ -255,7 +255,10 @@ class Engine(StepCalls, PoolCalls, ForwardCalls, GraphCapture):
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
-            return total * self.cfg.gpu_memory_fraction - used - (1 << 30)  # 1 GiB for activations
+            # 1 GiB for activations; deterministic mode's decode steps also hold their splits' partials
+            # (in the CUDA graphs' pool: the largest decode graph's stays reserved).
+            det = ops.deterministic_decode_workspace_bytes() if self.cfg.deterministic else 0
+            return total * self.cfg.gpu_memory_fraction - used - (1 << 30) - det
         # On the CPU the state pool comes out of the same budget (on a GPU it is already used).
         states = self.state_pool.bytes_per_slot * self.state_pool.total_slots if self.state_pool is not None else 0
         return self.cfg.cpu_kv_cache_gb * (1 << 30) - states

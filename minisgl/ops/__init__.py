@@ -4,6 +4,7 @@ torch reference. Each wrapper checks its arguments (ValueError naming the argume
 from minisgl.ops.activation import gelu_tanh_and_mul, silu_and_mul
 from minisgl.ops.attention import (
     decode_attention_triton,
+    deterministic_decode_workspace_bytes,
     extend_attention,
     extend_block_m,
     extend_tile_capacity,
@@ -41,6 +42,7 @@ __all__ = [
     "causal_conv1d_decode",
     "causal_conv1d_prefill",
     "decode_attention_triton",
+    "deterministic_decode_workspace_bytes",
     "embedding_lookup",
     "embedding_lookup_reference",
     "extend_attention",

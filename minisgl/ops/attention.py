@@ -167,6 +167,12 @@ def extend_block_m(head_dim: int, dtype: torch.dtype, device: torch.device, grou
     return config[0] // heads
 
 
+def deterministic_decode_workspace_bytes() -> int:
+    """The most memory a deterministic-mode decode step's parallel splits take (their fp32
+    partials): the engine keeps it out of the KV budget when the mode is on."""
+    return _det.SPLIT_DECODE_WORKSPACE_BYTES
+
+
 extend_tile_map = _ext.tile_map
 extend_tile_capacity = _ext.tile_capacity
 
