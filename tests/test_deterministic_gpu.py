@@ -211,6 +211,46 @@ def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> N
     torch.testing.assert_close(full.float(), ref.transpose(0, 1), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype,d,hq,hkv", [(torch.float16, 128, 16, 8), (torch.bfloat16, 64, 32, 8),
+                                           (torch.bfloat16, 96, 8, 1), (torch.bfloat16, 32, 4, 2),
+                                           (torch.float32, 128, 8, 2)])
+def test_decode_steps_equal_prefill_through_ops(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, d: int,
+                                                hq: int, hkv: int) -> None:
+    """What the engine calls (ops.extend_attention with deterministic=True and its tile maps), for
+    dtypes and head dims besides bf16 / 128 (fp32 and head dims off the fixed config take the
+    default tiles): every token of a prefill equals the same token as a decode step, through the
+    parallel splits and, with the workspace bound at 0, one program per request."""
+    from minisgl.kernels import deterministic_attention as det
+
+    dev, n = torch.device("cuda"), 600
+    g = torch.Generator(device=dev).manual_seed(d + hq)
+    kc = torch.randn(n + 1, hkv, d, device=dev, generator=g).to(dtype)
+    vc = torch.randn(n + 1, hkv, d, device=dev, generator=g).to(dtype)
+    kc[0], vc[0] = float("nan"), float("nan")  # the dummy slot: never read
+    q = torch.randn(n, hq, d, device=dev, generator=g).to(dtype)
+    table = torch.randperm(n, device=dev, generator=g).add(1).to(torch.int32).view(1, n)
+    tokens = ops.extend_block_m(d, dtype, dev, hq // hkv, deterministic=True)
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=dev)
+
+    def step(pre: list[int], ext: list[int], decode: bool) -> torch.Tensor:
+        b = len(pre)
+        cu = i32([0] + [sum(ext[: i + 1]) for i in range(b)])
+        tiles = i32(ops.extend_tile_map(pre, ext, tokens, ops.extend_tile_capacity(sum(ext), b, tokens))).view(-1, 2)
+        qs = q if not decode else q[[p for p in pre]]
+        return ops.extend_attention(qs, kc, vc, table, i32([0] * b), i32(pre), i32([p + e for p, e in zip(pre, ext)]),
+                                    cu, max(ext), d**-0.5, tiles=tiles, deterministic=True,
+                                    decode_max_seq_len=n if decode else None)
+
+    full = step([0], [n], False)
+    assert not torch.isnan(full).any()
+    positions = list(range(n))
+    assert torch.equal(step(positions, [1] * n, True), full), "decode step, splits in parallel"
+    monkeypatch.setattr(det, "SPLIT_DECODE_WORKSPACE_BYTES", 0)
+    assert torch.equal(step(positions, [1] * n, True), full), "decode step, one program per request"
+
+
 def test_logprob_normalizer_rows_invariant() -> None:
     """top/prompt logprobs' log-normalizer: each row's bits whatever rows share the call."""
     dev = torch.device("cuda")
