@@ -47,17 +47,23 @@ def test_packed_split_launch_matches_reference(hq: int, hkv: int, tiled: bool) -
     assert_fa3_rule(out[:real], c)
 
 
+def _decode_step(seed: int):
+    """A decode step of 3 requests (contexts past 2 splits, short, mid) and a bucket's padding
+    request: (case, q, real rows, its one-token tiles)."""
+    prefix, ext = [300, 5, 129, 0], [1, 1, 1, 0]
+    c, q, real = _case(8, 2, prefix, ext, 1, seed=seed)
+    tokens = ops.extend_block_m(64, torch.float16, torch.device(DEV), 4, deterministic=True)
+    tiles = torch.tensor(ops.extend_tile_map(prefix, ext, tokens, 4), dtype=torch.int32, device=DEV).view(-1, 2)
+    c["cu_seqlens_q"] = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32, device=DEV)
+    return c, q, real, tiles
+
+
 @needs_triton
 def test_split_decode_matches_reference_and_sequential_splits() -> None:
     """A decode step through the parallel splits (and the combine kernel): the reference's
     answer, and (to the interpreter's rounding) the sequential splits' answer; a padding
     request of the bucket (no tile) is left alone."""
-    prefix, ext = [300, 5, 129, 0], [1, 1, 1, 0]
-    c, q, real = _case(8, 2, prefix, ext, 1, seed=12)
-    dev = torch.device(DEV)
-    tokens = ops.extend_block_m(64, torch.float16, dev, 4, deterministic=True)
-    tiles = torch.tensor(ops.extend_tile_map(prefix, ext, tokens, 4), dtype=torch.int32, device=DEV).view(-1, 2)
-    c["cu_seqlens_q"] = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32, device=DEV)
+    c, q, real, tiles = _decode_step(seed=12)
     out = torch.full_like(q, float("nan"))
     ops.extend_attention(**{**c, "q": q}, out=out, tiles=tiles, deterministic=True, decode_max_seq_len=400)
     assert_fa3_rule(out[:real], c)
@@ -81,15 +87,11 @@ def test_split_decode_choice_follows_its_workspace(monkeypatch: pytest.MonkeyPat
 @needs_triton
 def test_decode_steps_take_the_split_decode_while_its_workspace_fits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Through ops: a decode step calls split_decode, whose fp32 allocations are exactly
-    split_decode_workspace(...) of the step's batch, heads, dim, bound and split; with the bound
-    at exactly that bound it still does, one byte short the same step walks the splits in one
-    program per request."""
-    prefix, ext = [300, 5, 129, 0], [1, 1, 1, 0]
-    c, q, real = _case(8, 2, prefix, ext, 1, seed=13)
+    split_decode_workspace(...) of the step's batch, heads, dim, bound and split; with
+    SPLIT_DECODE_WORKSPACE_BYTES at exactly that size it still does, and one byte short the same
+    step walks the splits in one program per request."""
+    c, q, real, tiles = _decode_step(seed=13)
     dev = torch.device(DEV)
-    tokens = ops.extend_block_m(64, torch.float16, dev, 4, deterministic=True)
-    tiles = torch.tensor(ops.extend_tile_map(prefix, ext, tokens, 4), dtype=torch.int32, device=DEV).view(-1, 2)
-    c["cu_seqlens_q"] = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32, device=DEV)
     calls: list[int] = []
     fp32_bytes: list[int] = []
     split_decode, empty = D.split_decode, torch.empty
