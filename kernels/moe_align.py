@@ -11,8 +11,8 @@ BLOCK_M-row block belongs to one expert:
 Sizes are static per (N, E, BLOCK_M): num_blocks = cdiv(N + min(E, N) * (BLOCK_M - 1), BLOCK_M)
 bounds any routing, so nothing is read back to the host and CUDA graphs can capture it.
 
-Kernels: small batches (N <= SMALL_N) route and align in ONE program (a decode step pays one
-launch). Larger ones: count per chunk of assignments -> one program turns the counts into
+Kernels: small batches (the [N, E] one-hot within ONEHOT_ELEMS) align, or route and align, in
+ONE program (a decode step pays one launch). Larger ones: count per chunk of assignments -> one program turns the counts into
 offsets (and writes the padding and the block experts) -> scatter per chunk. Within a chunk an
 assignment's rank among its expert's is a cumulative sum over a one-hot [CHUNK, E] tile.
 """
@@ -88,14 +88,30 @@ def _route_align_small_kernel(
     # Flatten [BLOCK_T, BLOCK_K] -> assignments; unused slots get expert -1 (no one-hot bit).
     flat_ids = tl.reshape(tl.where(ok, ids, -1), (BLOCK_T * BLOCK_K,))
     flat_item = tl.reshape(item, (BLOCK_T * BLOCK_K,))
-    onehot = _onehot(flat_ids, BLOCK_E)
+    _align_in_one_program(flat_ids, flat_item, SortedIds, ExpertIds, T * TOP_K, NUM_BLOCKS, BLOCK_E, BLOCK_M,
+                          BLOCK_B)
+
+
+@triton.jit
+def _align_in_one_program(ids, items, SortedIds, ExpertIds, N, NUM_BLOCKS, BLOCK_E: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+    """All N assignments (`ids` their experts, -1 for unused lanes; `items` their numbers) in one
+    program: counts, padding, block experts, then each assignment's slot."""
+    onehot = _onehot(ids, BLOCK_E)
     ends = _padded_ends(tl.sum(onehot, axis=0), BLOCK_M)
-    n = T * TOP_K
-    _fill_padding_and_blocks(SortedIds, ExpertIds, ends, n, NUM_BLOCKS, BLOCK_M, BLOCK_B)
+    _fill_padding_and_blocks(SortedIds, ExpertIds, ends, N, NUM_BLOCKS, BLOCK_M, BLOCK_B)
     tl.debug_barrier()  # the padding stores above land before the real slots overwrite them
     starts = ends - (tl.sum(onehot, axis=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pos = tl.sum(onehot * starts[None, :], axis=1) + _rank_in_chunk(onehot)
-    tl.store(SortedIds + pos, flat_item, mask=flat_ids >= 0)
+    tl.store(SortedIds + pos, items, mask=ids >= 0)
+
+
+@triton.jit
+def _align_small_kernel(Ids, SortedIds, ExpertIds, N, NUM_BLOCKS, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+    items = tl.arange(0, BLOCK_N)
+    ids = tl.load(Ids + items, mask=items < N, other=-1)
+    _align_in_one_program(ids, items, SortedIds, ExpertIds, N, NUM_BLOCKS, BLOCK_E, BLOCK_M, BLOCK_B)
 
 
 @triton.jit
@@ -148,13 +164,25 @@ def _outputs(n: int, num_experts: int, block_m: int, device: torch.device) -> tu
             torch.empty(nb, dtype=torch.int32, device=device))
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids [T, top_k] int32 (contiguous) -> (sorted_ids, expert_ids), see the module doc."""
+def small_align_fits(n: int, num_experts: int) -> bool:
+    """Whether align()'s one program holds n assignments (decode-sized batches)."""
+    return triton.next_power_of_2(max(n, 1)) * triton.next_power_of_2(num_experts) <= ONEHOT_ELEMS
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, top_k] int32 (contiguous) -> (sorted_ids, expert_ids), see the module doc.
+    `one_program`: align in one launch (default: when small_align_fits) or in three."""
     n = topk_ids.numel()
     sorted_ids, expert_ids = _outputs(n, num_experts, block_m, topk_ids.device)
     if n == 0:
         return sorted_ids, expert_ids
     block_e = triton.next_power_of_2(num_experts)
+    if one_program if one_program is not None else small_align_fits(n, num_experts):
+        _align_small_kernel[(1,)](topk_ids, sorted_ids, expert_ids, n, expert_ids.numel(),
+                                  BLOCK_N=triton.next_power_of_2(n), BLOCK_E=block_e, BLOCK_M=block_m,
+                                  BLOCK_B=_block_b(block_e, block_m), num_warps=8)
+        return sorted_ids, expert_ids
     chunk = chunk_size(num_experts)
     chunks = triton.cdiv(n, chunk)
     counts = torch.empty(chunks, block_e, dtype=torch.int32, device=topk_ids.device)

@@ -113,21 +113,27 @@ def assert_alignment_valid(ids: torch.Tensor, num_experts: int, block_m: int, so
      (257, 7, 3, 32)],
 )
 def test_align_matches_reference(t: int, e: int, k: int, block_m: int) -> None:
+    """ops.moe_align (its default path), and each of align()'s paths forced: three launches always,
+    one program where the batch fits it (decode-sized)."""
     gen = torch.Generator().manual_seed(t + e)
     ids = random_ids(t, e, k, gen)
-    sorted_ids, expert_ids = ops.moe_align(ids, e, block_m)
     ref_sorted, ref_experts = A.align_reference(ids, e, block_m)
-    assert torch.equal(sorted_ids, ref_sorted) and torch.equal(expert_ids, ref_experts)
-    assert_alignment_valid(ids, e, block_m, sorted_ids, expert_ids)
+    runs = {"default": ops.moe_align(ids, e, block_m), "three launches": A.align(ids, e, block_m, one_program=False)}
+    if A.small_align_fits(t * k, e):
+        runs["one program"] = A.align(ids, e, block_m, one_program=True)
+    for path, (sorted_ids, expert_ids) in runs.items():
+        assert torch.equal(sorted_ids, ref_sorted) and torch.equal(expert_ids, ref_experts), path
+        assert_alignment_valid(ids, e, block_m, sorted_ids, expert_ids)
 
 
 @needs_triton
 @pytest.mark.parametrize("t", [1, 50, 700])
 def test_align_all_tokens_to_the_same_experts(t: int) -> None:
     ids = torch.tensor([[3, 5]] * t, dtype=torch.int32, device=DEV)
-    sorted_ids, expert_ids = ops.moe_align(ids, 7, 16)
-    assert torch.equal(sorted_ids, A.align_reference(ids, 7, 16)[0])
-    assert_alignment_valid(ids, 7, 16, sorted_ids, expert_ids)
+    for one_program in (False, True):
+        sorted_ids, expert_ids = A.align(ids, 7, 16, one_program=one_program)
+        assert torch.equal(sorted_ids, A.align_reference(ids, 7, 16)[0]), one_program
+        assert_alignment_valid(ids, 7, 16, sorted_ids, expert_ids)
 
 
 @needs_triton
