@@ -12,8 +12,9 @@ Sizes are static per (N, E, BLOCK_M): num_blocks = cdiv(N + min(E, N) * (BLOCK_M
 bounds any routing, so nothing is read back to the host and CUDA graphs can capture it.
 
 Kernels: small batches (the [N, E] one-hot within ONEHOT_ELEMS) align, or route and align, in
-ONE program (a decode step pays one launch). Larger ones: count per chunk of assignments -> one program turns the counts into
-offsets (and writes the padding and the block experts) -> scatter per chunk. Within a chunk an
+ONE program (a decode step pays one launch). Larger ones: count per chunk of assignments -> one
+program turns the counts into offsets (and writes the padding and the block experts) -> scatter
+per chunk. Within a chunk an
 assignment's rank among its expert's is a cumulative sum over a one-hot [CHUNK, E] tile.
 """
 
