@@ -207,12 +207,13 @@ bool common_args_ok(int m, int max_m, int n, int k, int warps, int num_splits, i
 // A 4-bit weight's arguments (skinny_gemm_w4's, and every expert's of skinny_moe; a dense weight has
 // expert stride 0): fmt 1 INT4 / 2 MXFP4, W's row and expert strides in words (INT4) or bytes
 // (MXFP4) keeping 16-byte loads aligned, and the scale layout (INT4: zeros and groups of a multiple
-// of 32 dividing K; MXFP4: e8m0 per 32, no zeros).
-bool w4_args_ok(int fmt, int k, int64_t w_stride, int64_t w_expert_stride, const void* qscale, const void* qzero,
-                int64_t q_stride, int q_group) {
+// of 32 dividing K; MXFP4: e8m0 per 32, no zeros; one weight's n_w rows of scales within 32-bit
+// offsets, which the kernel uses).
+bool w4_args_ok(int fmt, int k, int64_t n_w, int64_t w_stride, int64_t w_expert_stride, const void* qscale,
+                const void* qzero, int64_t q_stride, int q_group) {
   const int64_t w_align = fmt == 1 ? 4 : 16;
   return (fmt == 1 || fmt == 2) && k % 32 == 0 && w_stride % w_align == 0 && w_expert_stride % w_align == 0 &&
-         qscale != nullptr && q_stride >= 1 &&
+         qscale != nullptr && q_stride >= 1 && n_w * q_stride < (int64_t{1} << 31) &&
          (fmt == 1 ? qzero != nullptr && q_group >= 32 && q_group % 32 == 0 && k % q_group == 0
                    : q_group == 32 && qzero == nullptr);
 }
@@ -261,7 +262,7 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
                    int q_group, int fmt, const void* bias, void* y, float* workspace, int64_t workspace_bytes,
                    int* counters, int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
                    int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl, void* stream) {
-  if (cfg < 0 || cfg >= kNumW4Configs || !w4_args_ok(fmt, k, w_stride, 0, qscale, qzero, q_stride, q_group) ||
+  if (cfg < 0 || cfg >= kNumW4Configs || !w4_args_ok(fmt, k, silu ? 2 * int64_t{n} : n, w_stride, 0, qscale, qzero, q_stride, q_group) ||
       !common_args_ok(m, kW4Configs[cfg].max_mt * 8, n, k, warps, num_splits, x_stride, x, w, silu))
     return static_cast<int>(cudaErrorInvalidValue);
   KernelFn fn = dtype == 0 ? pick_w4<__half>(fmt, m, cfg) : dtype == 1 ? pick_w4<__nv_bfloat16>(fmt, m, cfg) : nullptr;
@@ -294,7 +295,8 @@ int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, c
     group = static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk;
   } else {  // 4-bit experts: as skinny_gemm_w4's weight, per expert
     if (cfg < 0 || cfg >= kNumW4Configs || q_expert_stride < 0 ||
-        !w4_args_ok(fmt, k, w_stride, w_expert_stride, qscale, qzero, q_stride, q_group))
+        !w4_args_ok(fmt, k, down ? n : 2 * int64_t{n}, w_stride, w_expert_stride, qscale, qzero, q_stride,
+                    q_group))
       return static_cast<int>(cudaErrorInvalidValue);
     rt = kW4Configs[cfg].rt;
     group = static_cast<int64_t>(kW4Configs[cfg].u) * skinny::Int4W<__half>::kChunk;

@@ -281,6 +281,7 @@ __device__ __forceinline__ void skinny_block(const Params& p, int split, int ws_
   // its MMA: 3 loads in flight per thread instead of RT * 2 * U + MT * U.)
   if (has_work) {
     load_group_x<W, T, MT, RT, U>(cur, xr, k0, k_end, quad);
+#pragma unroll(W::kLoopUnroll)
     for (; k0 + stride < k_end; k0 += stride) {
       W::load_w(nxt.w, rows, p, k0 + stride, k_end, quad);
       load_group_x<W, T, MT, RT, U>(nxt, xr, k0 + stride, k_end, quad);

@@ -74,6 +74,13 @@ struct Int4Magic<__nv_bfloat16> {
   static constexpr float kValue = 128.0f;
 };
 
+// (a & mask) | bits as one lop3 (0xEA: (a & b) | c), mask and bits passed in registers.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+  return d;
+}
+
 // (magic + q) pairs minus (magic + z), times s: (q - z) * s rounded once to T.
 template <typename T>
 __device__ __forceinline__ uint32_t sub_mul(uint32_t v, uint32_t off, uint32_t sc) {
@@ -91,10 +98,18 @@ struct W4Base {
   static constexpr int kPerThread = 32, kChunk = 128;
   static constexpr int kPerElem = 2 * sizeof(Elem);  // K elements per Elem: 8 per int32, 2 per byte
   static constexpr bool kChannelScale = false;
+  // Unrolled twice: the group's W, scales and x (about 60 registers at RT 1, U 2) were copied
+  // from nxt to cur every iteration; unrolled, the copies are renamings.
+  static constexpr int kLoopUnroll = 2;
   static __device__ __forceinline__ int piece(int quad) { return kPerThread * quad; }
+  // s_lo / s_hi: this row's first scale as a 32-bit element offset into qscale / qzero (the host
+  // checks that rows * q_stride fits), shift: log2(q_group), or -1 where it is no power of two.
+  // Computed once per block: the K loop's scale addresses are then one add and one wide multiply-add
+  // (64-bit offsets recomputed per load cost about 40 instructions a scale set, thirteenth session).
   template <int RT>
   struct Rows : WRows<Elem, RT> {
-    int64_t s_lo[RT], s_hi[RT];  // this row's first scale (element offset into qscale / qzero)
+    int s_lo[RT], s_hi[RT];
+    int shift;
   };
   // MoE (skinny_moe_kernel): expert e's W, scales and zeros (D::Scale: their storage type).
   static __device__ __forceinline__ void expert(Params& q, int64_t e) {
@@ -108,8 +123,9 @@ struct W4Base {
   static __device__ __forceinline__ void set_row(Rows<RT>& rows, const Params& p, int r, int lo, int hi, bool lo_ok,
                                                  bool hi_ok) {
     rows.set(p, r, lo, hi, lo_ok, hi_ok);
-    rows.s_lo[r] = static_cast<int64_t>(lo) * p.q_stride;
-    rows.s_hi[r] = static_cast<int64_t>(hi) * p.q_stride;
+    rows.s_lo[r] = lo * static_cast<int>(p.q_stride);
+    rows.s_hi[r] = hi * static_cast<int>(p.q_stride);
+    rows.shift = (p.q_group & (p.q_group - 1)) == 0 ? __ffs(p.q_group) - 1 : -1;
   }
 
   template <int RT, typename R>
@@ -124,7 +140,7 @@ struct W4Base {
         const bool lo_ok = kk < k_end && rows.lo_ok[r], hi_ok = kk < k_end && rows.hi_ok[r];
         g.lo[r][u] = skinny::load_w(rows.lo[r] + kk / kPerElem, lo_ok);
         g.hi[r][u] = skinny::load_w(rows.hi[r] + kk / kPerElem, hi_ok);
-        D::load_scales(g, p, rows.s_lo[r], rows.s_hi[r], r, u, kk, lo_ok, hi_ok);
+        D::load_scales(g, p, rows, r, u, kk, lo_ok, hi_ok);
       }
     }
   }
@@ -160,50 +176,41 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
   template <int RT, int U>
   struct Regs {
     uint4 lo[RT][U], hi[RT][U];
-    // fold: fp32 bits of magic + z and of s; else T pairs (magic + z) and s.
-    uint32_t off_lo[RT][U], off_hi[RT][U], sc_lo[RT][U], sc_hi[RT][U];
+    float sc_lo[RT][U], sc_hi[RT][U], z_lo[RT][U], z_hi[RT][U];  // s and z as loaded (0 where off)
     bool fold;
   };
 
-  // Rows and K ranges that are off get scale 0: their (zero) words then give W = 0.
-  template <typename R>
-  static __device__ __forceinline__ void load_scales(R& g, const Params& p, int64_t s_lo, int64_t s_hi, int r, int u,
-                                                     int kk, bool lo_ok, bool hi_ok) {
+  // Rows and K ranges that are off get scale 0: their (zero) words then give W = 0. The values
+  // stay fp32 here; mma converts them in the path it takes (folded or not).
+  template <typename R, typename Rw>
+  static __device__ __forceinline__ void load_scales(R& g, const Params& p, const Rw& rows, int r, int u, int kk,
+                                                     bool lo_ok, bool hi_ok) {
     const unsigned short* sc = static_cast<const unsigned short*>(p.qscale);
     const unsigned short* zr = static_cast<const unsigned short*>(p.qzero);
     // Groups of a power of two (every AWQ / GPTQ group): a shift, not a 32-bit division (about
-    // 20 instructions a scale load; ncu had the 4-bit kernels issue-bound). The test and the
-    // shift count depend on the launch only, so they leave the K loop.
-    const int grp = (p.q_group & (p.q_group - 1)) == 0 ? kk >> (__ffs(p.q_group) - 1) : kk / p.q_group;
-    const float sl = lo_ok ? bits_to_float<T>(__ldg(sc + s_lo + grp)) : 0.0f;
-    const float sh = hi_ok ? bits_to_float<T>(__ldg(sc + s_hi + grp)) : 0.0f;
-    const float zl = lo_ok ? bits_to_float<T>(__ldg(zr + s_lo + grp)) : 0.0f;
-    const float zh = hi_ok ? bits_to_float<T>(__ldg(zr + s_hi + grp)) : 0.0f;
+    // 20 instructions a scale load; ncu had the 4-bit kernels issue-bound).
+    const int grp = rows.shift >= 0 ? kk >> rows.shift : kk / p.q_group;
+    const int lo = rows.s_lo[r] + grp, hi = rows.s_hi[r] + grp;
+    g.sc_lo[r][u] = lo_ok ? bits_to_float<T>(__ldg(sc + lo)) : 0.0f;
+    g.sc_hi[r][u] = hi_ok ? bits_to_float<T>(__ldg(sc + hi)) : 0.0f;
+    g.z_lo[r][u] = lo_ok ? bits_to_float<T>(__ldg(zr + lo)) : 0.0f;
+    g.z_hi[r][u] = hi_ok ? bits_to_float<T>(__ldg(zr + hi)) : 0.0f;
     // Not for one group a row with K % 128 != 0: in the last chunk a thread past K has scale 0
     // and would zero its MMA sums, which hold the quad's other threads' (valid) K too.
     g.fold = p.q_group % Base::kChunk == 0;
-    if (g.fold) {
-      g.sc_lo[r][u] = __float_as_uint(sl);
-      g.sc_hi[r][u] = __float_as_uint(sh);
-      g.off_lo[r][u] = __float_as_uint(Int4Magic<T>::kValue + zl);
-      g.off_hi[r][u] = __float_as_uint(Int4Magic<T>::kValue + zh);
-    } else {
-      g.sc_lo[r][u] = splat2<T>(sl);
-      g.sc_hi[r][u] = splat2<T>(sh);
-      g.off_lo[r][u] = splat2<T>(Int4Magic<T>::kValue + zl);
-      g.off_hi[r][u] = splat2<T>(Int4Magic<T>::kValue + zh);
-    }
   }
 
   // Pair 4w + j = elements 8w + j and 8w + j + 4 (nibbles j and j + 4 of word w), as the T pair
   // (magic + lo, magic + hi): one shift and one and-or (lop3) a pair, the word's nibbles left
   // where they are. K is a reduction, so x's pairs follow the same order (x_pairs).
+  // The and-or is one explicit lop3 with both constants in registers: SASS's LOP3 takes one
+  // immediate, so written in C nvcc spent two instructions on it.
   static __device__ __forceinline__ void raw_pairs(const uint4 v, uint32_t (&out)[16]) {
     const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int w = 0; w < 4; ++w)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) out[4 * w + j] = ((words[w] >> (4 * j)) & 0x000F000Fu) | Int4Magic<T>::kBits;
+      for (int j = 0; j < 4; ++j) out[4 * w + j] = and_or(words[w] >> (4 * j), 0x000F000Fu, Int4Magic<T>::kBits);
   }
 
   // A thread's 32 x elements (four 16-byte pieces of 8) as the pairs raw_pairs' order needs:
@@ -222,10 +229,12 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
   static __device__ __forceinline__ void pairs(const R& g, int r, int u, uint32_t (&a)[16], uint32_t (&b)[16]) {
     raw_pairs(g.lo[r][u], a);
     raw_pairs(g.hi[r][u], b);
+    const uint32_t off_lo = splat2<T>(Int4Magic<T>::kValue + g.z_lo[r][u]), sc_lo = splat2<T>(g.sc_lo[r][u]);
+    const uint32_t off_hi = splat2<T>(Int4Magic<T>::kValue + g.z_hi[r][u]), sc_hi = splat2<T>(g.sc_hi[r][u]);
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      a[i] = sub_mul<T>(a[i], g.off_lo[r][u], g.sc_lo[r][u]);
-      b[i] = sub_mul<T>(b[i], g.off_hi[r][u], g.sc_hi[r][u]);
+      a[i] = sub_mul<T>(a[i], off_lo, sc_lo);
+      b[i] = sub_mul<T>(b[i], off_hi, sc_hi);
     }
   }
 
@@ -260,8 +269,8 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
         uint32_t a[16], b[16];
         raw_pairs(g.lo[r][u], a);
         raw_pairs(g.hi[r][u], b);
-        const float sl = __uint_as_float(g.sc_lo[r][u]), sh = __uint_as_float(g.sc_hi[r][u]);
-        const float ol = __uint_as_float(g.off_lo[r][u]), oh = __uint_as_float(g.off_hi[r][u]);
+        const float sl = g.sc_lo[r][u], sh = g.sc_hi[r][u];
+        const float ol = Int4Magic<T>::kValue + g.z_lo[r][u], oh = Int4Magic<T>::kValue + g.z_hi[r][u];
 #pragma unroll
         for (int t = 0; t < MT; ++t) {
           float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -303,12 +312,12 @@ struct Mxfp4W : W4Base<Mxfp4W<TT>, TT, uint8_t> {
     int s_lo[RT][U], s_hi[RT][U];
   };
 
-  template <typename R>
-  static __device__ __forceinline__ void load_scales(R& g, const Params& p, int64_t s_lo, int64_t s_hi, int r, int u,
-                                                     int kk, bool lo_ok, bool hi_ok) {
+  template <typename R, typename Rw>
+  static __device__ __forceinline__ void load_scales(R& g, const Params& p, const Rw& rows, int r, int u, int kk,
+                                                     bool lo_ok, bool hi_ok) {
     const uint8_t* sc = static_cast<const uint8_t*>(p.qscale);
-    g.s_lo[r][u] = lo_ok ? min(max(static_cast<int>(__ldg(sc + s_lo + kk / 32)), 1), 253) : 1;
-    g.s_hi[r][u] = hi_ok ? min(max(static_cast<int>(__ldg(sc + s_hi + kk / 32)), 1), 253) : 1;
+    g.s_lo[r][u] = lo_ok ? min(max(static_cast<int>(__ldg(sc + rows.s_lo[r] + (kk >> 5))), 1), 253) : 1;
+    g.s_hi[r][u] = hi_ok ? min(max(static_cast<int>(__ldg(sc + rows.s_hi[r] + (kk >> 5))), 1), 253) : 1;
   }
 
   // Pair p = byte p: its low nibble is element 2p, its high nibble 2p + 1.
