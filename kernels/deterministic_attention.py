@@ -1,5 +1,6 @@
 """Deterministic mode's attention: one launch configuration of the extend kernel for prefill,
-extend and decode alike (GQA-packed tiles, keys in fixed splits), and the split decode.
+extend and decode alike (GQA-packed tiles, keys in fixed splits), a one-warp tile with the same
+bits for decode steps of DECODE_TILE_MIN_BATCH requests or more, and the split decode.
 
 Every step runs kernels/extend_attention.py with the same (BLOCK_M, BLOCK_N, warps, stages),
 GQA packing and SPLIT: a query's keys are walked in BLOCK_N chunks at fixed absolute positions,
@@ -27,17 +28,25 @@ from minisgl.kernels.extend_attention import default_config, fold_split, launch
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for every step of the mode. Any fixed choice is
 # batch-invariant (one compiled kernel for every step); the choice is speed only:
 # benchmarks/determinism.py --only attention times these; the first is the one in use.
-# Why one config for prefill and decode alike (H200, eighteenth session): two configs give a row
-# the same bits only when their compiled QK^T MMA layouts split a row's keys over the same number
-# of warps (wgmma at 64 rows and 4 warps: none; mma.sync at 16 rows and 4 warps: four), and which
-# layout Triton picks depends on the head dim too (at head dim 32, (32, 64, 4, 2) splits none, at
-# 128 four). The configs fast at decode split rows, the ones fast at prefill do not.
+# Why prefill keeps one config (H200, eighteenth session): two configs give a row the same bits
+# only when their compiled QK^T MMA layouts split a row's keys over the same number of warps
+# (wgmma at 64 rows and 4 warps: none; mma.sync at 16 rows and 4 warps: four), and which layout
+# Triton picks depends on the head dim too (at head dim 32, (32, 64, 4, 2) splits none, at 128
+# four). A one-warp tile splits none at every head dim: DECODE_TILE below.
 DETERMINISTIC_CONFIGS: list[tuple[int, int, int, int]] = [
     (64, 64, 4, 2), (32, 64, 4, 2), (16, 64, 4, 2), (64, 128, 4, 2), (32, 128, 4, 2), (128, 128, 8, 3),
 ]
+# Decode steps of at least DECODE_TILE_MIN_BATCH requests take a one-warp 16-row tile: one warp
+# holds a row's keys there (mma.sync's warpsPerCTA [1, 1]) as in config 0 (wgmma's [4, 1]), so a
+# token gets the same bits (tests/test_deterministic_gpu.py; the H200's probe of (16, 64, 1, s)
+# against config 0 found them equal in 12 of 12 cases, the 2- and 4-warp 16/32-row tiles not).
+# A decode step's rows are its few heads, so the small tile wastes less of each MMA: 10-12% faster
+# at batches 8-256; below 8 the 4-warp tile is faster (H200, nineteenth session).
+DECODE_TILE = (16, 64, 1, 3)
+DECODE_TILE_MIN_BATCH = 8
 SPLIT = 128  # keys per split on the GPU (a multiple of every candidate's BLOCK_N)
 INTERPRETER_SPLIT = 64  # small, so CPU tests fold several splits
-SPLIT_DECODE_PROGRAMS = 1024  # about this many programs share a split decode's splits
+SPLIT_DECODE_WARPS = 4096  # about this many warps share a split decode's splits
 # Decode steps run the splits in parallel (faster than one program walking a request's keys at
 # every batch measured, 16 to 256, with 256-key splits; H200, eighteenth session; the 128-key
 # splits were measured end to end only) unless the fp32 partials' workspace, sized by the step's
@@ -52,13 +61,14 @@ def heads_per_tile(group: int, block_m: int) -> int:
     return max(h for h in range(1, min(group, block_m) + 1) if group % h == 0)
 
 
-def deterministic_config(head_dim: int, dtype: torch.dtype, device: torch.device,
-                         group: int) -> tuple[tuple[int, ...], int, int]:
-    """(config, heads per tile, split) of deterministic mode. fp32 and the interpreter keep
-    their default tiles (the mode's invariance does not depend on which fixed config it is)."""
+def deterministic_config(head_dim: int, dtype: torch.dtype, device: torch.device, group: int,
+                         decode_batch: int = 0) -> tuple[tuple[int, ...], int, int]:
+    """(config, heads per tile, split) of deterministic mode; `decode_batch`: a decode step's
+    request count (0: not a decode step). fp32 and the interpreter keep their default tiles (the
+    mode's invariance does not depend on which fixed config it is)."""
     cfg = default_config(head_dim, dtype, device)
     if device.type == "cuda" and dtype != torch.float32 and head_dim <= 128:
-        cfg = DETERMINISTIC_CONFIGS[0]
+        cfg = DECODE_TILE if decode_batch >= DECODE_TILE_MIN_BATCH else DETERMINISTIC_CONFIGS[0]
     split = SPLIT if device.type == "cuda" else INTERPRETER_SPLIT
     return cfg, heads_per_tile(group, cfg[0]), split
 
@@ -115,7 +125,8 @@ def split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_d = triton.next_power_of_2(d)
     part_acc = torch.empty((b, hq, num_splits, block_d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, hq, num_splits, 2), dtype=torch.float32, device=q.device)
-    per_split = min(num_splits, max(1, SPLIT_DECODE_PROGRAMS // (hq // heads * tiles.shape[0])))
+    programs = SPLIT_DECODE_WARPS // config[2]
+    per_split = min(num_splits, max(1, programs // (hq // heads * tiles.shape[0])))
     launch((hq // heads, tiles.shape[0], per_split), q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens,
            cu_seqlens_q, tiles, scale, config, heads, split, (part_acc, part_ml), k_scale, v_scale)
     _combine_kernel[(b, hq)](part_acc, part_ml, out, seq_lens, v_scale, out.stride(0), out.stride(1), num_splits,

@@ -149,7 +149,7 @@ def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> N
     extends and one-token decodes, in the plain launch and in the tile-map launch the engine
     uses (graph or eager), alone or beside another request's tiles in the same launch; and every
     token's as a decode step, one program per request and through the parallel splits."""
-    from minisgl.kernels.deterministic_attention import SPLIT, heads_per_tile, split_decode
+    from minisgl.kernels.deterministic_attention import DECODE_TILE, SPLIT, heads_per_tile, split_decode
     from minisgl.kernels.extend_attention import extend_attention, tile_map
 
     config = DETERMINISTIC_CONFIGS[cfg]
@@ -180,9 +180,10 @@ def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> N
                                heads_per_tile=heads, split=SPLIT)
         return out[: hi - lo]
 
-    def decode(positions: list[int], parallel: bool) -> torch.Tensor:
+    def decode(positions: list[int], parallel: bool, config: tuple[int, ...] = config) -> torch.Tensor:
         """A decode step: one token per request (request 0 at each position, then request 1 at
         411), one program per request or with the splits in parallel (split_decode)."""
+        heads = heads_per_tile(hq // hkv, config[0])
         reqs = [(0, p) for p in positions] + [(1, 411)]
         qs = torch.cat([q[p : p + 1] for p in positions] + [q_other[411:412]])
         rows, pre = i32([r for r, _ in reqs]), i32([p for _, p in reqs])
@@ -206,6 +207,9 @@ def test_attention_prefill_extend_decode_equal(hq: int, hkv: int, cfg: int) -> N
     positions = list(range(n))
     assert torch.equal(decode(positions, False), full), "decode step"
     assert torch.equal(decode(positions, True), full), "split decode"
+    if cfg == 0:  # the mode's decode tile for larger decode steps: config 0's bits
+        assert torch.equal(decode(positions, False, DECODE_TILE), full), "decode step, decode tile"
+        assert torch.equal(decode(positions, True, DECODE_TILE), full), "split decode, decode tile"
     torch.testing.assert_close(full.float(), _causal_reference(q, kc, vc, table[0]), atol=2e-2, rtol=2e-2)
 
 
@@ -218,16 +222,17 @@ def _causal_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots
     return out.transpose(0, 1)
 
 
-@pytest.mark.parametrize("dtype,d,hq,hkv", [(torch.float16, 128, 16, 8), (torch.bfloat16, 64, 32, 8),
+@pytest.mark.parametrize("dtype,d,hq,hkv", [(torch.float16, 128, 16, 8), (torch.bfloat16, 128, 32, 4),
+                                           (torch.bfloat16, 64, 32, 8),
                                            (torch.bfloat16, 96, 8, 1), (torch.bfloat16, 32, 4, 2),
                                            (torch.float32, 128, 8, 2)])
 def test_decode_steps_equal_prefill_through_ops(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, d: int,
                                                 hq: int, hkv: int) -> None:
     """What the engine calls (ops.extend_attention with deterministic=True and its tile maps), for
     dtypes and head dims besides bf16 / 128 (fp32 and head dims off the fixed config take the
-    default tiles): every token of a prefill equals the same token as a decode step, through the
-    parallel splits and, with the workspace bound at 0, one program per request; the prefill itself
-    against fp32 torch."""
+    default tiles): every token of a prefill equals the same token as a decode step (600 requests:
+    the mode's one-warp decode tile; 4: config 0), through the parallel splits and, with the
+    workspace bound at 0, one program per request; the prefill itself against fp32 torch."""
     from minisgl.kernels import deterministic_attention as det
 
     dev, n = torch.device("cuda"), 600
@@ -255,9 +260,13 @@ def test_decode_steps_equal_prefill_through_ops(monkeypatch: pytest.MonkeyPatch,
     tol = 1e-3 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(full.float(), _causal_reference(q, kc, vc, table[0]), atol=tol, rtol=tol)
     positions = list(range(n))
+    few = [0, 127, 128, 599]  # below DECODE_TILE_MIN_BATCH
+    assert len(few) < det.DECODE_TILE_MIN_BATCH <= n
     assert torch.equal(step(positions, [1] * n, True), full), "decode step, splits in parallel"
+    assert torch.equal(step(few, [1] * len(few), True), full[few]), "small decode step, splits in parallel"
     monkeypatch.setattr(det, "SPLIT_DECODE_WORKSPACE_BYTES", 0)
     assert torch.equal(step(positions, [1] * n, True), full), "decode step, one program per request"
+    assert torch.equal(step(few, [1] * len(few), True), full[few]), "small decode step, one program per request"
 
 
 def test_logprob_normalizer_rows_invariant() -> None:

@@ -79,7 +79,8 @@ def extend_attention(
     `deterministic`: the one fixed launch configuration of deterministic mode, with GQA packing
     and fixed key splits (kernels/deterministic_attention.py); its tiles then come from
     `extend_block_m(..., group, deterministic=True)`. With `decode_max_seq_len` (a decode step:
-    one token per request, seq_lens <= that bound) the splits run in parallel while their
+    one token per request, seq_lens <= that bound) the launch may take the mode's decode tile
+    (kernels/deterministic_attention.py DECODE_TILE, the same bits) and the splits run in parallel while their
     workspace fits `SPLIT_DECODE_WORKSPACE_BYTES`; the bits are the same either way. An FP8
     e4m3 cache holds K / k_scale and V / v_scale.
     `window` > 0: each query sees its last `window` keys only (older slots are never read);
@@ -129,8 +130,9 @@ def _extend(
             return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
                                          cu_seqlens_q, max_extend_len, scale, out, tiles=tiles,
                                          k_scale=k_scale, v_scale=v_scale, window=window, sinks=sinks)
-        config, heads, split = _det.deterministic_config(q.shape[2], q.dtype, q.device,
-                                                         q.shape[1] // k_cache.shape[1])
+        decode_batch = req_rows.shape[0] if decode_max_seq_len is not None else 0
+        config, heads, split = _det.deterministic_config(q.shape[2], q.dtype, q.device, q.shape[1] // k_cache.shape[1],
+                                                         decode_batch)
         if decode_max_seq_len is not None and tiles is not None and _det.use_split_decode(
                 req_rows.shape[0], q.shape[1], q.shape[2], decode_max_seq_len, split):
             return _det.split_decode(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, seq_lens, cu_seqlens_q,
