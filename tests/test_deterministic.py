@@ -93,9 +93,21 @@ def test_deterministic_refuses_hybrid_linear_attention(tiny_model_path) -> None:
         LLM(str(tiny_model_path("qwen3_next")), device="cpu", dtype="float32", deterministic=True)
 
 
-def test_deterministic_refuses_fp8_weights(tiny_model_path) -> None:
-    with pytest.raises(ValueError, match="deterministic mode does not cover FP8 weights"):
-        LLM(str(tiny_model_path("qwen3")), device="cpu", dtype="float32", deterministic=True, quantization="fp8")
+def test_cpu_fp8_request_is_batch_invariant(tiny_model_path) -> None:
+    """FP8 weights (quantized on load) in the mode: a request's tokens and logprobs alone equal
+    the same request's among others, chunked, radix cache cold and warm (the FP8 layers take the
+    dequantised weight one row at a time, ops/gemm/dispatch.py _fp8_deterministic)."""
+    path = str(tiny_model_path("qwen3"))
+    mine = prompts(4, 1000)
+    params = [GREEDY, SEEDED] * 2
+    opts = dict(device="cpu", dtype="float32", num_pages=4096, deterministic=True, quantization="fp8")
+    with LLM(path, cache="naive", **opts) as llm:
+        alone = [run(llm, [p], [sp])[0] for p, sp in zip(mine, params)]
+    others = prompts(6, 1000, seed=1, shared=0)
+    with LLM(path, max_prefill_tokens=16, **opts) as llm:
+        for warm in (False, True):
+            got = run(llm, others[:3] + mine + others[3:], [SEEDED] * 3 + params + [GREEDY] * 3)[3:7]
+            assert got == alone, f"radix cache {'warm' if warm else 'cold'}"
 
 
 def test_deterministic_refuses_4bit_weights_by_name(tiny_model_path, tmp_path) -> None:

@@ -49,6 +49,52 @@ def test_gemm_rows_invariant_up_to_8192(n: int, k: int) -> None:
         ops.set_deterministic(dev, False)
 
 
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("n,k,silu", [(4096, 4096, False), (6144, 4096, True), (1024, 3072, False)])
+def test_fp8_rows_invariant_up_to_8192(n: int, k: int, silu: bool, block: bool) -> None:
+    """ops.linear with FP8 weights in deterministic mode (per-channel and 128 x 128 block scales,
+    with and without SiLU-and-mul): 16 probe rows, each computed alone, equal the same rows placed
+    anywhere in a batch of M = 1 ... 8192. With block scales the default mode's path (the Triton FP8
+    GEMM in tiles chosen by M) differs from itself somewhere across M: the equality is not trivial."""
+    from minisgl.ops.gemm.fp8 import expand_block_scale, quantize_blocks, quantize_rows
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(n + k)
+    w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.05
+    if block:
+        w, compact = quantize_blocks(w16)
+        scale = expand_block_scale(compact, n)
+    else:
+        w, scale = quantize_rows(w16)
+    bias = None if silu else torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g)
+    x = torch.randn(8192, k, device=dev, dtype=torch.bfloat16, generator=g)
+
+    def lin(xs: torch.Tensor) -> torch.Tensor:
+        return ops.linear(xs, w, bias, silu, fmt="fp8", scale=scale, block_k=128 if block else 0)
+
+    def rows(deterministic: bool) -> tuple[list[bool], torch.Tensor]:
+        ops.set_deterministic(dev, deterministic)
+        try:
+            alone = torch.cat([lin(x[i : i + 1]) for i in range(16)])
+            same = []
+            for m in (1, 2, 7, 8, 16, 33, 64, 256, 1000, 4096, 8192):
+                p = min(m, 16)
+                idx = torch.randperm(m, device=dev, generator=g)
+                pos = torch.argsort(idx)[:p]
+                same.append(torch.equal(lin(x[:m][idx])[pos], alone[:p]))
+            return same, alone
+        finally:
+            ops.set_deterministic(dev, False)
+
+    same, alone = rows(True)
+    assert all(same), f"deterministic FP8: rows differ at M index {[i for i, s in enumerate(same) if not s]}"
+    ref = ops.linear(x[:16].float(), w16.float(), None if bias is None else bias.float(), silu)
+    err = (alone.float() - ref).norm() / ref.norm()
+    assert err < 0.05, f"relative error {err:.3g} against the 16-bit weight in fp32"
+    if block:
+        assert not all(rows(False)[0]), "the default FP8 path gave every row the same bits at every M"
+
+
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336), (1024, 2048), (1000, 1000)])
 def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
     """Deterministic mode's two GEMM kernels give a row the same bits: rows at M <= 32 through
@@ -284,8 +330,9 @@ def test_logprob_normalizer_rows_invariant() -> None:
         ops.set_deterministic(dev, False)
 
 
-def _check_requests(path: str, tok: str | None, n_prompts: int, max_tokens: int, alone_graphs: bool = False) -> None:
-    base = dict(device="cuda", tokenizer=tok, deterministic=True)
+def _check_requests(path: str, tok: str | None, n_prompts: int, max_tokens: int, alone_graphs: bool = False,
+                    **extra) -> None:
+    base = dict(device="cuda", tokenizer=tok, deterministic=True, **extra)
     if path == str(QWEN3_06B):
         base["load_format"] = "dummy"
     vocab = 5000
@@ -324,6 +371,11 @@ def test_requests_bit_identical_qwen3_06b() -> None:
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen2_moe"])
 def test_requests_bit_identical_tiny(tiny_model_path, name: str) -> None:
     _check_requests(str(tiny_model_path(name)), None, 32, 64)
+
+
+def test_requests_bit_identical_fp8(tiny_model_path) -> None:
+    """FP8 weights (quantized on load): the mode's fixed FP8 GEMM launch."""
+    _check_requests(str(tiny_model_path("qwen3")), None, 32, 64, quantization="fp8")
 
 
 def test_requests_bit_identical_smollm2(smollm2_gguf) -> None:

@@ -27,7 +27,7 @@ from minisgl.logging_setup import log_once
 from minisgl.ops.activation import silu_and_mul
 from minisgl.ops.deterministic import batch_invariant_linear, is_deterministic
 from minisgl.ops.gemm import w4 as _w4
-from minisgl.ops.gemm.fp8 import fp8_gemm
+from minisgl.ops.gemm.fp8 import dequantize, fp8_gemm
 from minisgl.ops.gemm.reference import fp8_linear_reference, int4_linear_reference, mxfp4_linear_reference
 from minisgl.ops.gemm.skinny import (
     DENSE,
@@ -183,7 +183,25 @@ def fp8_large_batch(
     return silu_and_mul(y) if silu else y
 
 
+# Deterministic mode's FP8 GEMM: the Triton FP8 GEMM in this one launch at every M (kernels/fp8_gemm.py:
+# no split-K; each output element's K loop is the same whichever tile its row lands in), after the
+# per-token activation quantization (one program per row and K group). So a row's bits depend on its
+# input row alone, never on M (cuBLAS's scaled_mm and the skinny FP8 loader choose by M).
+DETERMINISTIC_FP8_TILES = (64, 64, 128, 4, 4)
+
+
+def _fp8_deterministic(x, weight, scale, block_k, bias, silu) -> torch.Tensor:
+    if x.device.type != "cuda" or x.shape[0] == 0:
+        # CPU: the reference's dequantised weight, one row at a time (batch_invariant_linear).
+        w = dequantize(weight, scale, block_k).to(x.dtype)
+        return batch_invariant_linear(x, w, None if bias is None else bias.to(x.dtype), silu)
+    y = fp8_gemm(x, weight, scale, block_k, bias, backend="triton", tiles=DETERMINISTIC_FP8_TILES)
+    return silu_and_mul(y) if silu else y
+
+
 def _fp8(x, weight, scale, block_k, bias, silu) -> torch.Tensor:
+    if is_deterministic(x.device):
+        return _fp8_deterministic(x, weight, scale, block_k, bias, silu)
     if x.device.type != "cuda" or x.shape[0] == 0:
         return fp8_linear_reference(x, weight, scale, block_k, bias, silu)
     shape = GemmShape(table_dtype(x.dtype, FP8_FORMAT, scale.size(1) > 1), weight.size(0), weight.size(1), silu)

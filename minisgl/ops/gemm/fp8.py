@@ -108,10 +108,11 @@ def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -
 
 def fp8_gemm(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int, bias: torch.Tensor | None = None,
-    backend: str = "auto",
+    backend: str = "auto", tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x [M, K] (16/32-bit, CUDA) @ dequantize(weight e4m3 [N, K], scale [N, KB])^T (+ bias)
-    -> [M, N] in x's dtype. backend: "auto", "scaled_mm" or "triton" (benchmarks pick one)."""
+    -> [M, N] in x's dtype. backend: "auto", "scaled_mm" or "triton" (benchmarks pick one);
+    tiles: the Triton GEMM's launch (kernels/fp8_gemm.py default_tiles by M otherwise)."""
     from minisgl.kernels.fp8_gemm import fp8_scaled_mm, quantize_tokens
 
     if x.dtype not in _OUT_DTYPES:
@@ -137,4 +138,4 @@ def fp8_gemm(
         log_once(f"fp8:scaled_mm:{tuple(weight.shape)}:{x.dtype}",
                  f"fp8 linear {tuple(weight.shape)} in {x.dtype}: outside torch._scaled_mm's row-wise rules "
                  "(bf16, K and N multiples of 16), Triton GEMM instead")
-    return fp8_scaled_mm(xq, xs, weight, scale, block_k, x.dtype, bias)
+    return fp8_scaled_mm(xq, xs, weight, scale, block_k, x.dtype, bias, tiles)
