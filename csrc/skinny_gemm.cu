@@ -213,7 +213,7 @@ bool w4_args_ok(int fmt, int k, int64_t n_w, int64_t w_stride, int64_t w_expert_
                 const void* qzero, int64_t q_stride, int q_group) {
   const int64_t w_align = fmt == 1 ? 4 : 16;
   return (fmt == 1 || fmt == 2) && k % 32 == 0 && w_stride % w_align == 0 && w_expert_stride % w_align == 0 &&
-         qscale != nullptr && q_stride >= 1 && n_w * q_stride < (int64_t{1} << 31) &&
+         qscale != nullptr && q_stride * q_group >= k && n_w * q_stride < (int64_t{1} << 31) &&
          (fmt == 1 ? qzero != nullptr && q_group >= 32 && q_group % 32 == 0 && k % q_group == 0
                    : q_group == 32 && qzero == nullptr);
 }

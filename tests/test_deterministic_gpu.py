@@ -278,6 +278,7 @@ def _causal_reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slots
 
 
 @pytest.mark.parametrize("dtype,d,hq,hkv", [(torch.float16, 128, 16, 8), (torch.bfloat16, 128, 32, 4),
+                                           (torch.bfloat16, 64, 64, 2),
                                            (torch.bfloat16, 64, 32, 8),
                                            (torch.bfloat16, 96, 8, 1), (torch.bfloat16, 32, 4, 2),
                                            (torch.float32, 128, 8, 2)])
@@ -286,8 +287,9 @@ def test_decode_steps_equal_prefill_through_ops(monkeypatch: pytest.MonkeyPatch,
     """What the engine calls (ops.extend_attention with deterministic=True and its tile maps), for
     dtypes and head dims besides bf16 / 128 (fp32 and head dims off the fixed config take the
     default tiles): every token of a prefill equals the same token as a decode step (600 requests:
-    the mode's one-warp decode tile; 4: config 0), through the parallel splits and, with the
-    workspace bound at 0, one program per request; the prefill itself against fp32 torch."""
+    the mode's one-warp decode tile, whose tiles hold 16 heads where a KV group has 32; 4: config
+    0), through the parallel splits and, with the workspace bound at 0, one program per request;
+    the prefill itself against fp32 torch."""
     from minisgl.kernels import deterministic_attention as det
 
     dev, n = torch.device("cuda"), 600

@@ -191,10 +191,11 @@ DETERMINISTIC_FP8_TILES = (64, 64, 128, 4, 4)
 
 
 def _fp8_deterministic(x, weight, scale, block_k, bias, silu) -> torch.Tensor:
-    if x.device.type != "cuda" or x.shape[0] == 0:
-        # CPU: the reference's dequantised weight, one row at a time (batch_invariant_linear).
-        w = dequantize(weight, scale, block_k).to(x.dtype)
-        return batch_invariant_linear(x, w, None if bias is None else bias.to(x.dtype), silu)
+    if x.device.type != "cuda":
+        # CPU: the reference's math (fp32, rounded once to x's dtype), one row at a time.
+        w = dequantize(weight, scale, block_k)
+        y = batch_invariant_linear(x.float(), w, None if bias is None else bias.float(), silu)
+        return y.to(x.dtype)
     y = fp8_gemm(x, weight, scale, block_k, bias, backend="triton", tiles=DETERMINISTIC_FP8_TILES)
     return silu_and_mul(y) if silu else y
 
