@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.extend_attention import default_config, fold_split, launch
+from minisgl.kernels.extend_attention import default_config, fold_split, launch, with_sink
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for every step of the mode. Any fixed choice is
 # batch-invariant (one compiled kernel for every step); the choice is speed only:
@@ -74,8 +74,8 @@ def deterministic_config(head_dim: int, dtype: torch.dtype, device: torch.device
 
 
 @triton.jit
-def _combine_kernel(PartAcc, PartML, Out, SeqLens, v_scale, stride_ot, stride_oh, num_splits,
-                    SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def _combine_kernel(PartAcc, PartML, Out, SeqLens, Sinks, v_scale, stride_ot, stride_oh, num_splits,
+                    SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
     # Program (b, h): request b's token, q head h; its splits 0 .. ceil(seq / SPLIT) - 1.
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -93,7 +93,9 @@ def _combine_kernel(PartAcc, PartML, Out, SeqLens, v_scale, stride_ot, stride_oh
         m_p = tl.load(PartML + 2 * (base + s) + one)
         l_p = tl.load(PartML + 2 * (base + s) + 1 + one)
         acc, m_i, l_i = fold_split(acc, m_i, l_i, acc_p, m_p, l_p)
-    out = acc * (v_scale / l_i)[:, None]  # as the extend kernel's last line
+    if HAS_SINKS:  # as the extend kernel's last lines
+        acc, l_i = with_sink(acc, m_i, l_i, tl.load(Sinks + h + one))
+    out = acc * (v_scale / l_i)[:, None]
     o_ptrs = Out + b.to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=offs_d[None, :] < HEAD_DIM)
 
@@ -112,10 +114,13 @@ def split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  req_rows: torch.Tensor, prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
                  cu_seqlens_q: torch.Tensor, tiles: torch.Tensor, max_seq_len: int, scale: float,
                  config: tuple[int, ...], heads: int, split: int, out: torch.Tensor | None = None,
-                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                 k_scale: float = 1.0, v_scale: float = 1.0, window: int = 0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step (q [B, Hq, D], one token per request; `tiles` one per request, from
     `tile_map`) with the splits in parallel; the same bits as `extend_attention(...,
-    split=split)` for these tokens. max_seq_len bounds every seq_lens[b] (the workspace size)."""
+    split=split)` for these tokens. max_seq_len bounds every seq_lens[b] (the workspace size).
+    window / sinks as the extend kernel's (the splits below a window hold no seen key: their
+    partials are empty, and the combine folds them without a bit of change)."""
     b, hq, d = q.shape
     if out is None:
         out = torch.empty_like(q)
@@ -128,7 +133,8 @@ def split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     programs = SPLIT_DECODE_WARPS // config[2]
     per_split = min(num_splits, max(1, programs // (hq // heads * tiles.shape[0])))
     launch((hq // heads, tiles.shape[0], per_split), q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens,
-           cu_seqlens_q, tiles, scale, config, heads, split, (part_acc, part_ml), k_scale, v_scale)
-    _combine_kernel[(b, hq)](part_acc, part_ml, out, seq_lens, v_scale, out.stride(0), out.stride(1), num_splits,
-                             SPLIT=split, HEAD_DIM=d, BLOCK_D=block_d, num_warps=4)
+           cu_seqlens_q, tiles, scale, config, heads, split, (part_acc, part_ml), k_scale, v_scale, window, sinks)
+    _combine_kernel[(b, hq)](part_acc, part_ml, out, seq_lens, part_ml if sinks is None else sinks, v_scale,
+                             out.stride(0), out.stride(1), num_splits, SPLIT=split, HEAD_DIM=d, BLOCK_D=block_d,
+                             HAS_SINKS=sinks is not None, num_warps=4)
     return out

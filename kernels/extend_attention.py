@@ -93,12 +93,21 @@ def _attend_tile(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v
 @triton.jit
 def _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, s0, s_end, full_end, kv_end,
                    stride_kt, stride_vt, qk_scale, offs_d, mask_d, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                   kv_lo=0, window=0, WINDOWED: tl.constexpr = False):
     """(acc, m, l) of keys s0 .. s_end-1 from a fresh state: one split of deterministic mode.
-    A split no key of which a row sees leaves that row at m = -inf (and NaN acc, l)."""
+    A split no key of which a row sees leaves that row at m = -inf (and NaN acc, l; with a window:
+    acc = l = 0). WINDOWED: every block masked, from the block of kv_lo (the tile's first window
+    start) on; a block none of whose keys a row sees leaves that row's state exactly as it was."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if WINDOWED:
+        for start in range(tl.maximum(s0, (kv_lo // BLOCK_N) * BLOCK_N), s_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
+                stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC, kv_lo, window, True)
+        return acc, m_i, l_i
     s_full = tl.minimum(tl.maximum(full_end, s0), s_end)
     for start in range(s0, s_full, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -109,6 +118,16 @@ def _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, s0, 
             q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
             stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
     return acc, m_i, l_i
+
+
+@triton.jit
+def with_sink(acc, m_i, l_i, sink):
+    """The final state with a head's sink logit joining the denominator only (log2 domain,
+    unscaled logit): (acc, l). Shared by the kernel and the split decode's combine."""
+    sink = sink.to(tl.float32) * 1.4426950408889634
+    m_fin = tl.maximum(m_i, sink)
+    corr = tl.exp2(m_i - m_fin)
+    return acc * corr[:, None], tl.fma(l_i, corr, tl.exp2(sink - m_fin))  # explicit: one rounding in both
 
 
 @triton.jit
@@ -182,8 +201,10 @@ def _extend_attn_kernel(
     # Keys below prefix + m_start are visible to every query of the tile: no masks there.
     full_end = ((prefix + m_start) // BLOCK_N) * BLOCK_N
     kv_end = prefix + tl.minimum(m_start + TOKENS, ext)
-    if WINDOWED:  # (SPLIT == 0) every block masked; from the tile's first query's window on
+    kv_lo = 0  # the tile's first query's window start (WINDOWED)
+    if WINDOWED:
         kv_lo = tl.maximum(prefix + m_start - window + 1, 0)
+    if WINDOWED and SPLIT == 0:  # every block masked; from the tile's first query's window on
         for start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
@@ -202,28 +223,30 @@ def _extend_attn_kernel(
         for s0 in range(tl.program_id(2) * SPLIT, kv_end, tl.num_programs(2) * SPLIT):
             acc, m_i, l_i = _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, s0,
                                            tl.minimum(s0 + SPLIT, kv_end), full_end, kv_end, stride_kt, stride_vt,
-                                           qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC)
+                                           qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC,
+                                           kv_lo, window, WINDOWED)
             row_ids = (tok * (tl.num_programs(0) * HEADS) + heads) * num_splits + s0 // SPLIT
             tl.store(PartAcc + row_ids[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_m[:, None])
             tl.store(PartML + 2 * row_ids, m_i, mask=mask_m)
             tl.store(PartML + 2 * row_ids + 1, l_i, mask=mask_m)
         return
     else:  # deterministic mode: splits of SPLIT keys at fixed positions, folded in order
-        acc, m_i, l_i = _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, 0,
-                                       tl.minimum(SPLIT, kv_end), full_end, kv_end, stride_kt, stride_vt,
-                                       qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC)
-        for s0 in range(SPLIT, kv_end, SPLIT):
+        # With a window, from the split of the tile's first window start: the splits before it
+        # hold no key any row sees, and folding such a split changes no bit (the split decode's
+        # combine folds them all, from split 0, to the same bits).
+        s_first = (kv_lo // SPLIT) * SPLIT
+        acc, m_i, l_i = _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, s_first,
+                                       tl.minimum(s_first + SPLIT, kv_end), full_end, kv_end, stride_kt, stride_vt,
+                                       qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC,
+                                       kv_lo, window, WINDOWED)
+        for s0 in range(s_first + SPLIT, kv_end, SPLIT):
             acc_p, m_p, l_p = _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, s0,
                                              tl.minimum(s0 + SPLIT, kv_end), full_end, kv_end, stride_kt,
                                              stride_vt, qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D,
-                                             BLOCK_N, DOT_PREC)
+                                             BLOCK_N, DOT_PREC, kv_lo, window, WINDOWED)
             acc, m_i, l_i = fold_split(acc, m_i, l_i, acc_p, m_p, l_p)
-    if HAS_SINKS:  # the sink joins the denominator only (log2 domain, unscaled logit)
-        sink = tl.load(Sinks + heads).to(tl.float32) * 1.4426950408889634
-        m_fin = tl.maximum(m_i, sink)
-        corr = tl.exp2(m_i - m_fin)
-        l_i = l_i * corr + tl.exp2(sink - m_fin)
-        acc = acc * corr[:, None]
+    if HAS_SINKS:
+        acc, l_i = with_sink(acc, m_i, l_i, tl.load(Sinks + heads))
     out = acc * (v_scale / l_i)[:, None]  # v_scale: an FP8 cache's V scale (1.0 for 16-bit caches)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -275,7 +298,7 @@ def extend_attention(
 ) -> torch.Tensor:
     """Shapes as in the module docstring; returns out [T, Hq, D] in q's dtype. `window` > 0: a
     sliding window of that many keys; `sinks` fp32 [Hq]: a logit per head in every denominator
-    (neither with `split`). With `tiles`
+    (with `split` too: the splits stay at fixed positions, the window masks inside them). With `tiles`
     (int32 [capacity, 2] from `tile_map` with this config's BLOCK_M), the grid is
     (Hq, capacity) and `max_extend_len` is not used: the launch is fixed for a CUDA graph.
     Query rows that no tile covers (padding tokens) are left unwritten. `heads_per_tile` > 1:
@@ -296,8 +319,6 @@ def extend_attention(
         raise ValueError(f"heads_per_tile {heads_per_tile} must divide the GQA group ({group}) and fit BLOCK_M")
     if split % block_n:
         raise ValueError(f"split {split} must be a multiple of BLOCK_N ({block_n})")
-    if split and (window or sinks is not None):
-        raise ValueError("fixed key splits (deterministic mode) take no window or sinks")
     if tiles is None:
         grid = (hq // heads_per_tile, triton.cdiv(max_extend_len, block_m // heads_per_tile), b)
     else:

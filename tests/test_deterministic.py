@@ -34,9 +34,10 @@ def run(llm: LLM, ps: list[list[int]], params: list[SamplingParams]) -> list[tup
     return [(o["token_ids"], o["logprobs"]) for o in llm.generate(ps, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen2_moe", "gemma3", "gpt_oss"])
 def test_cpu_request_is_batch_invariant(tiny_model_path, name: str) -> None:
-    """Dense and MoE (Qwen2-MoE with its shared expert): each expert runs a token at a time."""
+    """Dense and MoE (Qwen2-MoE with its shared expert): each expert runs a token at a time.
+    Gemma 3 and GPT-OSS: sliding-window layers (W = 16, prompts of several windows) and sinks."""
     path = str(tiny_model_path(name))
     mine = prompts(4, 1000)
     params = [GREEDY, SEEDED] * 2

@@ -11,6 +11,7 @@ from test_extend_attention import DEV, assert_fa3_rule, make_case, needs_triton
 
 from minisgl import ops
 from minisgl.kernels import deterministic_attention as D
+from minisgl.kernels import extend_attention as K
 
 pytestmark = pytest.mark.triton
 
@@ -118,3 +119,45 @@ def test_decode_steps_take_the_split_decode_while_its_workspace_fits(monkeypatch
         calls.clear()
         ops.extend_attention(**step, out=torch.full_like(q, float("nan")))
         assert bool(calls) == parallel, f"bound {bound} of {need} bytes"
+
+
+@needs_triton
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_window_and_sinks_in_the_mode(monkeypatch: pytest.MonkeyPatch, with_sinks: bool) -> None:
+    """Deterministic mode with a sliding window (W = 40, under the interpreter's 64-key splits, so
+    a late query's window leaves whole splits below it) and GPT-OSS's sinks: a prompt of 200
+    tokens, tiled, and single tokens as decode steps (through the parallel splits and one program
+    per request) against the reference under FA3's rule. Each decode step's cache has every slot
+    below its window NaN-poisoned (a window-sized pool frees them), so a read of one shows."""
+    window, n = 40, 200
+    dev = torch.device(DEV)
+    c = make_case([0], [n], 8, 2, 64, torch.float16, 16, seed=21)
+    attention_rule.poison_unused_slots(c, [n])
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(5)).to(DEV) if with_sinks else None
+
+    def reference(*args, compute_dtype):
+        return K.extend_attention_reference(*args, compute_dtype=compute_dtype, window=window, sinks=sinks)
+
+    def check(out: torch.Tensor, case: dict) -> None:
+        args = (case["q"], case["k_cache"], case["v_cache"], case["req_to_slot"], case["req_rows"],
+                case["prefix_lens"], case["cu_seqlens_q"], case["scale"])
+        attention_rule.assert_fa3_rule(out, reference, *args)
+
+    tokens = ops.extend_block_m(64, torch.float16, dev, 4, deterministic=True)
+    i32 = dict(dtype=torch.int32, device=DEV)
+    tiles = torch.tensor(ops.extend_tile_map([0], [n], tokens, ops.extend_tile_capacity(n, 1, tokens)), **i32)
+    out = ops.extend_attention(**c, tiles=tiles.view(-1, 2), deterministic=True, window=window, sinks=sinks)
+    check(out, c)
+    for p in (0, 39, 40, 63, 64, 100, 128, 199):
+        step = {**c, "q": c["q"][p : p + 1], "prefix_lens": torch.tensor([p], **i32),
+                "seq_lens": torch.tensor([p + 1], **i32), "cu_seqlens_q": torch.tensor([0, 1], **i32)}
+        freed = c["req_to_slot"][0, : max(0, p - window + 1)].long()
+        step["k_cache"], step["v_cache"] = c["k_cache"].clone(), c["v_cache"].clone()
+        step["k_cache"][freed] = float("nan")
+        step["v_cache"][freed] = float("nan")
+        one = torch.tensor(ops.extend_tile_map([p], [1], tokens, 1), **i32).view(-1, 2)
+        for bound in (1 << 40, 0):  # the split decode, then (no workspace) one program per request
+            monkeypatch.setattr(D, "SPLIT_DECODE_WORKSPACE_BYTES", bound)
+            got = ops.extend_attention(**step, tiles=one, deterministic=True, decode_max_seq_len=n, window=window,
+                                       sinks=sinks)
+            check(got, step)

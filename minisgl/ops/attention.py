@@ -46,10 +46,8 @@ def _check_lens(batch: int, **lens: object) -> None:
         check_contiguous(name, t)
 
 
-def _check_window(q: torch.Tensor, window: int, sinks: object, deterministic: bool = False) -> None:
+def _check_window(q: torch.Tensor, window: int, sinks: object) -> None:
     check_window_sinks(q, window, sinks)
-    if deterministic and (window or sinks is not None):
-        raise ValueError("deterministic attention takes no sliding window or sinks")
 
 
 def _check_out(out: object, q: torch.Tensor) -> None:
@@ -90,7 +88,7 @@ def extend_attention(
                        max_extend_len, scale, out, tiles, deterministic, decode_max_seq_len, k_scale, v_scale,
                        window, sinks)
     check_tensor("q", q, dtype=_DTYPES, ndim=3)
-    _check_window(q, window, sinks, deterministic)
+    _check_window(q, window, sinks)
     _check_cache(q, k_cache, v_cache, req_to_slot)
     b = req_rows.shape[0] if isinstance(req_rows, torch.Tensor) else -1
     _check_lens(b, req_rows=req_rows, prefix_lens=prefix_lens, seq_lens=seq_lens)
@@ -136,10 +134,12 @@ def _extend(
         if decode_max_seq_len is not None and tiles is not None and _det.use_split_decode(
                 req_rows.shape[0], q.shape[1], q.shape[2], decode_max_seq_len, split):
             return _det.split_decode(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens, seq_lens, cu_seqlens_q,
-                                     tiles, decode_max_seq_len, scale, config, heads, split, out, k_scale, v_scale)
+                                     tiles, decode_max_seq_len, scale, config, heads, split, out, k_scale, v_scale,
+                                     window, sinks)
         return _ext.extend_attention(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
                                      cu_seqlens_q, max_extend_len, scale, out, config=config, tiles=tiles,
-                                     heads_per_tile=heads, split=split, k_scale=k_scale, v_scale=v_scale)
+                                     heads_per_tile=heads, split=split, k_scale=k_scale, v_scale=v_scale,
+                                     window=window, sinks=sinks)
     log_cpu_reference_once("extend_attention")
     if tiles is None:
         ref = _ext.extend_attention_reference(q, k_cache, v_cache, req_to_slot, req_rows, prefix_lens,
