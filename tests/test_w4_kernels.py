@@ -321,9 +321,10 @@ def test_skinny_w4_launchers_check_the_weight_arguments() -> None:
         ext.skinny_gemm_w4(p, p, p, zeros, k // q_group if fmt == 1 else k // 32, q_group, fmt, 0, p, 0, 0, 0, 0,
                            1, 64, k, k, w_stride, 64, False, 1, 0, 4, 1, False, 0)
 
-    def moe(fmt=1, w_expert_stride=64 * k // 8, zeros=p, q_group=128):
+    def moe(fmt=1, w_expert_stride=64 * k // 8, zeros=p, q_group=128, q_stride=None):
         ext.skinny_moe(p, p, 0, p, 0, p, 0, 0, 0, 0, 1, 2, 64, k, k, k // 8 if fmt == 1 else k // 2, 64,
-                       w_expert_stride, 0, False, 0, 0.0, 0.0, fmt, p, zeros, 2, q_group, 128, 1, 0, 4, 1, False, 0)
+                       w_expert_stride, 0, False, 0, 0.0, 0.0, fmt, p, zeros, q_stride or k // q_group, q_group, 128,
+                       1, 0, 4, 1, False, 0)
 
     bad = [
         lambda: dense(fmt=3),
@@ -334,6 +335,8 @@ def test_skinny_w4_launchers_check_the_weight_arguments() -> None:
         lambda: dense(fmt=2, w_stride=k // 2, zeros=0, q_group=64),  # MXFP4 scales per 32 only
         lambda: moe(w_expert_stride=64 * k // 8 + 2),  # an expert's rows not 16-byte aligned
         lambda: moe(fmt=2, w_expert_stride=64 * k // 2, zeros=p, q_group=32),
+        lambda: moe(q_stride=k // 128 - 1),  # scale rows shorter than K / group (32-bit offsets' bound)
+        lambda: moe(fmt=2, w_expert_stride=64 * k // 2, zeros=0, q_group=32, q_stride=2),
     ]
     for call in bad:
         with pytest.raises(RuntimeError, match="invalid argument"):
