@@ -46,10 +46,6 @@ def _check_lens(batch: int, **lens: object) -> None:
         check_contiguous(name, t)
 
 
-def _check_window(q: torch.Tensor, window: int, sinks: object) -> None:
-    check_window_sinks(q, window, sinks)
-
-
 def _check_out(out: object, q: torch.Tensor) -> None:
     check_tensor("out", out, dtype=q.dtype, ndim=3)
     check_shape("out", out, tuple(q.shape))
@@ -88,7 +84,7 @@ def extend_attention(
                        max_extend_len, scale, out, tiles, deterministic, decode_max_seq_len, k_scale, v_scale,
                        window, sinks)
     check_tensor("q", q, dtype=_DTYPES, ndim=3)
-    _check_window(q, window, sinks)
+    check_window_sinks(q, window, sinks)
     _check_cache(q, k_cache, v_cache, req_to_slot)
     b = req_rows.shape[0] if isinstance(req_rows, torch.Tensor) else -1
     _check_lens(b, req_rows=req_rows, prefix_lens=prefix_lens, seq_lens=seq_lens)
@@ -191,7 +187,7 @@ def decode_attention_triton(
     valid). Split-K flash decoding; returns [B, Hq, D] in q's dtype."""
     if _checks.enabled():
         check_tensor("q", q, dtype=_DTYPES, ndim=3)
-        _check_window(q, window, sinks)
+        check_window_sinks(q, window, sinks)
         _check_cache(q, k_cache, v_cache, req_to_slot)
         _check_lens(q.shape[0], req_rows=req_rows, seq_lens=seq_lens)
         if out is not None:
