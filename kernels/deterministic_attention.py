@@ -74,21 +74,28 @@ def deterministic_config(head_dim: int, dtype: torch.dtype, device: torch.device
 
 
 @triton.jit
-def _combine_kernel(PartAcc, PartML, Out, SeqLens, Sinks, v_scale, stride_ot, stride_oh, num_splits,
-                    SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr):
-    # Program (b, h): request b's token, q head h; its splits 0 .. ceil(seq / SPLIT) - 1.
+def _combine_kernel(PartAcc, PartML, Out, SeqLens, Sinks, v_scale, stride_ot, stride_oh, num_splits, window,
+                    SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+                    WINDOWED: tl.constexpr):
+    # Program (b, h): request b's token, q head h; its splits 0 .. ceil(seq / SPLIT) - 1 (with a
+    # window, from the split of its first key: the ones below hold no seen key, and the kernel
+    # wrote no partial there; folding them would change no bit).
     b = tl.program_id(0)
     h = tl.program_id(1)
-    n = tl.cdiv(tl.load(SeqLens + b), SPLIT)
+    seq = tl.load(SeqLens + b)
+    n = tl.cdiv(seq, SPLIT)
     if n == 0:  # a padding request of a graph bucket
         return
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(seq - window, 0) // SPLIT
     base = ((b * tl.num_programs(1) + h) * num_splits).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     one = tl.arange(0, 1)
-    acc = tl.load(PartAcc + base * BLOCK_D + offs_d[None, :])
-    m_i = tl.load(PartML + 2 * base + one)
-    l_i = tl.load(PartML + 2 * base + 1 + one)
-    for s in range(1, n):
+    acc = tl.load(PartAcc + (base + first) * BLOCK_D + offs_d[None, :])
+    m_i = tl.load(PartML + 2 * (base + first) + one)
+    l_i = tl.load(PartML + 2 * (base + first) + 1 + one)
+    for s in range(first + 1, n):
         acc_p = tl.load(PartAcc + (base + s) * BLOCK_D + offs_d[None, :])
         m_p = tl.load(PartML + 2 * (base + s) + one)
         l_p = tl.load(PartML + 2 * (base + s) + 1 + one)
@@ -119,8 +126,8 @@ def split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """A decode step (q [B, Hq, D], one token per request; `tiles` one per request, from
     `tile_map`) with the splits in parallel; the same bits as `extend_attention(...,
     split=split)` for these tokens. max_seq_len bounds every seq_lens[b] (the workspace size).
-    window / sinks as the extend kernel's (the splits below a window hold no seen key: their
-    partials are empty, and the combine folds them without a bit of change)."""
+    window / sinks as the extend kernel's (the splits below a window hold no seen key: neither the
+    kernel nor the combine visits them, the same bits as folding their empty partials)."""
     b, hq, d = q.shape
     if out is None:
         out = torch.empty_like(q)
@@ -135,6 +142,6 @@ def split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     launch((hq // heads, tiles.shape[0], per_split), q, k_cache, v_cache, out, req_to_slot, req_rows, prefix_lens,
            cu_seqlens_q, tiles, scale, config, heads, split, (part_acc, part_ml), k_scale, v_scale, window, sinks)
     _combine_kernel[(b, hq)](part_acc, part_ml, out, seq_lens, part_ml if sinks is None else sinks, v_scale,
-                             out.stride(0), out.stride(1), num_splits, SPLIT=split, HEAD_DIM=d, BLOCK_D=block_d,
-                             HAS_SINKS=sinks is not None, num_warps=4)
+                             out.stride(0), out.stride(1), num_splits, window, SPLIT=split, HEAD_DIM=d,
+                             BLOCK_D=block_d, HAS_SINKS=sinks is not None, WINDOWED=window > 0, num_warps=4)
     return out

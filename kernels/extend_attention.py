@@ -220,7 +220,8 @@ def _extend_attn_kernel(
                 q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
                 stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
     elif PARTIAL:  # splits pid2, pid2 + P, ... (P programs on grid axis 2): partials to [T, Hq, S, ...]
-        for s0 in range(tl.program_id(2) * SPLIT, kv_end, tl.num_programs(2) * SPLIT):
+        # (with a window, from the split of the window's start: the combine folds from there too)
+        for s0 in range((kv_lo // SPLIT) * SPLIT + tl.program_id(2) * SPLIT, kv_end, tl.num_programs(2) * SPLIT):
             acc, m_i, l_i = _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, s0,
                                            tl.minimum(s0 + SPLIT, kv_end), full_end, kv_end, stride_kt, stride_vt,
                                            qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC,
