@@ -165,9 +165,14 @@ def _outputs(n: int, num_experts: int, block_m: int, device: torch.device) -> tu
             torch.empty(nb, dtype=torch.int32, device=device))
 
 
+def _one_program_fits(rows: int, num_experts: int) -> bool:
+    """Whether a one-program kernel's [rows, experts] one-hot tile stays within ONEHOT_ELEMS."""
+    return rows * triton.next_power_of_2(num_experts) <= ONEHOT_ELEMS
+
+
 def small_align_fits(n: int, num_experts: int) -> bool:
     """Whether align()'s one program holds n assignments (decode-sized batches)."""
-    return triton.next_power_of_2(max(n, 1)) * triton.next_power_of_2(num_experts) <= ONEHOT_ELEMS
+    return _one_program_fits(triton.next_power_of_2(max(n, 1)), num_experts)
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None
@@ -200,8 +205,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: b
 
 def small_route_align_fits(num_tokens: int, num_experts: int, top_k: int) -> bool:
     """Whether route_and_align's one program holds the whole batch (decode-sized batches)."""
-    rows = triton.next_power_of_2(max(num_tokens, 1)) * triton.next_power_of_2(top_k)
-    return rows * triton.next_power_of_2(num_experts) <= ONEHOT_ELEMS
+    return _one_program_fits(triton.next_power_of_2(max(num_tokens, 1)) * triton.next_power_of_2(top_k), num_experts)
 
 
 def route_and_align(logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str, block_m: int
