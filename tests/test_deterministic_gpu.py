@@ -380,13 +380,8 @@ def test_requests_bit_identical_qwen3_06b() -> None:
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen2_moe", "gemma3", "gpt_oss"])
-def test_requests_bit_identical_tiny(monkeypatch: pytest.MonkeyPatch, tiny_model_path, name: str) -> None:
-    """gemma3 / gpt_oss: sliding windows of 16 and sinks; the engine refuses them in the mode on
-    the GPU until this test has passed there, so it lifts that check here."""
-    if name in ("gemma3", "gpt_oss"):
-        from minisgl.engine import deterministic
-
-        monkeypatch.setattr(deterministic, "GPU_CHECKED_WINDOWS", True)
+def test_requests_bit_identical_tiny(tiny_model_path, name: str) -> None:
+    """gemma3 / gpt_oss: sliding windows of 16 and sinks."""
     _check_requests(str(tiny_model_path(name)), None, 32, 64)
 
 

@@ -8,10 +8,6 @@ from minisgl.core.model_config import ModelConfig
 from minisgl.distributed.info import TPInfo
 from minisgl.engine.config import EngineConfig
 
-# Whether the GPU test of sliding windows and sinks in the mode has passed (see below); the test
-# itself sets it to run.
-GPU_CHECKED_WINDOWS = False
-
 
 def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
     """Deterministic mode covers what its kernels cover; refuse the rest by name."""
@@ -20,13 +16,6 @@ def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
         # or a prefix-cache resume from a state snapshot, starts: its bits depend on both.
         raise ValueError(f"deterministic mode does not cover hybrid linear-attention models yet "
                          f"({mc.architecture}); leave out --deterministic for this model")
-    if (mc.has_sliding_layers or mc.attn_sinks) and not str(cfg.device).startswith("cpu") and not GPU_CHECKED_WINDOWS:
-        # The Triton kernels take windows and sinks in the mode (splits at fixed positions, the
-        # window masking inside them; tests/test_deterministic_attention.py in the interpreter),
-        # but their bit equality across launches is a GPU property that has not been run yet
-        # (tests/test_deterministic_gpu.py test_requests_bit_identical_tiny[gemma3 / gpt_oss]).
-        raise ValueError(f"deterministic mode covers sliding-window attention and sinks ({mc.architecture}) on "
-                         "the CPU only so far: its GPU test has not run; leave out --deterministic on the GPU")
     if mc.quantization is not None and mc.quantization.fmt != "fp8":
         # The 4-bit GEMMs (ops/gemm/w4.py, their skinny loaders) choose their tiles and splits, or
         # their path, by M. FP8 weights take one fixed launch in the mode (ops/gemm/dispatch.py).
