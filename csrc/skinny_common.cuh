@@ -70,6 +70,9 @@ struct Params {
   // (kernels/batch_invariant_gemm.py), at the speed of a multi-warp block. The host requires
   // k_split to be a whole number of groups per warp.
   int warp_ranges;
+  // 4-bit weights: ceil(2^44 / (q_group / 32)), so a K offset's group is ((kk >> 5) * this) >> 44
+  // with no division (exact for K <= 2^22, which the host checks); the launcher sets it.
+  uint64_t q_group_mul;
 };
 
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
@@ -104,6 +107,21 @@ __device__ __forceinline__ uint4 load_x(const void* ptr, bool pred) {
       " @p ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n}\n"
       : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
       : "l"(ptr), "r"(static_cast<int>(pred)));
+  return v;
+}
+
+// Unpredicated forms of the two, for a K loop's steady state (W::kSteady): every address in range.
+__device__ __forceinline__ uint4 load_w_in(const void* ptr) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+
+__device__ __forceinline__ uint4 load_x_in(const void* ptr) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
   return v;
 }
 

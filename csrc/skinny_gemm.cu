@@ -204,16 +204,23 @@ bool common_args_ok(int m, int max_m, int n, int k, int warps, int num_splits, i
          (silu == 0 || silu == 1);
 }
 
+// Params::q_group_mul of a group of q_group elements (a multiple of 32; called after w4_args_ok).
+uint64_t group_mul(int q_group) {
+  const uint64_t d = q_group >= 32 ? static_cast<uint64_t>(q_group) / 32 : 1;
+  return ((uint64_t{1} << 44) + d - 1) / d;
+}
+
 // A 4-bit weight's arguments (skinny_gemm_w4's, and every expert's of skinny_moe; a dense weight has
 // expert stride 0): fmt 1 INT4 / 2 MXFP4, W's row and expert strides in words (INT4) or bytes
 // (MXFP4) keeping 16-byte loads aligned, and the scale layout (INT4: zeros and groups of a multiple
-// of 32 dividing K; MXFP4: e8m0 per 32, no zeros; one weight's n_w rows of scales within 32-bit
-// offsets, which the kernel uses).
+// of 32 dividing K; MXFP4: e8m0 per 32, no zeros; one weight's n_w rows of W and of scales within
+// 32-bit offsets, which the kernel uses; K <= 2^22, where Params::q_group_mul's group index is exact).
 bool w4_args_ok(int fmt, int k, int64_t n_w, int64_t w_stride, int64_t w_expert_stride, const void* qscale,
                 const void* qzero, int64_t q_stride, int q_group) {
   const int64_t w_align = fmt == 1 ? 4 : 16;
-  return (fmt == 1 || fmt == 2) && k % 32 == 0 && w_stride % w_align == 0 && w_expert_stride % w_align == 0 &&
+  return (fmt == 1 || fmt == 2) && k % 32 == 0 && k <= (1 << 22) && w_stride % w_align == 0 && w_expert_stride % w_align == 0 &&
          qscale != nullptr && q_stride * q_group >= k && n_w * q_stride < (int64_t{1} << 31) &&
+         n_w * w_stride < (int64_t{1} << 31) &&
          (fmt == 1 ? qzero != nullptr && q_group >= 32 && q_group % 32 == 0 && k % q_group == 0
                    : q_group == 32 && qzero == nullptr);
 }
@@ -233,7 +240,7 @@ int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* 
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
            nullptr, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, warp_ranges};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, warp_ranges, 0};
   return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk, warps,
                        num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -253,7 +260,7 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0,
            scale, s_stride, block_scales, nullptr, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, 0};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, 0, 0};
   return launch_kernel(fn, p, kFp8Configs[cfg].rt, static_cast<int64_t>(kFp8Configs[cfg].u) * skinny::Fp8W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -262,14 +269,16 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
                    int q_group, int fmt, const void* bias, void* y, float* workspace, int64_t workspace_bytes,
                    int* counters, int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
                    int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl, void* stream) {
+  // (m * x_stride within 32 bits: the steady state's x offsets, XRows)
   if (cfg < 0 || cfg >= kNumW4Configs || !w4_args_ok(fmt, k, silu ? 2 * int64_t{n} : n, w_stride, 0, qscale, qzero, q_stride, q_group) ||
+      int64_t{m} * x_stride >= (int64_t{1} << 31) ||
       !common_args_ok(m, kW4Configs[cfg].max_mt * 8, n, k, warps, num_splits, x_stride, x, w, silu))
     return static_cast<int>(cudaErrorInvalidValue);
   KernelFn fn = dtype == 0 ? pick_w4<__half>(fmt, m, cfg) : dtype == 1 ? pick_w4<__nv_bfloat16>(fmt, m, cfg) : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
            qscale, qzero, q_stride, q_group,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, 0};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, 0, group_mul(q_group)};
   return launch_kernel(fn, p, kW4Configs[cfg].rt, static_cast<int64_t>(kW4Configs[cfg].u) * skinny::Int4W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -308,7 +317,7 @@ int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, c
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, 1, n, k, silu, 0, 0, nullptr, 0, 0,
            qscale, qzero, q_stride, q_group, ids, weights, w_expert_stride, b_expert_stride, top_k, splits, act,
-           alpha, limit, q_expert_stride, 0};
+           alpha, limit, q_expert_stride, 0, fmt == 0 ? 0 : group_mul(q_group)};
   const int64_t z = down ? tokens : static_cast<int64_t>(tokens) * top_k;
   return launch_kernel(fn, p, rt, group, warps, down ? splits * top_k : splits, workspace, workspace_bytes, counters,
                        num_counters, pdl, stream, z, splits);

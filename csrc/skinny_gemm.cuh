@@ -175,10 +175,14 @@ __device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)
 
 
 // x rows of this thread, fixed for the whole K loop (rows past M keep row 0's address, loads off).
+// off: the same rows as 32-bit offsets from x (the steady state's loads; the 4-bit launchers check
+// that m * x_stride fits), one add and one wide multiply-add a load.
 template <typename T, int MT>
 struct XRows {
   const T* x[MT];
   bool ok[MT];
+  const T* base;
+  unsigned off[MT];
 };
 
 // One warp group's registers: the policy's W (U chunks of RT row tiles) and MT x tiles, each
@@ -190,7 +194,9 @@ struct Group {
 };
 
 // k_end and the offsets are multiples of kPerThread: a thread's piece is all in or all out.
-template <typename W, typename T, int MT, int RT, int U>
+// kFull (a steady-state group, inside K): no predicates; x rows past M read row 0 (XRows), finite
+// values in MMA columns that are never stored.
+template <typename W, typename T, int MT, int RT, int U, bool kFull = false>
 __device__ __forceinline__ void load_group_x(Group<W, MT, RT, U>& grp, const XRows<T, MT>& xr, int k0, int k_end,
                                              int quad) {
 #pragma unroll
@@ -200,7 +206,13 @@ __device__ __forceinline__ void load_group_x(Group<W, MT, RT, U>& grp, const XRo
     for (int t = 0; t < MT; ++t) {
       const bool ok = kk < k_end && xr.ok[t];
 #pragma unroll
-      for (int j = 0; j < W::kPerThread / 8; ++j) grp.x[t][u][j] = load_x(xr.x[t] + kk + 8 * j, ok);
+      for (int j = 0; j < W::kPerThread / 8; ++j)
+        if constexpr (!W::kSteady) {
+          grp.x[t][u][j] = load_x(xr.x[t] + kk + 8 * j, ok);
+        } else {  // one addressing for the steady loop and the tail (one set of registers)
+          const T* at = xr.base + (xr.off[t] + static_cast<unsigned>(kk)) + 8 * j;
+          grp.x[t][u][j] = kFull ? load_x_in(at) : load_x(at, ok);
+        }
     }
   }
 }
@@ -239,11 +251,13 @@ __device__ __forceinline__ void skinny_block(const Params& p, int split, int ws_
   }
   XRows<T, MT> xr;
   const T* x = static_cast<const T*>(p.x);
+  xr.base = x;
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
     const int m = 8 * t + g;
     xr.ok[t] = m < p.m;
     xr.x[t] = x + static_cast<int64_t>(xr.ok[t] ? m : 0) * p.x_stride;
+    xr.off[t] = static_cast<unsigned>(xr.ok[t] ? m : 0) * static_cast<unsigned>(p.x_stride);
   }
 
   float acc[RT][MT][4];
@@ -281,7 +295,19 @@ __device__ __forceinline__ void skinny_block(const Params& p, int split, int ws_
   // its MMA: 3 loads in flight per thread instead of RT * 2 * U + MT * U.)
   if (has_work) {
     load_group_x<W, T, MT, RT, U>(cur, xr, k0, k_end, quad);
+    if constexpr (W::kSteady) {
+      // While the next group lies wholly inside K, its loads need no predicate (loaders with
+      // kSteady; the others keep one loop, their SASS as measured). The loop below is then the
+      // tail: at most one group that ends past k_end.
 #pragma unroll(W::kLoopUnroll)
+      for (; k0 + stride + kGroup <= k_end; k0 += stride) {
+        W::template load_w<true>(nxt.w, rows, p, k0 + stride, k_end, quad);
+        load_group_x<W, T, MT, RT, U, true>(nxt, xr, k0 + stride, k_end, quad);
+        W::mma(acc, cur.w, cur.x);
+        cur = nxt;
+      }
+    }
+#pragma unroll(W::kSteady ? 1 : W::kLoopUnroll)
     for (; k0 + stride < k_end; k0 += stride) {
       W::load_w(nxt.w, rows, p, k0 + stride, k_end, quad);
       load_group_x<W, T, MT, RT, U>(nxt, xr, k0 + stride, k_end, quad);

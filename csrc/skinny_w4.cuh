@@ -103,14 +103,19 @@ struct W4Base {
   static constexpr int kLoopUnroll = 2;
   static __device__ __forceinline__ int piece(int quad) { return kPerThread * quad; }
   // s_lo / s_hi: this row's first scale as a 32-bit element offset into qscale / qzero (the host
-  // checks that rows * q_stride fits), shift: log2(q_group), or -1 where it is no power of two.
-  // Computed once per block: the K loop's scale addresses are then one add and one wide multiply-add
-  // (64-bit offsets recomputed per load cost about 40 instructions a scale set, thirteenth session).
+  // checks that rows * q_stride fits). Computed once per block: the K loop's scale addresses are
+  // then one add and one wide multiply-add (64-bit offsets recomputed per load cost about 40
+  // instructions a scale set, thirteenth session).
+  // w_lo / w_hi: the rows' first word (INT4) or byte (MXFP4) as 32-bit offsets from w (the host
+  // checks that n_w * w_stride fits), so a steady-state load's address is one add and one wide
+  // multiply-add (nvcc recomputed the 64-bit row pointers from the row index every iteration).
   template <int RT>
   struct Rows : WRows<Elem, RT> {
     int s_lo[RT], s_hi[RT];
-    int shift;
+    const Elem* w;
+    unsigned w_lo[RT], w_hi[RT];
   };
+
   // MoE (skinny_moe_kernel): expert e's W, scales and zeros (D::Scale: their storage type).
   static __device__ __forceinline__ void expert(Params& q, int64_t e) {
     using S = typename D::Scale;
@@ -125,22 +130,36 @@ struct W4Base {
     rows.set(p, r, lo, hi, lo_ok, hi_ok);
     rows.s_lo[r] = lo * static_cast<int>(p.q_stride);
     rows.s_hi[r] = hi * static_cast<int>(p.q_stride);
-    rows.shift = (p.q_group & (p.q_group - 1)) == 0 ? __ffs(p.q_group) - 1 : -1;
+    rows.w = static_cast<const Elem*>(p.w);
+    rows.w_lo[r] = static_cast<unsigned>(lo) * static_cast<unsigned>(p.w_stride);
+    rows.w_hi[r] = static_cast<unsigned>(hi) * static_cast<unsigned>(p.w_stride);
   }
 
-  template <int RT, typename R>
+  // kFull (the steady state): the group lies inside K, so nothing is predicated. Rows past N load
+  // row 0 (their address, set_row) with its scales: finite values whose sums are never stored.
+  template <bool kFull = false, int RT, typename R>
   static __device__ __forceinline__ void load_w(R& g, const Rows<RT>& rows, const Params& p, int k0, int k_end,
                                                 int quad) {
     constexpr int U = sizeof(g.lo[0]) / sizeof(uint4);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kk = k0 + u * kChunk + piece(quad);
+      const int grp = D::group_of(p, kk);
+      const unsigned at = static_cast<unsigned>(kk) / kPerElem;
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
-        const bool lo_ok = kk < k_end && rows.lo_ok[r], hi_ok = kk < k_end && rows.hi_ok[r];
-        g.lo[r][u] = skinny::load_w(rows.lo[r] + kk / kPerElem, lo_ok);
-        g.hi[r][u] = skinny::load_w(rows.hi[r] + kk / kPerElem, hi_ok);
-        D::load_scales(g, p, rows, r, u, kk, lo_ok, hi_ok);
+        const Elem* lo = rows.w + (rows.w_lo[r] + at);
+        const Elem* hi = rows.w + (rows.w_hi[r] + at);
+        if constexpr (kFull) {
+          g.lo[r][u] = skinny::load_w_in(lo);
+          g.hi[r][u] = skinny::load_w_in(hi);
+          D::load_scales(g, p, rows, r, u, grp, true, true);
+        } else {
+          const bool lo_ok = kk < k_end && rows.lo_ok[r], hi_ok = kk < k_end && rows.hi_ok[r];
+          g.lo[r][u] = skinny::load_w(lo, lo_ok);
+          g.hi[r][u] = skinny::load_w(hi, hi_ok);
+          D::load_scales(g, p, rows, r, u, grp, lo_ok, hi_ok);
+        }
       }
     }
   }
@@ -173,6 +192,16 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
   using T = TT;
   using Base = W4Base<Int4W<TT>, TT, uint32_t>;
   using Scale = unsigned short;  // scales and zeros: T's bits
+  // The K loop's steady state loads with no predicates (skinny_block): an INT4 group's predicates,
+  // zero fills and address arithmetic were about a third of its loop's instructions (sm_90 SASS:
+  // 216 -> 160 a group at MT 1, RT 1, U 1). Not MXFP4's: there it cost registers (95 -> 113 at the
+  // smallest instance, spills at RT 2, U 2).
+  static constexpr bool kSteady = true;
+  // The scale group of K offset kk (a multiple of 32): Params::q_group_mul's multiply, not a 32-bit
+  // division (about 20 instructions, which nvcc computed beside a power-of-two group's shift).
+  static __device__ __forceinline__ int group_of(const Params& p, int kk) {
+    return static_cast<int>((static_cast<uint64_t>(static_cast<unsigned>(kk) >> 5) * p.q_group_mul) >> 44);
+  }
   template <int RT, int U>
   struct Regs {
     uint4 lo[RT][U], hi[RT][U];
@@ -183,13 +212,10 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
   // Rows and K ranges that are off get scale 0: their (zero) words then give W = 0. The values
   // stay fp32 here; mma converts them in the path it takes (folded or not).
   template <typename R, typename Rw>
-  static __device__ __forceinline__ void load_scales(R& g, const Params& p, const Rw& rows, int r, int u, int kk,
+  static __device__ __forceinline__ void load_scales(R& g, const Params& p, const Rw& rows, int r, int u, int grp,
                                                      bool lo_ok, bool hi_ok) {
     const unsigned short* sc = static_cast<const unsigned short*>(p.qscale);
     const unsigned short* zr = static_cast<const unsigned short*>(p.qzero);
-    // Groups of a power of two (every AWQ / GPTQ group): a shift, not a 32-bit division (about
-    // 20 instructions a scale load; ncu had the 4-bit kernels issue-bound).
-    const int grp = rows.shift >= 0 ? kk >> rows.shift : kk / p.q_group;
     const int lo = rows.s_lo[r] + grp, hi = rows.s_hi[r] + grp;
     g.sc_lo[r][u] = lo_ok ? bits_to_float<T>(__ldg(sc + lo)) : 0.0f;
     g.sc_hi[r][u] = hi_ok ? bits_to_float<T>(__ldg(sc + hi)) : 0.0f;
@@ -306,6 +332,10 @@ template <typename TT>
 struct Mxfp4W : W4Base<Mxfp4W<TT>, TT, uint8_t> {
   using T = TT;
   using Scale = uint8_t;  // e8m0
+  static constexpr bool kSteady = false;
+  static __device__ __forceinline__ int group_of(const Params&, int kk) {  // one per 32
+    return static_cast<int>(static_cast<unsigned>(kk) >> 5);
+  }
   template <int RT, int U>
   struct Regs {
     uint4 lo[RT][U], hi[RT][U];
@@ -313,11 +343,11 @@ struct Mxfp4W : W4Base<Mxfp4W<TT>, TT, uint8_t> {
   };
 
   template <typename R, typename Rw>
-  static __device__ __forceinline__ void load_scales(R& g, const Params& p, const Rw& rows, int r, int u, int kk,
+  static __device__ __forceinline__ void load_scales(R& g, const Params& p, const Rw& rows, int r, int u, int grp,
                                                      bool lo_ok, bool hi_ok) {
     const uint8_t* sc = static_cast<const uint8_t*>(p.qscale);
-    g.s_lo[r][u] = lo_ok ? min(max(static_cast<int>(__ldg(sc + rows.s_lo[r] + (kk >> 5))), 1), 253) : 1;
-    g.s_hi[r][u] = hi_ok ? min(max(static_cast<int>(__ldg(sc + rows.s_hi[r] + (kk >> 5))), 1), 253) : 1;
+    g.s_lo[r][u] = lo_ok ? min(max(static_cast<int>(__ldg(sc + rows.s_lo[r] + grp)), 1), 253) : 1;
+    g.s_hi[r][u] = hi_ok ? min(max(static_cast<int>(__ldg(sc + rows.s_hi[r] + grp)), 1), 253) : 1;
   }
 
   // Pair p = byte p: its low nibble is element 2p, its high nibble 2p + 1.

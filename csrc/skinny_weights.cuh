@@ -5,7 +5,8 @@
 //   Rows<RT> (this thread's W row pointers), Regs<RT, U> (a warp group's W registers),
 //   piece(quad) (where thread q's kPerThread elements of a chunk start, W's and x's alike),
 //   set_row, load_w (a warp group of W and its scales), mma (the group's MMAs),
-//   kLoopUnroll (the K loop's unroll: 2 lets a pipeline's cur = nxt be a renaming, not copies).
+//   kLoopUnroll (the K loop's unroll: 2 lets a pipeline's cur = nxt be a renaming, not copies),
+//   kSteady (the K loop's whole groups load with no predicates: load_w<true>, skinny_gemm.cuh).
 // The MMA fragment mapping is the same for all but Bf16DetW (below): thread q of a quad holds
 // kPerThread contiguous K elements; MMA i takes elements 4i..4i+3 as the fragment's k pairs {2q, 2q+1, 2q+8, 2q+9}
 // (K is a reduction: W and x permuted alike), so 16-bit pair p of a thread is its elements
@@ -63,6 +64,7 @@ struct Bf16W {
   static constexpr int kPerThread = 8, kChunk = 32;
   static constexpr bool kChannelScale = false;
   static constexpr int kLoopUnroll = 1;
+  static constexpr bool kSteady = false;
   static __device__ __forceinline__ int piece(int quad) { return kPerThread * quad; }
   template <int RT>
   using Rows = WRows<T, RT>;
@@ -169,6 +171,7 @@ struct Fp8W {
   static constexpr int kPerThread = 16, kChunk = 64, kSpan = 128;
   static constexpr bool kChannelScale = true;
   static constexpr int kLoopUnroll = 1;
+  static constexpr bool kSteady = false;
   static __device__ __forceinline__ int piece(int quad) { return kPerThread * quad; }
   template <int RT>
   struct Rows : WRows<uint8_t, RT> {

@@ -303,6 +303,22 @@ def test_bad_input_is_named() -> None:
         w4.fused_moe_w4(x, "int4", w13, s13, z13, w2q[None], s2[None], z2[None].to("meta"), *routing)
 
 
+def test_skinny_misfit_names_the_kernels_offset_bounds() -> None:
+    """The Python gate refuses, by name, what the launcher's 32-bit offsets cannot address (so a
+    call is routed to the Triton GEMM instead of failing at launch): meta tensors, nothing allocated."""
+    def meta(shape, stride=None, dtype=torch.bfloat16):
+        return torch.empty_strided(shape, stride or (shape[1], 1), dtype=dtype, device="meta")
+
+    k = 4096
+    x, w, s = meta((1, k)), meta((64, k // 8), dtype=torch.int32), meta((64, k // 128))
+    assert w4.skinny_misfit(x, w, s, 1) is None
+    big_k = (1 << 22) + 128
+    assert "2^22" in w4.skinny_misfit(meta((1, big_k)), meta((64, big_k // 8), dtype=torch.int32),
+                                      meta((64, big_k // 128)), 1)
+    assert "row offsets" in w4.skinny_misfit(x, meta((64, k // 8), (1 << 25, 1), torch.int32), s, 1)
+    assert "row stride" in w4.skinny_misfit(meta((2, k), (1 << 30, 1)), w, s, 1)
+
+
 _NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU would run the good calls on fake pointers")
 
 
@@ -317,9 +333,9 @@ def test_skinny_w4_launchers_check_the_weight_arguments() -> None:
     p = 1 << 20  # a 16-byte aligned address, never dereferenced (no launch happens)
     k = 256
 
-    def dense(fmt=1, w_stride=k // 8, zeros=p, q_group=128):
+    def dense(fmt=1, w_stride=k // 8, zeros=p, q_group=128, k=k, x_stride=k):
         ext.skinny_gemm_w4(p, p, p, zeros, k // q_group if fmt == 1 else k // 32, q_group, fmt, 0, p, 0, 0, 0, 0,
-                           1, 64, k, k, w_stride, 64, False, 1, 0, 4, 1, False, 0)
+                           1, 64, k, x_stride, w_stride, 64, False, 1, 0, 4, 1, False, 0)
 
     def moe(fmt=1, w_expert_stride=64 * k // 8, zeros=p, q_group=128, q_stride=None):
         ext.skinny_moe(p, p, 0, p, 0, p, 0, 0, 0, 0, 1, 2, 64, k, k, k // 8 if fmt == 1 else k // 2, 64,
@@ -333,6 +349,10 @@ def test_skinny_w4_launchers_check_the_weight_arguments() -> None:
         lambda: dense(q_group=48),  # INT4 group not a multiple of 32
         lambda: dense(fmt=2, w_stride=k // 2, zeros=p, q_group=32),  # MXFP4 with zeros
         lambda: dense(fmt=2, w_stride=k // 2, zeros=0, q_group=64),  # MXFP4 scales per 32 only
+        # the kernel's 32-bit offsets and exact group index: K <= 2^22, 64 rows of W and m rows of x
+        lambda: dense(k=(1 << 22) + 128, w_stride=((1 << 22) + 128) // 8),
+        lambda: dense(w_stride=1 << 25),
+        lambda: dense(x_stride=1 << 31),
         lambda: moe(w_expert_stride=64 * k // 8 + 2),  # an expert's rows not 16-byte aligned
         lambda: moe(fmt=2, w_expert_stride=64 * k // 2, zeros=p, q_group=32),
         lambda: moe(q_stride=k // 128 - 1),  # scale rows shorter than K / group (32-bit offsets' bound)
@@ -342,6 +362,7 @@ def test_skinny_w4_launchers_check_the_weight_arguments() -> None:
         with pytest.raises(RuntimeError, match="invalid argument"):
             call()
     for call in (dense, lambda: dense(fmt=2, w_stride=k // 2, zeros=0, q_group=32), moe,
+                 lambda: dense(k=1 << 22, w_stride=(1 << 22) // 8), lambda: dense(w_stride=(1 << 25) - 4),
                  lambda: moe(fmt=2, w_expert_stride=64 * k // 2, zeros=0, q_group=32)):
         with pytest.raises(RuntimeError) as e:
             call()

@@ -151,6 +151,13 @@ def skinny_misfit(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: i
         return f"K = {k}, group {k // scales.shape[1]} (the kernel needs multiples of 32)"
     if x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 8) or w.data_ptr() % 16:
         return "x / the weight not 16-byte aligned"
+    # The kernel's 32-bit offsets (csrc/skinny_gemm.cu w4_args_ok and the launcher's x bound)
+    if k > 1 << 22:
+        return f"K = {k} (the kernel's group index is exact up to 2^22)"
+    if scales.shape[0] * max(w.stride(0), 1) >= 1 << 31 or scales.shape[0] * scales.stride(0) >= 1 << 31:
+        return f"a weight of {scales.shape[0]} rows too large for the kernel's 32-bit row offsets"
+    if x.shape[0] * x.stride(0) >= 1 << 31:
+        return f"x row stride {x.stride(0)} too large for the kernel's 32-bit offsets"
     return None
 
 
