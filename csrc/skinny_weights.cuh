@@ -16,8 +16,8 @@
 // groups; INT4 groups of a multiple of 128 are the exception: skinny_w4.cuh's folded path), so
 // their W pairs are dequantised to T in registers: INT4 exactly as (q - z) * s
 // rounded once to T (the magic-number trick: 1024 + q in fp16, 128 + q in bf16, both exact),
-// MXFP4 as e2m1 * 2^(e8m0 - 127): bf16 by placing the nibble's bits and exact power-of-two
-// multiplies, fp16 built in fp32 and rounded once (both exact where T's range holds it).
+// MXFP4 as e2m1 * 2^(e8m0 - 127): bf16 by byte-permute tables and one exact power-of-two
+// multiply, fp16 built in fp32 and rounded once (both exact where T's range holds it).
 #pragma once
 #include "fp8_convert.cuh"
 #include "skinny_gemm.cuh"
