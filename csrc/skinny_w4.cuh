@@ -194,8 +194,8 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
   using Scale = unsigned short;  // scales and zeros: T's bits
   // The K loop's steady state loads with no predicates (skinny_block): an INT4 group's predicates,
   // zero fills and address arithmetic were about a third of its loop's instructions (sm_90 SASS:
-  // 216 -> 160 a group at MT 1, RT 1, U 1). Not MXFP4's: there it cost registers (95 -> 113 at the
-  // smallest instance, spills at RT 2, U 2).
+  // 216 -> 160 a group at MT 1, RT 1, U 1). MXFP4 takes it too since its table decode (with the old
+  // decode it cost that loader registers, 95 -> 113 at the smallest instance, spills at RT 2, U 2).
   static constexpr bool kSteady = true;
   // The scale group of K offset kk (a multiple of 32): Params::q_group_mul's multiply, not a 32-bit
   // division (about 20 instructions, which nvcc computed beside a power-of-two group's shift).
