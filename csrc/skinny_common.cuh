@@ -110,18 +110,16 @@ __device__ __forceinline__ uint4 load_x(const void* ptr, bool pred) {
   return v;
 }
 
-// Unpredicated forms of the two, for a K loop's steady state (W::kSteady): every address in range.
-__device__ __forceinline__ uint4 load_w_in(const void* ptr) {
+// Unpredicated forms of the two, for a K loop's steady state (W::kSteady: every address in range):
+// kW, W's (streamed once, no L1 allocation), else x's.
+template <bool kW>
+__device__ __forceinline__ uint4 load_in(const void* ptr) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.b32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(ptr));
-  return v;
-}
-
-__device__ __forceinline__ uint4 load_x_in(const void* ptr) {
-  uint4 v;
-  asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+  if constexpr (kW)
+    asm volatile("ld.global.nc.L1::no_allocate.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
+  else
+    asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(ptr));
   return v;
 }
 

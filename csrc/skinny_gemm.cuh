@@ -211,7 +211,7 @@ __device__ __forceinline__ void load_group_x(Group<W, MT, RT, U>& grp, const XRo
           grp.x[t][u][j] = load_x(xr.x[t] + kk + 8 * j, ok);
         } else {  // one addressing for the steady loop and the tail (one set of registers)
           const T* at = xr.base + (xr.off[t] + static_cast<unsigned>(kk)) + 8 * j;
-          grp.x[t][u][j] = kFull ? load_x_in(at) : load_x(at, ok);
+          grp.x[t][u][j] = kFull ? load_in<false>(at) : load_x(at, ok);
         }
     }
   }

@@ -151,8 +151,8 @@ struct W4Base {
         const Elem* lo = rows.w + (rows.w_lo[r] + at);
         const Elem* hi = rows.w + (rows.w_hi[r] + at);
         if constexpr (kFull) {
-          g.lo[r][u] = skinny::load_w_in(lo);
-          g.hi[r][u] = skinny::load_w_in(hi);
+          g.lo[r][u] = skinny::load_in<true>(lo);
+          g.hi[r][u] = skinny::load_in<true>(hi);
           D::load_scales(g, p, rows, r, u, grp, true, true);
         } else {
           const bool lo_ok = kk < k_end && rows.lo_ok[r], hi_ok = kk < k_end && rows.hi_ok[r];
