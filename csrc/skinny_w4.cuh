@@ -178,7 +178,8 @@ struct W4Base {
   }
 };
 
-// INT4 (kernels/quant4.py): word k / 8 of a row holds elements k..k+7 as nibbles, lowest first;
+// INT4 (kernels/quant4.py): word k / 8 of a row holds elements k..k+7, element 2j in nibble j and
+// 2j + 1 in nibble j + 4;
 // a thread's 32 elements lie in one group (q_group % 32 == 0, the host checks).
 //
 // Folded path (fold: q_group a multiple of kChunk, so K is one too and a quad's 128 elements,
@@ -226,9 +227,10 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
     g.fold = p.q_group % Base::kChunk == 0;
   }
 
-  // Pair 4w + j = elements 8w + j and 8w + j + 4 (nibbles j and j + 4 of word w), as the T pair
-  // (magic + lo, magic + hi): one shift and one and-or (lop3) a pair, the word's nibbles left
-  // where they are. K is a reduction, so x's pairs follow the same order (x_pairs).
+  // Pair 4w + j = elements 8w + 2j and 8w + 2j + 1 (nibbles j and j + 4 of word w: the layout puts
+  // them there, kernels/quant4.py NIBBLE_OF), as the T pair (magic + lo, magic + hi): one shift and
+  // one and-or (lop3) a pair, in K order, so x's registers are its pairs as loaded (a layout of
+  // nibbles in K order cost one byte permute per x pair, twentieth session).
   // The and-or is one explicit lop3 with both constants in registers: SASS's LOP3 takes one
   // immediate, so written in C nvcc spent two instructions on it.
   static __device__ __forceinline__ void raw_pairs(const uint4 v, uint32_t (&out)[16]) {
@@ -237,18 +239,6 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
     for (int w = 0; w < 4; ++w)
 #pragma unroll
       for (int j = 0; j < 4; ++j) out[4 * w + j] = and_or(words[w] >> (4 * j), 0x000F000Fu, Int4Magic<T>::kBits);
-  }
-
-  // A thread's 32 x elements (four 16-byte pieces of 8) as the pairs raw_pairs' order needs:
-  // register j of piece w holds elements 8w + j and 8w + j + 4 (one byte permute each).
-  static __device__ __forceinline__ void x_pairs(const uint4 (&x)[4], uint4 (&out)[4]) {
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      out[w].x = __byte_perm(x[w].x, x[w].z, 0x5410);  // elements 0 and 4 of the piece
-      out[w].y = __byte_perm(x[w].x, x[w].z, 0x7632);  // 1 and 5
-      out[w].z = __byte_perm(x[w].y, x[w].w, 0x5410);  // 2 and 6
-      out[w].w = __byte_perm(x[w].y, x[w].w, 0x7632);  // 3 and 7
-    }
   }
 
   template <typename R>
@@ -271,16 +261,13 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
     for (int i = 0; i < 16; ++i) ones[i] = Int4Magic<T>::kOne2;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      uint4 xp[MT][4];  // x in raw_pairs' order, once for every row tile
-#pragma unroll
-      for (int t = 0; t < MT; ++t) x_pairs(x[t][u], xp[t]);
       if (!g.fold) {
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
           uint32_t a[16], b[16];
           pairs(g, r, u, a, b);
 #pragma unroll
-          for (int t = 0; t < MT; ++t) mma_pairs<T, 4>(acc[r][t], a, b, xp[t]);
+          for (int t = 0; t < MT; ++t) mma_pairs<T, 4>(acc[r][t], a, b, x[t][u]);
         }
         continue;
       }
@@ -288,7 +275,7 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
         sx[t][0] = sx[t][1] = sx[t][2] = sx[t][3] = 0.0f;
-        mma_pairs<T, 4>(sx[t], ones, ones, xp[t]);
+        mma_pairs<T, 4>(sx[t], ones, ones, x[t][u]);
       }
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
@@ -300,7 +287,7 @@ struct Int4W : W4Base<Int4W<TT>, TT, uint32_t> {
 #pragma unroll
         for (int t = 0; t < MT; ++t) {
           float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          mma_pairs<T, 4>(c, a, b, xp[t]);
+          mma_pairs<T, 4>(c, a, b, x[t][u]);
           acc[r][t][0] = fmaf(sl, fmaf(-ol, sx[t][0], c[0]), acc[r][t][0]);
           acc[r][t][1] = fmaf(sl, fmaf(-ol, sx[t][1], c[1]), acc[r][t][1]);
           acc[r][t][2] = fmaf(sh, fmaf(-oh, sx[t][2], c[2]), acc[r][t][2]);

@@ -11,7 +11,7 @@
 // kPerThread contiguous K elements; MMA i takes elements 4i..4i+3 as the fragment's k pairs {2q, 2q+1, 2q+8, 2q+9}
 // (K is a reduction: W and x permuted alike), so 16-bit pair p of a thread is its elements
 // 2p, 2p + 1, and MMA i reads W pairs 2i, 2i + 1 of the lo and hi rows and x piece i / 2
-// (INT4 pairs nibbles j and j + 4 of a word instead, and permutes x's pairs to match: Int4W).
+// (INT4 too: its layout puts a pair's two elements in nibbles j and j + 4 of a word, Int4W).
 // 4-bit formats scale before the MMA (one MMA mixes four threads' K ranges, i.e. up to four
 // groups; INT4 groups of a multiple of 128 are the exception: skinny_w4.cuh's folded path), so
 // their W pairs are dequantised to T in registers: INT4 exactly as (q - z) * s

@@ -4,8 +4,10 @@ Each checkpoint format (AutoAWQ, GPTQ v1/v2, compressed-tensors pack-quantized, 
 is repacked once at load into one of two layouts, so kernels know two layouts, not five:
 
 - INT4 (AWQ, GPTQ, W4A16): `qweight` int32 [N, K // 8], column k's unsigned value q (0..15) in
-  bits 4 * (k % 8) .. 4 * (k % 8) + 3 of word [n, k // 8] (K-contiguous, like a 16-bit weight's
-  rows: a 16-byte load is 32 consecutive K values of one row); `scales` and `zeros`
+  nibble NIBBLE_OF[k % 8] of word [n, k // 8] (K-contiguous, like a 16-bit weight's rows: a
+  16-byte load is 32 consecutive K values of one row). Columns 2j and 2j + 1 of a word sit in
+  nibbles j and j + 4, so one shift and one mask by 0x000F000F put both in a 16-bit pair in K
+  order, the order of x's pairs (csrc/skinny_w4.cuh Int4W); `scales` and `zeros`
   [N, K // group] in the activation dtype: w[n, k] = (q - zeros[n, k // group]) * scales[n, k // group]
   (symmetric formats: zeros = 8). group divides K (per-channel: group = K). GPTQ's act-order
   (g_idx) is undone at load by permuting K (the layer permutes x's columns the same way).
@@ -24,21 +26,37 @@ import torch
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """int32 [..., K // 8] -> int64 [..., K] values 0..15 (K-contiguous nibbles, lowest first)."""
-    shifts = torch.arange(0, 32, 4, device=qweight.device)
-    q = (qweight.to(torch.int64)[..., None] >> shifts) & 0xF
-    return q.reshape(*qweight.shape[:-1], qweight.shape[-1] * 8)
+# The INT4 layout's nibble of column k % 8 (module docstring): 2j -> j, 2j + 1 -> j + 4.
+NIBBLE_OF = (0, 4, 1, 5, 2, 6, 3, 7)
+_SEQUENTIAL = tuple(range(8))
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int [..., K] values 0..15 -> int32 [..., K // 8]: the inverse of unpack_int4."""
+def unpack_nibbles(words: torch.Tensor, order: tuple[int, ...] = _SEQUENTIAL) -> torch.Tensor:
+    """int32 [..., C] -> int64 [..., 8 C] values 0..15: value i of word c is its nibble order[i]
+    (default: lowest first, as checkpoints pack them)."""
+    shifts = 4 * torch.tensor(order, device=words.device)
+    q = (words.to(torch.int64)[..., None] >> shifts) & 0xF
+    return q.reshape(*words.shape[:-1], words.shape[-1] * 8)
+
+
+def pack_nibbles(q: torch.Tensor, order: tuple[int, ...] = _SEQUENTIAL) -> torch.Tensor:
+    """int [..., 8 C] values 0..15 -> int32 [..., C]: the inverse of unpack_nibbles."""
     if q.shape[-1] % 8:
         raise ValueError(f"int4 packing needs K divisible by 8, got {q.shape[-1]}")
     q = q.to(torch.int64).reshape(*q.shape[:-1], q.shape[-1] // 8, 8)
-    shifts = torch.arange(0, 32, 4, device=q.device)
+    shifts = 4 * torch.tensor(order, device=q.device)
     word = (q << shifts).sum(dim=-1)
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """The INT4 layout's int32 [..., K // 8] -> int64 [..., K] values 0..15."""
+    return unpack_nibbles(qweight, NIBBLE_OF)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int [..., K] values 0..15 -> the INT4 layout's int32 [..., K // 8]: the inverse of unpack_int4."""
+    return pack_nibbles(q, NIBBLE_OF)
 
 
 def dequant_int4_reference(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,8 @@ def dequant_tile(W, S, Z, offs_k, offs_n, mask, stride_wn, stride_sn, group, FMT
     s_ptrs = S + n * stride_sn + k // group
     if FMT == 1:
         word = tl.load(W + n * stride_wn + k // 8, mask=mask, other=0)
-        q = ((word >> ((k % 8) * 4)) & 0xF).to(tl.float32)
+        j = k % 8  # nibble (j // 2) + 4 (j % 2): quant4.NIBBLE_OF
+        q = ((word >> (((j >> 1) + 4 * (j & 1)) * 4)) & 0xF).to(tl.float32)
         s = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
         z = tl.load(Z + n * stride_sn + k // group, mask=mask, other=0.0).to(tl.float32)
         w = (q - z) * s

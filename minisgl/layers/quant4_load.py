@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.core.quant_config import QuantConfig
-from minisgl.kernels.quant4 import pack_int4, unpack_int4
+from minisgl.kernels.quant4 import pack_int4, unpack_nibbles
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a word holds column 8c + AWQ_ORDER[i]
 _AWQ_UNDO = tuple(AWQ_ORDER.index(c) for c in range(8))  # column j of a word is nibble _AWQ_UNDO[j]
@@ -47,7 +47,7 @@ def _float(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 def _unpack_last(words: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """int32 [..., C] -> int64 [..., 8 C]: nibbles along the last dim (`order`: AWQ's columns)."""
-    q = unpack_int4(words)
+    q = unpack_nibbles(words)
     if order is None:
         return q
     return q.reshape(*words.shape, 8)[..., list(order)].reshape(q.shape)
@@ -73,7 +73,7 @@ def to_int4(q: QuantConfig, t: dict[str, torch.Tensor], name: str, n: int, k: in
         scales = _float(f"{name}.scales", t["scales"], (ng, n)).t()
     elif q.packing in ("gptq", "gptq_v2"):
         words = _int(f"{name}.qweight", t["qweight"], (k // 8, n))
-        qw = unpack_int4(words.t().contiguous())  # [n, k]: nibble j of word r is row 8r + j
+        qw = unpack_nibbles(words.t().contiguous())  # [n, k]: nibble j of word r is row 8r + j
         zeros = _unpack_last(_int(f"{name}.qzeros", t["qzeros"], (ng, n // 8))).t().float()
         if q.packing == "gptq":
             zeros = zeros + 1  # v1 stores z - 1
@@ -91,7 +91,7 @@ def to_int4(q: QuantConfig, t: dict[str, torch.Tensor], name: str, n: int, k: in
         shape = tuple(int(v) for v in t["weight_shape"].reshape(-1).tolist())
         if shape != (n, k):
             raise ValueError(f"tensor {name}.weight_shape is {shape}, expected {(n, k)}")
-        qw = unpack_int4(_int(f"{name}.weight_packed", t["weight_packed"], (n, k // 8)))
+        qw = unpack_nibbles(_int(f"{name}.weight_packed", t["weight_packed"], (n, k // 8)))
         scales = _float(f"{name}.weight_scale", t["weight_scale"], (n, ng))
         if q.sym:
             zeros = torch.full((n, ng), 8.0)
