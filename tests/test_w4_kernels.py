@@ -12,7 +12,7 @@ import torch
 
 from minisgl import env
 from minisgl.kernels import fused_moe as G
-from minisgl.kernels.quant4 import E2M1_VALUES, pack_int4
+from minisgl.kernels.quant4 import E2M1_VALUES, pack_int4, unpack_int4, unpack_nibbles
 from minisgl.ops._backend import compiled
 from minisgl.ops.gemm import w4
 
@@ -98,6 +98,17 @@ def test_int4_cpu_reference(group: int) -> None:
 
 
 @pytest.mark.skipif(env.TRITON_INTERPRET, reason="the torch reference path runs without the interpreter")
+def test_int4_layout_pairs_columns_in_nibbles_j_and_j_plus_4() -> None:
+    """The INT4 layout (kernels/quant4.py NIBBLE_OF): columns 2j and 2j + 1 of a word in nibbles j and
+    j + 4, which the skinny loader's one-shift pairs rely on; checkpoints' words unpack lowest first."""
+    q = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    word = pack_int4(q)[0, 0].item() & 0xFFFFFFFF
+    assert [(word >> (4 * i)) & 0xF for i in range(8)] == [1, 3, 5, 7, 2, 4, 6, 8]
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+    checkpoint_word = torch.tensor([[0x87654321]], dtype=torch.int64).to(torch.int32)
+    assert unpack_nibbles(checkpoint_word).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+
+
 def test_mxfp4_cpu_reference() -> None:
     if DEV != "cpu":
         pytest.skip("the CPU path")
