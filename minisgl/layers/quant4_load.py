@@ -45,14 +45,6 @@ def _float(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return t.float()
 
 
-def _unpack_last(words: torch.Tensor, order: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 [..., C] -> int64 [..., 8 C]: nibbles along the last dim (`order`: AWQ's columns)."""
-    q = unpack_nibbles(words)
-    if order is None:
-        return q
-    return q.reshape(*words.shape, 8)[..., list(order)].reshape(q.shape)
-
-
 def _groups(name: str, k: int, group: int) -> tuple[int, int]:
     g = group or k
     if k % 8 or k % g:
@@ -68,13 +60,13 @@ def to_int4(q: QuantConfig, t: dict[str, torch.Tensor], name: str, n: int, k: in
         raise ValueError(f"{name}: N {n} must be a multiple of 8 (the checkpoint packs 8 columns per word)")
     perm = None
     if q.packing == "awq":
-        qw = _unpack_last(_int(f"{name}.qweight", t["qweight"], (k, n // 8)), _AWQ_UNDO).t()
-        zeros = _unpack_last(_int(f"{name}.qzeros", t["qzeros"], (ng, n // 8)), _AWQ_UNDO).t().float()
+        qw = unpack_nibbles(_int(f"{name}.qweight", t["qweight"], (k, n // 8)), _AWQ_UNDO).t()
+        zeros = unpack_nibbles(_int(f"{name}.qzeros", t["qzeros"], (ng, n // 8)), _AWQ_UNDO).t().float()
         scales = _float(f"{name}.scales", t["scales"], (ng, n)).t()
     elif q.packing in ("gptq", "gptq_v2"):
         words = _int(f"{name}.qweight", t["qweight"], (k // 8, n))
         qw = unpack_nibbles(words.t().contiguous())  # [n, k]: nibble j of word r is row 8r + j
-        zeros = _unpack_last(_int(f"{name}.qzeros", t["qzeros"], (ng, n // 8))).t().float()
+        zeros = unpack_nibbles(_int(f"{name}.qzeros", t["qzeros"], (ng, n // 8))).t().float()
         if q.packing == "gptq":
             zeros = zeros + 1  # v1 stores z - 1
         scales = _float(f"{name}.scales", t["scales"], (ng, n)).t()
@@ -97,7 +89,7 @@ def to_int4(q: QuantConfig, t: dict[str, torch.Tensor], name: str, n: int, k: in
             zeros = torch.full((n, ng), 8.0)
         else:
             zp = _int(f"{name}.weight_zero_point", t["weight_zero_point"], (-(-n // 8), ng))
-            zeros = _unpack_last(zp.t().contiguous()).t()[:n].float()  # packed along N
+            zeros = unpack_nibbles(zp.t().contiguous()).t()[:n].float()  # packed along N
     else:
         raise ValueError(f"{name}: packing {q.packing!r} is not an INT4 format")
     return pack_int4(qw), scales.contiguous(), zeros.contiguous(), perm
