@@ -106,14 +106,15 @@ struct W4Base {
   // checks that rows * q_stride fits). Computed once per block: the K loop's scale addresses are
   // then one add and one wide multiply-add (64-bit offsets recomputed per load cost about 40
   // instructions a scale set, thirteenth session).
-  // w_lo / w_hi: the rows' first word (INT4) or byte (MXFP4) as 32-bit offsets from w (the host
-  // checks that n_w * w_stride fits), so a steady-state load's address is one add and one wide
-  // multiply-add (nvcc recomputed the 64-bit row pointers from the row index every iteration).
+  // w_lo / w_hi: the rows' first word (INT4) or byte (MXFP4) as 32-bit offsets from p.w (the host
+  // checks that n_w * w_stride fits), so a load's address is one add and one wide multiply-add
+  // (with 64-bit row pointers, WRows', nvcc recomputed them from the row index every iteration).
+  // lo_ok / hi_ok: the row is below N (rows past it keep row 0's offsets).
   template <int RT>
-  struct Rows : WRows<Elem, RT> {
-    int s_lo[RT], s_hi[RT];
-    const Elem* w;
+  struct Rows {
+    bool lo_ok[RT], hi_ok[RT];
     unsigned w_lo[RT], w_hi[RT];
+    int s_lo[RT], s_hi[RT];
   };
 
   // MoE (skinny_moe_kernel): expert e's W, scales and zeros (D::Scale: their storage type).
@@ -127,10 +128,10 @@ struct W4Base {
   template <int RT>
   static __device__ __forceinline__ void set_row(Rows<RT>& rows, const Params& p, int r, int lo, int hi, bool lo_ok,
                                                  bool hi_ok) {
-    rows.set(p, r, lo, hi, lo_ok, hi_ok);
+    rows.lo_ok[r] = lo_ok;
+    rows.hi_ok[r] = hi_ok;
     rows.s_lo[r] = lo * static_cast<int>(p.q_stride);
     rows.s_hi[r] = hi * static_cast<int>(p.q_stride);
-    rows.w = static_cast<const Elem*>(p.w);
     rows.w_lo[r] = static_cast<unsigned>(lo) * static_cast<unsigned>(p.w_stride);
     rows.w_hi[r] = static_cast<unsigned>(hi) * static_cast<unsigned>(p.w_stride);
   }
@@ -141,6 +142,7 @@ struct W4Base {
   static __device__ __forceinline__ void load_w(R& g, const Rows<RT>& rows, const Params& p, int k0, int k_end,
                                                 int quad) {
     constexpr int U = sizeof(g.lo[0]) / sizeof(uint4);
+    const Elem* w = static_cast<const Elem*>(p.w);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int kk = k0 + u * kChunk + piece(quad);
@@ -148,8 +150,8 @@ struct W4Base {
       const unsigned at = static_cast<unsigned>(kk) / kPerElem;
 #pragma unroll
       for (int r = 0; r < RT; ++r) {
-        const Elem* lo = rows.w + (rows.w_lo[r] + at);
-        const Elem* hi = rows.w + (rows.w_hi[r] + at);
+        const Elem* lo = w + (rows.w_lo[r] + at);
+        const Elem* hi = w + (rows.w_hi[r] + at);
         if constexpr (kFull) {
           g.lo[r][u] = skinny::load_in<true>(lo);
           g.hi[r][u] = skinny::load_in<true>(hi);
