@@ -250,19 +250,20 @@ PYBIND11_MODULE(_C, m) {
       [](std::uintptr_t x, std::uintptr_t w, std::uintptr_t scale, int64_t s_stride, bool block_scales,
          std::uintptr_t bias, std::uintptr_t y, std::uintptr_t workspace, int64_t workspace_bytes,
          std::uintptr_t counters, int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
-         int64_t y_stride, bool silu, int dtype, int cfg, int warps, int num_splits, bool pdl, std::uintptr_t stream) {
+         int64_t y_stride, bool silu, int dtype, int cfg, int warps, int num_splits, bool pdl, std::uintptr_t stream,
+         bool warp_ranges) {
         check(minisgl::skinny_gemm_fp8(ptr<const void>(x), ptr<const void>(w), ptr<const float>(scale), s_stride,
                                        block_scales ? 1 : 0, ptr<const void>(bias), ptr(y), ptr<float>(workspace),
                                        workspace_bytes, ptr<int>(counters), num_counters, m, n, k, x_stride,
                                        w_stride, y_stride, silu ? 1 : 0, dtype, cfg, warps, num_splits, pdl ? 1 : 0,
-                                       ptr(stream)),
+                                       ptr(stream), warp_ranges ? 1 : 0),
               "skinny_gemm_fp8");
       },
       py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("s_stride"), py::arg("block_scales"), py::arg("bias"),
       py::arg("y"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("counters"), py::arg("num_counters"),
       py::arg("m"), py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("w_stride"), py::arg("y_stride"),
       py::arg("silu"), py::arg("dtype"), py::arg("cfg"), py::arg("warps"), py::arg("num_splits"), py::arg("pdl"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("warp_ranges") = false);
   m.def(
       "skinny_moe",
       [](std::uintptr_t x, std::uintptr_t w, std::uintptr_t bias, std::uintptr_t ids, std::uintptr_t weights,

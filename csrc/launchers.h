@@ -68,6 +68,8 @@ int custom_all_reduce_rmsnorm(void* const* bases, int world, int rank, const voi
 // pdl: launch as a programmatic dependent of the previous kernel on the stream (sm_90+).
 // warp_ranges = 1 (deterministic mode; cfg 1 only, one split): each warp sums a contiguous share of K
 // with the loader whose MMAs take 16 contiguous K elements (skinny_weights.cuh Bf16DetW).
+// skinny_gemm_fp8 takes warp_ranges too (one split; the FP8 loader as it is, whose order the
+// deterministic FP8 GEMM above 32 rows follows: kernels/batch_invariant_fp8.py).
 // fp8 = 1: the FP8-weight kernel's configurations (chunks of 64 K elements instead of 32); 2: the
 // 4-bit kernels' (chunks of 128).
 int skinny_gemm_num_configs(int fp8);
@@ -83,7 +85,7 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
                     const void* bias, void* y, float* workspace, int64_t workspace_bytes, int* counters,
                     int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
                     int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl,
-                    void* stream);
+                    void* stream, int warp_ranges = 0);
 // The same with 4-bit weights in kernels/quant4.py's layouts: fmt 1 = INT4 (w int32 [n_w, k / 8],
 // w_stride in words % 4; qscale / qzero [n_w, k / q_group] in `dtype`, q_group % 32 == 0), fmt 2 =
 // MXFP4 (w uint8 [n_w, k / 2], w_stride in bytes % 16; qscale e8m0 bytes [n_w, k / 32], q_group

@@ -249,9 +249,9 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
                     const void* bias, void* y, float* workspace, int64_t workspace_bytes, int* counters,
                     int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
                     int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl,
-                    void* stream) {
+                    void* stream, int warp_ranges) {
   if (cfg < 0 || cfg >= kNumFp8Configs || k % 16 != 0 || w_stride % 16 != 0 || scale == nullptr ||
-      (block_scales != 0 && block_scales != 1) || s_stride < 1 ||
+      (block_scales != 0 && block_scales != 1) || s_stride < 1 || (warp_ranges != 0 && warp_ranges != 1) ||
       !common_args_ok(m, kFp8Configs[cfg].max_mt * 8, n, k, warps, num_splits, x_stride, x, w, silu))
     return static_cast<int>(cudaErrorInvalidValue);
   KernelFn fn = dtype == 0   ? pick_m<skinny::Fp8W, __half>(m, cfg)
@@ -260,7 +260,7 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0,
            scale, s_stride, block_scales, nullptr, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, 0, 0};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, warp_ranges, 0};
   return launch_kernel(fn, p, kFp8Configs[cfg].rt, static_cast<int64_t>(kFp8Configs[cfg].u) * skinny::Fp8W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }

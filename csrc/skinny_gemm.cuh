@@ -82,12 +82,16 @@ __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r
     return;
   }
   const int row = tile_row0 + 16 * r + g;
-  if (chan) {
-    if (row < p.n) lo *= p.scale[row * p.s_stride];
-    if (row + 8 < p.n) hi *= p.scale[(row + 8) * p.s_stride];
+  // A per-channel scale and the bias join in one explicit FMA (not left to contraction), which the
+  // deterministic FP8 GEMM above 32 rows repeats (kernels/batch_invariant_fp8.py: tl.fma).
+  if (row < p.n) {
+    const float b = bias != nullptr ? to_float(bias[row]) : 0.0f;
+    y[row] = from_float<T>(chan ? fmaf(lo, p.scale[row * p.s_stride], b) : lo + b);
   }
-  if (row < p.n) y[row] = from_float<T>(lo + (bias != nullptr ? to_float(bias[row]) : 0.0f));
-  if (row + 8 < p.n) y[row + 8] = from_float<T>(hi + (bias != nullptr ? to_float(bias[row + 8]) : 0.0f));
+  if (row + 8 < p.n) {
+    const float b = bias != nullptr ? to_float(bias[row + 8]) : 0.0f;
+    y[row + 8] = from_float<T>(chan ? fmaf(hi, p.scale[(row + 8) * p.s_stride], b) : hi + b);
+  }
 }
 
 // A down-projection block's share of the top-k sum (moe 2): its routing weight, and the expert's
