@@ -56,13 +56,7 @@ def test_fp8_rows_invariant_up_to_8192(n: int, k: int, silu: bool, block: bool) 
     with and without SiLU-and-mul): 16 probe rows, each computed alone, equal the same rows placed
     anywhere in a batch of M = 1 ... 8192. With block scales the default mode's path (the Triton FP8
     GEMM in tiles chosen by M) differs from itself somewhere across M: the equality is not trivial."""
-    from minisgl.ops.gemm.fp8 import (
-        dequantize,
-        expand_block_scale,
-        quantize_activations,
-        quantize_blocks,
-        quantize_rows,
-    )
+    from minisgl.ops.gemm.fp8 import dequantize, expand_block_scale, quantize_blocks, quantize_rows
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(n + k)
@@ -94,11 +88,9 @@ def test_fp8_rows_invariant_up_to_8192(n: int, k: int, silu: bool, block: bool) 
 
     same, alone = rows(True)
     assert all(same), f"deterministic FP8: rows differ at M index {[i for i, s in enumerate(same) if not s]}"
-    # Against fp32 torch on the same quantized operands: the weight dequantised, x per token and
-    # K group through e4m3 and back (what the kernel multiplies), then bf16 rounding.
-    group = 128 if block else k
-    xd = dequantize(*quantize_activations(x[:16], group), group)
-    ref = ops.linear(xd, dequantize(w, scale, group), None if bias is None else bias.float(), silu)
+    # Against fp32 torch on the dequantised weight and x as it is (the mode's FP8 GEMM is W8A16).
+    ref = ops.linear(x[:16].float(), dequantize(w, scale, 128 if block else k), None if bias is None else bias.float(),
+                     silu)
     torch.testing.assert_close(alone.float(), ref, atol=2e-2, rtol=2e-2)
     if block:
         assert not all(rows(False)[0]), "the default FP8 path gave every row the same bits at every M"
@@ -143,8 +135,69 @@ def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
         assert not torch.equal(y, ref[:32]), "the default loader's k16 steps gave the plain order's bits"
         for tile in range(len(tile_shapes())):
             if tile != DETERMINISTIC_TILE:
-                with pytest.raises(ValueError, match="warp_ranges takes tile"):
+                with pytest.raises(ValueError, match="warp_ranges takes one split"):
                     launch(x[:32], w, bias, y, False, SkinnyConfig(tile, s, 1), warp_ranges=True)
+    finally:
+        ops.set_deterministic(dev, False)
+
+
+@pytest.mark.parametrize("block", [False, True])
+@pytest.mark.parametrize("n,k,dtype,bias", [(4096, 4096, torch.bfloat16, False), (6144, 4096, torch.bfloat16, True),
+                                            (4096, 14336, torch.bfloat16, False), (1024, 2048, torch.float16, True),
+                                            (1000, 1040, torch.bfloat16, True)])
+def test_fp8_skinny_rows_equal_the_batch_invariant_fp8_gemm(n: int, k: int, dtype: torch.dtype, bias: bool,
+                                                            block: bool) -> None:
+    """Deterministic mode's two FP8 kernels give a row the same bits: rows at M <= 32 through ops.linear
+    (the skinny kernel's FP8 loader, the shape's fixed splits as one block's warps) equal the same rows
+    of kernels/batch_invariant_fp8.py at M = 300, per-channel and 128-K block scales, with SiLU-and-mul
+    too; and every FP8 tile in warp ranges where it fits gives those bits (ops.linear picks one by M).
+    The default launch in the same warps (each warp every warps-th group) sums other products per
+    warp, so where there are splits it must differ. (1000, 1040): one split, a K tail mid-span, odd N."""
+    from minisgl.kernels import batch_invariant_fp8
+    from minisgl.ops.gemm import dispatch
+    from minisgl.ops.gemm.fp8 import expand_block_scale, quantize_blocks, quantize_rows
+    from minisgl.ops.gemm.skinny import FP8_FORMAT, SkinnyConfig, launch, tile_shapes
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(n + k)
+    w16 = torch.randn(n, k, device=dev, dtype=torch.float32, generator=g) * 0.05
+    if block:
+        w, compact = quantize_blocks(w16)
+        scale = expand_block_scale(compact, n)
+    else:
+        w, scale = quantize_rows(w16)
+    b = torch.randn(n, device=dev, dtype=dtype, generator=g) if bias else None
+    x = torch.randn(300, k, device=dev, dtype=dtype, generator=g)
+    s = batch_invariant_fp8.splits_for(n, k)
+    ref = batch_invariant_fp8.gemm(x, w, scale, s, b)
+    torch.testing.assert_close(ref.float(), batch_invariant_fp8.gemm_reference(x, w, scale, b), atol=0.05, rtol=0.02)
+    block_k = 128 if block else 0
+    launched = []
+    spy = lambda *a, **kw: (launched.append(kw.get("warp_ranges")), launch(*a, **kw))  # noqa: E731
+    ops.set_deterministic(dev, True)
+    try:
+        ref_silu = ops.linear(x, w, b, silu=True, fmt="fp8", scale=scale, block_k=block_k)  # M = 300: Triton
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dispatch, "launch", spy)
+            ops.linear(x[:1], w, b, fmt="fp8", scale=scale, block_k=block_k)
+        assert launched == [True], f"ops.linear at M = 1 did not launch the skinny kernel in warp ranges: {launched}"
+        for m in (1, 2, 7, 8, 17, 32):
+            got = ops.linear(x[:m], w, b, fmt="fp8", scale=scale, block_k=block_k)
+            assert torch.equal(got, ref[:m]), f"M={m}: {(got != ref[:m]).sum().item()} elements differ"
+            got = ops.linear(x[:m], w, b, silu=True, fmt="fp8", scale=scale, block_k=block_k)
+            assert torch.equal(got, ref_silu[:m]), f"M={m} with SiLU"
+        share = -(-k // 128) * 128 // s
+        for tile, (_, chunks, max_m) in enumerate(tile_shapes(FP8_FORMAT)):
+            if share % (chunks * 32) == 0:  # whole groups per warp (chunks counted in 32 elements)
+                y = torch.full((max_m, n), float("nan"), device=dev, dtype=dtype)
+                launch(x[:max_m], w, b, y, False, SkinnyConfig(tile, s, 1), scale=scale, warp_ranges=True)
+                assert torch.equal(y, ref[:max_m]), f"tile {tile}: {(y != ref[:max_m]).sum().item()} differ"
+        if s > 1:
+            y = torch.full((32, n), float("nan"), device=dev, dtype=dtype)
+            launch(x[:32], w, b, y, False, SkinnyConfig(0, s, 1), scale=scale)
+            assert not torch.equal(y, ref[:32]), "interleaved warps gave the warp ranges' bits"
+        with pytest.raises(ValueError, match="one split"):
+            launch(x[:32], w, b, y, False, SkinnyConfig(0, s, 2), scale=scale, warp_ranges=True)
     finally:
         ops.set_deterministic(dev, False)
 

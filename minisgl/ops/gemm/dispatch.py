@@ -37,6 +37,7 @@ from minisgl.ops.gemm.skinny import (
     SkinnyConfig,
     counters,
     cublas_linear,
+    deterministic_fp8_tile,
     fp8_fits,
     launch,
     vector_aligned,
@@ -183,20 +184,36 @@ def fp8_large_batch(
     return silu_and_mul(y) if silu else y
 
 
-# Deterministic mode's FP8 GEMM: the Triton FP8 GEMM in this one launch at every M (kernels/fp8_gemm.py:
-# no split-K; each output element's K loop is the same whichever tile its row lands in), after the
-# per-token activation quantization (one program per row and K group). So a row's bits depend on its
-# input row alone, never on M (cuBLAS's scaled_mm and the skinny FP8 loader choose by M).
-DETERMINISTIC_FP8_TILES = (64, 64, 128, 4, 4)
-
-
 def _fp8_deterministic(x, weight, scale, block_k, bias, silu) -> torch.Tensor:
+    """An FP8 GEMM in deterministic mode, W8A16 (x is not quantized): up to DETERMINISTIC_SKINNY_M
+    rows the skinny kernel's FP8 loader with the shape's fixed splits (batch_invariant_fp8.splits_for)
+    as one block's warps
+    (warp_ranges, in the tile skinny.deterministic_fp8_tile picks by M: any gives the same bits), else
+    kernels/batch_invariant_fp8.py, which sums in
+    that loader's order (the same bits by construction). SiLU-and-mul is its own kernel, as in
+    `_deterministic`."""
     if x.device.type != "cuda":
         # CPU: the reference's math (fp32, rounded once to x's dtype), one row at a time.
         w = dequantize(weight, scale, block_k)
         y = batch_invariant_linear(x.float(), w, None if bias is None else bias.float(), silu)
         return y.to(x.dtype)
-    y = fp8_gemm(x, weight, scale, block_k, bias, backend="triton", tiles=DETERMINISTIC_FP8_TILES)
+    from minisgl.kernels import batch_invariant_fp8
+
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, (n, k) = x.shape[0], weight.shape
+    splits = batch_invariant_fp8.splits_for(n, k)
+    if (
+        0 < m <= DETERMINISTIC_SKINNY_M
+        and skinny_enabled(x.device)
+        and fp8_fits(x, weight, scale, block_k)
+        and (bias is None or bias.dtype == x.dtype)
+    ):
+        y = torch.empty((m, weight.size(0)), dtype=x.dtype, device=x.device)
+        launch(x, weight, bias, y, False, SkinnyConfig(deterministic_fp8_tile(m, k, splits), splits, 1), scale=scale,
+               warp_ranges=True)
+    else:
+        y = batch_invariant_fp8.gemm(x, weight, scale, splits, bias)
     return silu_and_mul(y) if silu else y
 
 

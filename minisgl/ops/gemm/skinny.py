@@ -36,6 +36,7 @@ MAX_SPLITS = 64
 # The one tile built with deterministic mode's loader (warp_ranges: csrc/skinny_gemm.cu
 # Tiles<Bf16DetW>, whose MMAs take K in contiguous 16-element steps); rt 1, u 4, up to 32 rows.
 DETERMINISTIC_TILE = 1
+
 _KERNEL_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Split-K counters, one per row tile of a launch (zero between launches: the kernel's last
@@ -99,6 +100,20 @@ def default_config(m: int, n_out: int, k: int, silu: bool, num_sms: int, fmt: st
     warps = 4
     splits = split_count(num_tiles(n_out, silu, tile, fmt), k, shapes[tile][1] * 32, warps, num_sms)
     return SkinnyConfig(tile, warps, splits)
+
+
+def deterministic_fp8_tile(m: int, k: int, warps: int) -> int:
+    """The FP8 tile of deterministic mode's skinny launch (warp_ranges with the FP8 loader as it is)
+    for M rows and K in `warps` warp ranges. Every FP8 tile gives a row the same bits (a warp sums
+    its share of K in 128-K spans in order, however many a group holds: kernels/batch_invariant_fp8.py),
+    so this is speed alone, measured on Llama-3.1-8B's shapes (H200, RESULTS.md "twenty-first
+    session"): up to 8 rows tile 2 (RT 1, four 64-element chunks a group) in blocks of 4 warps or
+    fewer where each warp's share is whole groups of 256, else tile 0 (RT 1, two chunks); up to 16
+    rows tile 0; above, tile 1 (RT 2, two chunks)."""
+    share = -(-k // 128) * 128 // warps
+    if m <= 8 and warps <= 4 and share % 256 == 0:
+        return 2
+    return 0 if m <= 16 else 1
 
 
 def split_count(blocks: int, k: int, group: int, warps: int, num_sms: int, limit: int = MAX_SPLITS) -> int:
@@ -289,15 +304,14 @@ def launch(
 ) -> None:
     """The launch alone, for callers that checked the arguments (the dispatch): a 16-bit weight,
     or with `scale` an FP8 one. The split-K workspace and counters are the same for both.
-    warp_ranges (16-bit, tile DETERMINISTIC_TILE, one split: deterministic mode): each warp sums a
-    contiguous share of the block's K range in contiguous k16 steps, so a block of w warps gives
-    the bits of the batch-invariant Triton GEMM in w splits (the share must be whole warp groups
-    of the tile's U x 32 elements; the launch refuses it otherwise)."""
-    if warp_ranges and scale is not None:
-        raise ValueError("skinny GEMM: warp_ranges is for 16-bit weights only (deterministic mode refuses FP8)")
-    if warp_ranges and (cfg.splits != 1 or cfg.tile != DETERMINISTIC_TILE):  # warps within splits: not one chain
-        raise ValueError(f"skinny GEMM: warp_ranges takes tile {DETERMINISTIC_TILE} and one split (the warps are "
-                         f"the splits), got {cfg}")
+    warp_ranges (deterministic mode; one split; for 16-bit weights tile DETERMINISTIC_TILE, for FP8
+    any tile): each warp sums a contiguous share of the block's K range, so a block of w warps gives
+    the bits of the batch-invariant Triton GEMM in w splits (16-bit: kernels/batch_invariant_gemm.py,
+    each k16 step contiguous K; FP8: batch_invariant_fp8.py, in the FP8 loader's steps). The share
+    must be whole warp groups; the launch refuses it otherwise."""
+    if warp_ranges and (cfg.splits != 1 or (scale is None and cfg.tile != DETERMINISTIC_TILE)):
+        raise ValueError("skinny GEMM: warp_ranges takes one split (the warps are the splits)"
+                         + (f" and tile {DETERMINISTIC_TILE}" if scale is None else "") + f", got {cfg}")
     fmt = DENSE if scale is None else FP8_FORMAT
     m, k = x.shape
     n_out = out.size(1)
@@ -327,4 +341,4 @@ def launch(
         return
     s_stride = scale.stride(0) if scale.size(0) > 1 else scale.size(1)
     compiled().skinny_gemm_fp8(x.data_ptr(), weight.data_ptr(), scale.data_ptr(), s_stride, scale.size(1) > 1, b,
-                               out.data_ptr(), *split_args)
+                               out.data_ptr(), *split_args, warp_ranges)
