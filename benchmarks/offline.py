@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas (each of --tp GPUs)")
     ap.add_argument("--disable-overlap", action="store_true")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--deterministic", action="store_true", help="batch-invariant kernels (README: Determinism)")
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     ap.add_argument("--decode-latency", action="store_true",
                     help="also time batch-1 decode: ms/token end to end, per-step host and GPU time")
@@ -118,7 +119,7 @@ def main() -> None:
         cuda_graph_max_bs=args.cuda_graph_max_bs, tp_size=args.tp, dp_size=args.dp,
         custom_all_reduce=not args.disable_custom_all_reduce, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, state_snapshots=args.state_snapshots,
-        **spec,
+        deterministic=args.deterministic, **spec,
         **({} if args.mixed_chunk_tokens is None else {"mixed_chunk_tokens": args.mixed_chunk_tokens}),
     )
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
