@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.tile_order import grouped_tile
+from minisgl.kernels.tile_order import clamped_tile
 
 SPAN = 128  # one scale block; the skinny FP8 loader's warp group (two 64-element chunks)
 GROUP_M = 8
@@ -48,11 +48,7 @@ def _span():
 def _fp8_kernel(X, W, S, Bias, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, SPANS_PER_SPLIT,
                 BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (offs_m % M).to(tl.int64)  # clamped: loads need no row / column masks
-    cols = (offs_n % N).to(tl.int64)
+    offs_m, offs_n, rows, cols = clamped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP)
     kp = _span()
     x_base = X + rows[:, None] * stride_xm + kp[None, :]
     w_base = W + cols[None, :] * stride_wn + kp[:, None]

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.tile_order import grouped_tile
+from minisgl.kernels.tile_order import clamped_tile
 
 Config = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 CONFIG_FILE = Path(__file__).with_name("batch_invariant_gemm_configs.json")
@@ -62,11 +62,7 @@ CANDIDATES: list[Config] = [
 def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLIT,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr, SPLITS: tl.constexpr):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (offs_m % M).to(tl.int64)  # clamped: loads need no row / column masks
-    cols = (offs_n % N).to(tl.int64)
+    offs_m, offs_n, rows, cols = clamped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP)
     offs_k = tl.arange(0, BLOCK_K)
     x_base = X + rows[:, None] * stride_xm + offs_k[None, :]
     w_base = W + cols[None, :] * stride_wn + offs_k[:, None]

@@ -49,6 +49,18 @@ def test_gemm_rows_invariant_up_to_8192(n: int, k: int) -> None:
         ops.set_deterministic(dev, False)
 
 
+def _fp8_weight(n: int, k: int, block: bool, dtype: torch.dtype, g: torch.Generator):
+    """A random [n, k] weight (drawn in `dtype`) quantized to e4m3: 128 x 128 block scales expanded
+    to rows, or per-channel ones. Returns (weight, scale [n, KB])."""
+    from minisgl.ops.gemm.fp8 import expand_block_scale, quantize_blocks, quantize_rows
+
+    w16 = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) * 0.05
+    if not block:
+        return quantize_rows(w16)
+    w, compact = quantize_blocks(w16)
+    return w, expand_block_scale(compact, n)
+
+
 @pytest.mark.parametrize("block", [False, True])
 @pytest.mark.parametrize("n,k,silu", [(4096, 4096, False), (6144, 4096, True), (1024, 3072, False)])
 def test_fp8_rows_invariant_up_to_8192(n: int, k: int, silu: bool, block: bool) -> None:
@@ -56,16 +68,11 @@ def test_fp8_rows_invariant_up_to_8192(n: int, k: int, silu: bool, block: bool) 
     with and without SiLU-and-mul): 16 probe rows, each computed alone, equal the same rows placed
     anywhere in a batch of M = 1 ... 8192. With block scales the default mode's path (the Triton FP8
     GEMM in tiles chosen by M) differs from itself somewhere across M: the equality is not trivial."""
-    from minisgl.ops.gemm.fp8 import dequantize, expand_block_scale, quantize_blocks, quantize_rows
+    from minisgl.ops.gemm.fp8 import dequantize
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(n + k)
-    w16 = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.05
-    if block:
-        w, compact = quantize_blocks(w16)
-        scale = expand_block_scale(compact, n)
-    else:
-        w, scale = quantize_rows(w16)
+    w, scale = _fp8_weight(n, k, block, torch.bfloat16, g)
     bias = None if silu else torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g)
     x = torch.randn(8192, k, device=dev, dtype=torch.bfloat16, generator=g)
 
@@ -155,17 +162,11 @@ def test_fp8_skinny_rows_equal_the_batch_invariant_fp8_gemm(n: int, k: int, dtyp
     warp, so where there are splits it must differ. (1000, 1040): one split, a K tail mid-span, odd N."""
     from minisgl.kernels import batch_invariant_fp8
     from minisgl.ops.gemm import dispatch
-    from minisgl.ops.gemm.fp8 import expand_block_scale, quantize_blocks, quantize_rows
     from minisgl.ops.gemm.skinny import FP8_FORMAT, SkinnyConfig, launch, tile_shapes
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(n + k)
-    w16 = torch.randn(n, k, device=dev, dtype=torch.float32, generator=g) * 0.05
-    if block:
-        w, compact = quantize_blocks(w16)
-        scale = expand_block_scale(compact, n)
-    else:
-        w, scale = quantize_rows(w16)
+    w, scale = _fp8_weight(n, k, block, torch.float32, g)
     b = torch.randn(n, device=dev, dtype=dtype, generator=g) if bias else None
     x = torch.randn(300, k, device=dev, dtype=dtype, generator=g)
     s = batch_invariant_fp8.splits_for(n, k)
