@@ -167,7 +167,7 @@ struct Bf16DetW : Bf16W<TT> {
 // accumulator added scaled, per-channel ones with a scale of 1). Bytes become exact T pairs in
 // fp8_convert.cuh. Deterministic mode's FP8 GEMM above 32 rows repeats this order
 // (kernels/batch_invariant_fp8.py). (Per-channel MMAs chained straight into the accumulator behind
-// a run-time branch cost 10-56 more registers an instance and made the default qkv_proj 12% slower
+// a run-time branch cost 18-56 more registers an instance and made the default qkv_proj 12% slower
 // at batch 1: not kept, twenty-first session.)
 template <typename TT>
 struct Fp8W {

@@ -159,7 +159,8 @@ def test_fp8_skinny_rows_equal_the_batch_invariant_fp8_gemm(n: int, k: int, dtyp
     of kernels/batch_invariant_fp8.py at M = 300, per-channel and 128-K block scales, with SiLU-and-mul
     too; and every FP8 tile in warp ranges where it fits gives those bits (ops.linear picks one by M).
     The default launch in the same warps (each warp every warps-th group) sums other products per
-    warp, so where there are splits it must differ. (1000, 1040): one split, a K tail mid-span, odd N."""
+    warp, so where there are splits it must differ. (1000, 1040): one split, a K tail mid-span, N
+    not a multiple of 16."""
     from minisgl.kernels import batch_invariant_fp8
     from minisgl.ops.gemm import dispatch
     from minisgl.ops.gemm.skinny import FP8_FORMAT, SkinnyConfig, launch, tile_shapes

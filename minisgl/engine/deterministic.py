@@ -18,7 +18,8 @@ def check_deterministic(cfg: EngineConfig, mc: ModelConfig, tp: TPInfo) -> None:
                          f"({mc.architecture}); leave out --deterministic for this model")
     if mc.quantization is not None and mc.quantization.fmt != "fp8":
         # The 4-bit GEMMs (ops/gemm/w4.py, their skinny loaders) choose their tiles and splits, or
-        # their path, by M. FP8 weights take one fixed launch in the mode (ops/gemm/dispatch.py).
+        # their path, by M. FP8 weights run in the skinny FP8 kernel's order at every M (ops/gemm/dispatch.py
+        # _fp8_deterministic).
         raise ValueError(f"deterministic mode does not cover {mc.quantization.fmt.upper()} weights yet: use a "
                          "16-bit or FP8 checkpoint")
     if tp.size > 1:

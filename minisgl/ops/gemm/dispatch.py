@@ -207,7 +207,7 @@ def _fp8_deterministic(x, weight, scale, block_k, bias, silu) -> torch.Tensor:
         0 < m <= DETERMINISTIC_SKINNY_M
         and skinny_enabled(x.device)
         and fp8_fits(x, weight, scale, block_k)
-        and (bias is None or bias.dtype == x.dtype)
+        and (bias is None or (bias.dtype == x.dtype and bias.stride(0) == 1))
     ):
         y = torch.empty((m, weight.size(0)), dtype=x.dtype, device=x.device)
         launch(x, weight, bias, y, False, SkinnyConfig(deterministic_fp8_tile(m, k, splits), splits, 1), scale=scale,

@@ -147,7 +147,8 @@ def fp8_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k
         and x.stride(1) == 1 and weight.stride(1) == 1 and scale.stride(1) == 1
         and x.data_ptr() % 16 == 0 and (x.size(0) == 1 or x.stride(0) % 8 == 0)
         and weight.data_ptr() % 16 == 0 and (n == 1 or weight.stride(0) % 16 == 0)
-        and scale.size(0) == n and (kb == 1 or (block_k == BLOCK and kb == -(-k // BLOCK)))
+        and scale.size(0) == n and (n == 1 or scale.stride(0) >= 1)
+        and (kb == 1 or (block_k == BLOCK and kb == -(-k // BLOCK)))
     )
 
 
