@@ -1,6 +1,7 @@
 """Deterministic mode's FP8 GEMM above the skinny kernel's rows (Triton): y = x dequant(W)^T (+ bias)
 with W e4m3 [N, K] and fp32 scales [N, KB] (ops/gemm/fp8.py's layout: per channel, KB = 1, or per
-row and 128-K block), x 16-bit and not quantized (W8A16), fp32 reference beside.
+row and 128-K block), x 16-bit and not quantized (W8A16). Reference: ops/gemm/reference.py
+fp8_linear_reference.
 
 Up to 32 rows deterministic mode runs the skinny CUDA kernel's FP8 loader (csrc/skinny_weights.cuh
 Fp8W) with warp ranges; this kernel sums in that loader's order, so that a row's bits are the same
@@ -134,11 +135,3 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, splits: int
     )
     return y
 
-
-def gemm_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 math on the dequantized weight and the unquantized x; returns fp32 [M, N]."""
-    k = weight.size(1)
-    s = scale.float() if scale.size(1) == 1 else scale.float().repeat_interleave(SPAN, dim=1)[:, :k]
-    y = x.float() @ (weight.float() * s).T
-    return y + bias.float() if bias is not None else y

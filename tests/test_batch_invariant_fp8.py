@@ -37,7 +37,8 @@ def test_values_and_rows_independent_of_m(k: int, splits: int, block: bool) -> N
     """Per-channel and block scales, a bias, K in 1-4 splits and a masked K tail (200): the fp32
     reference's values, and the probe rows' bits whatever rows follow them (the interpreter's matmul
     rounds a row by its place in the tile, so the probes keep their places)."""
-    from minisgl.kernels.batch_invariant_fp8 import gemm, gemm_reference
+    from minisgl.kernels.batch_invariant_fp8 import gemm
+    from minisgl.ops.gemm.reference import fp8_linear_reference
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(k + splits)
@@ -48,7 +49,8 @@ def test_values_and_rows_independent_of_m(k: int, splits: int, block: bool) -> N
     probe = torch.randn(5, k, generator=g).to(dev, torch.float16)
     first = gemm(probe, w, scale, splits, bias)
     assert first.dtype == torch.float16 and first.shape == (5, n)
-    torch.testing.assert_close(first.float(), gemm_reference(probe, w, scale, bias), atol=2e-2, rtol=2e-2)
+    ref = fp8_linear_reference(probe, w, scale, 128, bias).float()
+    torch.testing.assert_close(first.float(), ref, atol=2e-2, rtol=2e-2)
     for m in (17, 37):
         others = torch.randn(m - 5, k, generator=g).to(dev, torch.float16)
         got = gemm(torch.cat([probe, others]), w, scale, splits, bias)
@@ -57,13 +59,14 @@ def test_values_and_rows_independent_of_m(k: int, splits: int, block: bool) -> N
 
 def test_fp32_activations_are_exact_to_the_reference() -> None:
     """fp32 x (ieee dots): within fp32 rounding of the reference."""
-    from minisgl.kernels.batch_invariant_fp8 import gemm, gemm_reference
+    from minisgl.kernels.batch_invariant_fp8 import gemm
+    from minisgl.ops.gemm.reference import fp8_linear_reference
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(3)
     w, scale = _weights(24, 256, True, g, dev)
     x = torch.randn(3, 256, generator=g).to(dev)
-    torch.testing.assert_close(gemm(x, w, scale, 2), gemm_reference(x, w, scale), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gemm(x, w, scale, 2), fp8_linear_reference(x, w, scale, 128), atol=1e-5, rtol=1e-5)
 
 
 def test_span_order_is_the_skinny_loaders_k16_steps() -> None:

@@ -187,10 +187,9 @@ def fp8_large_batch(
 def _fp8_deterministic(x, weight, scale, block_k, bias, silu) -> torch.Tensor:
     """An FP8 GEMM in deterministic mode, W8A16 (x is not quantized): up to DETERMINISTIC_SKINNY_M
     rows the skinny kernel's FP8 loader with the shape's fixed splits (batch_invariant_fp8.splits_for)
-    as one block's warps
-    (warp_ranges, in the tile skinny.deterministic_fp8_tile picks by M: any gives the same bits), else
-    kernels/batch_invariant_fp8.py, which sums in
-    that loader's order (the same bits by construction). SiLU-and-mul is its own kernel, as in
+    as one block's warps (warp_ranges, in the tile skinny.deterministic_fp8_tile picks by M: any gives
+    the same bits), else kernels/batch_invariant_fp8.py, which sums in that loader's order (the same
+    bits by construction). SiLU-and-mul is its own kernel, as in
     `_deterministic`."""
     if x.device.type != "cuda":
         # CPU: the reference's math (fp32, rounded once to x's dtype), one row at a time.
@@ -209,7 +208,7 @@ def _fp8_deterministic(x, weight, scale, block_k, bias, silu) -> torch.Tensor:
         and fp8_fits(x, weight, scale, block_k)
         and (bias is None or (bias.dtype == x.dtype and bias.stride(0) == 1))
     ):
-        y = torch.empty((m, weight.size(0)), dtype=x.dtype, device=x.device)
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         launch(x, weight, bias, y, False, SkinnyConfig(deterministic_fp8_tile(m, k, splits), splits, 1), scale=scale,
                warp_ranges=True)
     else:

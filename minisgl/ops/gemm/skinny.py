@@ -36,7 +36,6 @@ MAX_SPLITS = 64
 # The one tile built with deterministic mode's loader (warp_ranges: csrc/skinny_gemm.cu
 # Tiles<Bf16DetW>, whose MMAs take K in contiguous 16-element steps); rt 1, u 4, up to 32 rows.
 DETERMINISTIC_TILE = 1
-
 _KERNEL_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Split-K counters, one per row tile of a launch (zero between launches: the kernel's last
