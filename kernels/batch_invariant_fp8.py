@@ -18,7 +18,16 @@ at every M (issue 39) while batch 1 keeps the skinny kernel's speed:
   not on their k slots (sm_90, mma.sync and wgmma: tests/test_deterministic_gpu.py), so the bits
   are the same in both kernels, and in any tile shape here (the launch picks tiles by M freely).
 - The end: per channel fma(total, scale, bias or 0), with block scales total + (bias or 0); rounded
-  once to x's dtype. e4m3 converts to bf16 and fp16 exactly.
+  once to x's dtype.
+- e4m3 becomes bf16 exactly by moving bits, as the skinny loader does (csrc/fp8_convert.cuh;
+  `_e4m3_to`): Triton's own conversion goes through fp16, one F2F.BF16.F16 (a quarter-rate unit) an
+  element (H200, 4096x4096: 39.7 -> 29.3 us at M 64, 5-10% above 512 rows). fp16 keeps Triton's, one
+  instruction a pair, which was faster there (4096^3: 503 against 570 us).
+  Above a few hundred rows the time goes to the conversion's round trip, not its instructions: the
+  same loop with bf16 weights (no conversion, the same loads and spans) takes 327 against 559-605 us
+  at 4096^3; loading K in plain order would save 5-10%, chaining the spans' dots 11% (H200, `.device/
+  fp8det_probe.py`, twenty-second session). Each span's W is converted from shared memory through
+  registers back to shared memory, then the wgmma waits for it, and the next span waits for the wgmma.
 Traffic: x once per N tile, W (1 byte an element) once per M tile, y once.
 """
 
@@ -45,10 +54,45 @@ def _span():
     return tl.max_contiguous(tl.multiple_of(kp, 4), 4)
 
 
+# Four e4m3 bytes (element 0 lowest) -> two bf16 pairs, csrc/fp8_convert.cuh's e4m3x4_to_pairs: each
+# byte spread to the top of a half ([b1 00 b0 00]), its 7 value bits moved down 4 onto bf16's
+# exponent/mantissa boundary (value * 2^-120; e4m3 denormals stay exact as bf16 denormals), and one
+# exact multiply by 2^120 (an FMA adding -0, so zeros keep their sign).
+_E4M3_BF16 = tl.constexpr("""{
+.reg .b32 h<2>, u, z;
+mov.b32 u, 0x7B807B80;
+mov.b32 z, 0x80008000;
+prmt.b32 h0, $2, 0, 0x1404;
+prmt.b32 h1, $2, 0, 0x3424;
+and.b32 $0, h0, 0x7F007F00;
+and.b32 $1, h1, 0x7F007F00;
+shr.b32 $0, $0, 4;
+shr.b32 $1, $1, 4;
+and.b32 h0, h0, 0x80008000;
+and.b32 h1, h1, 0x80008000;
+or.b32 $0, $0, h0;
+or.b32 $1, $1, h1;
+fma.rn.bf16x2 $0, $0, u, z;
+fma.rn.bf16x2 $1, $1, u, z;
+}""")
+
+
+@triton.jit
+def _e4m3_to(w, DTYPE: tl.constexpr, BITS: tl.constexpr):
+    """e4m3 `w` as DTYPE, exact for every finite value: bf16 by moving bits where BITS says so (the PTX
+    above), else Triton's conversion (fp16, fp32, and the CPU interpreter, which runs no PTX)."""
+    if BITS:
+        return tl.inline_asm_elementwise(_E4M3_BF16, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        return w.to(DTYPE)
+
+
 @triton.jit
 def _fp8_kernel(X, W, S, Bias, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, SPANS_PER_SPLIT,
                 BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr, DOT_PREC: tl.constexpr,
+                BITS_CONVERT: tl.constexpr):
     offs_m, offs_n, rows, cols = clamped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP)
     kp = _span()
     x_base = X + rows[:, None] * stride_xm + kp[None, :]
@@ -65,7 +109,7 @@ def _fp8_kernel(X, W, S, Bias, Y, M, N, K, stride_xm, stride_wn, stride_sn, stri
         else:  # the K tail reads zeros, as the skinny kernel's predicated-off loads do
             x = tl.load(x_base + k0, mask=(k0 + kp)[None, :] < K, other=0.0)
             w = tl.load(w_base + k0, mask=(k0 + kp)[:, None] < K, other=0.0)
-        span = tl.dot(x, w.to(x.dtype), input_precision=DOT_PREC)
+        span = tl.dot(x, _e4m3_to(w, x.dtype, BITS_CONVERT), input_precision=DOT_PREC)
         # An FMA, never `chain += span`: Triton would fold that add into the dot's accumulator.
         s = tl.load(s_row + i) if BLOCK_SCALES else one
         chain = tl.fma(span, s[None, :], chain)
@@ -101,7 +145,12 @@ def tiles_for(m: int, dtype: torch.dtype, device: torch.device) -> tuple[int, in
         return INTERPRETER_TILES
     if dtype == torch.float32:  # ieee dots on FMA units
         return (32, 64, 4, 2)
-    return (64, 64, 4, 4) if m <= 128 else (128, 128, 8, 3)
+    return (64, 64, 4, 4) if m <= 256 else (128, 128, 8, 3)
+
+
+def bits_convert(x: torch.Tensor) -> bool:
+    """Whether the kernel turns e4m3 into x's dtype by moving bits (PTX): bf16 x on a GPU."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cuda"
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, splits: int,
@@ -131,7 +180,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, splits: int
         x, weight, scale, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0),
         scale.stride(0), y.stride(0), triton.cdiv(k, SPAN) // splits, BLOCK_SCALES=kb > 1,
         HAS_BIAS=bias is not None, EVEN_K=k % SPAN == 0, BLOCK_M=bm, BLOCK_N=bn, GROUP=GROUP_M,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", BITS_CONVERT=bits_convert(x),
+        num_warps=warps, num_stages=stages,
     )
     return y
 

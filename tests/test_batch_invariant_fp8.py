@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.batch_invariant_fp8 import _span
+from minisgl.kernels.batch_invariant_fp8 import _e4m3_to, _span
 
 pytestmark = pytest.mark.triton
 
@@ -18,6 +18,12 @@ pytestmark = pytest.mark.triton
 @triton.jit
 def _store_span(out):
     tl.store(out + tl.arange(0, 128), _span())
+
+
+@triton.jit
+def _convert(W, Y, CONVERT: tl.constexpr):
+    i = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(Y + i, _e4m3_to(tl.load(W + i), Y.dtype.element_ty, CONVERT))
 
 
 def _weights(n: int, k: int, block: bool, g: torch.Generator, dev: torch.device):
@@ -82,6 +88,28 @@ def test_span_order_is_the_skinny_loaders_k16_steps() -> None:
         for i in range(4):
             step = set(kp[64 * c + 16 * i : 64 * c + 16 * i + 16])
             assert step == {64 * c + 16 * q + 4 * i + t for q in range(4) for t in range(4)}, (c, i, sorted(step))
+
+
+@pytest.mark.gpu
+def test_e4m3_to_bf16_by_moving_bits_is_exact() -> None:
+    """The kernel's e4m3 -> bf16 conversion (PTX moving bits, csrc/fp8_convert.cuh's scheme) gives
+    torch's values for all 254 finite bytes (denormals and both zeros' signs too), in a shuffled tile
+    so that each packed word holds unrelated bytes."""
+    from minisgl.kernels.batch_invariant_fp8 import bits_convert
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU (the interpreter runs no PTX)")
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    bytes_ = torch.cat([finite, finite[:2]])[torch.randperm(256, generator=g)].to(dev)
+    w = bytes_.view(torch.float8_e4m3fn)
+    y = torch.empty(256, dtype=torch.bfloat16, device=dev)
+    assert bits_convert(y)
+    _convert[(1,)](w, y, CONVERT=True)
+    ref = w.to(torch.bfloat16)
+    assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), (
+        f"{(y.view(torch.int16) != ref.view(torch.int16)).sum().item()} of 256 differ")
 
 
 def test_bad_arguments_are_refused_by_name() -> None:
