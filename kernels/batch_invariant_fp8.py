@@ -20,14 +20,16 @@ at every M (issue 39) while batch 1 keeps the skinny kernel's speed:
 - The end: per channel fma(total, scale, bias or 0), with block scales total + (bias or 0); rounded
   once to x's dtype.
 - e4m3 becomes bf16 exactly by moving bits, as the skinny loader does (csrc/fp8_convert.cuh;
-  `_e4m3_to`): Triton's own conversion goes through fp16, one F2F.BF16.F16 (a quarter-rate unit) an
-  element (H200, 4096x4096: 39.7 -> 29.3 us at M 64, 5-10% above 512 rows). fp16 keeps Triton's, one
-  instruction a pair, which was faster there (4096^3: 503 against 570 us).
+  `_e4m3_to`): Triton's own conversion goes through fp16 and then one F2F.BF16.F16 an element (64 a
+  thread a span); the bit moves are PRMT, LOP3 and HMUL2 (H200, 4096x4096: 40 -> 32 us at M 64, 7-17%
+  above 512 rows). fp16 keeps Triton's, one instruction a pair, which was faster there (4096^3: 503
+  against 570 us).
   Above a few hundred rows the time goes to the conversion's round trip, not its instructions: the
-  same loop with bf16 weights (no conversion, the same loads and spans) takes 327 against 559-605 us
-  at 4096^3; loading K in plain order would save 5-10%, chaining the spans' dots 11% (H200, `.device/
-  fp8det_probe.py`, twenty-second session). Each span's W is converted from shared memory through
-  registers back to shared memory, then the wgmma waits for it, and the next span waits for the wgmma.
+  same loop with bf16 weights (no conversion, the same spans, plain loads) takes 327 against 559 us
+  at 4096^3; loading K in plain order would save 5-10%, chaining the spans' dots 11% (H200, a probe
+  of this kernel with parts swapped out: RESULTS.md, twenty-second session). Each span's W goes from
+  shared memory through registers back to shared memory, the wgmma waits for it, and the next span
+  for the wgmma, so conversion and MMA never overlap.
 Traffic: x once per N tile, W (1 byte an element) once per M tile, y once.
 """
 
