@@ -81,17 +81,17 @@ __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r
     }
     return;
   }
+  // lo holds output row `row`, hi row `row + 8`. A per-channel scale and the bias join in one
+  // explicit FMA (not left to contraction), which the deterministic FP8 GEMM above 32 rows repeats
+  // (kernels/batch_invariant_fp8.py: tl.fma).
   const int row = tile_row0 + 16 * r + g;
-  // A per-channel scale and the bias join in one explicit FMA (not left to contraction), which the
-  // deterministic FP8 GEMM above 32 rows repeats (kernels/batch_invariant_fp8.py: tl.fma).
-  if (row < p.n) {
-    const float b = bias != nullptr ? to_float(bias[row]) : 0.0f;
-    y[row] = from_float<T>(chan ? fmaf(lo, p.scale[row * p.s_stride], b) : lo + b);
-  }
-  if (row + 8 < p.n) {
-    const float b = bias != nullptr ? to_float(bias[row + 8]) : 0.0f;
-    y[row + 8] = from_float<T>(chan ? fmaf(hi, p.scale[(row + 8) * p.s_stride], b) : hi + b);
-  }
+  const auto store = [&](int n, float v) {
+    if (n >= p.n) return;
+    const float b = bias != nullptr ? to_float(bias[n]) : 0.0f;
+    y[n] = from_float<T>(chan ? fmaf(v, p.scale[n * p.s_stride], b) : v + b);
+  };
+  store(row, lo);
+  store(row + 8, hi);
 }
 
 // A down-projection block's share of the top-k sum (moe 2): its routing weight, and the expert's
