@@ -128,22 +128,32 @@ def kernel_spans(llm: LLM, prompt: list[list[int]]) -> list[tuple[float, float, 
                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
 
 
-def print_gaps(what: str, spans: list[tuple[float, float, str]], top: int = 8) -> None:
+def gap_summary(spans: list[tuple[float, float, str]]) -> dict:
+    """Over kernel spans (start us, end us, name) sorted by start: span (first start to last end), busy
+    (summed kernel time), idle gaps between consecutive kernels (under 100 us: a kernel boundary, by
+    boundary; from 100 us: a step boundary on the host) and overlap = busy + gaps - span, the time
+    kernels ran at once."""
     busy = sum(e - s for s, e, _ in spans)
     span = spans[-1][1] - spans[0][0]
     small, count, big = Counter(), Counter(), 0.0
     for (_, end, before), (start, _, after) in zip(spans, spans[1:]):
         gap = start - end
-        if gap >= 100:  # a step boundary on the host, not a kernel boundary
+        if gap >= 100:
             big += gap
         elif gap > 0:
             small[f"{before[:38]} -> {after[:38]}"] += gap
             count[f"{before[:38]} -> {after[:38]}"] += 1
-    gaps = sum(small.values()) + big
-    print(f"{what}: {len(spans)} kernels, span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f}, gaps < 100 us "
-          f"{sum(small.values()) / 1e3:.2f}, gaps >= 100 us {big / 1e3:.2f}, overlap {(busy + gaps - span) / 1e3:.2f}")
-    for key, us in small.most_common(top):
-        print(f"  {us / 1e3:7.3f} ms {count[key]:6d} x {us / count[key]:5.2f} us  {key}")
+    gaps = sum(small.values())
+    return {"span": span, "busy": busy, "gaps": gaps, "step_gaps": big, "overlap": busy + gaps + big - span,
+            "boundaries": [(key, us, count[key]) for key, us in small.most_common()]}
+
+
+def print_gaps(what: str, spans: list[tuple[float, float, str]], top: int = 8) -> None:
+    g = gap_summary(spans)
+    print(f"{what}: {len(spans)} kernels, span {g['span'] / 1e3:.2f} ms, busy {g['busy'] / 1e3:.2f}, gaps < 100 us "
+          f"{g['gaps'] / 1e3:.2f}, gaps >= 100 us {g['step_gaps'] / 1e3:.2f}, overlap {g['overlap'] / 1e3:.2f}")
+    for key, us, n in g["boundaries"][:top]:
+        print(f"  {us / 1e3:7.3f} ms {n:6d} x {us / n:5.2f} us  {key}")
 
 
 def main() -> None:
