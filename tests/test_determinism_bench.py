@@ -1,5 +1,5 @@
-"""benchmarks/determinism.py --only overlap: the arithmetic of span, busy time, gaps and overlap over
-kernel spans (CPU, synthetic spans)."""
+"""benchmarks/determinism.py gap_summary (the batch-1 rows' "between kernels" lines): the arithmetic
+of span, busy time, gaps and overlap over kernel spans (CPU, synthetic spans)."""
 
 from __future__ import annotations
 

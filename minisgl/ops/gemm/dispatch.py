@@ -189,8 +189,7 @@ def _fp8_deterministic(x, weight, scale, block_k, bias, silu) -> torch.Tensor:
     rows the skinny kernel's FP8 loader with the shape's fixed splits (batch_invariant_fp8.splits_for)
     as one block's warps (warp_ranges, in the tile skinny.deterministic_fp8_tile picks by M: any gives
     the same bits), else kernels/batch_invariant_fp8.py, which sums in that loader's order (the same
-    bits by construction). SiLU-and-mul is its own kernel, as in
-    `_deterministic`."""
+    bits by construction). SiLU-and-mul is its own kernel, as in `_deterministic`."""
     if x.device.type != "cuda":
         # CPU: the reference's math (fp32, rounded once to x's dtype), one row at a time.
         w = dequantize(weight, scale, block_k)
