@@ -271,13 +271,14 @@ PYBIND11_MODULE(_C, m) {
          int64_t num_counters, int tokens, int top_k, int n, int k, int64_t x_stride, int64_t w_stride,
          int64_t y_stride, int64_t w_expert_stride, int64_t b_expert_stride, bool down, int act, float alpha,
          float limit, int fmt, std::uintptr_t scales, std::uintptr_t zeros, int64_t q_stride, int q_group,
-         int64_t q_expert_stride, int dtype, int cfg, int warps, int splits, bool pdl, std::uintptr_t stream) {
+         int64_t q_expert_stride, int dtype, int cfg, int warps, int splits, bool pdl, std::uintptr_t stream,
+         bool warp_ranges) {
         check(minisgl::skinny_moe(ptr<const void>(x), ptr<const void>(w), ptr<const void>(bias), ptr<const int>(ids),
                                   ptr<const float>(weights), ptr(y), ptr<float>(workspace), workspace_bytes,
                                   ptr<int>(counters), num_counters, tokens, top_k, n, k, x_stride, w_stride, y_stride,
                                   w_expert_stride, b_expert_stride, down ? 1 : 0, act, alpha, limit, fmt,
                                   ptr<const void>(scales), ptr<const void>(zeros), q_stride, q_group, q_expert_stride,
-                                  dtype, cfg, warps, splits, pdl ? 1 : 0, ptr(stream)),
+                                  dtype, cfg, warps, splits, pdl ? 1 : 0, ptr(stream), warp_ranges ? 1 : 0),
               "skinny_moe");
       },
       py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("ids"), py::arg("weights"), py::arg("y"),
@@ -286,7 +287,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("y_stride"), py::arg("w_expert_stride"), py::arg("b_expert_stride"), py::arg("down"), py::arg("act"),
       py::arg("alpha"), py::arg("limit"), py::arg("fmt"), py::arg("scales"), py::arg("zeros"), py::arg("q_stride"),
       py::arg("q_group"), py::arg("q_expert_stride"), py::arg("dtype"), py::arg("cfg"), py::arg("warps"),
-      py::arg("splits"), py::arg("pdl"), py::arg("stream"));
+      py::arg("splits"), py::arg("pdl"), py::arg("stream"), py::arg("warp_ranges") = false);
   m.def(
       "skinny_gemm",
       [](std::uintptr_t x, std::uintptr_t w, std::uintptr_t bias, std::uintptr_t y, std::uintptr_t workspace,

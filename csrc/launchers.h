@@ -105,13 +105,14 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
 // limit); splits K splits per pair. down 1: x = inter [tokens * top_k, k], w [E, n, k], y
 // [tokens, n] = sum over the token's slots of weights * (x W_e^T + b_e), weights fp32 [tokens,
 // top_k]; splits K splits per slot (splits * top_k <= 64). The workspace and counters as the
-// dense op's, times the z planes (pairs or tokens).
+// dense op's, times the z planes (pairs or tokens). warp_ranges = 1 (deterministic mode; 16-bit
+// experts, cfg 1, one split per pair or slot): as skinny_gemm's, each warp a contiguous share of K.
 int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, const float* weights, void* y,
                float* workspace, int64_t workspace_bytes, int* counters, int64_t num_counters, int tokens, int top_k,
                int n, int k, int64_t x_stride, int64_t w_stride, int64_t y_stride, int64_t w_expert_stride,
                int64_t b_expert_stride, int down, int act, float alpha, float limit, int fmt, const void* qscale,
                const void* qzero, int64_t q_stride, int q_group, int64_t q_expert_stride, int dtype, int cfg,
-               int warps, int splits, int pdl, void* stream);
+               int warps, int splits, int pdl, void* stream, int warp_ranges = 0);
 
 // KV rows between two pools by slot lists, K and V of every layer in one launch
 // (csrc/kv_copy.cuh): for t in {K, V}, layer < num_layers, i < num_slots,

@@ -62,14 +62,15 @@ struct Params {
   // 4-bit MoE experts: expert e's scales (and INT4 zeros) start q_expert_stride elements after
   // expert e - 1's (the loader's W4Base::expert).
   int64_t q_expert_stride;
-  // Deterministic mode (16-bit and FP8 dense launches only; 0 elsewhere): warp w of a block sums its
+  // Deterministic mode (16-bit and FP8 dense launches, 16-bit MoE ones; 0 elsewhere): warp w of a block sums its
   // own contiguous share [w * k_split / warps, (w + 1) * k_split / warps) of the block's K range, one
   // group after another, instead of every warps-th group. A 16-bit launch takes the deterministic
   // loader (Bf16DetW: each MMA over 16 contiguous K elements); the block's sum over its warps (in
   // warp order, from zero) is then the batch-invariant Triton GEMM's chain in `warps` splits
   // (kernels/batch_invariant_gemm.py), at the speed of a multi-warp block. An FP8 launch keeps Fp8W,
-  // whose order the deterministic FP8 GEMM follows (kernels/batch_invariant_fp8.py). The host
-  // requires k_split to be a whole number of groups per warp.
+  // whose order the deterministic FP8 GEMM follows (kernels/batch_invariant_fp8.py). A MoE launch's
+  // pairs (up) and slots (down) are one split each: their sums are the deterministic fused MoE's
+  // (kernels/fused_moe.py, SPLITS). The host requires k_split to be a whole number of groups per warp.
   int warp_ranges;
   // 4-bit weights: ceil(2^44 / (q_group / 32)), so a K offset's group is ((kk >> 5) * this) >> 44
   // with no division (exact for K <= 2^22, which the host checks); the launcher sets it.

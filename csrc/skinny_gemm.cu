@@ -112,7 +112,8 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 template <template <typename> class W, typename T, bool kDown, int I>
 KernelFn moe_instance() {
   constexpr TileConfig c = Tiles<W>::kList[I];
-  return skinny::skinny_moe_kernel<W<T>, c.rt, c.u, kDown>;
+  if constexpr (c.max_mt >= 1) return skinny::skinny_moe_kernel<W<T>, c.rt, c.u, kDown>;
+  return nullptr;
 }
 
 template <template <typename> class W, typename T, bool kDown>
@@ -126,8 +127,10 @@ KernelFn pick_moe(int cfg) {
   }
 }
 
+// warp_ranges (deterministic mode, 16-bit experts): the loader whose k16 steps are contiguous K.
 template <typename T, bool kDown>
-KernelFn pick_moe_fmt(int fmt, int cfg) {
+KernelFn pick_moe_fmt(int fmt, int cfg, int warp_ranges) {
+  if (warp_ranges) return fmt == 0 ? pick_moe<skinny::Bf16DetW, T, kDown>(cfg) : nullptr;
   return fmt == 0   ? pick_moe<skinny::Bf16W, T, kDown>(cfg)
          : fmt == 1 ? pick_moe<skinny::Int4W, T, kDown>(cfg)
          : fmt == 2 ? pick_moe<skinny::Mxfp4W, T, kDown>(cfg)
@@ -162,7 +165,8 @@ int launch_kernel(KernelFn fn, Params p, int rt, int64_t group, int warps, int n
   if (tiles > INT32_MAX || z < 1 || z > 65535) return static_cast<int>(cudaErrorInvalidValue);
   if (k_splits < 1) k_splits = num_splits;
   const int64_t per_split = ((p.k + k_splits - 1) / k_splits + group - 1) / group * group;
-  if (p.warp_ranges && (per_split % (group * warps) != 0 || z != 1))  // whole groups per warp, dense only
+  // whole groups per warp, and the warps are the (one) split of each tile or MoE slot
+  if (p.warp_ranges && (per_split % (group * warps) != 0 || k_splits != 1))
     return static_cast<int>(cudaErrorInvalidValue);
   if (num_splits > 1) {
     const int64_t items = static_cast<int64_t>(rt) * mt * 2 * 32;  // float2 per (tile, split)
@@ -288,11 +292,12 @@ int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, c
                int n, int k, int64_t x_stride, int64_t w_stride, int64_t y_stride, int64_t w_expert_stride,
                int64_t b_expert_stride, int down, int act, float alpha, float limit, int fmt, const void* qscale,
                const void* qzero, int64_t q_stride, int q_group, int64_t q_expert_stride, int dtype, int cfg,
-               int warps, int splits, int pdl, void* stream) {
+               int warps, int splits, int pdl, void* stream, int warp_ranges) {
   // Up: silu mode over (gate | up) rows, z = token-expert pairs. Down: z = tokens, every slot's splits.
   const int silu = down ? 0 : 1;
   if (ids == nullptr || (down && weights == nullptr) || tokens < 1 || top_k < 1 || (act != 0 && act != 1) ||
       (down && act != 0) || (down && splits * top_k > kMaxSplits) || fmt < 0 || fmt > 2 ||
+      (warp_ranges != 0 && warp_ranges != 1) ||
       !common_args_ok(1, 32, n, k, warps, splits, x_stride, x, w, silu))
     return static_cast<int>(cudaErrorInvalidValue);
   int rt = 0;
@@ -310,14 +315,15 @@ int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, c
     rt = kW4Configs[cfg].rt;
     group = static_cast<int64_t>(kW4Configs[cfg].u) * skinny::Int4W<__half>::kChunk;
   }
-  KernelFn fn = dtype == 0   ? (down ? pick_moe_fmt<__half, true>(fmt, cfg) : pick_moe_fmt<__half, false>(fmt, cfg))
-                : dtype == 1 ? (down ? pick_moe_fmt<__nv_bfloat16, true>(fmt, cfg)
-                                     : pick_moe_fmt<__nv_bfloat16, false>(fmt, cfg))
+  KernelFn fn = dtype == 0   ? (down ? pick_moe_fmt<__half, true>(fmt, cfg, warp_ranges)
+                                     : pick_moe_fmt<__half, false>(fmt, cfg, warp_ranges))
+                : dtype == 1 ? (down ? pick_moe_fmt<__nv_bfloat16, true>(fmt, cfg, warp_ranges)
+                                     : pick_moe_fmt<__nv_bfloat16, false>(fmt, cfg, warp_ranges))
                              : nullptr;
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, 1, n, k, silu, 0, 0, nullptr, 0, 0,
            qscale, qzero, q_stride, q_group, ids, weights, w_expert_stride, b_expert_stride, top_k, splits, act,
-           alpha, limit, q_expert_stride, 0, fmt == 0 ? 0 : group_mul(q_group)};
+           alpha, limit, q_expert_stride, warp_ranges, fmt == 0 ? 0 : group_mul(q_group)};
   const int64_t z = down ? tokens : static_cast<int64_t>(tokens) * top_k;
   return launch_kernel(fn, p, rt, group, warps, down ? splits * top_k : splits, workspace, workspace_bytes, counters,
                        num_counters, pdl, stream, z, splits);

@@ -216,6 +216,28 @@ def test_gemm_tiles_compute_the_same_function(block_m: int, tile: GemmTile) -> N
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_deterministic_splits_compute_the_same_function(dtype: torch.dtype) -> None:
+    """Deterministic mode's sums (`splits`): K in fixed splits, each its own chain from zero, and
+    each slot's weighted row in fp32, summed over a token's slots with one rounding. H = 64 in 2 and
+    4 splits, I = 48 in 3 and 1 (16-element splits: BLOCK_K shrinks to divide them); splits that
+    do not divide K are refused. (The bits against the skinny kernel: tests/test_deterministic_gpu.py.)"""
+    x, w13, w2, weights, ids, _ = experts_case(30, 7, 3, 64, 48, dtype, seed=11)
+    poison_unrouted(w13, w2, ids)
+    sorted_ids, expert_ids = A.align(ids, 7, 16)
+    tile = GemmTile(32, 64)
+    for up_splits, down_splits in ((2, 3), (4, 1)):
+        inter = G.up_gemm(x, w13, sorted_ids, expert_ids, 3, 16, tile, splits=up_splits)
+        y = G.down_gemm(inter, w2, weights, sorted_ids, expert_ids, 16, tile, splits=down_splits)
+        assert y.dtype == torch.float32
+        out = G.moe_sum(y, 3, dtype=dtype)
+        assert out.dtype == dtype
+        assert_experts_rule(out, x, w13, w2, weights, ids, {})
+    with pytest.raises(ValueError, match="splits"):
+        G.up_gemm(x, w13, sorted_ids, expert_ids, 3, 16, tile, splits=5)
+
+
+@needs_triton
 @pytest.mark.parametrize("t,k", [(1, 1), (64, 1), (64, 2)])
 def test_all_tokens_to_one_expert(t: int, k: int) -> None:
     x, w13, w2, weights, _, _ = experts_case(t, 9, k, 32, 16, torch.float32, seed=t)

@@ -145,9 +145,16 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
              expert_ids: torch.Tensor, top_k: int, cfg: MoeTileConfig, shared: torch.Tensor | None,
              shared_gate: torch.Tensor | None, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
              act: ExpertAct | None = None) -> torch.Tensor:
-    inter = _gemm.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, b13=b13, act=act)
-    y = _gemm.down_gemm(inter, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, b2=b2)
-    return _gemm.moe_sum(y, top_k, shared, shared_gate)
+    # Deterministic mode: each GEMM sums K in its weight shape's fixed splits, as the skinny MoE
+    # kernel does for 1-2 tokens (ops/gemm/skinny_moe.py deterministic_configs), and the slots
+    # are added in fp32 (kernels/fused_moe.py).
+    up_splits = down_splits = 0
+    if is_deterministic(x.device):
+        up_splits, down_splits = _skinny.deterministic_splits(x, w13.shape[2], w2.shape[2])
+    inter = _gemm.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, b13=b13, act=act,
+                          splits=up_splits)
+    y = _gemm.down_gemm(inter, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, b2=b2, splits=down_splits)
+    return _gemm.moe_sum(y, top_k, shared, shared_gate, dtype=x.dtype)
 
 
 def _config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeTileConfig:

@@ -16,6 +16,7 @@ from minisgl.kernels import moe_routing as _route
 from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.ops._backend import use_triton
 from minisgl.ops._checks import check_same_device, check_shape, check_tensor
+from minisgl.ops.deterministic import is_deterministic
 from minisgl.ops.gemm import linear
 from minisgl.ops.gemm import skinny_moe as _skinny
 from minisgl.ops.gemm.skinny import counters
@@ -40,7 +41,9 @@ def fused_moe_layer(
         check_tensor("gate_bias", gate_bias, dtype=x.dtype, ndim=1)
         check_shape("gate_bias", gate_bias, (w13.shape[0],))
     check_same_device(x=x, gate_weight=gate_weight)
+    # (not in deterministic mode: its router logits come from the mode's linear at every token count)
     if (gate_weight.numel() <= ROUTE_LINEAR_MAX_ELEMENTS and gate_weight.stride(1) == 1
+            and not is_deterministic(x.device)
             and (gate_bias is None or gate_bias.stride(0) == 1)
             and _skinny.fits(x, w13, w2, top_k, shared) and use_triton("moe_route", x)):
         ctr = counters(x.device)  # the skinny GEMM's split-K counters: zero between launches on this stream

@@ -16,6 +16,12 @@ the H100 the routed experts took 0.98-1.10x the Triton path's time at 1-2 tokens
 benchmarks/kernels/skinny_moe.py). A CUDA graph bucket boundary (1, 2, 4, 8), so a padded batch
 takes the path its unpadded size would.
 
+Deterministic mode (ops/deterministic.py): 16-bit experts run here too, in the dense mode's order
+(`deterministic_configs`: DETERMINISTIC_TILE, the weight shape's fixed K splits as one block's
+warps, each warp a contiguous split; one split per pair and per slot). Above MAX_TOKENS the Triton
+fused MoE sums in the same splits (`deterministic_splits`, kernels/fused_moe.py), so a token's rows
+are the same bits at every batch size and batch 1 runs here, at this kernel's speed.
+
 4-bit experts (`Quant4`, ops/gemm/w4.py fused_moe_w4) run the same kernels with the INT4 / MXFP4
 loaders (csrc/skinny_w4.cuh) and their own tile table: there the Triton path decodes the 4-bit
 tiles inside a grouped GEMM built for batches, which ran 12-55x the batch-1 floor (RESULTS.md).
@@ -31,12 +37,14 @@ import torch
 from minisgl import env
 from minisgl.kernels import device as _device  # (its num_sms: a parameter here has that name)
 from minisgl.kernels import w4a16_gemm as _w4
+from minisgl.kernels.batch_invariant_gemm import skinny_splits, splits_for
 from minisgl.kernels.fused_moe import ExpertAct
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 from minisgl.ops.deterministic import is_deterministic
 from minisgl.ops.gemm.skinny import (
     _KERNEL_DTYPES,
     DENSE,
+    DETERMINISTIC_TILE,
     MAX_SPLITS,
     PDL,
     SkinnyConfig,
@@ -90,7 +98,7 @@ def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, share
         return False
     if top_k > MAX_SPLITS:
         return False
-    if is_deterministic(x.device):  # a batch past MAX_TOKENS takes the grouped GEMM: other bits
+    if is_deterministic(x.device) and quant is not None:  # the mode refuses 4-bit weights (engine/deterministic.py)
         return False
     if not use_cuda_kernel("skinny_moe", x) or not hasattr(compiled(), "skinny_moe"):
         return False
@@ -119,8 +127,24 @@ def default_configs(top_k: int, hidden: int, inter: int, num_sms: int,
     return up, down
 
 
+def deterministic_splits(x: torch.Tensor, hidden: int, inter: int) -> tuple[int, int]:
+    """Deterministic mode's fixed K splits of the (up, down) projections, for every token count:
+    the dense mode's rule (kernels/batch_invariant_gemm.splits_for) on the GPU's 16-bit x, else one
+    (fp32 and the CPU interpreter need no match with this kernel)."""
+    if not skinny_splits(x):
+        return 1, 1
+    return splits_for(hidden), splits_for(inter)
+
+
+def deterministic_configs(hidden: int, inter: int) -> tuple[SkinnyConfig, SkinnyConfig]:
+    """(up, down) in deterministic mode: DETERMINISTIC_TILE, deterministic_splits' splits as one
+    block's warps (launched with warp_ranges) and one split per pair or slot."""
+    return (SkinnyConfig(DETERMINISTIC_TILE, splits_for(hidden), 1),
+            SkinnyConfig(DETERMINISTIC_TILE, splits_for(inter), 1))
+
+
 def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cfg: SkinnyConfig,
-            q: tuple[int, torch.Tensor, torch.Tensor | None] | None) -> None:
+            q: tuple[int, torch.Tensor, torch.Tensor | None] | None, warp_ranges: bool = False) -> None:
     """One launch; q = (fmt, scales, zeros) for 4-bit experts (w [E, N, K/8] int32 or [E, N, K/2] uint8)."""
     tokens, top_k = ids.shape
     n = out.shape[1]
@@ -149,7 +173,7 @@ def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cf
         x.stride(0) if x.shape[0] > 1 else k, w.stride(1), out.stride(0) if out.shape[0] > 1 else n, w.stride(0),
         0 if bias is None else bias.stride(0), down, 1 if gpt_oss else 0, act.alpha if gpt_oss else 0.0,
         act.limit if gpt_oss else 0.0, f_id, s_ptr, z_ptr, q_stride, q_group, q_estride, _KERNEL_DTYPES[x.dtype],
-        cfg.tile, cfg.warps, cfg.splits, PDL, current_stream(x.device),
+        cfg.tile, cfg.warps, cfg.splits, PDL, current_stream(x.device), warp_ranges,
     )
 
 
@@ -166,7 +190,13 @@ def experts(
     top_k = topk_ids.shape[1]
     inter = w2.shape[2] if quant is None else w13.shape[1] // 2
     fmt = DENSE if quant is None else _w4.NAMES[quant.fmt]
-    if up is None or down is None:
+    det = is_deterministic(x.device)
+    if det:
+        if up is not None or down is not None or quant is not None:
+            raise ValueError("skinny_moe: deterministic mode takes its own configs (deterministic_configs) "
+                             "and 16-bit experts only")
+        up, down = deterministic_configs(h, inter)
+    elif up is None or down is None:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         d_up, d_down = default_configs(top_k, h, inter, _device.num_sms(index), fmt)
         env_up, env_down = (UP_CONFIG, DOWN_CONFIG) if quant is None else (None, None)  # env: 16-bit tiles
@@ -178,7 +208,7 @@ def experts(
     q13 = None if quant is None else (quant.fmt, quant.s13, quant.z13)
     q2 = None if quant is None else (quant.fmt, quant.s2, quant.z2)
     mid = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    _launch(x, w13, b13, topk_ids, topk_weights, mid, False, act, up, q13)
+    _launch(x, w13, b13, topk_ids, topk_weights, mid, False, act, up, q13, det)
     out = torch.empty(tokens, h, dtype=x.dtype, device=x.device)
-    _launch(mid, w2, b2, topk_ids, topk_weights, out, True, None, down, q2)
+    _launch(mid, w2, b2, topk_ids, topk_weights, out, True, None, down, q2, det)
     return out
