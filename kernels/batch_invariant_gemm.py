@@ -91,14 +91,15 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLI
 
 
 @functools.cache  # the mode's dispatch asks per call
-def splits_for(k: int) -> int:
+def splits_for(k: int, min_split: int = MIN_SPLIT_K) -> int:
     """The fixed K splits of a 16-bit weight with K columns in deterministic mode, for every M: doubled
     up to MAX_SPLITS while each split stays a whole multiple of SPLIT_ALIGN elements and at least
-    MIN_SPLIT_K long. Up to 32 rows the skinny kernel runs them as the warps of one block (every
+    `min_split` long. Up to 32 rows the skinny kernel runs them as the warps of one block (every
     warp a contiguous split), so they set its warps per block; here, each split is a chain whose
-    pipeline refills, so fewer long splits are faster at large M (benchmarks/determinism.py)."""
+    pipeline refills, so fewer long splits are faster at large M (benchmarks/determinism.py).
+    (The fused MoE folds its splits inside one loop: ops/gemm/skinny_moe.py passes its own minimum.)"""
     s = 1
-    while 2 * s <= MAX_SPLITS and k % (2 * s * SPLIT_ALIGN) == 0 and k // (2 * s) >= MIN_SPLIT_K:
+    while 2 * s <= MAX_SPLITS and k % (2 * s * SPLIT_ALIGN) == 0 and k // (2 * s) >= min_split:
         s *= 2
     return s
 

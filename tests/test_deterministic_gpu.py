@@ -206,7 +206,7 @@ def test_fp8_skinny_rows_equal_the_batch_invariant_fp8_gemm(n: int, k: int, dtyp
 
 
 MOE_SHAPES = [  # (hidden, inter, experts, top_k, gpt_oss, dtype)
-    (2048, 768, 32, 8, False, torch.bfloat16),  # Qwen3-30B-A3B's H and I: 4 and 1 splits
+    (2048, 768, 32, 8, False, torch.bfloat16),  # Qwen3-30B-A3B's H and I: 4 and 2 splits
     (2880, 2880, 16, 4, True, torch.bfloat16),  # GPT-OSS-20B's, biases and the clamped SwiGLU: 1 and 1
     (2048, 1024, 8, 2, False, torch.float16),  # 4 and 2 splits
     (1000, 200, 8, 2, True, torch.bfloat16),  # K tails (one split each)
@@ -219,16 +219,19 @@ def test_skinny_moe_rows_equal_the_grouped_gemm(h: int, inter: int, e: int, top_
     """Deterministic mode's two MoE paths give a token the same bits: 1-2 tokens through the skinny
     MoE kernel in warp ranges (ops/gemm/skinny_moe.py deterministic_configs) equal the same tokens
     in a batch of 300 through the Triton grouped GEMM in the same K splits (kernels/fused_moe.py), and
-    any token alone equals its row in the batch; through ops.fused_moe_layer too (its router GEMM
-    and routing). The skinny kernel's default launch must differ (the equality is not trivial)."""
+    in a batch of 2048 (the tiles tuned for that many tokens, and a 16-row mma.sync tile), and any
+    token alone equals its row in the batch; through ops.fused_moe_layer too (its router GEMM and
+    routing). The skinny kernel's default launch must differ (the equality is not trivial)."""
     from minisgl.kernels.fused_moe import ExpertAct, fused_experts_reference
+    from minisgl.kernels.fused_moe_config import GemmTile, MoeTileConfig
     from minisgl.kernels.moe_routing import route_reference
+    from minisgl.ops import moe as moe_ops
     from minisgl.ops.gemm import skinny_moe
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(9)
-    t = 300
-    x = torch.randn(t, h, device=dev, generator=g).to(dtype)
+    t, big = 300, 2048
+    x = torch.randn(big, h, device=dev, generator=g).to(dtype)
     gate = (torch.randn(e, h, device=dev, generator=g) / h**0.5).to(dtype)
     w13 = (torch.randn(e, 2 * inter, h, device=dev, generator=g) / h**0.5).to(dtype)
     w2 = (torch.randn(e, h, inter, device=dev, generator=g) / inter**0.5).to(dtype)
@@ -236,6 +239,7 @@ def test_skinny_moe_rows_equal_the_grouped_gemm(h: int, inter: int, e: int, top_
     b2 = (torch.randn(e, h, device=dev, generator=g) * 0.5).to(dtype) if gpt_oss else None
     act = ExpertAct("gpt_oss") if gpt_oss else None
     logits = x @ gate.T
+    small = MoeTileConfig(16, GemmTile(32, 32, 1, 2, 2), GemmTile(32, 32, 1, 2, 2))
 
     def moe(rows: slice) -> torch.Tensor:
         return ops.fused_moe(x[rows], logits[rows], w13, w2, top_k, True, b13=b13, b2=b2, act=act)
@@ -247,10 +251,16 @@ def test_skinny_moe_rows_equal_the_grouped_gemm(h: int, inter: int, e: int, top_
     ops.set_deterministic(dev, True)
     try:
         ref = moe(slice(0, t))
-        weights, ids = route_reference(logits.float(), top_k, True, "softmax")
-        want = fused_experts_reference(x.float(), w13.float(), w2.float(), weights, ids, b13=None if b13 is None
+        weights, ids = route_reference(logits[:t].float(), top_k, True, "softmax")
+        want = fused_experts_reference(x[:t].float(), w13.float(), w2.float(), weights, ids, b13=None if b13 is None
                                        else b13.float(), b2=None if b2 is None else b2.float(), act=act)
         torch.testing.assert_close(ref.float(), want, atol=5e-2, rtol=5e-2)
+        got = moe(slice(0, big))[:t]
+        assert torch.equal(got, ref), f"{big} tokens: {(got != ref).sum().item()} elements differ"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(moe_ops, "_config", lambda *a: small)
+            got = moe(slice(0, big))[:t]
+        assert torch.equal(got, ref), f"{big} tokens, 16-row tiles: {(got != ref).sum().item()} elements differ"
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(skinny_moe, "_launch", spy)
             moe(slice(0, 1))
@@ -260,7 +270,7 @@ def test_skinny_moe_rows_equal_the_grouped_gemm(h: int, inter: int, e: int, top_
             assert torch.equal(got, ref[:m]), f"{m} tokens: {(got != ref[:m]).sum().item()} elements differ"
         for i in (7, 150, 299):
             assert torch.equal(moe(slice(i, i + 1)), ref[i : i + 1]), f"token {i} alone"
-        layer = ops.fused_moe_layer(x, gate, None, w13, w2, top_k, True, b13=b13, b2=b2, act=act)
+        layer = ops.fused_moe_layer(x[:t], gate, None, w13, w2, top_k, True, b13=b13, b2=b2, act=act)
         for i in (0, 299):
             alone = ops.fused_moe_layer(x[i : i + 1], gate, None, w13, w2, top_k, True, b13=b13, b2=b2, act=act)
             assert torch.equal(alone, layer[i : i + 1]), f"fused_moe_layer: token {i} alone"

@@ -21,10 +21,12 @@ from minisgl.ops.gemm import skinny_moe as _skinny
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SCORING = ("softmax", "sigmoid")
-# Deterministic mode (ops/deterministic.py): the grouped GEMMs take the tiles tuned for this many
-# tokens at every token count, so a row's reduction order (BLOCK_K, the MMA shape that BLOCK_M
-# picks) does not depend on the batch. A first guess, not measured: benchmarks/determinism.py
-# has no MoE workload yet.
+# Deterministic mode (ops/deterministic.py) on fp32: the grouped GEMMs take the tiles tuned for this
+# many tokens at every token count (its ieee dots' order is not pinned). 16-bit x on the GPU sums
+# in fixed K splits, each a chain of k16 steps in plain K order (kernels/fused_moe.py `splits`), so
+# there a row's bits do not depend on the tile (as kernels/batch_invariant_gemm.py's table entries:
+# tests/test_deterministic_gpu.py checks batches of 300 and 2048 tokens, whose tiles differ) and
+# the tuned tiles serve every token count: this fixed choice ran 2,048 tokens 2.8x slower (H200).
 DETERMINISTIC_TOKENS = 256
 if env.FUSED_MOE_CONFIGS:
     use_config_file(Path(env.FUSED_MOE_CONFIGS))
@@ -159,7 +161,8 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torc
 
 def _config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeTileConfig:
     e, two_i, h = w13.shape
-    tokens = DETERMINISTIC_TOKENS if is_deterministic(x.device) else x.shape[0]
+    fixed = is_deterministic(x.device) and not _skinny.skinny_splits(x)
+    tokens = DETERMINISTIC_TOKENS if fixed else x.shape[0]
     return get_config(e, top_k, two_i // 2, h, tokens, x.dtype, _device_name(x.device))
 
 

@@ -127,20 +127,27 @@ def default_configs(top_k: int, hidden: int, inter: int, num_sms: int,
     return up, down
 
 
+# Deterministic mode's shortest K split of an expert weight (kernels/batch_invariant_gemm.splits_for's
+# rule otherwise; the dense GEMM's minimum is 512). Qwen3-30B-A3B's down projection (K = 768) then
+# runs in 2 splits, not 1: 29.3 against 32.0 us per layer at 1 token, no slower at 2-2048 (H200,
+# .device/moe_det_probe.py; the splits cost the grouped GEMM one add per split, not a pipeline refill).
+MIN_SPLIT_K = 384
+
+
 def deterministic_splits(x: torch.Tensor, hidden: int, inter: int) -> tuple[int, int]:
     """Deterministic mode's fixed K splits of the (up, down) projections, for every token count:
-    the dense mode's rule (kernels/batch_invariant_gemm.splits_for) on the GPU's 16-bit x, else one
+    kernels/batch_invariant_gemm.splits_for's rule with MIN_SPLIT_K on the GPU's 16-bit x, else one
     (fp32 and the CPU interpreter need no match with this kernel)."""
     if not skinny_splits(x):
         return 1, 1
-    return splits_for(hidden), splits_for(inter)
+    return splits_for(hidden, MIN_SPLIT_K), splits_for(inter, MIN_SPLIT_K)
 
 
 def deterministic_configs(hidden: int, inter: int) -> tuple[SkinnyConfig, SkinnyConfig]:
     """(up, down) in deterministic mode: DETERMINISTIC_TILE, deterministic_splits' splits as one
     block's warps (launched with warp_ranges) and one split per pair or slot."""
-    return (SkinnyConfig(DETERMINISTIC_TILE, splits_for(hidden), 1),
-            SkinnyConfig(DETERMINISTIC_TILE, splits_for(inter), 1))
+    return (SkinnyConfig(DETERMINISTIC_TILE, splits_for(hidden, MIN_SPLIT_K), 1),
+            SkinnyConfig(DETERMINISTIC_TILE, splits_for(inter, MIN_SPLIT_K), 1))
 
 
 def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cfg: SkinnyConfig,
