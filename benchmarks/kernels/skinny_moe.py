@@ -11,6 +11,9 @@ Bytes floor = (bytes of the experts hit + x and out) / the read ceiling measured
 per (token, expert) pair, so at M > 1 its own bytes can exceed the floor's.
 --sweep: at M = 1, every (tile, warps, splits) of the up and down launches (ops/gemm/skinny_moe.py's
 default marked), to choose the defaults.
+--deterministic: the whole fused_moe per M, the default mode against deterministic mode at each
+candidate of skinny_moe.MIN_SPLIT_K (the experts' shortest K split there; the (up, down) splits it
+gives in brackets), to choose it: the skinny kernel up to 2 tokens, the grouped GEMM above.
 """
 
 from __future__ import annotations
@@ -98,15 +101,48 @@ def sweep(name: str, read_gbs: float) -> None:
                 "expert bytes)", ["config", "up us", "up % read", "down us", "down % read"], rows)
 
 
+def deterministic(name: str, ms: list[int]) -> None:
+    from minisgl.kernels.batch_invariant_gemm import splits_for
+
+    e, k, h, i = SHAPES[name]
+    w13, w2 = make_weights(e, h, i)
+    b13, b2, act = _biases(name, e, h, i)
+    cands = (512, 384, 256, 128)
+    rows = []
+    for m in ms:
+        probe = make_case(e, k, h, m, 0)
+        per_call = probe.hit * expert_bytes(h, i) + 2 * m * h * 2
+        cases = [probe] + [make_case(e, k, h, m, s) for s in range(1, min(num_sets(per_call), 8))]
+        fns = [lambda c=c: ops.fused_moe(c.x, c.logits, w13, w2, k, True, b13=b13, b2=b2, act=act) for c in cases]
+        row = [str(m), f"{time_calls(fns, reps=10):.1f}"]
+        saved = skinny_moe.MIN_SPLIT_K
+        ops.set_deterministic(torch.device("cuda"), True)
+        try:
+            for c in cands:
+                skinny_moe.MIN_SPLIT_K = c
+                row.append(f"{time_calls(fns, reps=10):.1f} ({splits_for(h, c)}, {splits_for(i, c)})")
+        finally:
+            ops.set_deterministic(torch.device("cuda"), False)
+            skinny_moe.MIN_SPLIT_K = saved
+        rows.append(row)
+    print_table(f"fused_moe, {name}: default mode against deterministic mode by MIN_SPLIT_K (us per call; in use: "
+                f"{skinny_moe.MIN_SPLIT_K})", ["M", "default"] + [f"det, min {c}" for c in cands], rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=["gpt-oss-20b", "qwen3-30b-a3b"], choices=list(SHAPES))
     ap.add_argument("--m", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="the mode's cost per M and MIN_SPLIT_K (no other table)")
     args = ap.parse_args()
     copy_gbs, read_gbs = ceilings()
     print_ceilings(copy_gbs, read_gbs)
     for name in args.shapes:
+        if args.deterministic:
+            deterministic(name, args.m)
+            continue
         bench_shape(name, args.m, read_gbs)
         if args.sweep:
             sweep(name, read_gbs)

@@ -130,7 +130,8 @@ def default_configs(top_k: int, hidden: int, inter: int, num_sms: int,
 # Deterministic mode's shortest K split of an expert weight (kernels/batch_invariant_gemm.splits_for's
 # rule otherwise; the dense GEMM's minimum is 512). Qwen3-30B-A3B's down projection (K = 768) then
 # runs in 2 splits, not 1: 29.3 against 32.0 us per layer at 1 token, no slower at 2-2048 (H200,
-# .device/moe_det_probe.py; the splits cost the grouped GEMM one add per split, not a pipeline refill).
+# `benchmarks/kernels/skinny_moe.py --deterministic`'s measurement; the splits cost the grouped GEMM
+# one add per split, not a pipeline refill).
 MIN_SPLIT_K = 384
 
 
