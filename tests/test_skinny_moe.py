@@ -167,6 +167,20 @@ def test_env_setting_is_parsed_or_refused() -> None:
         skinny_moe._parse("4:t2w4s1,oops")
 
 
+def test_deterministic_splits_follow_the_shape() -> None:
+    """Deterministic mode's launches: tile DETERMINISTIC_TILE, each expert weight's K splits as the
+    block's warps (MIN_SPLIT_K 384: Qwen3-30B-A3B's H 2048 in 4, its I 768 in 2; GPT-OSS's 2880 in one),
+    one split per pair and slot; the grouped GEMM takes the same splits on the GPU's 16-bit x, one
+    elsewhere."""
+    from minisgl.ops.gemm.skinny import DETERMINISTIC_TILE
+
+    assert skinny_moe.MIN_SPLIT_K == 384
+    assert skinny_moe.deterministic_configs(2048, 768) == (SkinnyConfig(DETERMINISTIC_TILE, 4, 1),
+                                                           SkinnyConfig(DETERMINISTIC_TILE, 2, 1))
+    assert skinny_moe.deterministic_configs(2880, 2880) == (SkinnyConfig(DETERMINISTIC_TILE, 1, 1),) * 2
+    assert skinny_moe.deterministic_splits(torch.ones(1, 8, dtype=torch.bfloat16), 2048, 768) == (1, 1)
+
+
 def test_cpu_tensors_never_take_the_kernel() -> None:
     x = torch.randn(1, 64, dtype=torch.bfloat16)
     w13, w2 = torch.randn(4, 64, 64, dtype=torch.bfloat16), torch.randn(4, 64, 32, dtype=torch.bfloat16)

@@ -39,6 +39,7 @@ from minisgl.kernels import device as _device  # (its num_sms: a parameter here 
 from minisgl.kernels import w4a16_gemm as _w4
 from minisgl.kernels.batch_invariant_gemm import skinny_splits, splits_for
 from minisgl.kernels.fused_moe import ExpertAct
+from minisgl.logging_setup import log_once
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 from minisgl.ops.deterministic import is_deterministic
 from minisgl.ops.gemm.skinny import (
@@ -203,6 +204,9 @@ def experts(
         if up is not None or down is not None or quant is not None:
             raise ValueError("skinny_moe: deterministic mode takes its own configs (deterministic_configs) "
                              "and 16-bit experts only")
+        if UP_CONFIG is not None:
+            log_once("skinny_moe det env", "MINISGL_SKINNY_MOE's launch configs do not apply in deterministic "
+                     "mode (its configs fix the summation order); its token bound does")
         up, down = deterministic_configs(h, inter)
     elif up is None or down is None:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
