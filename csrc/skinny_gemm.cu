@@ -324,6 +324,9 @@ int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, c
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, 1, n, k, silu, 0, 0, nullptr, 0, 0,
            qscale, qzero, q_stride, q_group, ids, weights, w_expert_stride, b_expert_stride, top_k, splits, act,
            alpha, limit, q_expert_stride, warp_ranges, fmt == 0 ? 0 : group_mul(q_group)};
+  // Warp ranges over whole K (one split per pair or slot): the warps' shares are K / warps exactly, where
+  // the grouped GEMM in deterministic mode cuts its splits (kernels/fused_moe.py), not K rounded up.
+  if (warp_ranges && warps > 1 && k % (group * warps) != 0) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t z = down ? tokens : static_cast<int64_t>(tokens) * top_k;
   return launch_kernel(fn, p, rt, group, warps, down ? splits * top_k : splits, workspace, workspace_bytes, counters,
                        num_counters, pdl, stream, z, splits);

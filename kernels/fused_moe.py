@@ -172,8 +172,10 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: torch
     if splits > 1:
         k_split = k // splits
         tile = replace(tile, block_k=math.gcd(tile.block_k, k_split))
-        if k % splits or k_split % 16:
-            raise ValueError(f"fused MoE: K {k} does not cut into {splits} splits of a multiple of 16")
+        # (on the GPU the skinny MoE kernel's warps cut K at multiples of 128: so must the splits here)
+        align = 128 if a.is_cuda else 16
+        if k % splits or k_split % align:
+            raise ValueError(f"fused MoE: K {k} does not cut into {splits} splits of a multiple of {align}")
     blocks = expert_ids.numel()
     grid = (blocks * triton.cdiv(n_out, tile.block_n),)
     s = w4.scales if w4 is not None else w

@@ -156,10 +156,10 @@ def test_cpu_speculation_changes_no_bit_in_the_mode(tiny_model_path, algo: str) 
 
 @pytest.mark.gpu
 def test_moe_grouped_gemm_rows_do_not_depend_on_the_batch_in_the_mode() -> None:
-    """The GPU path in the mode: one tile configuration and one routing kernel at every token
-    count, so rows 0, 7 and 199 of a 200-token batch equal the same tokens alone bit for bit
-    (1 token takes the skinny kernel in the grouped GEMM's splits; outside the mode the skinny
-    kernel's own, and 200 tokens the grouped GEMM's larger tiles).
+    """The GPU path in the mode: fixed K splits and one routing kernel at every token count, so
+    rows 0, 7 and 199 of a 200-token batch equal the same tokens alone bit for bit (1 token takes
+    the skinny kernel in the grouped GEMM's splits; outside the mode the skinny kernel's own, and
+    200 tokens the grouped GEMM's larger tiles).
     GPU only: the interpreter's tile products give equal rows with or without the mode."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -205,17 +205,19 @@ def test_fp8_skinny_rows_equal_the_batch_invariant_fp8_gemm(n: int, k: int, dtyp
         ops.set_deterministic(dev, False)
 
 
-MOE_SHAPES = [  # (hidden, inter, experts, top_k, gpt_oss, dtype)
-    (2048, 768, 32, 8, False, torch.bfloat16),  # Qwen3-30B-A3B's H and I: 4 and 2 splits
-    (2880, 2880, 16, 4, True, torch.bfloat16),  # GPT-OSS-20B's, biases and the clamped SwiGLU: 1 and 1
-    (2048, 1024, 8, 2, False, torch.float16),  # 4 and 2 splits
-    (1000, 200, 8, 2, True, torch.bfloat16),  # K tails (one split each)
+MOE_SHAPES = [  # (hidden, inter, experts, top_k, gpt_oss, dtype, x scale)
+    (2048, 768, 32, 8, False, torch.bfloat16, 1),  # Qwen3-30B-A3B's H and I: 4 and 2 splits
+    (2880, 2880, 16, 4, True, torch.bfloat16, 1),  # GPT-OSS-20B's, biases and the clamped SwiGLU: 1 and 1
+    (2048, 1024, 8, 2, False, torch.float16, 1),  # 4 and 2 splits
+    (1000, 200, 8, 2, True, torch.bfloat16, 1),  # K tails (one split each)
+    (2048, 1024, 8, 1, True, torch.float16, 4),  # top-1 (the CUDA down stores with no split-K), biases
+    # over several splits, and gate / up values past the clamp (x 4 times larger)
 ]
 
 
-@pytest.mark.parametrize("h,inter,e,top_k,gpt_oss,dtype", MOE_SHAPES)
+@pytest.mark.parametrize("h,inter,e,top_k,gpt_oss,dtype,amp", MOE_SHAPES)
 def test_skinny_moe_rows_equal_the_grouped_gemm(h: int, inter: int, e: int, top_k: int, gpt_oss: bool,
-                                                dtype: torch.dtype) -> None:
+                                                dtype: torch.dtype, amp: int) -> None:
     """Deterministic mode's two MoE paths give a token the same bits: 1-2 tokens through the skinny
     MoE kernel in warp ranges (ops/gemm/skinny_moe.py deterministic_configs) equal the same tokens
     in a batch of 300 through the Triton grouped GEMM in the same K splits (kernels/fused_moe.py), and
@@ -231,7 +233,7 @@ def test_skinny_moe_rows_equal_the_grouped_gemm(h: int, inter: int, e: int, top_
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(9)
     t, big = 300, 2048
-    x = torch.randn(big, h, device=dev, generator=g).to(dtype)
+    x = (torch.randn(big, h, device=dev, generator=g) * amp).to(dtype)
     gate = (torch.randn(e, h, device=dev, generator=g) / h**0.5).to(dtype)
     w13 = (torch.randn(e, 2 * inter, h, device=dev, generator=g) / h**0.5).to(dtype)
     w2 = (torch.randn(e, h, inter, device=dev, generator=g) / inter**0.5).to(dtype)

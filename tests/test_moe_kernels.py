@@ -238,6 +238,35 @@ def test_deterministic_splits_compute_the_same_function(dtype: torch.dtype) -> N
 
 
 @needs_triton
+def test_deterministic_steps_run_their_experts_in_chunks(monkeypatch) -> None:
+    """Deterministic mode past DETERMINISTIC_CHUNK tokens: the experts run per chunk (so the fp32
+    slot rows stay bounded), through fused_moe and fused_experts, shared expert included; the
+    result is the unchunked one's function (the bits: the GPU test's rows at every batch size)."""
+    from minisgl.ops import moe as moe_ops
+    from minisgl.ops.deterministic import set_deterministic
+
+    t, e, k = 20, 6, 2
+    x, w13, w2, weights, ids, extra = experts_case(t, e, k, 32, 16, torch.float32, seed=3, shared=True)
+    logits = distinct_logits(t, e, torch.Generator().manual_seed(3))
+    calls = []
+    real = moe_ops._experts
+    monkeypatch.setattr(moe_ops, "_experts", lambda x, *a, **kw: (calls.append(x.shape[0]), real(x, *a, **kw))[1])
+    monkeypatch.setattr(moe_ops, "DETERMINISTIC_CHUNK", 8)
+    set_deterministic(x.device, True)
+    try:
+        out = ops.fused_experts(x, w13, w2, weights, ids, **extra)
+        assert calls == [8, 8, 4]
+        assert_experts_rule(out, x, w13, w2, weights, ids, extra)
+        calls.clear()
+        out = ops.fused_moe(x, logits, w13, w2, k, renormalize=False, **extra)
+        assert calls == [8, 8, 4]
+        weights, ids = R.route_reference(logits, k, False)
+        assert_experts_rule(out, x, w13, w2, weights, ids, extra)
+    finally:
+        set_deterministic(x.device, False)
+
+
+@needs_triton
 @pytest.mark.parametrize("t,k", [(1, 1), (64, 1), (64, 2)])
 def test_all_tokens_to_one_expert(t: int, k: int) -> None:
     x, w13, w2, weights, _, _ = experts_case(t, 9, k, 32, 16, torch.float32, seed=t)

@@ -28,6 +28,11 @@ SCORING = ("softmax", "sigmoid")
 # tests/test_deterministic_gpu.py checks batches of 300 and 2048 tokens, whose tiles differ) and
 # the tuned tiles serve every token count: this fixed choice ran 2,048 tokens 2.8x slower (H200).
 DETERMINISTIC_TOKENS = 256
+# Deterministic mode's grouped GEMM keeps each slot's row in fp32 (tokens * top_k * H * 4 bytes,
+# twice the default's bf16 rows); a step of more tokens runs its experts in chunks of this many (a
+# token's rows do not depend on what else is in its batch), so that buffer stays at 256 MiB for
+# H 4096 and top-8 however large a prefill chunk the scheduler sends.
+DETERMINISTIC_CHUNK = 2048
 if env.FUSED_MOE_CONFIGS:
     use_config_file(Path(env.FUSED_MOE_CONFIGS))
 
@@ -184,6 +189,18 @@ def _reference_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     return torch.cat([row(i) for i in range(x.shape[0])])
 
 
+def _chunks(x: torch.Tensor) -> list[slice] | None:
+    """Deterministic mode's token chunks of a step past DETERMINISTIC_CHUNK tokens (else None)."""
+    t = x.shape[0]
+    if t <= DETERMINISTIC_CHUNK or not is_deterministic(x.device):
+        return None
+    return [slice(i, min(t, i + DETERMINISTIC_CHUNK)) for i in range(0, t, DETERMINISTIC_CHUNK)]
+
+
+def _part(t: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if t is None else t[rows]
+
+
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
@@ -196,6 +213,9 @@ def fused_experts(
     if _skinny.fits(x, w13, w2, topk_ids.shape[1], shared):
         return _skinny.experts(x, w13, w2, topk_weights, topk_ids)
     if use_triton("fused_moe", x):
+        if (chunks := _chunks(x)) is not None:
+            return torch.cat([fused_experts(x[c], w13, w2, topk_weights[c], topk_ids[c], _part(shared, c),
+                                            _part(shared_gate, c)) for c in chunks])
         top_k = topk_ids.shape[1]
         cfg = _config(x, w13, top_k)
         sorted_ids, expert_ids = _align.align(topk_ids, w13.shape[0], cfg.block_m)
@@ -235,6 +255,9 @@ def run_layer(
     if _skinny.fits(x, w13, w2, top_k, shared):  # a decode step's few tokens: route + up + down
         weights, ids = _route.route(router_logits, top_k, renormalize, scoring)
         return _skinny.experts(x, w13, w2, weights, ids, b13, b2, act)
+    if (chunks := _chunks(x)) is not None:
+        return torch.cat([run_layer(x[c], router_logits[c], w13, w2, top_k, renormalize, scoring, _part(shared, c),
+                                    _part(shared_gate, c), b13, b2, act) for c in chunks])
     cfg = _config(x, w13, top_k)
     num_experts = w13.shape[0]
     # (in deterministic mode one routing kernel at every token count: the two may differ in bits)
