@@ -169,12 +169,19 @@ def test_env_setting_is_parsed_or_refused() -> None:
 
 def test_deterministic_splits_follow_the_shape() -> None:
     """Deterministic mode's launches: tile DETERMINISTIC_TILE, each expert weight's K splits as the
-    block's warps (MIN_SPLIT_K 384: Qwen3-30B-A3B's H 2048 in 4, its I 768 in 2; GPT-OSS's 2880 in one),
-    one split per pair and slot; the grouped GEMM takes the same splits on the GPU's 16-bit x, one
-    elsewhere."""
+    block's warps, one split per pair and slot. For every K the warps cut K into equal shares of
+    whole 128-element groups at least MIN_SPLIT_K long, where the grouped GEMM cuts its splits (the
+    launcher and kernels/fused_moe.py refuse anything else); examples: Qwen3-30B-A3B's H 2048 in 4,
+    its I 768 in 2, GPT-OSS's 2880 in one. The grouped GEMM takes these splits on the GPU's 16-bit
+    x, one elsewhere."""
     from minisgl.ops.gemm.skinny import DETERMINISTIC_TILE
 
-    assert skinny_moe.MIN_SPLIT_K == 384
+    for k in range(8, 20000, 8):
+        up, down = skinny_moe.deterministic_configs(k, k)
+        assert up == down and up.tile == DETERMINISTIC_TILE and up.splits == 1, k
+        s = up.warps
+        assert s == 1 or (k % (128 * s) == 0 and k // s >= skinny_moe.MIN_SPLIT_K), (k, s)
+        assert s == 8 or k % (256 * s) or k // (2 * s) < skinny_moe.MIN_SPLIT_K, f"K {k}: {s} splits could double"
     assert skinny_moe.deterministic_configs(2048, 768) == (SkinnyConfig(DETERMINISTIC_TILE, 4, 1),
                                                            SkinnyConfig(DETERMINISTIC_TILE, 2, 1))
     assert skinny_moe.deterministic_configs(2880, 2880) == (SkinnyConfig(DETERMINISTIC_TILE, 1, 1),) * 2

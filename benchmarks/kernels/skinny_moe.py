@@ -40,18 +40,26 @@ def _biases(name: str, e: int, h: int, i: int):
     return b13, b2, ExpertAct("gpt_oss", 1.702, 7.0)
 
 
+def _layer_calls(name: str, m: int, w13, w2, b13, b2, act) -> tuple[list, list]:
+    """M-token input sets, enough that their experts' bytes pass L2 (_bench.num_sets), and one
+    ops.fused_moe call on each."""
+    e, k, h, i = SHAPES[name]
+    probe = make_case(e, k, h, m, 0)
+    per_call = probe.hit * expert_bytes(h, i) + 2 * m * h * 2
+    cases = [probe] + [make_case(e, k, h, m, s) for s in range(1, num_sets(per_call))]
+    return cases, [lambda c=c: ops.fused_moe(c.x, c.logits, w13, w2, k, True, b13=b13, b2=b2, act=act)
+                   for c in cases]
+
+
 def bench_shape(name: str, ms: list[int], read_gbs: float) -> None:
     e, k, h, i = SHAPES[name]
     w13, w2 = make_weights(e, h, i)
     b13, b2, act = _biases(name, e, h, i)
     rows = []
     for m in ms:
-        probe = make_case(e, k, h, m, 0)
-        per_call = probe.hit * expert_bytes(h, i) + 2 * m * h * 2
-        cases = [probe] + [make_case(e, k, h, m, s) for s in range(1, num_sets(per_call))]
+        cases, fns = _layer_calls(name, m, w13, w2, b13, b2, act)
         hit = sum(c.hit for c in cases) / len(cases)
         floor_us = (hit * expert_bytes(h, i) + 2 * m * h * 2) / read_gbs / 1e3
-        fns = [lambda c=c: ops.fused_moe(c.x, c.logits, w13, w2, k, True, b13=b13, b2=b2, act=act) for c in cases]
         saved = skinny_moe.MAX_TOKENS
         try:
             skinny_moe.MAX_TOKENS = 64
@@ -110,10 +118,7 @@ def deterministic(name: str, ms: list[int]) -> None:
     cands = (512, 384, 256, 128)
     rows = []
     for m in ms:
-        probe = make_case(e, k, h, m, 0)
-        per_call = probe.hit * expert_bytes(h, i) + 2 * m * h * 2
-        cases = [probe] + [make_case(e, k, h, m, s) for s in range(1, min(num_sets(per_call), 8))]
-        fns = [lambda c=c: ops.fused_moe(c.x, c.logits, w13, w2, k, True, b13=b13, b2=b2, act=act) for c in cases]
+        _, fns = _layer_calls(name, m, w13, w2, b13, b2, act)
         row = [str(m), f"{time_calls(fns, reps=10):.1f}"]
         saved = skinny_moe.MIN_SPLIT_K
         ops.set_deterministic(torch.device("cuda"), True)
