@@ -17,6 +17,10 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const Params p) {
   constexpr int kVecs = D / 4;               // float4 columns of one head
   constexpr int kGroups = kThreads / kVecs;  // splits folded in parallel
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The next grid (the o_proj skinny GEMM, launched with programmatic dependent launch) may be
+  // scheduled now: it loads its first W group while the attention finishes and waits for this
+  // grid (griddepcontrol.wait) before it reads the output.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the split grid's partials are complete
 #endif
   const int hq = blockIdx.x, b = blockIdx.y;

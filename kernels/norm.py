@@ -15,13 +15,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from .device import dependent_launch
 
 
 @triton.jit
 def _rmsnorm_kernel(
     X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, H, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        # The next kernel (a skinny GEMM launched with programmatic dependent launch) may start
+        # now and stream its weights; it waits for this grid's completion before reading Out.
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
@@ -52,7 +59,7 @@ def _launch(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: 
     _rmsnorm_kernel[(t,)](
         x, r if has_r else x, weight, out, r_out if has_r else out,
         x.stride(0), r.stride(0) if has_r else 0, out.stride(0), r_out.stride(0) if has_r else 0,
-        h, eps, HAS_RESIDUAL=has_r, BLOCK=block, num_warps=num_warps,
+        h, eps, HAS_RESIDUAL=has_r, BLOCK=block, PDL=dependent_launch(x), num_warps=num_warps,
     )
 
 

@@ -165,6 +165,58 @@ def test_dependent_launches_read_the_previous_output(graph: bool) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool) -> None:
+    """The fused add-RMSNorm (Triton) and the decode attention's merge signal the next grid at
+    their start, so a skinny GEMM launched with PDL after them starts loading W while they still
+    run. Its input is their output: a read before griddepcontrol.wait would be stale.
+    norm -> GEMM -> split decode (4 splits) + merge -> GEMM, against the same chain without PDL,
+    outputs NaN-poisoned before the run."""
+    from test_decode_attention import make_case
+
+    from minisgl import ops
+    from minisgl.kernels.norm import _launch as norm_launch
+    from minisgl.ops.gemm.skinny import launch
+
+    heads, dim = 16, 128
+    d = heads * dim
+    x, w1, _ = make(1, d, d, torch.bfloat16, "cuda", seed=40)
+    res = make(1, d, d, torch.bfloat16, "cuda", seed=41)[0]
+    w2 = make(1, d, d, torch.bfloat16, "cuda", seed=42)[1]
+    norm_w = torch.randn(d, device="cuda").to(torch.bfloat16)
+    c = make_case([900], 4, 4, dim, torch.bfloat16, 1, "cuda", seed=43)
+    h, r_out, q = (torch.empty(1, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    attn = torch.empty(1, heads, dim, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty(1, d, dtype=torch.bfloat16, device="cuda")
+    cfg = SkinnyConfig(1, 4, 4)
+
+    def chain(pdl: bool) -> None:
+        norm_launch(x, res, norm_w, 1e-6, h, r_out)
+        launch(h, w1, None, q, False, cfg, pdl=pdl)
+        ops.paged_decode_attention(q.view(1, heads, dim), c["k_cache"], c["v_cache"], c["req_to_slot"],
+                                   c["req_rows"], c["seq_lens"], dim**-0.5, 4096, out=attn, num_splits=4)
+        launch(attn.view(1, d), w2, None, y, False, cfg, pdl=pdl)
+
+    chain(False)
+    want = [t.clone() for t in (h, q, attn, y)]
+    outs = (h, r_out, q, attn, y)
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            chain(True)
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+    else:
+        for o in outs:
+            o.fill_(float("nan"))
+        chain(True)
+    torch.cuda.synchronize()
+    for got, exp in zip((h, q, attn, y), want):
+        assert torch.equal(got, exp)
+
+
+@gpu
 def test_misaligned_x_falls_back_to_cublas() -> None:
     """x starting 2 bytes past a 16-byte boundary cannot take vector loads: cuBLAS, same answer."""
     x, w, _ = make(4, 256, 512, torch.bfloat16, "cuda", seed=5, pad=8)
