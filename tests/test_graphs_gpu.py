@@ -99,6 +99,8 @@ def test_startup_compiles_every_serving_kernel(tiny_model_path) -> None:
         params = [SamplingParams(max_tokens=6, temperature=t, top_k=k, top_p=p, seed=1)
                   for t, k, p in ((0.0, -1, 1.0), (0.8, 20, 0.9), (1.0, -1, 1.0))]
         llm.generate([list(range(100, 100 + n)) for n in (3, 70, 200)], params, use_tqdm=False)
+        greedy = SamplingParams(max_tokens=6, temperature=0.0)  # an all-greedy batch: ops.greedy
+        llm.generate([list(range(100, 100 + n)) for n in (5, 90)], [greedy] * 2, use_tqdm=False)
     finally:
         knobs.runtime.jit_post_compile_hook = before
     assert not compiled, f"compiled while serving: {compiled}"

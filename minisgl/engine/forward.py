@@ -70,13 +70,14 @@ class ForwardCalls:
 
     @torch.inference_mode()
     def warm_up_sampling(self) -> None:
-        """Compiles the sampling kernel now rather than at the first request that samples (its
+        """Compiles the sampling kernels now rather than at the first request that samples (their
         specialization depends on the vocabulary and the 16-byte-aligned inputs only), and,
         when speculating, the acceptance kernel (the first verify step would take seconds)."""
         gen = torch.Generator(device=self.device).manual_seed(0)
         logits = torch.randn(2, self.model_config.vocab_size, generator=gen, device=self.device)
         st = SamplingTensors.build([0.8, 1.0], [20, -1], [0.9, 1.0], [0.05, 0.0], [1, 2], [0, 0], self.device)
         self.sample(logits, st)
+        ops.greedy(logits)  # an all-greedy step's kernels
         if self.drafter is not None:
             self._warm_up_acceptance()
 
@@ -102,11 +103,8 @@ class ForwardCalls:
         """(tokens, logprobs of the chosen tokens under the raw logits)."""
         if self.cfg.deterministic:
             return sample_per_row(logits, st)
-        if st.all_greedy:  # no randomness: skip the sampling kernel
-            tokens = logits.argmax(dim=-1)
-            # log_softmax at one index, without writing a [B, vocab] tensor every step.
-            logprobs = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
-            return tokens, logprobs
+        if st.all_greedy:  # no randomness: two short passes instead of the sampling kernel
+            return ops.greedy(logits)
         return ops.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.steps)
 
     @torch.inference_mode()

@@ -28,7 +28,7 @@ from minisgl.ops.moe_layer import fused_moe_layer
 from minisgl.ops.norm import fused_add_rmsnorm, rmsnorm
 from minisgl.ops.penalties import apply_penalties
 from minisgl.ops.rope import apply_rope, apply_rope_and_store, qk_norm_rope
-from minisgl.ops.sampling import sample
+from minisgl.ops.sampling import greedy, sample
 from minisgl.ops.spec_accept import spec_accept
 from minisgl.ops.store import store_kv, store_kv_reference
 from minisgl.ops.token_bitmask import apply_token_bitmask
@@ -66,6 +66,7 @@ __all__ = [
     "paged_decode_attention_reference",
     "qk_norm_rope",
     "rmsnorm",
+    "greedy",
     "sample",
     "set_deterministic",
     "silu_and_mul",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.kernels import greedy as _greedy
 from minisgl.kernels import sampling as _k
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_same_device, check_shape, check_tensor
@@ -48,6 +49,21 @@ def sample(
         return _k.sample(logits, temperature, top_k, top_p, min_p, seeds, steps)
     log_cpu_reference_once("sample")
     return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, steps)
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row greedy: logits fp32 [B, V] (last dim packed, row stride free) -> (tokens int64 [B],
+    the first argmax of each row; logprobs f32 [B], log_softmax(row)[token]). Faster than `sample`
+    and torch's reductions at small batches (kernels/greedy.py); a row's bits depend on it alone."""
+    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+    if logits.stride(1) != 1 and logits.shape[1] > 1:
+        raise ValueError(f"logits must be packed in its last dimension, got strides {logits.stride()}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension")
+    if use_triton("greedy", logits):
+        return _greedy.greedy(logits)
+    log_cpu_reference_once("greedy")
+    return _greedy.greedy_reference(logits)
 
 
 # The torch reference (fp32, sort-based). Order: temperature -> top-k -> top-p (on the
