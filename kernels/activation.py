@@ -11,10 +11,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from .device import dependent_launch
 
 
 @triton.jit
-def _act_and_mul_kernel(X, Out, stride_x, stride_o, I, BLOCK: tl.constexpr, GELU: tl.constexpr):
+def _act_and_mul_kernel(X, Out, stride_x, stride_o, I, BLOCK: tl.constexpr, GELU: tl.constexpr,
+                        PDL: tl.constexpr):
+    if PDL:  # the down projection's skinny GEMM may launch now (it waits before reading Out)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -48,7 +54,7 @@ def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     num_warps = max(1, min(8, block // 512))
     grid = (t, triton.cdiv(inter, block))
     _act_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=block, GELU=gelu,
-                              num_warps=num_warps)
+                              PDL=dependent_launch(x), num_warps=num_warps)
     return out
 
 

@@ -22,7 +22,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
+from minisgl.kernels.device import dependent_launch
 from minisgl.kernels.extend_attention import default_config, fold_split, launch, with_sink
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for every step of the mode. Any fixed choice is
@@ -76,7 +78,9 @@ def deterministic_config(head_dim: int, dtype: torch.dtype, device: torch.device
 @triton.jit
 def _combine_kernel(PartAcc, PartML, Out, SeqLens, Sinks, v_scale, stride_ot, stride_oh, num_splits, window,
                     SPLIT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
-                    WINDOWED: tl.constexpr):
+                    WINDOWED: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the o_proj skinny GEMM may launch now (it waits before reading Out)
+        gdc_launch_dependents()
     # Program (b, h): request b's token, q head h; its splits 0 .. ceil(seq / SPLIT) - 1 (with a
     # window, from the split of its first key: the ones below hold no seen key, and the kernel
     # wrote no partial there; folding them would change no bit).
@@ -143,5 +147,6 @@ def split_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
            cu_seqlens_q, tiles, scale, config, heads, split, (part_acc, part_ml), k_scale, v_scale, window, sinks)
     _combine_kernel[(b, hq)](part_acc, part_ml, out, seq_lens, part_ml if sinks is None else sinks, v_scale,
                              out.stride(0), out.stride(1), num_splits, window, SPLIT=split, HEAD_DIM=d,
-                             BLOCK_D=block_d, HAS_SINKS=sinks is not None, WINDOWED=window > 0, num_warps=4)
+                             BLOCK_D=block_d, HAS_SINKS=sinks is not None, WINDOWED=window > 0,
+                             PDL=dependent_launch(q), num_warps=4)
     return out

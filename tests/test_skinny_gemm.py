@@ -167,11 +167,11 @@ def test_dependent_launches_read_the_previous_output(graph: bool) -> None:
 @gpu
 @pytest.mark.parametrize("graph", [False, True])
 def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool) -> None:
-    """The fused add-RMSNorm (Triton) and the decode attention's merge signal the next grid at
-    their start, so a skinny GEMM launched with PDL after them starts loading W while they still
-    run. Its input is their output: a read before griddepcontrol.wait would be stale.
-    norm -> GEMM -> split decode (4 splits) + merge -> GEMM, against the same chain without PDL,
-    outputs NaN-poisoned before the run."""
+    """The fused add-RMSNorm and SiLU-and-mul (Triton) and the decode attention's merge signal the
+    next grid at their start, so a skinny GEMM launched with PDL after them starts loading W while
+    they still run. Its input is their output: a read before griddepcontrol.wait would be stale.
+    norm -> GEMM -> split decode (4 splits) + merge -> GEMM -> GEMM (gate | up) -> SiLU-and-mul
+    -> GEMM, against the same chain without PDL, outputs NaN-poisoned before the run."""
     from test_decode_attention import make_case
 
     from minisgl import ops
@@ -183,11 +183,14 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool) ->
     x, w1, _ = make(1, d, d, torch.bfloat16, "cuda", seed=40)
     res = make(1, d, d, torch.bfloat16, "cuda", seed=41)[0]
     w2 = make(1, d, d, torch.bfloat16, "cuda", seed=42)[1]
+    w3 = make(1, 2 * d, d, torch.bfloat16, "cuda", seed=44)[1]
+    w4 = make(1, d, d, torch.bfloat16, "cuda", seed=45)[1]
     norm_w = torch.randn(d, device="cuda").to(torch.bfloat16)
     c = make_case([900], 4, 4, dim, torch.bfloat16, 1, "cuda", seed=43)
     h, r_out, q = (torch.empty(1, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     attn = torch.empty(1, heads, dim, dtype=torch.bfloat16, device="cuda")
-    y = torch.empty(1, d, dtype=torch.bfloat16, device="cuda")
+    y, z = (torch.empty(1, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    gu = torch.empty(1, 2 * d, dtype=torch.bfloat16, device="cuda")
     cfg = SkinnyConfig(1, 4, 4)
 
     def chain(pdl: bool) -> None:
@@ -196,10 +199,12 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool) ->
         ops.paged_decode_attention(q.view(1, heads, dim), c["k_cache"], c["v_cache"], c["req_to_slot"],
                                    c["req_rows"], c["seq_lens"], dim**-0.5, 4096, out=attn, num_splits=4)
         launch(attn.view(1, d), w2, None, y, False, cfg, pdl=pdl)
+        launch(y, w3, None, gu, False, cfg, pdl=pdl)
+        launch(ops.silu_and_mul(gu), w4, None, z, False, cfg, pdl=pdl)
 
     chain(False)
-    want = [t.clone() for t in (h, q, attn, y)]
-    outs = (h, r_out, q, attn, y)
+    want = [t.clone() for t in (h, q, attn, y, gu, z)]
+    outs = (h, r_out, q, attn, y, gu, z)
     if graph:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
@@ -212,7 +217,7 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool) ->
             o.fill_(float("nan"))
         chain(True)
     torch.cuda.synchronize()
-    for got, exp in zip((h, q, attn, y), want):
+    for got, exp in zip((h, q, attn, y, gu, z), want):
         assert torch.equal(got, exp)
 
 
