@@ -125,6 +125,28 @@ def test_split_k_is_deterministic() -> None:
         assert torch.equal(skinny_gemm(x, w, config=cfg), first)
 
 
+def check_pdl_chain(chain, outs: list[torch.Tensor], graph: bool) -> None:  # noqa: ANN001
+    """Runs chain(False) (launches without PDL), keeps `outs`, NaN-poisons them, runs chain(True)
+    (captured in a CUDA graph when `graph`, poisoned again before the replay) and requires the
+    same bits."""
+    chain(False)
+    want = [o.clone() for o in outs]
+    for o in outs:
+        o.fill_(float("nan"))
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            chain(True)
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+    else:
+        chain(True)
+    torch.cuda.synchronize()
+    for o, w in zip(outs, want):
+        assert torch.equal(o, w)
+
+
 @gpu
 @pytest.mark.parametrize("graph", [False, True])
 def test_dependent_launches_read_the_previous_output(graph: bool) -> None:
@@ -146,22 +168,7 @@ def test_dependent_launches_read_the_previous_output(graph: bool) -> None:
             launch(h, w, None, o, False, cfg, pdl=pdl)
             h = o
 
-    chain(False)
-    want = [o.clone() for o in outs]
-    for o in outs:
-        o.fill_(float("nan"))
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            chain(True)
-        for o in outs:
-            o.fill_(float("nan"))
-        g.replay()
-    else:
-        chain(True)
-    torch.cuda.synchronize()
-    for o, w in zip(outs, want):
-        assert torch.equal(o, w)
+    check_pdl_chain(chain, outs, graph)
 
 
 @gpu
@@ -202,23 +209,7 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool) ->
         launch(y, w3, None, gu, False, cfg, pdl=pdl)
         launch(ops.silu_and_mul(gu), w4, None, z, False, cfg, pdl=pdl)
 
-    chain(False)
-    want = [t.clone() for t in (h, q, attn, y, gu, z)]
-    outs = (h, r_out, q, attn, y, gu, z)
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            chain(True)
-        for o in outs:
-            o.fill_(float("nan"))
-        g.replay()
-    else:
-        for o in outs:
-            o.fill_(float("nan"))
-        chain(True)
-    torch.cuda.synchronize()
-    for got, exp in zip((h, q, attn, y, gu, z), want):
-        assert torch.equal(got, exp)
+    check_pdl_chain(chain, [h, r_out, q, attn, y, gu, z], graph)
 
 
 @gpu
