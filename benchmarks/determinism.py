@@ -13,7 +13,9 @@
    fp8: the same for Llama-3.1-8B shapes with FP8 weights (--quantization fp8).
    Each batch-1 row profiles both modes (32 tokens): the top kernels, then where time goes between
    them: the GPU's span, the kernels' summed time, the idle gaps between kernels, the time kernels
-   overlapped (programmatic dependent launch) and the kernel boundaries with the most idle time.
+   overlapped (programmatic dependent launch), the kernel boundaries with the most idle time and
+   each kernel's exclusive time (what it adds to the span: its own duration minus any wait behind
+   the previous kernel).
 3. attention: the deterministic attention configs against the default kernels
    (benchmarks/determinism_kernels.py).
 4. gemm: the batch-invariant GEMM candidates against cuBLAS, their bit classes, and the
@@ -131,12 +133,30 @@ def gap_summary(spans: list[tuple[float, float, str]]) -> dict:
             "boundaries": [(key, us, count[key]) for key, us in small.most_common()]}
 
 
+def exclusive_by_kernel(spans: list[tuple[float, float, str]]) -> list[tuple[str, float, int]]:
+    """(name, exclusive us, calls) by exclusive time, over kernel spans sorted by start: a kernel's
+    exclusive time is its end minus the later of its start and every earlier kernel's end, what it
+    adds to the span. Under programmatic dependent launch a kernel starts while the previous one
+    runs and waits, so its own duration counts that wait; the exclusive times sum to the span minus
+    the time no kernel ran."""
+    total, calls = Counter(), Counter()
+    last = spans[0][0] if spans else 0.0
+    for start, end, name in spans:
+        total[name] += max(0.0, end - max(start, last))
+        calls[name] += 1
+        last = max(last, end)
+    return [(name, us, calls[name]) for name, us in total.most_common()]
+
+
 def print_gaps(what: str, spans: list[tuple[float, float, str]], top: int = 8) -> None:
     g = gap_summary(spans)
     print(f"{what}: {len(spans)} kernels, span {g['span'] / 1e3:.2f} ms, busy {g['busy'] / 1e3:.2f}, gaps < 100 us "
           f"{g['gaps'] / 1e3:.2f}, gaps >= 100 us {g['step_gaps'] / 1e3:.2f}, overlap {g['overlap'] / 1e3:.2f}")
     for key, us, n in g["boundaries"][:top]:
         print(f"  {us / 1e3:7.3f} ms {n:6d} x {us / n:5.2f} us  {key}")
+    print("  exclusive time (what each kernel adds to the span):")
+    for name, us, n in exclusive_by_kernel(spans)[:top]:
+        print(f"  {us / 1e3:7.3f} ms {n:6d} x {us / n:6.2f} us  {name[:80]}")
 
 
 def main() -> None:
