@@ -14,8 +14,8 @@
    Each batch-1 row profiles both modes (32 tokens): the top kernels, then where time goes between
    them: the GPU's span, the kernels' summed time, the idle gaps between kernels, the time kernels
    overlapped (programmatic dependent launch), the kernel boundaries with the most idle time and
-   each kernel's exclusive time (what it adds to the span: its own duration minus any wait behind
-   the previous kernel).
+   each kernel's exclusive time (what it adds to the span: its end minus the later of its start and
+   the latest end of the kernels before it).
 3. attention: the deterministic attention configs against the default kernels
    (benchmarks/determinism_kernels.py).
 4. gemm: the batch-invariant GEMM candidates against cuBLAS, their bit classes, and the

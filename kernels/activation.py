@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from .device import dependent_launch
+from .device import dependent_launch, gdc_launch_dependents
 
 
 @triton.jit

@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
-from minisgl.kernels.device import dependent_launch
+from minisgl.kernels.device import dependent_launch, gdc_launch_dependents
 from minisgl.kernels.extend_attention import default_config, fold_split, launch, with_sink
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for every step of the mode. Any fixed choice is

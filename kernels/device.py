@@ -5,6 +5,12 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+
+try:  # griddepcontrol from Triton kernels (Triton 3.4 and later); without it no Triton kernel signals
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:
+    gdc_launch_dependents = None
 
 
 @functools.cache
@@ -18,7 +24,14 @@ def _major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    return bool(knobs.runtime.interpret) if knobs is not None else False
+
+
 def dependent_launch(t: torch.Tensor) -> bool:
-    """Whether a kernel on t's device may signal programmatic dependent launch (Hopper and later:
-    griddepcontrol). False on the CPU (and so in the Triton interpreter)."""
-    return t.is_cuda and _major(t.device.index or 0) >= 9
+    """Whether a Triton kernel on t's device may signal programmatic dependent launch
+    (`gdc_launch_dependents`: Hopper and later, compiled kernels only). False on the CPU, in the
+    Triton interpreter (which cannot run it, on CUDA tensors too) and with a Triton without it."""
+    return (gdc_launch_dependents is not None and t.is_cuda and not _interpreting()
+            and _major(t.device.index or 0) >= 9)

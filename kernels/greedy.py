@@ -52,7 +52,8 @@ def _fold_kernel(PartM, PartS, PartA, num_chunks, V, Tokens, Logprobs, BLOCK_C: 
     tok = tl.min(tl.where(m_c == m, a_c, V), 0)
     s = tl.sum(s_c * tl.exp2((m_c - tl.maximum(m, -1.0e30)) * LOG2E), 0)
     tl.store(Tokens + row, tl.minimum(tok, V - 1).to(tl.int64))
-    tl.store(Logprobs + row, -tl.log(s))
+    # Every logit -inf: NaN, as torch's log_softmax (-log 0 would be a misleading +inf).
+    tl.store(Logprobs + row, tl.where(m > float("-inf"), -tl.log(s), float("nan")))
 
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,6 +55,11 @@ def test_masked_logits() -> None:
     keep[[5, CHUNK + 9]] = True
     x[2, ~keep] = float("-inf")  # a grammar leaving two tokens
     check(x)
+    x[1] = float("-inf")  # every logit masked: token 0 and a NaN log-prob, as torch gives
+    tok, lp = ops.greedy(x)
+    want_tok, want_lp = greedy_reference(x)
+    assert tok[1].item() == want_tok[1].item() == 0
+    assert torch.isnan(lp[1]) and torch.isnan(want_lp[1])
 
 
 @triton_test

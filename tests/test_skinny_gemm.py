@@ -320,3 +320,28 @@ def test_bad_config_raises(cfg: SkinnyConfig, match: str) -> None:
     x, w, _ = make(32, 64, 64, torch.bfloat16, "cuda")
     with pytest.raises(ValueError, match=match):
         skinny_gemm(x, w, config=cfg)
+
+
+def test_triton_kernels_signal_only_where_compiled_for_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kernels/device.py dependent_launch: the Triton kernels before a skinny GEMM signal it on sm_90+
+    only, never in the Triton interpreter (it cannot run griddepcontrol, on CUDA tensors either)
+    and never with a Triton that lacks gdc_launch_dependents."""
+    from types import SimpleNamespace
+
+    import triton
+
+    from minisgl.kernels import device
+
+    t = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    monkeypatch.setattr(device, "_major", lambda index: 9)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    assert device.dependent_launch(t)
+    monkeypatch.setattr(device, "_major", lambda index: 8)
+    assert not device.dependent_launch(t)
+    monkeypatch.setattr(device, "_major", lambda index: 9)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
+    assert not device.dependent_launch(t)
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
+    monkeypatch.setattr(device, "gdc_launch_dependents", None)
+    assert not device.dependent_launch(t)
+    assert not device.dependent_launch(torch.zeros(1))
