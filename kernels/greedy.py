@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = tl.constexpr(1.4426950408889634)
+from .sampling import LOG2E
+
 CHUNK = 4096  # logits per pass-1 program (a 128k vocabulary: 32 programs a row)
 
 

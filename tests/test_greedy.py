@@ -65,6 +65,7 @@ def test_masked_logits() -> None:
 @triton_test
 def test_a_row_alone_equals_the_row_in_a_batch() -> None:
     x = logits(9, 5 * CHUNK + 11, seed=3)
+    check(x)
     tok, lp = ops.greedy(x)
     for i in range(x.shape[0]):
         t1, l1 = ops.greedy(x[i : i + 1].clone())

@@ -27,6 +27,15 @@ def check_sampling_params(
         check_contiguous(name, t)
 
 
+def check_logits(logits: torch.Tensor) -> None:
+    """`sample`'s and `greedy`'s logits: fp32 [B, V], V > 0, packed in the last dimension."""
+    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
+    if logits.stride(1) != 1 and logits.shape[1] > 1:
+        raise ValueError(f"logits must be packed in its last dimension, got strides {logits.stride()}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension")
+
+
 def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
@@ -37,14 +46,10 @@ def sample(
     top-p (on the top-k renormalized distribution) -> min-p (relative to the top token).
     A row's draw depends only on its logits, parameters and (seed, step).
     Returns (tokens int64 [B], logprobs f32 [B] = log_softmax(logits)[token] of the raw logits)."""
-    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
-    if logits.stride(1) != 1 and logits.shape[1] > 1:
-        raise ValueError(f"logits must be packed in its last dimension, got strides {logits.stride()}")
+    check_logits(logits)
     check_sampling_params(logits.shape[0], temperature, top_k, top_p, min_p, seeds, steps)
     check_same_device(logits=logits, temperature=temperature, top_k=top_k, top_p=top_p,
                       min_p=min_p, seeds=seeds, steps=steps)
-    if logits.shape[1] == 0:
-        raise ValueError("logits must have a non-empty vocabulary dimension")
     if use_triton("sample", logits):
         return _k.sample(logits, temperature, top_k, top_p, min_p, seeds, steps)
     log_cpu_reference_once("sample")
@@ -55,11 +60,7 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row greedy: logits fp32 [B, V] (last dim packed, row stride free) -> (tokens int64 [B],
     the first argmax of each row; logprobs f32 [B], log_softmax(row)[token]). Faster than `sample`
     and torch's reductions at small batches (kernels/greedy.py); a row's bits depend on it alone."""
-    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
-    if logits.stride(1) != 1 and logits.shape[1] > 1:
-        raise ValueError(f"logits must be packed in its last dimension, got strides {logits.stride()}")
-    if logits.shape[1] == 0:
-        raise ValueError("logits must have a non-empty vocabulary dimension")
+    check_logits(logits)
     if use_triton("greedy", logits):
         return _greedy.greedy(logits)
     log_cpu_reference_once("greedy")

@@ -8,7 +8,7 @@ import torch
 from minisgl.kernels import spec_accept as _k
 from minisgl.ops._backend import log_cpu_reference_once, use_triton
 from minisgl.ops._checks import check_contiguous, check_same_device, check_shape, check_tensor
-from minisgl.ops.sampling import check_sampling_params, row_uniforms
+from minisgl.ops.sampling import check_logits, check_sampling_params, row_uniforms
 
 
 def spec_accept(
@@ -22,9 +22,7 @@ def spec_accept(
     [T, V] the draft distributions, or None for greedy drafters (one-hot q).
     Returns (tokens int64 [B, K + 1], logprobs f32 [B, K + 1], num_accepted int32 [B]): request
     b's new tokens are tokens[b, :num_accepted[b] + 1] (accepted drafts, then one sampled)."""
-    check_tensor("logits", logits, dtype=torch.float32, ndim=2)
-    if logits.stride(1) != 1 and logits.shape[1] > 1:
-        raise ValueError(f"logits must be packed in its last dimension, got strides {logits.stride()}")
+    check_logits(logits)
     check_tensor("drafts", drafts, dtype=torch.int64, ndim=2)
     check_contiguous("drafts", drafts)
     b = drafts.shape[0]
