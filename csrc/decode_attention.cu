@@ -131,23 +131,25 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
            q_stride_b, out_stride_b, cache_stride_s, table_stride, kv_heads, group,
            max_context, num_splits, inst.tile, scale * k_scale * unit * 1.4426950408889634f, v_scale * unit,
            window < 0 ? 0 : window, sinks};
-  inst.split<<<dim3(num_splits, kv_heads, batch), decode::kThreads, 0, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || num_splits == 1) return static_cast<int>(err);
-  // Programmatic dependent launch (Hopper+): the merge grid's launch overlaps the split
-  // grid's tail instead of following it; griddepcontrol.wait in the kernel keeps it correct.
+  // Programmatic dependent launch (Hopper+) for both grids: the split grid may start while the
+  // previous kernel (rope + KV store) runs, reading only the step's metadata before its
+  // griddepcontrol.wait; the merge grid's launch overlaps the split grid's tail, and it waits
+  // for the split grid before reading the partials.
   int major = 0;
-  err = cached_attribute(g_major, cudaDevAttrComputeCapabilityMajor, device, &major);
+  cudaError_t err = cached_attribute(g_major, cudaDevAttrComputeCapabilityMajor, device, &major);
   if (err != cudaSuccess) return static_cast<int>(err);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(kv_heads * group, batch);
+  cfg.gridDim = dim3(num_splits, kv_heads, batch);
   cfg.blockDim = dim3(decode::kThreads);
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = major >= 9 ? 1 : 0;
+  err = cudaLaunchKernelEx(&cfg, inst.split, p);
+  if (err != cudaSuccess || num_splits == 1) return static_cast<int>(err);
+  cfg.gridDim = dim3(kv_heads * group, batch);
   return static_cast<int>(cudaLaunchKernelEx(&cfg, inst.merge, p));
 }
 

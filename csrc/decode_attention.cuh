@@ -13,6 +13,9 @@
 // per-request chunk ceil(len / splits) is computed here from the device length, so every
 // request spreads over the splits and short ones leave trailing splits empty (they exit at
 // once). One split writes `out` directly; more write fp32 partials for decode_merge.cuh.
+// Launched with programmatic dependent launch after rope + KV store (both signal at their
+// start): the length, table row and first slot ids are read before griddepcontrol.wait, q and
+// K/V after it.
 // Memory traffic: K + V rows once, 4 bytes of slot id per token, q, out, and with splits
 // 2 * B * Hq * splits * (D + 1) * 4 bytes of partials.
 #pragma once
@@ -83,16 +86,9 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane / kTpr, sub = lane % kTpr;
 
-  // q, the length and the table row are independent: all issued before any is used, so
-  // their latencies overlap instead of adding up ahead of the slot -> K/V chain.
-  uint4 qraw[GP];
-  const T* qb = static_cast<const T*>(p.q) + b * p.q_stride_b + static_cast<int64_t>(kvh) * p.group * D;
-#pragma unroll
-  for (int h = 0; h < GP; ++h) {
-    // Unconditional (a branch would let the compiler sink it): padded heads re-read the last
-    // real head and are zeroed below.
-    qraw[h] = load_vec_now(qb + min(h, p.group - 1) * D + sub * 8);
-  }
+  // The length, the table row and the first tiles' slot ids come from the step's metadata, which
+  // no kernel of this layer writes: they are read before griddepcontrol.wait, while the previous
+  // kernel (rope + KV store, which signals at its start) may still run. q and K/V are read after it.
   const int len = request_len(p, b);
   const int row = load_int_now(p.req_rows + b);
   const int lo = window_start(p, len);  // the splits cover keys lo .. len - 1 only
@@ -130,9 +126,23 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
     cp_async_commit();
   };
 
+  int slots[kStages];
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue(i, start + i * kTile, load_slot(start + i * kTile));
-  int slot_next = load_slot(start + (kStages - 1) * kTile);
+  for (int i = 0; i < kStages; ++i) slots[i] = load_slot(start + i * kTile);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // q and this step's K/V row are written
+#endif
+  uint4 qraw[GP];
+  const T* qb = static_cast<const T*>(p.q) + b * p.q_stride_b + static_cast<int64_t>(kvh) * p.group * D;
+#pragma unroll
+  for (int h = 0; h < GP; ++h) {
+    // Unconditional (a branch would let the compiler sink it): padded heads re-read the last
+    // real head and are zeroed below.
+    qraw[h] = load_vec_now(qb + min(h, p.group - 1) * D + sub * 8);
+  }
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i, start + i * kTile, slots[i]);
+  int slot_next = slots[kStages - 1];
 
   // This thread's 8 dims of each query head, pre-scaled into the log2 domain.
   float qf[GP][8];

@@ -22,6 +22,11 @@ __global__ void store_kv_kernel(char* __restrict__ k_cache, char* __restrict__ v
                                 const int32_t* __restrict__ slots, int64_t num_tokens,
                                 int64_t row_vecs, int64_t cache_stride_bytes,
                                 int64_t k_stride_bytes, int64_t v_stride_bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // A decode step's paged attention after this kernel (launched with programmatic dependent
+  // launch) may start now: before its griddepcontrol.wait it reads only the step's metadata.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
   const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (token >= num_tokens) return;
   const int64_t slot = slots[token];

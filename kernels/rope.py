@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import dependent_launch, gdc_launch_dependents
+
 
 @triton.jit
 def _rotate_heads(Base, stride_h, n_heads, W, eps, cos, sin, offs_d, mask_d, HALF: tl.constexpr,
@@ -47,8 +49,12 @@ def _rope_kernel(
     Q, K, Pos, Cache, WQ, WK, stride_qt, stride_qh, stride_kt, stride_kh, stride_c, HQ, HKV, eps,
     V, KC, VC, Slots, stride_vt, stride_vh, stride_kvc,
     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    QK_NORM: tl.constexpr, STORE: tl.constexpr,
+    QK_NORM: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        # The paged decode attention after this kernel (launched with programmatic dependent launch)
+        # may start now and read the request's table; it waits for this grid before it reads q or K/V.
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t)
     offs_d = tl.arange(0, BLOCK_D)
@@ -88,7 +94,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_c
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), hq, hkv, eps,
         v, k_cache, v_cache, slots, v.stride(0), v.stride(1), k_cache.stride(0),
         HALF=half, BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, QK_NORM=norm, STORE=store is not None,
-        num_warps=num_warps,
+        PDL=dependent_launch(q), num_warps=num_warps,
     )
 
 

@@ -173,12 +173,17 @@ def test_dependent_launches_read_the_previous_output(graph: bool) -> None:
 
 @gpu
 @pytest.mark.parametrize("graph", [False, True])
-def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool) -> None:
+@pytest.mark.parametrize("fused", [True, False])
+def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fused: bool) -> None:
     """The fused add-RMSNorm and SiLU-and-mul (Triton) and the decode attention's merge signal the
     next grid at their start, so a skinny GEMM launched with PDL after them starts loading W while
     they still run. Its input is their output: a read before griddepcontrol.wait would be stale.
-    norm -> GEMM -> split decode (4 splits) + merge -> GEMM -> GEMM (gate | up) -> SiLU-and-mul
-    -> GEMM, against the same chain without PDL, outputs NaN-poisoned before the run."""
+    So do rope + KV store, and the split decode after it (always launched with PDL) reads only the
+    table before its wait: q and the last token's K/V row are rope's output.
+    (`fused` False: rope, then the KV store kernel, which signals too: QK-norm models' path.)
+    norm -> GEMM -> rope + store (the last token's K/V row) -> split decode (4 splits) + merge
+    -> GEMM -> GEMM (gate | up) -> SiLU-and-mul -> GEMM, against the same chain without PDL on
+    the GEMMs, outputs (and that K/V row) NaN-poisoned before the run."""
     from test_decode_attention import make_case
 
     from minisgl import ops
@@ -194,6 +199,13 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool) ->
     w4 = make(1, d, d, torch.bfloat16, "cuda", seed=45)[1]
     norm_w = torch.randn(d, device="cuda").to(torch.bfloat16)
     c = make_case([900], 4, 4, dim, torch.bfloat16, 1, "cuda", seed=43)
+    last = c["req_to_slot"][c["req_rows"].long(), 899].long()  # the slot rope + store writes
+    slots = last.to(torch.int32)
+    positions = torch.tensor([899], dtype=torch.int64, device="cuda")
+    cos_sin = torch.randn(1024, dim, device="cuda")
+    k_new, v_new = (torch.randn(1, 4, dim, device="cuda").to(torch.bfloat16) for _ in range(2))
+    k_buf = torch.empty_like(k_new)
+    k_row, v_row = c["k_cache"][int(last[0])], c["v_cache"][int(last[0])]  # views, poisoned with the outputs
     h, r_out, q = (torch.empty(1, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     attn = torch.empty(1, heads, dim, dtype=torch.bfloat16, device="cuda")
     y, z = (torch.empty(1, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
@@ -203,13 +215,20 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool) ->
     def chain(pdl: bool) -> None:
         norm_launch(x, res, norm_w, 1e-6, h, r_out)
         launch(h, w1, None, q, False, cfg, pdl=pdl)
+        k_buf.copy_(k_new)  # rope rotates k in place
+        if fused:
+            ops.apply_rope_and_store(q.view(1, heads, dim), k_buf, v_new, positions, cos_sin, c["k_cache"],
+                                     c["v_cache"], slots)
+        else:
+            ops.apply_rope(q.view(1, heads, dim), k_buf, positions, cos_sin)
+            ops.store_kv(c["k_cache"], c["v_cache"], k_buf, v_new, slots)
         ops.paged_decode_attention(q.view(1, heads, dim), c["k_cache"], c["v_cache"], c["req_to_slot"],
                                    c["req_rows"], c["seq_lens"], dim**-0.5, 4096, out=attn, num_splits=4)
         launch(attn.view(1, d), w2, None, y, False, cfg, pdl=pdl)
         launch(y, w3, None, gu, False, cfg, pdl=pdl)
         launch(ops.silu_and_mul(gu), w4, None, z, False, cfg, pdl=pdl)
 
-    check_pdl_chain(chain, [h, r_out, q, attn, y, gu, z], graph)
+    check_pdl_chain(chain, [h, r_out, q, k_row, v_row, attn, y, gu, z], graph)
 
 
 @gpu
