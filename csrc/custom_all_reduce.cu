@@ -4,6 +4,7 @@
 #include "all_reduce_norm.cuh"
 #include "custom_all_reduce.cuh"
 #include "launchers.h"
+#include "pdl.h"
 
 namespace minisgl {
 
@@ -82,11 +83,12 @@ cudaError_t launch_norm_dtype(const car::RankBases& ranks, int world, int rank, 
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
-  int device = 0, major = 0;
+  int device = 0;
+  bool allowed = false;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (err == cudaSuccess) err = pdl_allowed_on(device, &allowed);
   if (err != cudaSuccess) return reported(err);
-  if (major >= 9) {
+  if (allowed) {
     launch.attrs = attr;
     launch.numAttrs = 1;
   }

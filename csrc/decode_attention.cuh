@@ -94,7 +94,9 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
   const int lo = window_start(p, len);  // the splits cover keys lo .. len - 1 only
   const int chunk = split_chunk(len - lo, p.num_splits, kTile);
   const int start = lo + split * chunk;
-  if (p.num_splits > 1 && start >= len) return;  // uniform across the block: no barrier skipped
+  // No tokens (uniform across the block): returns after the wait below, so that even a grid whose
+  // every split is empty completes only after the previous kernel.
+  const bool empty = p.num_splits > 1 && start >= len;
   const int end = min(len, start + chunk);
 
   const int32_t* table = p.req_to_slot + static_cast<int64_t>(row) * p.table_stride;
@@ -126,12 +128,13 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const Params p) {
     cp_async_commit();
   };
 
-  int slots[kStages];
+  int slots[kStages];  // an empty split's are 0 and not loaded (its tokens are past `end`)
 #pragma unroll
   for (int i = 0; i < kStages; ++i) slots[i] = load_slot(start + i * kTile);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");  // q and this step's K/V row are written
 #endif
+  if (empty) return;
   uint4 qraw[GP];
   const T* qb = static_cast<const T*>(p.q) + b * p.q_stride_b + static_cast<int64_t>(kvh) * p.group * D;
 #pragma unroll

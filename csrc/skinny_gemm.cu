@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "launchers.h"
+#include "pdl.h"
 #include "skinny_w4.cuh"
 
 namespace minisgl {
@@ -189,11 +190,12 @@ int launch_kernel(KernelFn fn, Params p, int rt, int64_t group, int warps, int n
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   if (pdl) {
-    int device = 0, major = 0;
+    int device = 0;
+    bool allowed = false;
     cudaError_t err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    if (err == cudaSuccess) err = pdl_allowed_on(device, &allowed);
     if (err != cudaSuccess) return static_cast<int>(err);
-    if (major >= 9) {
+    if (allowed) {
       launch.attrs = attr;
       launch.numAttrs = 1;
     }

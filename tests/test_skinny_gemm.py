@@ -180,10 +180,12 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
     they still run. Its input is their output: a read before griddepcontrol.wait would be stale.
     So do rope + KV store, and the split decode after it (always launched with PDL) reads only the
     table before its wait: q and the last token's K/V row are rope's output.
-    (`fused` False: rope, then the KV store kernel, which signals too: QK-norm models' path.)
+    (`fused` False: rope, then the KV store kernel, which signals too: the path of QK-norm layers,
+    FP8 caches and partial rotary.)
     norm -> GEMM -> rope + store (the last token's K/V row) -> split decode (4 splits) + merge
     -> GEMM -> GEMM (gate | up) -> SiLU-and-mul -> GEMM, against the same chain without PDL on
-    the GEMMs, outputs (and that K/V row) NaN-poisoned before the run."""
+    the GEMMs and with the device synchronized before the attention (its stale reads would see
+    the GEMM's unrotated q, or the NaN-poisoned K/V row), outputs NaN-poisoned before the run."""
     from test_decode_attention import make_case
 
     from minisgl import ops
@@ -216,12 +218,14 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
         norm_launch(x, res, norm_w, 1e-6, h, r_out)
         launch(h, w1, None, q, False, cfg, pdl=pdl)
         k_buf.copy_(k_new)  # rope rotates k in place
-        if fused:
+        if fused:  # (rope and the store kernel signal their dependents in both runs)
             ops.apply_rope_and_store(q.view(1, heads, dim), k_buf, v_new, positions, cos_sin, c["k_cache"],
                                      c["v_cache"], slots)
         else:
             ops.apply_rope(q.view(1, heads, dim), k_buf, positions, cos_sin)
             ops.store_kv(c["k_cache"], c["v_cache"], k_buf, v_new, slots)
+        if not pdl:  # the reference: the attention (always launched with PDL) starts after everything
+            torch.cuda.synchronize()
         ops.paged_decode_attention(q.view(1, heads, dim), c["k_cache"], c["v_cache"], c["req_to_slot"],
                                    c["req_rows"], c["seq_lens"], dim**-0.5, 4096, out=attn, num_splits=4)
         launch(attn.view(1, d), w2, None, y, False, cfg, pdl=pdl)
