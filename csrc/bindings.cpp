@@ -50,6 +50,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("num_tokens"), py::arg("row_bytes"), py::arg("cache_stride"), py::arg("k_stride"),
       py::arg("v_stride"), py::arg("stream"));
   m.def(
+      "pdl_enabled",
+      [](int device) {
+        int enabled = 0;
+        check(minisgl::pdl_enabled(device, &enabled), "pdl_enabled");
+        return enabled != 0;
+      },
+      py::arg("device"));
+  m.def(
       "paged_decode_num_splits",
       [](int device, int batch, int kv_heads, int group, int head_dim, int dtype, int64_t max_seq_len, bool kv_fp8) {
         int splits = 0;

@@ -71,24 +71,17 @@ Instance pick(int dtype, int kv_fp8, int head_dim, int group) {
 // cache: no cudaGetDevice / cudaDeviceGetAttribute per launch). 0 in the cache = not read yet.
 constexpr int kMaxDevices = 64;
 std::atomic<int> g_sms[kMaxDevices];
-std::atomic<int> g_cc[kMaxDevices];  // compute capability, major * 10 + minor
 
-// A per-device value read once by `read(device, &value)` (a nonzero int).
-template <typename Read>
-cudaError_t cached(std::atomic<int>* cache, int device, int* value, Read read) {
+cudaError_t cached_attribute(std::atomic<int>* cache, cudaDeviceAttr attr, int device, int* value) {
   if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
   int v = cache[device].load(std::memory_order_relaxed);
   if (v == 0) {
-    const cudaError_t err = read(device, &v);
+    const cudaError_t err = cudaDeviceGetAttribute(&v, attr, device);
     if (err != cudaSuccess) return err;
     cache[device].store(v, std::memory_order_relaxed);  // racing first reads store the same value
   }
   *value = v;
   return cudaSuccess;
-}
-
-cudaError_t cached_attribute(std::atomic<int>* cache, cudaDeviceAttr attr, int device, int* value) {
-  return cached(cache, device, value, [attr](int d, int* v) { return cudaDeviceGetAttribute(v, attr, d); });
 }
 
 }  // namespace
@@ -142,8 +135,8 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
   // previous kernel (rope + KV store) runs, reading only the step's metadata before its
   // griddepcontrol.wait; the merge grid's launch overlaps the split grid's tail, and it waits
   // for the split grid before reading the partials.
-  int cc = 0;
-  cudaError_t err = cached(g_cc, device, &cc, compute_capability);
+  bool pdl = false;
+  cudaError_t err = pdl_allowed_on(device, &pdl);
   if (err != cudaSuccess) return static_cast<int>(err);
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -153,7 +146,7 @@ int paged_decode_attention(const void* q, const void* k_cache, const void* v_cac
   cfg.blockDim = dim3(decode::kThreads);
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_allowed(cc) ? 1 : 0;
+  cfg.numAttrs = pdl ? 1 : 0;
   err = cudaLaunchKernelEx(&cfg, inst.split, p);
   if (err != cudaSuccess || num_splits == 1) return static_cast<int>(err);
   cfg.gridDim = dim3(kv_heads * group, batch);

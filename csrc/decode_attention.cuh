@@ -11,8 +11,8 @@
 // head once and serves all `group` query heads of that KV head from registers, so K/V bytes
 // are read exactly once per step. The split count is fixed by the host (graph-stable); the
 // per-request chunk ceil(len / splits) is computed here from the device length, so every
-// request spreads over the splits and short ones leave trailing splits empty (they exit at
-// once). One split writes `out` directly; more write fp32 partials for decode_merge.cuh.
+// request spreads over the splits and short ones leave trailing splits empty (they exit after
+// griddepcontrol.wait). One split writes `out` directly; more write fp32 partials for decode_merge.cuh.
 // Launched with programmatic dependent launch after rope + KV store (both signal at their
 // start): the length, table row and first slot ids are read before griddepcontrol.wait, q and
 // K/V after it.

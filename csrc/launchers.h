@@ -129,4 +129,8 @@ int host_device_pointer(void* host, void** device);
 
 const char* cuda_error_string(int code);
 
+// Whether the launchers overlap kernels by programmatic dependent launch on the current device
+// `device` (csrc/pdl.h: the loaded code has the sm_90 waits).
+int pdl_enabled(int device, int* enabled);
+
 }  // namespace minisgl

@@ -125,6 +125,19 @@ def test_split_k_is_deterministic() -> None:
         assert torch.equal(skinny_gemm(x, w, config=cfg), first)
 
 
+@gpu
+def test_dependent_launch_is_on_where_the_loaded_code_waits() -> None:
+    """The launchers ask for programmatic dependent launch only where the code loaded on the GPU
+    was compiled for compute_90 or later (csrc/pdl.h), so a build of README's default targets (80
+    and 90) overlaps kernels on Hopper and later and not before. A silent False here would cost
+    every decode step its overlaps and fail no other test."""
+    from minisgl.ops._backend import compiled
+
+    major = torch.cuda.get_device_capability()[0]
+    assert compiled().pdl_enabled(torch.cuda.current_device()) == (major >= 9), (
+        "this build's code for the GPU has no sm_90 target (MINISGL_CUDA_ARCHS): no kernel overlap")
+
+
 def check_pdl_chain(chain, outs: list[torch.Tensor], graph: bool) -> None:  # noqa: ANN001
     """Runs chain(False) (launches without PDL), keeps `outs`, NaN-poisons them, runs chain(True)
     (captured in a CUDA graph when `graph`, poisoned again before the replay) and requires the
@@ -178,7 +191,7 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
     """The fused add-RMSNorm and SiLU-and-mul (Triton) and the decode attention's merge signal the
     next grid at their start, so a skinny GEMM launched with PDL after them starts loading W while
     they still run. Its input is their output: a read before griddepcontrol.wait would be stale.
-    So do rope + KV store, and the split decode after it (always launched with PDL) reads only the
+    So do rope + KV store, and the split decode after it (launched with PDL) reads only the
     table before its wait: q and the last token's K/V row are rope's output.
     (`fused` False: rope, then the KV store kernel, which signals too: the path of QK-norm layers,
     FP8 caches and partial rotary.)
@@ -224,7 +237,7 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
         else:
             ops.apply_rope(q.view(1, heads, dim), k_buf, positions, cos_sin)
             ops.store_kv(c["k_cache"], c["v_cache"], k_buf, v_new, slots)
-        if not pdl:  # the reference: the attention (always launched with PDL) starts after everything
+        if not pdl:  # the reference: the attention (launched with PDL) starts after everything
             torch.cuda.synchronize()
         ops.paged_decode_attention(q.view(1, heads, dim), c["k_cache"], c["v_cache"], c["req_to_slot"],
                                    c["req_rows"], c["seq_lens"], dim**-0.5, 4096, out=attn, num_splits=4)
