@@ -36,8 +36,6 @@ def spec_accept(
         check_same_device(logits=logits, q=q)
     check_same_device(logits=logits, cu=cu, drafts=drafts, temperature=temperature, top_k=top_k, top_p=top_p,
                       min_p=min_p, seeds=seeds, steps=steps)
-    if logits.shape[1] == 0:
-        raise ValueError("logits must have a non-empty vocabulary dimension")
     if use_triton("spec_accept", logits):
         return _k.accept(logits, cu, drafts, temperature, top_k, top_p, min_p, seeds, steps, q)
     log_cpu_reference_once("spec_accept")
