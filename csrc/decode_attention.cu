@@ -6,6 +6,7 @@
 
 #include "decode_attention.cuh"
 #include "decode_merge.cuh"
+#include "device_cache.h"
 #include "launchers.h"
 #include "pdl.h"
 
@@ -67,22 +68,8 @@ Instance pick(int dtype, int kv_fp8, int head_dim, int group) {
   return Instance{};
 }
 
-// A device attribute, read from the driver once per device and process (launches read the
-// cache: no cudaGetDevice / cudaDeviceGetAttribute per launch). 0 in the cache = not read yet.
-constexpr int kMaxDevices = 64;
+// The SM count per device, read once (device_cache.h).
 std::atomic<int> g_sms[kMaxDevices];
-
-cudaError_t cached_attribute(std::atomic<int>* cache, cudaDeviceAttr attr, int device, int* value) {
-  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  int v = cache[device].load(std::memory_order_relaxed);
-  if (v == 0) {
-    const cudaError_t err = cudaDeviceGetAttribute(&v, attr, device);
-    if (err != cudaSuccess) return err;
-    cache[device].store(v, std::memory_order_relaxed);  // racing first reads store the same value
-  }
-  *value = v;
-  return cudaSuccess;
-}
 
 }  // namespace
 
@@ -91,7 +78,9 @@ int paged_decode_num_splits(int device, int batch, int kv_heads, int group, int 
   const Instance inst = pick(dtype, kv_fp8, head_dim, group);
   if (inst.split == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   int sms = 0, per_sm = 0;
-  cudaError_t err = cached_attribute(g_sms, cudaDevAttrMultiProcessorCount, device, &sms);
+  cudaError_t err = cached_per_device(g_sms, device, &sms, [](int d, int* v) {
+    return cudaDeviceGetAttribute(v, cudaDevAttrMultiProcessorCount, d);
+  });
   // Occupancy of the current device's instance: called once per shape (the caller caches it).
   if (err == cudaSuccess)
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, inst.split, decode::kThreads, 0);

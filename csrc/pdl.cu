@@ -1,6 +1,7 @@
 // pdl.h: whether the code loaded on a device may be launched with programmatic dependent launch.
 #include <atomic>
 
+#include "device_cache.h"
 #include "launchers.h"
 #include "pdl.h"
 
@@ -12,24 +13,20 @@ namespace {
 // ptxVersion is the virtual architecture the device's code came from.
 __global__ void pdl_probe_kernel() {}
 
-constexpr int kMaxDevices = 64;
-std::atomic<int> g_state[kMaxDevices];  // 0 not read yet, 1 no PDL, 2 PDL
+std::atomic<int> g_state[kMaxDevices];  // 1 no PDL, 2 PDL (device_cache.h; 0 not read yet)
 
 }  // namespace
 
 cudaError_t pdl_allowed_on(int device, bool* allowed) {
-  *allowed = false;
-  if (device < 0 || device >= kMaxDevices) return cudaErrorInvalidDevice;
-  int state = g_state[device].load(std::memory_order_relaxed);
-  if (state == 0) {
+  int state = 0;
+  const cudaError_t err = cached_per_device(g_state, device, &state, [](int, int* v) {
     cudaFuncAttributes attrs = {};
-    const cudaError_t err = cudaFuncGetAttributes(&attrs, pdl_probe_kernel);
-    if (err != cudaSuccess) return err;
-    state = attrs.ptxVersion >= 90 ? 2 : 1;
-    g_state[device].store(state, std::memory_order_relaxed);  // racing first reads store the same value
-  }
-  *allowed = state == 2;
-  return cudaSuccess;
+    const cudaError_t e = cudaFuncGetAttributes(&attrs, pdl_probe_kernel);
+    *v = attrs.ptxVersion >= 90 ? 2 : 1;
+    return e;
+  });
+  *allowed = err == cudaSuccess && state == 2;
+  return err;
 }
 
 int pdl_enabled(int device, int* enabled) {
