@@ -246,6 +246,18 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
         launch(ops.silu_and_mul(gu), w4, None, z, False, cfg, pdl=pdl)
 
     check_pdl_chain(chain, [h, r_out, q, k_row, v_row, attn, y, gu, z], graph)
+    # And against torch, so a reference run with the same stale reads cannot pass: the stored row is
+    # the rotated k and v, the attention is over the final q and cache.
+    from minisgl.kernels.rope import apply_rope_reference
+
+    k_want = k_new.clone()
+    apply_rope_reference(torch.zeros_like(k_want), k_want, positions, cos_sin)
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(k_row.float(), k_want[0].float(), rtol=2 * eps, atol=2 * eps)
+    assert torch.equal(v_row, v_new[0])
+    want = ops.paged_decode_attention_reference(q.view(1, heads, dim), c["k_cache"], c["v_cache"], c["req_to_slot"],
+                                                c["req_rows"], c["seq_lens"], dim**-0.5)
+    torch.testing.assert_close(attn.float(), want.float(), rtol=2 * eps, atol=1e-4)  # one bf16 rounding apart
 
 
 @gpu
