@@ -8,9 +8,9 @@ import torch
 import triton
 
 try:  # griddepcontrol from Triton kernels (Triton 3.4 and later); without it no Triton kernel signals
-    from triton.language.extra.cuda import gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:
-    gdc_launch_dependents = None
+    gdc_launch_dependents = gdc_wait = None
 
 
 @functools.cache
@@ -35,3 +35,6 @@ def dependent_launch(t: torch.Tensor) -> bool:
     Triton interpreter (which cannot run it, on CUDA tensors too) and with a Triton without it."""
     return (gdc_launch_dependents is not None and t.is_cuda and not _interpreting()
             and _major(t.device.index or 0) >= 9)
+# A Triton kernel launched with `launch_pdl=True` (where `dependent_launch` allows it) may start
+# while the kernel before it still runs: it must `gdc_wait()` before it reads anything that kernel
+# writes, and before it writes anything that kernel may still read.

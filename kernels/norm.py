@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import dependent_launch, gdc_launch_dependents
+from .device import dependent_launch, gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -31,6 +31,11 @@ def _rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
+    # The weight is no kernel's output: it is read while the previous kernel (this grid is launched
+    # with PDL after it, often the GEMM that writes X) may still run; X and R after the wait.
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    if PDL:
+        gdc_wait()
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
@@ -40,7 +45,6 @@ def _rmsnorm_kernel(
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     h = (xf * rstd).to(x.dtype)
-    w = tl.load(W + offs, mask=mask, other=0.0)
     # weight * hidden in the input dtype: an fp32 product rounded once, as torch does it.
     out = (h.to(tl.float32) * w.to(tl.float32)).to(Out.dtype.element_ty)
     tl.store(Out + row * stride_o + offs, out, mask=mask)
@@ -55,10 +59,11 @@ def _launch(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: 
     # ~8 elements per thread: enough bytes in flight per SM without spilling.
     num_warps = max(1, min(16, block // 256))
     has_r = r is not None
+    pdl = dependent_launch(x)
     _rmsnorm_kernel[(t,)](
         x, r if has_r else x, weight, out, r_out if has_r else out,
         x.stride(0), r.stride(0) if has_r else 0, out.stride(0), r_out.stride(0) if has_r else 0,
-        h, eps, HAS_RESIDUAL=has_r, BLOCK=block, PDL=dependent_launch(x), num_warps=num_warps,
+        h, eps, HAS_RESIDUAL=has_r, BLOCK=block, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )
 
 

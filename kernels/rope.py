@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import dependent_launch, gdc_launch_dependents
+from .device import dependent_launch, gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -61,11 +61,17 @@ def _rope_kernel(
     mask_d = offs_d < HALF
     cos = tl.load(Cache + pos * stride_c + offs_d, mask=mask_d, other=0.0)[None, :]
     sin = tl.load(Cache + pos * stride_c + HALF + offs_d, mask=mask_d, other=0.0)[None, :]
+    if STORE:
+        slot = tl.load(Slots + t).to(tl.int64)
+    if PDL:
+        # Launched with PDL after the QKV GEMM: the positions, the cos/sin table and the slots (the
+        # step's metadata and a constant, no kernel's output) were read while it may still run; q,
+        # k and v, and every write, come after the wait.
+        gdc_wait()
     _rotate_heads(Q + t * stride_qt, stride_qh, HQ, WQ, eps, cos, sin, offs_d, mask_d, HALF, BLOCK_HQ, QK_NORM)
     k1, k2 = _rotate_heads(K + t * stride_kt, stride_kh, HKV, WK, eps, cos, sin, offs_d, mask_d, HALF, BLOCK_HK,
                            QK_NORM)
     if STORE:  # the rotated k and v into the cache row of the token's slot (full rotary: D = 2 * HALF)
-        slot = tl.load(Slots + t).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_HK)
         mask = (offs_h < HKV)[:, None] & mask_d[None, :]
         row = slot * stride_kvc + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
@@ -89,12 +95,13 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_c
     num_warps = 4 if block_hq * block_d <= 2048 else 8
     norm = q_weight is not None
     v, k_cache, v_cache, slots = store if store is not None else (k, k, k, positions)
+    pdl = dependent_launch(q)
     _rope_kernel[(t,)](
         q, k, positions, cos_sin_cache, q_weight if norm else q, k_weight if norm else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), hq, hkv, eps,
         v, k_cache, v_cache, slots, v.stride(0), v.stride(1), k_cache.stride(0),
         HALF=half, BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, QK_NORM=norm, STORE=store is not None,
-        PDL=dependent_launch(q), num_warps=num_warps,
+        PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )
 
 

@@ -195,10 +195,13 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
     table before its wait: q and the last token's K/V row are rope's output.
     (`fused` False: rope, then the KV store kernel, which signals too: the path of QK-norm layers,
     FP8 caches and partial rotary.)
+    The norm and rope are themselves launched with PDL (they wait before reading their input, the
+    GEMM's output, and read only the weight, positions, cos/sin and slots before).
     norm -> GEMM -> rope + store (the last token's K/V row) -> split decode (4 splits) + merge
-    -> GEMM -> GEMM (gate | up) -> SiLU-and-mul -> GEMM, against the same chain without PDL on
-    the GEMMs and with the device synchronized before the attention (its stale reads would see
-    the GEMM's unrotated q, or the NaN-poisoned K/V row), outputs NaN-poisoned before the run."""
+    -> GEMM -> GEMM (gate | up) -> SiLU-and-mul -> GEMM -> norm -> GEMM, against the same chain
+    without PDL on the GEMMs and with the device synchronized before the attention and the second
+    norm (their stale reads would see the GEMM's unrotated q, the NaN-poisoned K/V row, or the
+    poisoned GEMM output), outputs NaN-poisoned before the run."""
     from test_decode_attention import make_case
 
     from minisgl import ops
@@ -223,7 +226,7 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
     k_row, v_row = c["k_cache"][int(last[0])], c["v_cache"][int(last[0])]  # views, poisoned with the outputs
     h, r_out, q = (torch.empty(1, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     attn = torch.empty(1, heads, dim, dtype=torch.bfloat16, device="cuda")
-    y, z = (torch.empty(1, d, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    y, z, h2, r2, y2 = (torch.empty(1, d, dtype=torch.bfloat16, device="cuda") for _ in range(5))
     gu = torch.empty(1, 2 * d, dtype=torch.bfloat16, device="cuda")
     cfg = SkinnyConfig(1, 4, 4)
 
@@ -244,8 +247,12 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
         launch(attn.view(1, d), w2, None, y, False, cfg, pdl=pdl)
         launch(y, w3, None, gu, False, cfg, pdl=pdl)
         launch(ops.silu_and_mul(gu), w4, None, z, False, cfg, pdl=pdl)
+        if not pdl:
+            torch.cuda.synchronize()
+        norm_launch(z, res, norm_w, 1e-6, h2, r2)
+        launch(h2, w2, None, y2, False, cfg, pdl=pdl)
 
-    check_pdl_chain(chain, [h, r_out, q, k_row, v_row, attn, y, gu, z], graph)
+    check_pdl_chain(chain, [h, r_out, q, k_row, v_row, attn, y, gu, z, h2, r2, y2], graph)
     # And against torch, so a reference run with the same stale reads cannot pass: the stored row is
     # the rotated k and v, the attention is over the final q and cache.
     from minisgl.kernels.rope import apply_rope_reference
@@ -258,6 +265,11 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
     want = ops.paged_decode_attention_reference(q.view(1, heads, dim), c["k_cache"], c["v_cache"], c["req_to_slot"],
                                                 c["req_rows"], c["seq_lens"], dim**-0.5)
     torch.testing.assert_close(attn.float(), want.float(), rtol=2 * eps, atol=1e-4)  # one bf16 rounding apart
+    from minisgl.kernels.norm import fused_add_rmsnorm_reference
+
+    h2_want, r2_want = fused_add_rmsnorm_reference(z, res, norm_w, 1e-6)  # from the final GEMM output
+    assert torch.equal(r2, r2_want)
+    torch.testing.assert_close(h2.float(), h2_want.float(), rtol=2 * eps, atol=2 * eps)
 
 
 @gpu
