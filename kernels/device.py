@@ -35,6 +35,12 @@ def dependent_launch(t: torch.Tensor) -> bool:
     Triton interpreter (which cannot run it, on CUDA tensors too) and with a Triton without it."""
     return (gdc_launch_dependents is not None and t.is_cuda and not _interpreting()
             and _major(t.device.index or 0) >= 9)
-# A Triton kernel launched with `launch_pdl=True` (where `dependent_launch` allows it) may start
-# while the kernel before it still runs: it must `gdc_wait()` before it reads anything that kernel
-# writes, and before it writes anything that kernel may still read.
+
+
+def pdl_launch(pdl: bool) -> dict[str, bool]:
+    """The launch option of a Triton kernel launched with programmatic dependent launch (`pdl`, from
+    `dependent_launch`). Such a kernel may start while the kernel before it still runs: it must
+    `gdc_wait()` before it reads anything that kernel writes and before it writes anything that
+    kernel may still read. Empty when off: a Triton before 3.4 (which pyproject allows) has no
+    `launch_pdl` option and refuses the keyword."""
+    return {"launch_pdl": True} if pdl else {}

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import dependent_launch, gdc_launch_dependents, gdc_wait
+from .device import dependent_launch, gdc_launch_dependents, gdc_wait, pdl_launch
 
 
 @triton.jit
@@ -63,7 +63,7 @@ def _launch(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: 
     _rmsnorm_kernel[(t,)](
         x, r if has_r else x, weight, out, r_out if has_r else out,
         x.stride(0), r.stride(0) if has_r else 0, out.stride(0), r_out.stride(0) if has_r else 0,
-        h, eps, HAS_RESIDUAL=has_r, BLOCK=block, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        h, eps, HAS_RESIDUAL=has_r, BLOCK=block, PDL=pdl, num_warps=num_warps, **pdl_launch(pdl),
     )
 
 

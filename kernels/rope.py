@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import dependent_launch, gdc_launch_dependents, gdc_wait
+from .device import dependent_launch, gdc_launch_dependents, gdc_wait, pdl_launch
 
 
 @triton.jit
@@ -101,7 +101,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_c
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), hq, hkv, eps,
         v, k_cache, v_cache, slots, v.stride(0), v.stride(1), k_cache.stride(0),
         HALF=half, BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, QK_NORM=norm, STORE=store is not None,
-        PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        PDL=pdl, num_warps=num_warps, **pdl_launch(pdl),
     )
 
 
