@@ -196,12 +196,14 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
     (`fused` False: rope, then the KV store kernel, which signals too: the path of QK-norm layers,
     FP8 caches and partial rotary.)
     The norm and rope are themselves launched with PDL (they wait before reading their input, the
-    GEMM's output, and read only the weight, positions, cos/sin and slots before).
-    norm -> GEMM -> rope + store (the last token's K/V row) -> split decode (4 splits) + merge
-    -> GEMM -> GEMM (gate | up) -> SiLU-and-mul -> GEMM -> norm -> GEMM, against the same chain
-    without PDL on the GEMMs and with the device synchronized before the attention and the second
-    norm (their stale reads would see the GEMM's unrotated q, the NaN-poisoned K/V row, or the
-    poisoned GEMM output), outputs NaN-poisoned before the run."""
+    GEMM's output, and read only the weight, positions, cos/sin and slots before), so each follows
+    a GEMM directly here.
+    GEMM -> norm -> GEMM -> rope + store (the last token's K/V row) -> split decode (4 splits) +
+    merge -> GEMM -> GEMM (gate | up) -> SiLU-and-mul -> GEMM -> norm (residual in place) -> GEMM,
+    against the same chain without PDL on the GEMMs and with the device synchronized before every
+    kernel launched with PDL in both runs (the norms, rope, the attention): their stale reads would
+    see a NaN-poisoned GEMM output, the unrotated q or the poisoned K/V row. Outputs NaN-poisoned
+    before the run."""
     from test_decode_attention import make_case
 
     from minisgl import ops
@@ -210,7 +212,8 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
 
     heads, dim = 16, 128
     d = heads * dim
-    x, w1, _ = make(1, d, d, torch.bfloat16, "cuda", seed=40)
+    x0, w0, _ = make(1, d, d, torch.bfloat16, "cuda", seed=39)
+    w1 = make(1, d, d, torch.bfloat16, "cuda", seed=40)[1]
     res = make(1, d, d, torch.bfloat16, "cuda", seed=41)[0]
     w2 = make(1, d, d, torch.bfloat16, "cuda", seed=42)[1]
     w3 = make(1, 2 * d, d, torch.bfloat16, "cuda", seed=44)[1]
@@ -224,35 +227,41 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
     k_new, v_new = (torch.randn(1, 4, dim, device="cuda").to(torch.bfloat16) for _ in range(2))
     k_buf = torch.empty_like(k_new)
     k_row, v_row = c["k_cache"][int(last[0])], c["v_cache"][int(last[0])]  # views, poisoned with the outputs
-    h, r_out, q = (torch.empty(1, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    x, h, r_out, q = (torch.empty(1, d, dtype=torch.bfloat16, device="cuda") for _ in range(4))
     attn = torch.empty(1, heads, dim, dtype=torch.bfloat16, device="cuda")
     y, z, h2, r2, y2 = (torch.empty(1, d, dtype=torch.bfloat16, device="cuda") for _ in range(5))
     gu = torch.empty(1, 2 * d, dtype=torch.bfloat16, device="cuda")
     cfg = SkinnyConfig(1, 4, 4)
 
+    def sync_if(reference: bool) -> None:  # the reference run: the next kernel starts after everything
+        if reference:
+            torch.cuda.synchronize()
+
     def chain(pdl: bool) -> None:
+        k_buf.copy_(k_new)  # rope rotates k in place (a copy, not a kernel: before the chain)
+        r2.copy_(res)  # the second norm's residual, updated in place
+        launch(x0, w0, None, x, False, cfg, pdl=pdl)
+        sync_if(not pdl)
         norm_launch(x, res, norm_w, 1e-6, h, r_out)
         launch(h, w1, None, q, False, cfg, pdl=pdl)
-        k_buf.copy_(k_new)  # rope rotates k in place
+        sync_if(not pdl)
         if fused:  # (rope and the store kernel signal their dependents in both runs)
             ops.apply_rope_and_store(q.view(1, heads, dim), k_buf, v_new, positions, cos_sin, c["k_cache"],
                                      c["v_cache"], slots)
         else:
             ops.apply_rope(q.view(1, heads, dim), k_buf, positions, cos_sin)
             ops.store_kv(c["k_cache"], c["v_cache"], k_buf, v_new, slots)
-        if not pdl:  # the reference: the attention (launched with PDL) starts after everything
-            torch.cuda.synchronize()
+        sync_if(not pdl)
         ops.paged_decode_attention(q.view(1, heads, dim), c["k_cache"], c["v_cache"], c["req_to_slot"],
                                    c["req_rows"], c["seq_lens"], dim**-0.5, 4096, out=attn, num_splits=4)
         launch(attn.view(1, d), w2, None, y, False, cfg, pdl=pdl)
         launch(y, w3, None, gu, False, cfg, pdl=pdl)
         launch(ops.silu_and_mul(gu), w4, None, z, False, cfg, pdl=pdl)
-        if not pdl:
-            torch.cuda.synchronize()
-        norm_launch(z, res, norm_w, 1e-6, h2, r2)
+        sync_if(not pdl)
+        norm_launch(z, r2, norm_w, 1e-6, h2, r2)
         launch(h2, w2, None, y2, False, cfg, pdl=pdl)
 
-    check_pdl_chain(chain, [h, r_out, q, k_row, v_row, attn, y, gu, z, h2, r2, y2], graph)
+    check_pdl_chain(chain, [x, h, r_out, q, k_row, v_row, attn, y, gu, z, h2, r2, y2], graph)
     # And against torch, so a reference run with the same stale reads cannot pass: the stored row is
     # the rotated k and v, the attention is over the final q and cache.
     from minisgl.kernels.rope import apply_rope_reference
@@ -270,9 +279,10 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
                     c["req_to_slot"], c["req_rows"], c["seq_lens"], dim**-0.5)
     from minisgl.kernels.norm import fused_add_rmsnorm_reference
 
-    h2_want, r2_want = fused_add_rmsnorm_reference(z, res, norm_w, 1e-6)  # from the final GEMM output
-    assert torch.equal(r2, r2_want)
-    torch.testing.assert_close(h2.float(), h2_want.float(), rtol=2 * eps, atol=2 * eps)
+    for hn, rn, src in ((h, r_out, x), (h2, r2, z)):  # the norms, from the final GEMM outputs
+        h_want, r_want = fused_add_rmsnorm_reference(src, res, norm_w, 1e-6)
+        assert torch.equal(rn, r_want)
+        torch.testing.assert_close(hn.float(), h_want.float(), rtol=2 * eps, atol=2 * eps)
 
 
 @gpu
