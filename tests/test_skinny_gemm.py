@@ -204,10 +204,14 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
     kernel launched with PDL in both runs (the norms, rope, the attention): their stale reads would
     see a NaN-poisoned GEMM output, the unrotated q or the poisoned K/V row. Outputs NaN-poisoned
     before the run."""
+    from attention_rule import assert_fa3_rule
     from test_decode_attention import make_case
 
     from minisgl import ops
+    from minisgl.kernels.decode_attention import decode_attention_reference
     from minisgl.kernels.norm import _launch as norm_launch
+    from minisgl.kernels.norm import fused_add_rmsnorm_reference
+    from minisgl.kernels.rope import apply_rope_reference
     from minisgl.ops.gemm.skinny import launch
 
     heads, dim = 16, 128
@@ -264,21 +268,13 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
     check_pdl_chain(chain, [x, h, r_out, q, k_row, v_row, attn, y, gu, z, h2, r2, y2], graph)
     # And against torch, so a reference run with the same stale reads cannot pass: the stored row is
     # the rotated k and v, the attention is over the final q and cache.
-    from minisgl.kernels.rope import apply_rope_reference
-
     k_want = k_new.clone()
     apply_rope_reference(torch.zeros_like(k_want), k_want, positions, cos_sin)
     eps = torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(k_row.float(), k_want[0].float(), rtol=2 * eps, atol=2 * eps)
     assert torch.equal(v_row, v_new[0])
-    from attention_rule import assert_fa3_rule
-
-    from minisgl.kernels.decode_attention import decode_attention_reference
-
     assert_fa3_rule(attn, decode_attention_reference, q.view(1, heads, dim), c["k_cache"], c["v_cache"],
                     c["req_to_slot"], c["req_rows"], c["seq_lens"], dim**-0.5)
-    from minisgl.kernels.norm import fused_add_rmsnorm_reference
-
     for hn, rn, src in ((h, r_out, x), (h2, r2, z)):  # the norms, from the final GEMM outputs
         h_want, r_want = fused_add_rmsnorm_reference(src, res, norm_w, 1e-6)
         assert torch.equal(rn, r_want)
