@@ -10,7 +10,9 @@ depends only on its own q and keys, never on the batch, the tile it sits in, or 
 
 A decode step (one program per head group and request would walk all of a long context alone)
 runs the same splits in parallel instead, up to a workspace bound: the extend kernel in PARTIAL
-mode writes each split's (acc, m, l) to a workspace, and `_combine_kernel` folds them in the
+mode writes each split's (acc, m, l) to a workspace (a program walks the key blocks of its splits in
+one loop, restarting the state at each split's first block: a loop per split is two blocks long, too
+short for the loads to pipeline), and `_combine_kernel` folds them in the
 same order with the same `fold_split` (explicit FMAs, so no compiler contraction choice can
 differ): the same bits as the sequential fold (tests/test_deterministic_gpu.py). The number
 of splits depends on the context length alone; the grid on the batch size and the

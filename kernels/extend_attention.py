@@ -219,8 +219,37 @@ def _extend_attn_kernel(
             acc, m_i, l_i = _attend_tile(
                 q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
                 stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
-    elif PARTIAL:  # splits pid2, pid2 + P, ... (P programs on grid axis 2): partials to [T, Hq, S, ...]
-        # (with a window, from the split of the window's start: the combine folds from there too)
+    elif PARTIAL and not WINDOWED:  # splits pid2, pid2 + P, ... (P programs on grid axis 2): partials to
+        # [T, Hq, S, ...]. One flat loop over this program's blocks, so their loads pipeline across split
+        # ends (a split is SPLIT // BLOCK_N blocks; a loop per split is too short to pipeline): a split's
+        # first block starts from a fresh state, its last writes the partial. Every block takes the masked
+        # path (the unmasked one gives a fully visible block the same bits: the masks select nothing).
+        CHUNKS: tl.constexpr = SPLIT // BLOCK_N
+        p = tl.program_id(2)
+        n_splits = tl.cdiv(kv_end, SPLIT)
+        n_own = tl.cdiv(tl.maximum(n_splits - p, 0), tl.num_programs(2))
+        # Only the last split may hold fewer blocks; it is this program's last if it is this program's.
+        short = CHUNKS - tl.cdiv(kv_end - (n_splits - 1) * SPLIT, BLOCK_N)
+        owns_last = (n_own > 0) & ((n_splits - 1) % tl.num_programs(2) == p)
+        for i in range(0, n_own * CHUNKS - tl.where(owns_last, short, 0)):
+            s0 = (p + (i // CHUNKS) * tl.num_programs(2)) * SPLIT
+            start = s0 + (i % CHUNKS) * BLOCK_N
+            fresh = start == s0
+            m_i = tl.where(fresh, float("-inf"), m_i)
+            l_i = tl.where(fresh, 0.0, l_i)
+            acc = tl.where(fresh, 0.0, acc)
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
+                stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
+            # (the row mask as a comparison per row: the interpreter turns bool & a broadcast bool into int32)
+            keep = mask_m & (start + BLOCK_N + 0 * offs_m >= tl.minimum(s0 + SPLIT, kv_end))
+            row_ids = (tok * (tl.num_programs(0) * HEADS) + heads) * num_splits + s0 // SPLIT
+            tl.store(PartAcc + row_ids[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
+            tl.store(PartML + 2 * row_ids, m_i, mask=keep)
+            tl.store(PartML + 2 * row_ids + 1, l_i, mask=keep)
+        return
+    elif PARTIAL:  # with a window: a loop per split, from the split of the window's start (the combine
+        # folds from there too)
         for s0 in range((kv_lo // SPLIT) * SPLIT + tl.program_id(2) * SPLIT, kv_end, tl.num_programs(2) * SPLIT):
             acc, m_i, l_i = _split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, s0,
                                            tl.minimum(s0 + SPLIT, kv_end), full_end, kv_end, stride_kt, stride_vt,

@@ -60,6 +60,25 @@ def _decode_step(seed: int):
 
 
 @needs_triton
+@pytest.mark.parametrize("programs", [1, 2])
+def test_split_decode_programs_walking_several_splits(monkeypatch: pytest.MonkeyPatch, programs: int) -> None:
+    """The split decode's programs each walk every `programs`-th split of a request in one loop
+    over their key blocks (a fresh state at each split's first block, the partial written at its
+    last, a short last split): the same outputs as one program per split (the interpreter's
+    arithmetic is the same either way), and the reference's answer."""
+    c, q, real, tiles = _decode_step(seed=13)
+    one_each = torch.full_like(q, float("nan"))
+    ops.extend_attention(**{**c, "q": q}, out=one_each, tiles=tiles, deterministic=True, decode_max_seq_len=400)
+    config, heads, _ = D.deterministic_config(64, torch.float16, torch.device(DEV), 4)
+    # programs per (head group, tile) on grid axis 2: SPLIT_DECODE_WARPS // warps // (groups x tiles)
+    monkeypatch.setattr(D, "SPLIT_DECODE_WARPS", programs * config[2] * (8 // heads) * tiles.shape[0])
+    shared = torch.full_like(q, float("nan"))
+    ops.extend_attention(**{**c, "q": q}, out=shared, tiles=tiles, deterministic=True, decode_max_seq_len=400)
+    assert_fa3_rule(shared[:real], c)
+    assert torch.equal(shared[:real], one_each[:real])
+
+
+@needs_triton
 def test_split_decode_matches_reference_and_sequential_splits() -> None:
     """A decode step through the parallel splits (and the combine kernel): the reference's
     answer, and (to the interpreter's rounding) the sequential splits' answer; a padding
