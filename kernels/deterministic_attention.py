@@ -2,21 +2,22 @@
 extend and decode alike (GQA-packed tiles, keys in fixed splits), a one-warp tile with the same
 bits for decode steps of DECODE_TILE_MIN_BATCH requests or more, and the split decode.
 
-Every step runs kernels/extend_attention.py with the same (BLOCK_M, BLOCK_N, warps, stages),
-GQA packing and SPLIT: a query's keys are walked in BLOCK_N chunks at fixed absolute positions,
-grouped in splits of SPLIT keys (also at fixed positions), each split from a fresh (m, l, acc)
-state, and the splits folded in order by `fold_split`. What a query's row computes therefore
-depends only on its own q and keys, never on the batch, the tile it sits in, or the launch.
+Every step runs kernels/extend_attention.py with one (BLOCK_M, BLOCK_N, warps, stages) (or the
+decode tile, whose rows get the same bits), GQA packing and SPLIT: a query's keys are walked in
+BLOCK_N chunks at fixed absolute positions, grouped in splits of SPLIT keys (also at fixed
+positions), each split from a fresh (m, l, acc) state, and the splits folded in order by
+`fold_split`. What a query's row computes therefore depends only on its own q and keys, never
+on the batch, the tile it sits in, or the launch.
 
 A decode step (one program per head group and request would walk all of a long context alone)
 runs the same splits in parallel instead, up to a workspace bound: the extend kernel in PARTIAL
-mode writes each split's (acc, m, l) to a workspace (a program walks the key blocks of its splits in
-one loop, restarting the state at each split's first block: a loop per split is two blocks long, too
-short for the loads to pipeline), and `_combine_kernel` folds them in the
-same order with the same `fold_split` (explicit FMAs, so no compiler contraction choice can
-differ): the same bits as the sequential fold (tests/test_deterministic_gpu.py). The number
-of splits depends on the context length alone; the grid on the batch size and the
-max_seq_len bound (CUDA-graph safe).
+mode writes each split's (acc, m, l) to a workspace (without a window a program walks the key
+blocks of its splits in one loop, restarting the state at each split's first block: a loop per
+split is two blocks long at the GPU's 128-key splits of 64-key blocks, too short for the loads
+to run ahead), and `_combine_kernel` folds them in the same order with the same `fold_split`
+(explicit FMAs, so no compiler contraction choice can differ): the same bits as the sequential
+fold (tests/test_deterministic_gpu.py). The number of splits depends on the context length
+alone; the grid on the batch size and the max_seq_len bound (CUDA-graph safe).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ group's keys are read once per tile and a decode (one token) fills HEADS rows, n
 axis 0 then runs over head groups (Hq / HEADS) and tiles count TOKENS tokens. Each row's
 arithmetic is the same compiled code whatever the row holds.
 
-Sliding windows and sinks (`window` > 0, `sinks`; not in deterministic mode): a query at p sees
+Sliding windows and sinks (`window` > 0, `sinks`; in deterministic mode too): a query at p sees
 keys p - W + 1 .. p only. A tile's key loop then starts at the block holding its first query's
 first key (blocks wholly before every query's window are not read), every block is masked on
 both sides, and no K/V outside the tile's key range is loaded (those slots may be freed). A
@@ -220,10 +220,11 @@ def _extend_attn_kernel(
                 q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
                 stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
     elif PARTIAL and not WINDOWED:  # splits pid2, pid2 + P, ... (P programs on grid axis 2): partials to
-        # [T, Hq, S, ...]. One flat loop over this program's blocks, so their loads pipeline across split
-        # ends (a split is SPLIT // BLOCK_N blocks; a loop per split is too short to pipeline): a split's
-        # first block starts from a fresh state, its last writes the partial. Every block takes the masked
-        # path (the unmasked one gives a fully visible block the same bits: the masks select nothing).
+        # [T, Hq, S, ...]. One flat loop over this program's blocks, so their loads run ahead across split
+        # ends (a split is SPLIT // BLOCK_N blocks, two for the GPU's decode tile: a loop per split is too
+        # short for that): a split's first block starts from a fresh state, its last writes the partial.
+        # Every block takes the masked path (on a fully visible block the masks mask nothing out: the same
+        # bits as the unmasked path; the GPU tests compare decode steps with prefill, which takes it).
         CHUNKS: tl.constexpr = SPLIT // BLOCK_N
         p = tl.program_id(2)
         n_splits = tl.cdiv(kv_end, SPLIT)

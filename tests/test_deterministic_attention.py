@@ -61,21 +61,25 @@ def _decode_step(seed: int):
 
 @needs_triton
 @pytest.mark.parametrize("programs", [1, 2])
-def test_split_decode_programs_walking_several_splits(monkeypatch: pytest.MonkeyPatch, programs: int) -> None:
+@pytest.mark.parametrize("bound", [400, 301])  # 301: the longest context fills the workspace's splits
+def test_split_decode_programs_walking_several_splits(monkeypatch: pytest.MonkeyPatch, programs: int,
+                                                      bound: int) -> None:
     """The split decode's programs each walk every `programs`-th split of a request in one loop
     over their key blocks (a fresh state at each split's first block, the partial written at its
-    last, a short last split): the same outputs as one program per split (the interpreter's
-    arithmetic is the same either way), and the reference's answer."""
+    last, a short last split): the sequential splits' outputs bit for bit (the interpreter's
+    arithmetic is the same on both paths) and the reference's answer; the NaN-filled output
+    rows of the bucket's padding request stay unwritten."""
     c, q, real, tiles = _decode_step(seed=13)
-    one_each = torch.full_like(q, float("nan"))
-    ops.extend_attention(**{**c, "q": q}, out=one_each, tiles=tiles, deterministic=True, decode_max_seq_len=400)
+    seq = torch.full_like(q, float("nan"))
+    ops.extend_attention(**{**c, "q": q}, out=seq, tiles=tiles, deterministic=True)
     config, heads, _ = D.deterministic_config(64, torch.float16, torch.device(DEV), 4)
     # programs per (head group, tile) on grid axis 2: SPLIT_DECODE_WARPS // warps // (groups x tiles)
     monkeypatch.setattr(D, "SPLIT_DECODE_WARPS", programs * config[2] * (8 // heads) * tiles.shape[0])
     shared = torch.full_like(q, float("nan"))
-    ops.extend_attention(**{**c, "q": q}, out=shared, tiles=tiles, deterministic=True, decode_max_seq_len=400)
+    ops.extend_attention(**{**c, "q": q}, out=shared, tiles=tiles, deterministic=True, decode_max_seq_len=bound)
     assert_fa3_rule(shared[:real], c)
-    assert torch.equal(shared[:real], one_each[:real])
+    assert torch.equal(shared[:real], seq[:real])
+    assert torch.isnan(shared[real:]).all()
 
 
 @needs_triton
