@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.attention_blocks import fold_split, with_sink
 from minisgl.kernels.device import dependent_launch, gdc_launch_dependents
-from minisgl.kernels.extend_attention import default_config, fold_split, launch, with_sink
+from minisgl.kernels.extend_attention import default_config, launch
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for every step of the mode. Any fixed choice is
 # batch-invariant (one compiled kernel for every step); the choice is speed only:
