@@ -279,6 +279,10 @@ def test_dependent_launches_after_a_norm_and_the_attention_merge(graph: bool, fu
         h_want, r_want = fused_add_rmsnorm_reference(src, res, norm_w, 1e-6)
         assert torch.equal(rn, r_want)
         torch.testing.assert_close(hn.float(), h_want.float(), rtol=2 * eps, atol=2 * eps)
+    # The GEMMs against fp64 torch, each from the input it read (q is not: rope rotated it in place).
+    for out, inp, w in ((x, x0, w0), (y, attn.view(1, d), w2), (gu, y, w3), (z, ops.silu_and_mul(gu), w4),
+                        (y2, h2, w2)):
+        assert_rule(out, inp, w, None, False)
 
 
 @gpu
