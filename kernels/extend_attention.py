@@ -131,10 +131,10 @@ def _extend_attn_kernel(
                                               tl.minimum(s0 + SPLIT, kv_end), full_end, kv_end, stride_kt, stride_vt,
                                               qk_scale, offs_d, mask_d, EVEN_D, BLOCK_M, BLOCK_D, BLOCK_N, DOT_PREC,
                                               kv_lo, window, WINDOWED)
-                rows = part_rows + s0 // SPLIT
-                tl.store(PartAcc + rows[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_m[:, None])
-                tl.store(PartML + 2 * rows, m_i, mask=mask_m)
-                tl.store(PartML + 2 * rows + 1, l_i, mask=mask_m)
+                split_rows = part_rows + s0 // SPLIT  # (not `rows`: the GQA tile's row index above)
+                tl.store(PartAcc + split_rows[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_m[:, None])
+                tl.store(PartML + 2 * split_rows, m_i, mask=mask_m)
+                tl.store(PartML + 2 * split_rows + 1, l_i, mask=mask_m)
         return
     else:  # deterministic mode: splits of SPLIT keys at fixed positions, folded in order
         # With a window, from the split of the tile's first window start: the splits before it
