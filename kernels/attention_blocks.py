@@ -82,12 +82,22 @@ def split_partial(q, q_pos, KCache, VCache, slot_base, kv_off_k, kv_off_v, s0, s
                 q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
                 stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC, kv_lo, window, True)
         return acc, m_i, l_i
-    s_full = tl.minimum(tl.maximum(full_end, s0), s_end)
-    for start in range(s0, s_full, BLOCK_N):
+    return attend_blocks(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, s0,
+                         tl.minimum(tl.maximum(full_end, s0), s_end), s_end, kv_end, q_pos, stride_kt, stride_vt,
+                         qk_scale, offs_d, mask_d, EVEN_D, BLOCK_N, DOT_PREC)
+
+
+@triton.jit
+def attend_blocks(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, lo, mid, hi, kv_end, q_pos,
+                  stride_kt, stride_vt, qk_scale, offs_d, mask_d, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """(acc, m, l) after the blocks lo .. hi - 1 (BLOCK_N apart): below mid unmasked (every row sees
+    all their keys), then masked."""
+    for start in range(lo, mid, BLOCK_N):
         acc, m_i, l_i = attend_block(
             q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
             stride_kt, stride_vt, qk_scale, offs_d, mask_d, False, EVEN_D, BLOCK_N, DOT_PREC)
-    for start in range(s_full, s_end, BLOCK_N):
+    for start in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = attend_block(
             q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
             stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)

@@ -40,7 +40,14 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.attention_blocks import attend_block, fold_split, split_partial, split_partials, with_sink
+from minisgl.kernels.attention_blocks import (
+    attend_block,
+    attend_blocks,
+    fold_split,
+    split_partial,
+    split_partials,
+    with_sink,
+)
 
 
 @triton.jit
@@ -110,14 +117,9 @@ def _extend_attn_kernel(
                 stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC,
                 kv_lo, window, True)
     elif SPLIT == 0:
-        for start in range(0, full_end, BLOCK_N):
-            acc, m_i, l_i = attend_block(
-                q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
-                stride_kt, stride_vt, qk_scale, offs_d, mask_d, False, EVEN_D, BLOCK_N, DOT_PREC)
-        for start in range(full_end, kv_end, BLOCK_N):
-            acc, m_i, l_i = attend_block(
-                q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, start, kv_end, q_pos,
-                stride_kt, stride_vt, qk_scale, offs_d, mask_d, True, EVEN_D, BLOCK_N, DOT_PREC)
+        acc, m_i, l_i = attend_blocks(q, acc, m_i, l_i, KCache, VCache, slot_base, kv_off_k, kv_off_v, 0, full_end,
+                                      kv_end, kv_end, q_pos, stride_kt, stride_vt, qk_scale, offs_d, mask_d, EVEN_D,
+                                      BLOCK_N, DOT_PREC)
     elif PARTIAL:  # splits pid2, pid2 + P, ... (P programs on grid axis 2): partials to [T, Hq, S, ...]
         part_rows = (tok * (tl.num_programs(0) * HEADS) + heads) * num_splits
         if not WINDOWED:  # one flat loop over the splits' blocks
