@@ -97,10 +97,14 @@ def sweep(name: str, read_gbs: float) -> None:
     for tile, warps, splits in itertools.product(range(len(tile_shapes())), (2, 4, 8), (1, 2, 4)):
         cfg = SkinnyConfig(tile, warps, splits)
         up = [lambda c=c, cfg=cfg: skinny_moe._launch(c.x, w13, b13, c.ids, c.weights, torch.empty(
-              k, i, device="cuda", dtype=torch.bfloat16), False, act, cfg) for c in cases]
+              k, i, device="cuda", dtype=torch.bfloat16), False, act, cfg, None) for c in cases]
         down = [lambda c=c, mid=mid, cfg=cfg: skinny_moe._launch(mid, w2, b2, c.ids, c.weights, torch.empty(
-                1, h, device="cuda", dtype=torch.bfloat16), True, None, cfg) for c, mid in zip(cases, mids)]
-        t_up, t_down = time_calls(up, reps=20), time_calls(down, reps=20)
+                1, h, device="cuda", dtype=torch.bfloat16), True, None, cfg, None) for c, mid in zip(cases, mids)]
+        try:
+            t_up, t_down = time_calls(up, reps=20), time_calls(down, reps=20)
+        except (RuntimeError, ValueError) as e:  # a launch the kernel refuses (too short a split, ...)
+            rows.append([str(cfg), "refused", str(e).splitlines()[0][:60], "", ""])
+            continue
         default = (" (default up)" if cfg == d_up else "") + (" (default down)" if cfg == d_down else "")
         rows.append([str(cfg) + default,
                      f"{t_up:.1f}", f"{100 * up_bytes / read_gbs / 1e3 / t_up:.0f}%", f"{t_down:.1f}",
