@@ -1,13 +1,12 @@
 """Deterministic mode's kernel candidates on the GPU (issue 24), for benchmarks/determinism.py.
 
 GEMM: kernels/batch_invariant_gemm.CANDIDATES (16-bit: the skinny K order and the shape's fixed
-splits) and the mode's in-use path (ops.linear: the skinny kernel up to 32 rows) against cuBLAS on
-Qwen3-0.6B's and Llama-3.1-8B's linear shapes at M = 1 ... 4096, timed as 10 back-to-back calls in a CUDA graph
-(no launch overhead; the engine runs graphs): median us per call, and % = cuBLAS's time / ours.
-Also the candidates' bit classes per shape (which configs give identical bits on the same
-rows, at M = 1 and M = 300) and the proposed batch_invariant_gemm_configs.json: per shape the
-best single config (sum over M of time / cuBLAS's), or per-M configs from one bit class where
-that is >= 3% better.
+splits), the mode's skinny launch (up to 32 rows) and the mode's in-use path (ops.linear) against
+cuBLAS on Qwen3-0.6B's, Qwen3-8B's and Llama-3.1-8B's linear shapes at M = 1 ... 1024, the weights
+rotated past L2 (as a decode step reads them; timing the same weight over and over let the
+smaller shapes run from L2 and chose tiles that lose from HBM): median us per call in CUDA
+graphs. Every option's bits are compared with the in-use path's, and the proposed
+batch_invariant_gemm_configs.json is per shape the fastest option per M (propose_entries).
 
 Attention: kernels/extend_attention.DETERMINISTIC_CONFIGS (GQA-packed, one config for every
 step) against the default path (split-K decode kernel; the default extend tiles), us per call.
@@ -50,87 +49,109 @@ def bit_classes(outs: list[list[torch.Tensor]]) -> list[list[int]]:
     return classes
 
 
-def propose(times: dict[int, list[float]], base: dict[int, float], classes: list[list[int]], cands: list) -> tuple:
-    """(entries [[min_m, config]], score, single score): score = sum over M of time / cuBLAS."""
-    def score(pick: dict[int, int]) -> float:
-        return sum(times[m][pick[m]] / base[m] for m in MS)
-
-    single = min(range(len(cands)), key=lambda c: score({m: c for m in MS}))
-    best, best_score = [[1, list(cands[single])]], score({m: single for m in MS})
-    single_score = best_score
-    for cls in classes:
-        pick = {m: min(cls, key=lambda c: times[m][c]) for m in MS}
-        if score(pick) < 0.97 * best_score:
-            entries: list[list] = []
-            for m in MS:
-                if not entries or entries[-1][1] != list(cands[pick[m]]):
-                    entries.append([1 if not entries else m, list(cands[pick[m]])])
-            best, best_score = entries, score(pick)
-    return best, best_score, single_score
+GEMM_SHAPES = {**SHAPES, "qwen3-8b": [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)],
+               "llama-3.1-8b lm head": [(128256, 4096)]}
+GEMM_MS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024)
+STICK, SKINNY_STICK = 0.02, 0.03  # keep the previous M's choice within 2%; the skinny kernel within 3%
 
 
-def _time_gemms(gemm, x: torch.Tensor, w: torch.Tensor, cands: list) -> tuple[float, list[float], float]:
-    """(cuBLAS us, each candidate's us, the mode's in-use path's us) for x @ w^T. The in-use
-    path is ops.linear in deterministic mode: the skinny kernel in the batch-invariant order up
-    to 32 rows, the Triton GEMM with the table's config above."""
-    from minisgl import ops
+def propose_entries(per_m: dict[int, dict[str, float]], skinny_rows: int = 32) -> list[list]:
+    """batch_invariant_gemm_configs.json entries [[min_m, config or "skinny"], ...] from
+    {M: {choice: us}} (a choice: str(list(config)) or "skinny"): per M the fastest, kept on the
+    previous M's choice within STICK (no flapping between near-equal tiles) and on the skinny
+    kernel within SKINNY_STICK (the batch-1 path the mode's cost rows were measured on); "skinny"
+    never past `skinny_rows`, so a config follows it by then."""
+    import json as _json
 
-    base = graph_us(lambda: torch.nn.functional.linear(x, w))
-    cand = [graph_us(lambda c=c: gemm(x, w, None, c)) for c in cands]
-    ops.set_deterministic(x.device, True)
-    try:
-        used = graph_us(lambda: ops.linear(x, w))
-    finally:
-        ops.set_deterministic(x.device, False)
-    return base, cand, used
+    out: list[list] = []
+    prev = None
+    for m in sorted(per_m):
+        opts = per_m[m]
+        best = min(opts, key=opts.get)
+        pick = prev if prev in opts and opts[prev] <= opts[best] * (1 + STICK) else best
+        if "skinny" in opts and opts["skinny"] <= opts[best] * (1 + SKINNY_STICK):
+            pick = "skinny"
+        if pick == "skinny" and m > skinny_rows:
+            pick = best
+        if not out or out[-1][1] != pick:
+            out.append([1 if not out else m, pick])
+        prev = pick
+    fixed: list[list] = []
+    for i, (lo, c) in enumerate(out):
+        fixed.append([lo, c])
+        nxt = out[i + 1][0] if i + 1 < len(out) else None
+        if c == "skinny" and (nxt is None or nxt > skinny_rows + 1):
+            later = [cc for _, cc in out[i + 1 :] if cc != "skinny"]
+            top = per_m[max(per_m)]
+            fixed.append([skinny_rows + 1, later[0] if later else min((c for c in top if c != "skinny"), key=top.get)])
+    merged = [e for i, e in enumerate(fixed) if i == 0 or e[1] != fixed[i - 1][1]]
+    return [[lo, c if c == "skinny" else _json.loads(c)] for lo, c in merged]
 
 
 def gemm_candidates(out_dir: Path | None) -> None:
-    from minisgl.kernels.batch_invariant_gemm import CANDIDATES, configs_for, gemm
-    from minisgl.ops import skinny_gemm
+    """Per shape and M, with the weights rotated past L2 as in a decode step (_bench.num_sets):
+    cuBLAS, the mode's skinny launch (M <= 32), each CANDIDATES config and the mode's in-use path
+    (ops.linear in the mode); every option's bits against the in-use path's at that M; the proposed
+    table (propose_entries) and, per shape, summed over M, in use / cuBLAS and proposed / cuBLAS."""
+    from minisgl import ops
+    from minisgl.kernels.batch_invariant_gemm import CANDIDATES, SKINNY_ROWS, configs_for, gemm, splits_for
+    from minisgl.ops.gemm.skinny import DETERMINISTIC_TILE, SkinnyConfig, launch
 
-    print("\n== batch-invariant GEMM candidates vs cuBLAS (bf16, us per call in CUDA graphs; full table in "
-          f"{out_dir / 'gemm.txt' if out_dir else 'the lines below'})")
-    lines = [f"{'shape':>12} {'M':>5} {'cuBLAS':>8} " + " ".join(f"{str(c[:4]):>18}" for c in CANDIDATES)]
-    proposed: dict[str, list] = {}
-    print(f"{'shape':>12} {'cuBLAS us':>9} {'in use':>8} {'single':>8} {'per-M':>8}  bit classes (candidate indices)")
-    tot = {"cublas": 0.0, "use": 0.0, "single": 0.0, "best": 0.0}
-    for shapes in SHAPES.values():
+    def timed(f, xs: list, ws: list, m: int) -> float:
+        return time_calls([lambda x=x, w=w: f(x, w) for x, w in zip(xs, ws)], reps=10 if m >= 256 else 20)
+
+    def skinny(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+        cfg = SkinnyConfig(DETERMINISTIC_TILE, splits_for(w.shape[1]), 1)
+        launch(x, w, None, y, False, cfg, warp_ranges=True)
+        return y
+
+    dev = torch.device("cuda")
+    print("\n== deterministic mode's 16-bit GEMM vs cuBLAS (bf16, us per call in CUDA graphs, weights from HBM; "
+          f"full table in {out_dir / 'gemm.txt' if out_dir else 'the lines below'})")
+    lines, proposed, differ = [], {}, []
+    seen = set()
+    for shapes in GEMM_SHAPES.values():
         for n, k in shapes:
-            g = torch.Generator(device="cuda").manual_seed(n + k)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
-            probes = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g) for m in (1, 300)]
-            classes = bit_classes([[gemm(x, w, None, c) for x in probes] for c in CANDIDATES])
-            times: dict[int, list[float]] = {}
-            base: dict[int, float] = {}
-            in_use = 0.0
-            skinny_vs: list[str] = []
-            for m in MS:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
-                base[m], times[m], used = _time_gemms(gemm, x, w, CANDIDATES)
-                in_use += used / base[m]
-                lines.append(f"{n:>6}x{k:<5} {m:5} {base[m]:8.1f} " + " ".join(
-                    f"{t:9.1f} ({100 * base[m] / t:4.0f}%)" for t in times[m]) + f" in use {used:9.1f}")
-                if m <= 32:  # the mode's skinny launch against the default mode's kernel (default config)
-                    sk = graph_us(lambda x=x, w=w: skinny_gemm(x, w))
-                    skinny_vs.append(f"M {m}: {used:.1f} vs {sk:.1f} us ({100 * (used / sk - 1):+.0f}%)")
-                else:  # the skinny kernel's splits against one chain over K (same config)
-                    one = graph_us(lambda x=x, w=w: gemm(x, w, None, None, splits=1))
-                    skinny_vs.append(f"M {m}: {used:.1f} vs one split {one:.1f} us")
-            print(f"{n:>6}x{k:<5} deterministic vs default skinny (M <= 32) / vs one split: "
-                  + "; ".join(skinny_vs))
-            entries, best, single = propose(times, base, classes, CANDIDATES)
+            if (n, k) in seen:
+                continue
+            seen.add((n, k))
+            ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.05 for _ in range(num_sets(n * k * 2))]
+            per_m, sums = {}, {"cublas": 0.0, "use": 0.0}
+            for m in GEMM_MS:
+                if n > 100_000 and m > 256:  # an LM head sees a decode batch's rows only
+                    continue
+                xs = [torch.randn(m, k, device=dev, dtype=torch.bfloat16) for _ in ws]
+                base = timed(torch.nn.functional.linear, xs, ws, m)
+                ops.set_deterministic(dev, True)
+                try:
+                    ref, used = ops.linear(xs[0], ws[0]), timed(ops.linear, xs, ws, m)
+                finally:
+                    ops.set_deterministic(dev, False)
+                opts = {str(list(c)): (c, lambda x, w, c=c: gemm(x, w, None, c)) for c in CANDIDATES}
+                if m <= SKINNY_ROWS:
+                    opts["skinny"] = ("skinny", skinny)
+                per_m[m] = {}
+                for name, (_, f) in opts.items():
+                    if not torch.equal(f(xs[0], ws[0]), ref):
+                        differ.append(f"{n}x{k} M {m} {name}")
+                        continue
+                    per_m[m][name] = timed(f, xs, ws, m)
+                sums["cublas"] += base
+                sums["use"] += used
+                top = sorted(per_m[m], key=per_m[m].get)[:3]
+                lines.append(f"{n:>6}x{k:<5} M {m:5}: cuBLAS {base:8.1f} in use {used:8.1f} | "
+                             + ", ".join(f"{per_m[m][c]:.1f} {c}" for c in top))
+            entries = propose_entries(per_m)
             proposed[f"{n}x{k}"] = entries
-            tot["cublas"] += len(MS)
-            tot["use"] += in_use
-            tot["single"] += single
-            tot["best"] += best
-            pct = [f"{100 * len(MS) / v:7.0f}%" for v in (in_use, single, best)]
-            print(f"{n:>6}x{k:<5} {sum(base.values()):9.1f} {' '.join(pct)}  {classes}  (in use: {configs_for(n, k)})")
-    print(f"mean over shapes and M of cuBLAS time / ours: in use {100 * tot['cublas'] / tot['use']:.0f}%, "
-          f"best single config per shape {100 * tot['cublas'] / tot['single']:.0f}%, "
-          f"per-M within a bit class {100 * tot['cublas'] / tot['best']:.0f}%")
-    print("proposed batch_invariant_gemm_configs.json '16bit' entries:")
+            new = sum(per_m[m]["skinny" if c == "skinny" else str(c)] for m in per_m
+                      for c in [[cc for lo, cc in entries if lo <= m][-1]])
+            print(f"{n:>6}x{k:<5} summed over M, / cuBLAS: in use {sums['use'] / sums['cublas']:.2f}, proposed "
+                  f"{new / sums['cublas']:.2f}  (in use: {configs_for(n, k)})")
+            del ws
+            torch.cuda.empty_cache()
+    print("options whose bits differ from the in-use path (must be none):", differ or "none")
+    print("proposed batch_invariant_gemm_configs.json '16bit' entries (add 'default' by hand):")
     print(json.dumps(proposed))
     if out_dir:
         (out_dir / "gemm.txt").write_text("\n".join(lines) + "\n")

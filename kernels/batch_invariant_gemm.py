@@ -11,14 +11,17 @@ kernel, whichever tile row i lands in. Rows and columns past M / N load clamped 
 repeated) rows, which are never stored.
 
 The configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) comes from
-batch_invariant_gemm_configs.json per weight shape (N, K), never per M: one shape, one
-compiled kernel for every M. An entry may list several configs by M only where the GPU test
-(tests/test_deterministic_gpu.py) shows those configs give identical bits;
-benchmarks/determinism.py measures the candidates and proposes the table.
+batch_invariant_gemm_configs.json per weight shape (N, K) and M range. Every config of
+CANDIDATES gives the same bits (a row's chain does not depend on the tile it lands in; the GPU
+tests compare them on every shipped shape), so the table picks per M for speed alone. An entry
+may also name "skinny" for M up to SKINNY_ROWS: ops.linear then runs the skinny CUDA kernel in
+the same order (below), again the same bits. benchmarks/determinism.py measures both, with the
+weights read from HBM as in a decode step, and proposes the table.
 
-16-bit weights on the GPU sum in the skinny kernel's deterministic order (issue 39), so that up
-to 32 rows the skinny CUDA kernel (ops/gemm/skinny.py, the splits as one block's warps, each warp
-a contiguous split) gives the same bits and batch 1 runs at its speed:
+16-bit weights on the GPU sum in the skinny kernel's deterministic order (issue 39), so that where
+the table names it (a few rows; at most SKINNY_ROWS) the skinny CUDA kernel (ops/gemm/skinny.py,
+the splits as one block's warps, each warp a contiguous split) gives the same bits and batch 1
+runs at its speed:
 - K is cut into `splits_for(K)` splits at fixed positions (a multiple of 128 elements each,
   the same for every M); each split's chain starts from zero and the splits are added in order
   to a zero total, as the skinny kernel's warp reduction adds them.
@@ -51,11 +54,15 @@ GROUP_M = 8
 SPLIT_ALIGN = 128  # a split's K elements: a multiple of every skinny warp group (U * 32) and BLOCK_K
 MIN_SPLIT_K = 512  # splits_for keeps every split at least this long (short chains slow this kernel)
 MAX_SPLITS = 8  # the skinny kernel runs the splits as one block's warps (at most 8)
-# What benchmarks/determinism.py times (and the GPU test compares bit for bit) on the H100.
+# What benchmarks/determinism.py times (and the GPU tests compare bit for bit).
 CANDIDATES: list[Config] = [
     (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 256, 64, 8, 3), (64, 32, 64, 4, 4),
     (16, 64, 64, 4, 4), (128, 128, 128, 8, 3), (16, 32, 128, 4, 4), (16, 32, 64, 2, 6), (16, 64, 128, 4, 5),
+    (32, 32, 128, 4, 4), (32, 64, 128, 4, 4), (32, 64, 64, 4, 5), (16, 128, 128, 4, 4), (64, 64, 128, 4, 4),
+    (64, 128, 128, 8, 4), (32, 128, 64, 4, 4), (16, 32, 128, 2, 6), (32, 32, 64, 2, 6), (64, 32, 128, 4, 4),
 ]
+SKINNY = "skinny"  # a table entry: the skinny kernel in this order (ops/gemm/dispatch.py), same bits
+SKINNY_ROWS = 32  # the most rows the skinny kernel takes (ops/gemm/skinny.py MAX_M; a test checks)
 
 
 @triton.jit
@@ -105,27 +112,43 @@ def splits_for(k: int, min_split: int = MIN_SPLIT_K) -> int:
 
 
 @functools.cache
-def _table() -> dict[str, list[tuple[int, Config]]]:
+def _table() -> dict[str, list[tuple[int, Config | str]]]:
     raw = json.loads(CONFIG_FILE.read_text())["16bit"]
-    table = {shape: [(int(m), tuple(c)) for m, c in entries] for shape, entries in raw.items()}
+    table = {shape: [(int(m), c if c == SKINNY else tuple(c)) for m, c in entries] for shape, entries in raw.items()}
     for shape, entries in table.items():
         if not entries or entries[0][0] != 1 or any(a[0] >= b[0] for a, b in zip(entries, entries[1:])):
             raise ValueError(f"{CONFIG_FILE.name}: {shape} must list [min_m, config] from min_m 1 upwards")
+        if all(c == SKINNY for _, c in entries) or _entry(entries, SKINNY_ROWS + 1) == SKINNY:
+            raise ValueError(f"{CONFIG_FILE.name}: {shape}: \"{SKINNY}\" may cover at most {SKINNY_ROWS} rows; "
+                             f"a Triton config must follow it by min_m {SKINNY_ROWS + 1}")
     return table  # type: ignore[return-value]
 
 
-def configs_for(n: int, k: int) -> list[tuple[int, Config]]:
-    """[(min_m, config)] of a 16-bit weight of shape (N, K) on the GPU, from min_m = 1 up."""
+def _entry(entries: list[tuple[int, Config | str]], m: int) -> Config | str:
+    return [c for lo, c in entries if lo <= m][-1]
+
+
+def configs_for(n: int, k: int) -> list[tuple[int, Config | str]]:
+    """[(min_m, config or SKINNY)] of a 16-bit weight of shape (N, K) on the GPU, from min_m = 1 up."""
     table = _table()
     return table.get(f"{n}x{k}", table["default"])
 
 
+def uses_skinny(n: int, k: int, m: int) -> bool:
+    """Whether the table sends a 16-bit (N, K) GEMM of m rows to the skinny kernel (GPU)."""
+    return _entry(configs_for(n, k), m) == SKINNY
+
+
 def config_for(dtype: torch.dtype, device: torch.device, n: int = 0, k: int = 0, m: int = 1) -> Config:
+    """This kernel's tile for m rows: the table's entry at m, or where that names the skinny
+    kernel (which this kernel stands in for when called directly), the first config after it."""
     if device.type != "cuda":
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
         return FLOAT32_CONFIG
-    return [c for lo, c in configs_for(n, k) if lo <= m][-1]
+    entries = configs_for(n, k)
+    at = _entry(entries, m)
+    return at if at != SKINNY else next(c for lo, c in entries if lo > m and c != SKINNY)  # type: ignore[return-value]
 
 
 def skinny_splits(x: torch.Tensor) -> bool:

@@ -44,3 +44,24 @@ def test_exclusive_time_sums_to_span_minus_gaps() -> None:
     # 40 us of span, of which 1 us idle (30 -> 31); store -> gemm's 0.5 us is no idle time (rope runs)
     assert sum(us for _, us, _ in rows) == pytest.approx(40.0 - 1.0)
     assert determinism.exclusive_by_kernel([]) == []
+
+
+def test_gemm_table_proposal_per_m() -> None:
+    """determinism_kernels.propose_entries (the mode's GEMM table from measured us per M): the fastest
+    option per M, kept on the previous choice within 2% and on the skinny kernel within 3%, and
+    "skinny" never past its 32 rows (a config follows it by M 33 even where it would be fastest)."""
+    import determinism_kernels as dk
+
+    a, b, c = "[16, 64, 128, 4, 5]", "[64, 64, 64, 4, 4]", "[128, 128, 128, 8, 3]"
+    per_m = {
+        1: {"skinny": 10.2, a: 10.0},  # skinny within 3%: kept
+        8: {"skinny": 12.0, a: 10.0},  # 20% slower: the Triton tile
+        16: {"skinny": 13.0, a: 10.1, b: 10.0},  # b by 1%: stay on a
+        24: {"skinny": 9.0, a: 11.0, b: 10.0},  # skinny fastest again at 24
+        48: {a: 12.0, b: 10.0, c: 11.0},
+        1024: {a: 90.0, b: 80.0, c: 50.0},
+    }
+    assert dk.propose_entries(per_m) == [[1, "skinny"], [8, [16, 64, 128, 4, 5]], [24, "skinny"],
+                                         [33, [64, 64, 64, 4, 4]], [1024, [128, 128, 128, 8, 3]]]
+    only_skinny = {1: {"skinny": 5.0, a: 9.0}, 32: {"skinny": 5.0, a: 9.0}}
+    assert dk.propose_entries(only_skinny) == [[1, "skinny"], [33, [16, 64, 128, 4, 5]]]

@@ -213,8 +213,8 @@ def test_batch_invariant_gemm_rows_do_not_depend_on_m(dtype: torch.dtype) -> Non
 
 
 def test_gemm_config_table_is_by_shape_and_checked(tmp_path, monkeypatch) -> None:
-    """The GPU GEMM's tiles come from the table by (N, K); an entry lists configs from M = 1 up
-    (several only where the GPU test shows equal bits); a malformed table is refused by name."""
+    """The GPU GEMM's tiles come from the table by (N, K); an entry lists configs (or "skinny": the
+    skinny kernel, at most its 32 rows) from M = 1 up; a malformed table is refused by name."""
     import json
 
     from minisgl.kernels import batch_invariant_gemm as bg
@@ -230,16 +230,27 @@ def test_gemm_config_table_is_by_shape_and_checked(tmp_path, monkeypatch) -> Non
             tuple(b)] * 2
         assert bg.config_for(torch.float16, cuda, 30, 20, 1) == tuple(b)  # no entry: the default
         assert bg.config_for(torch.float32, cuda, 10, 20, 1) == bg.FLOAT32_CONFIG
-        table["16bit"]["10x20"] = [[2, a]]
+        # "skinny" (the skinny kernel, same bits) for a few rows; this kernel takes the next config there
+        table["16bit"]["10x20"] = [[1, "skinny"], [8, a], [256, b]]
         path.write_text(json.dumps(table))
         bg._table.cache_clear()
-        with pytest.raises(ValueError, match="10x20"):
-            bg.config_for(torch.bfloat16, cuda, 10, 20, 1)
+        assert [bg.uses_skinny(10, 20, m) for m in (1, 7, 8, 300)] == [True, True, False, False]
+        assert [bg.config_for(torch.bfloat16, cuda, 10, 20, m) for m in (1, 7, 8, 300)] == [tuple(a)] * 3 + [tuple(b)]
+        assert not bg.uses_skinny(30, 20, 1)  # the default entry names no skinny range
+        for bad in ([[2, a]], [[1, "skinny"], [34, a]], [[1, "skinny"]]):
+            table["16bit"]["10x20"] = bad
+            path.write_text(json.dumps(table))
+            bg._table.cache_clear()
+            with pytest.raises(ValueError, match="10x20"):
+                bg.config_for(torch.bfloat16, cuda, 10, 20, 1)
     finally:
         monkeypatch.undo()
         bg._table.cache_clear()
     shipped = bg.configs_for(151936, 1024)  # the shipped table parses
     assert shipped[0][0] == 1
+    from minisgl.ops.gemm.skinny import MAX_M
+
+    assert bg.SKINNY_ROWS == MAX_M  # "skinny" entries end where the skinny kernel's rows do
 
 
 @pytest.mark.triton

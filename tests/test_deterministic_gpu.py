@@ -132,11 +132,14 @@ def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
             mp.setattr(dispatch, "launch", spy)
             ops.linear(x[:1], w, bias)
         assert launched == [True], f"ops.linear at M = 1 did not launch the skinny kernel in warp ranges: {launched}"
-        for m in (1, 2, 7, 8, 17, 32):
+        s = splits_for(k)
+        for m in (1, 2, 7, 8, 17, 32):  # ops.linear (skinny or Triton, as the table says) and the skinny launch
             got = ops.linear(x[:m], w, bias)
             assert torch.equal(got, ref[:m]), f"M={m}: {(got != ref[:m]).sum().item()} elements differ"
             assert torch.equal(ops.linear(x[:m], w, bias, silu=True), ref_silu[:m]), f"M={m} with SiLU"
-        s = splits_for(k)
+            y = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
+            launch(x[:m], w, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, s, 1), warp_ranges=True)
+            assert torch.equal(y, ref[:m]), f"M={m}, skinny launch: {(y != ref[:m]).sum().item()} elements differ"
         y = torch.full((32, n), float("nan"), device=dev, dtype=torch.bfloat16)
         launch(x[:32], w, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, 1, s))  # the default loader
         assert not torch.equal(y, ref[:32]), "the default loader's k16 steps gave the plain order's bits"
@@ -313,7 +316,8 @@ def test_gemm_table_entries_share_bits() -> None:
     """Where the config table picks different tiles for different M of one shape, those tiles
     must give the same bits (else a row's bits would change with M): each entry's configs on
     the same rows, compared bit for bit."""
-    from minisgl.kernels.batch_invariant_gemm import _table, gemm
+    from minisgl.kernels.batch_invariant_gemm import SKINNY, _table, gemm, splits_for
+    from minisgl.ops.gemm.skinny import DETERMINISTIC_TILE, SkinnyConfig, launch
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(3)
@@ -323,9 +327,14 @@ def test_gemm_table_entries_share_bits() -> None:
         n, k = (4096, 4096) if shape == "default" else map(int, shape.split("x"))
         w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.05
         x = torch.randn(300, k, device=dev, dtype=torch.bfloat16, generator=g)
-        outs = [gemm(x, w, None, c) for _, c in entries]
-        for (_, c), o in zip(entries[1:], outs[1:]):
-            assert torch.equal(o, outs[0]), f"{shape}: {c} differs from {entries[0][1]}"
+        configs = [c for _, c in entries if c != SKINNY]
+        outs = [gemm(x, w, None, c) for c in configs]
+        for c, o in zip(configs[1:], outs[1:]):
+            assert torch.equal(o, outs[0]), f"{shape}: {c} differs from {configs[0]}"
+        if SKINNY in (c for _, c in entries):  # the skinny kernel in the same order: its 32 rows
+            y = torch.full((32, n), float("nan"), device=dev, dtype=torch.bfloat16)
+            launch(x[:32], w, None, y, False, SkinnyConfig(DETERMINISTIC_TILE, splits_for(k), 1), warp_ranges=True)
+            assert torch.equal(y, outs[0][:32]), f"{shape}: the skinny entry differs from {configs[0]}"
 
 
 @pytest.mark.parametrize("hq,hkv", [(16, 8), (32, 8)])

@@ -46,12 +46,14 @@ from minisgl.ops.gemm.table import CUBLAS, INT4, MXFP4, GemmShape, GemmTable, pa
 
 FORMATS = (DENSE, FP8_FORMAT, INT4, MXFP4)
 _tables: dict[int, GemmTable] = {}
-# Deterministic mode (issue 39): a 16-bit GEMM of up to DETERMINISTIC_SKINNY_M rows runs the skinny
+# Deterministic mode (issue 39): a 16-bit GEMM of up to DETERMINISTIC_SKINNY_M rows may run the skinny
 # kernel in the order the batch-invariant Triton GEMM takes for every M: the shape's fixed splits
 # (kernels/batch_invariant_gemm.splits_for) as the warps of one block, each warp a contiguous
 # split in contiguous k16 steps (warp_ranges, skinny.DETERMINISTIC_TILE: the one tile built so),
-# summed in warp order; one split, so no split-K counters. 0 rows sends every M to the Triton
-# GEMM (the GPU test compares the two).
+# summed in warp order; one split, so no split-K counters. Which M take it is the Triton GEMM's
+# measured table (batch_invariant_gemm.uses_skinny: its entries name "skinny" where that is faster,
+# a few rows; the skinny tile re-reads x per 16 W rows, so more rows go to Triton tiles). 0 rows
+# sends every M to the Triton GEMM (the GPU test compares the two).
 DETERMINISTIC_SKINNY_M = MAX_M
 
 
@@ -125,20 +127,22 @@ def _lookup(x: torch.Tensor, shape: GemmShape) -> SkinnyConfig | None:
 
 
 def _deterministic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
-    """A 16-bit GEMM in deterministic mode: the skinny kernel in the batch-invariant order up to
-    DETERMINISTIC_SKINNY_M rows where its 16-byte loads fit, else the batch-invariant GEMM (the
-    same bits by construction: kernels/batch_invariant_gemm.py). SiLU-and-mul is always its own
-    kernel on the rounded GEMM output, as the Triton path has it."""
+    """A 16-bit GEMM in deterministic mode: the skinny kernel in the batch-invariant order where
+    the measured table names it for this shape and M (up to DETERMINISTIC_SKINNY_M rows) and its
+    16-byte loads fit, else the batch-invariant GEMM (the same bits by construction:
+    kernels/batch_invariant_gemm.py). SiLU-and-mul is always its own kernel on the rounded GEMM
+    output, as the Triton path has it."""
+    from minisgl.kernels.batch_invariant_gemm import splits_for, uses_skinny
+
     m = x.shape[0] if x.dim() == 2 else 0
+    n, k = weight.shape
     if (
         0 < m <= DETERMINISTIC_SKINNY_M
         and x.dtype in (torch.float16, torch.bfloat16)
         and skinny_enabled(x.device)
+        and uses_skinny(n, k, m)
         and _skinny_misfit(x, weight, bias) is None
     ):
-        from minisgl.kernels.batch_invariant_gemm import splits_for
-
-        n, k = weight.shape
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
         launch(x, weight, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, splits_for(k), 1), warp_ranges=True)
         return silu_and_mul(y) if silu else y
