@@ -66,13 +66,13 @@ def propose_entries(per_m: dict[int, dict[str, float]], skinny_rows: int = 32) -
     out: list[list] = []
     prev = None
     for m in sorted(per_m):
-        opts = per_m[m]
+        opts = {c: t for c, t in per_m[m].items() if c != "skinny" or m <= skinny_rows}
+        if not opts:  # nothing measured with the in-use path's bits at this M: no entry from it
+            continue
         best = min(opts, key=opts.get)
         pick = prev if prev in opts and opts[prev] <= opts[best] * (1 + STICK) else best
         if "skinny" in opts and opts["skinny"] <= opts[best] * (1 + SKINNY_STICK):
             pick = "skinny"
-        if pick == "skinny" and m > skinny_rows:
-            pick = best
         if not out or out[-1][1] != pick:
             out.append([1 if not out else m, pick])
         prev = pick
@@ -82,7 +82,7 @@ def propose_entries(per_m: dict[int, dict[str, float]], skinny_rows: int = 32) -
         nxt = out[i + 1][0] if i + 1 < len(out) else None
         if c == "skinny" and (nxt is None or nxt > skinny_rows + 1):
             later = [cc for _, cc in out[i + 1 :] if cc != "skinny"]
-            top = per_m[max(per_m)]
+            top = per_m[max(m for m in per_m if any(c != "skinny" for c in per_m[m]))]
             fixed.append([skinny_rows + 1, later[0] if later else min((c for c in top if c != "skinny"), key=top.get)])
     merged = [e for i, e in enumerate(fixed) if i == 0 or e[1] != fixed[i - 1][1]]
     return [[lo, c if c == "skinny" else _json.loads(c)] for lo, c in merged]

@@ -63,5 +63,7 @@ def test_gemm_table_proposal_per_m() -> None:
     }
     assert dk.propose_entries(per_m) == [[1, "skinny"], [8, [16, 64, 128, 4, 5]], [24, "skinny"],
                                          [33, [64, 64, 64, 4, 4]], [1024, [128, 128, 128, 8, 3]]]
+    assert dk.propose_entries({1: {a: 1.0, "skinny": 2.0}, 48: {"skinny": 1.0, a: 2.0}}) == [
+        [1, [16, 64, 128, 4, 5]]]  # a "skinny" time past 32 rows is not an option
     only_skinny = {1: {"skinny": 5.0, a: 9.0}, 32: {"skinny": 5.0, a: 9.0}}
     assert dk.propose_entries(only_skinny) == [[1, "skinny"], [33, [16, 64, 128, 4, 5]]]

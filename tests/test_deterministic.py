@@ -237,7 +237,9 @@ def test_gemm_config_table_is_by_shape_and_checked(tmp_path, monkeypatch) -> Non
         assert [bg.uses_skinny(10, 20, m) for m in (1, 7, 8, 300)] == [True, True, False, False]
         assert [bg.config_for(torch.bfloat16, cuda, 10, 20, m) for m in (1, 7, 8, 300)] == [tuple(a)] * 3 + [tuple(b)]
         assert not bg.uses_skinny(30, 20, 1)  # the default entry names no skinny range
-        for bad in ([[2, a]], [[1, "skinny"], [34, a]], [[1, "skinny"]]):
+        bad_tables = ([[2, a]], [[1, "skinny"], [34, a]], [[1, "skinny"]], [[1, a], [64, "skinny"]],
+                      [[1, a], [40, "skinny"], [50, b]])
+        for bad in bad_tables:
             table["16bit"]["10x20"] = bad
             path.write_text(json.dumps(table))
             bg._table.cache_clear()

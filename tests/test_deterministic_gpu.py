@@ -105,10 +105,11 @@ def test_fp8_rows_invariant_up_to_8192(n: int, k: int, silu: bool, block: bool) 
 
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336), (1024, 2048), (1000, 1000)])
 def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
-    """Deterministic mode's two GEMM kernels give a row the same bits: rows at M <= 32 through
-    ops.linear (the skinny kernel's deterministic loader, the shape's fixed splits as one block's
-    warps) equal the same rows of the batch-invariant Triton GEMM at M = 300, with and without
-    SiLU-and-mul. The default loader in the same splits (one-warp blocks, split-K) sums other
+    """Deterministic mode's two GEMM kernels give a row the same bits: rows at M <= 32 through the
+    skinny kernel's deterministic loader (the shape's fixed splits as one block's warps; launched
+    directly, and through ops.linear where the table sends those rows to it) equal the same rows of
+    the batch-invariant Triton GEMM at M = 300, with and without SiLU-and-mul. The default loader
+    in the same splits (one-warp blocks, split-K) sums other
     products per k16 step, so it must differ (the equality is not trivial); warp ranges on another
     tile are refused by name. (1000, 1000): one split, a masked K tail, a bias."""
     from minisgl.kernels.batch_invariant_gemm import gemm, splits_for

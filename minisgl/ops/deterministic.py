@@ -39,9 +39,9 @@ def batch_invariant_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool
 ) -> torch.Tensor:
     """ops.linear's contract, each output row a function of its input row alone (bitwise).
-    GPU: kernels/batch_invariant_gemm.py (one fixed tile configuration and K split for every M;
-    for 16-bit weights up to 32 rows ops/gemm/dispatch.py runs the skinny kernel in the same
-    order instead). CPU: one
+    GPU: kernels/batch_invariant_gemm.py (one fixed reduction order for every M, tiles from its
+    measured table; for 16-bit weights, where that table names it (a few rows, at most 32),
+    ops/gemm/dispatch.py runs the skinny kernel in the same order instead). CPU: one
     M = 1 call per row: the CPU BLAS takes a different path at M = 1 than at M > 1 (measured:
     rows of a batch differ in the last bits from the same row alone), and M = 1 is the one
     shape every batch can use."""
