@@ -20,8 +20,9 @@
    the latest end of the kernels before it).
 3. attention: the deterministic attention configs against the default kernels
    (benchmarks/determinism_kernels.py).
-4. gemm: the batch-invariant GEMM candidates against cuBLAS, their bit classes, and the
-   proposed per-shape config table (benchmarks/determinism_kernels.py).
+4. gemm: the mode's 16-bit GEMM options (the skinny launch, every Triton tile) against cuBLAS
+   per shape and M with the weights read from HBM, each option's bits against the in-use path,
+   and the proposed batch_invariant_gemm_configs.json (benchmarks/determinism_kernels.py).
    fp8gemm: the mode's FP8 GEMM against the default mode's per shape and M, and the tiles of its
    Triton kernel above 32 rows; fp8tiles: the mode's skinny FP8 launches per tile and warps
    against the best default launch (benchmarks/determinism_kernels.py).
