@@ -76,16 +76,17 @@ def propose_entries(per_m: dict[int, dict[str, float]], skinny_rows: int = 32) -
         if not out or out[-1][1] != pick:
             out.append([1 if not out else m, pick])
         prev = pick
-    fixed: list[list] = []
-    for i, (lo, c) in enumerate(out):
-        fixed.append([lo, c])
-        nxt = out[i + 1][0] if i + 1 < len(out) else None
-        if c == "skinny" and (nxt is None or nxt > skinny_rows + 1):
-            later = [cc for _, cc in out[i + 1 :] if cc != "skinny"]
+    # "skinny" entries start at most at skinny_rows (its times past that were dropped above); if one is
+    # still in force at skinny_rows + 1, the config after it starts there instead (or, past the
+    # last entry, the fastest config at the largest M measured).
+    at = max((i for i, (lo, _) in enumerate(out) if lo <= skinny_rows + 1), default=None)
+    if at is not None and out[at][1] == "skinny":
+        if at + 1 < len(out):
+            out[at + 1][0] = skinny_rows + 1
+        else:
             top = per_m[max(m for m in per_m if any(c != "skinny" for c in per_m[m]))]
-            fixed.append([skinny_rows + 1, later[0] if later else min((c for c in top if c != "skinny"), key=top.get)])
-    merged = [e for i, e in enumerate(fixed) if i == 0 or e[1] != fixed[i - 1][1]]
-    return [[lo, c if c == "skinny" else _json.loads(c)] for lo, c in merged]
+            out.append([skinny_rows + 1, min((c for c in top if c != "skinny"), key=top.get)])
+    return [[lo, c if c == "skinny" else _json.loads(c)] for lo, c in out]
 
 
 def gemm_candidates(out_dir: Path | None) -> None:
@@ -94,17 +95,14 @@ def gemm_candidates(out_dir: Path | None) -> None:
     (ops.linear in the mode); every option's bits against the in-use path's at that M; the proposed
     table (propose_entries) and, per shape, summed over M, in use / cuBLAS and proposed / cuBLAS."""
     from minisgl import ops
-    from minisgl.kernels.batch_invariant_gemm import CANDIDATES, SKINNY_ROWS, configs_for, gemm, splits_for
-    from minisgl.ops.gemm.skinny import DETERMINISTIC_TILE, SkinnyConfig, launch
+    from minisgl.kernels.batch_invariant_gemm import CANDIDATES, SKINNY_ROWS, configs_for, gemm
+    from minisgl.ops.gemm.dispatch import deterministic_skinny
 
     def timed(f, xs: list, ws: list, m: int) -> float:
         return time_calls([lambda x=x, w=w: f(x, w) for x, w in zip(xs, ws)], reps=10 if m >= 256 else 20)
 
     def skinny(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
-        cfg = SkinnyConfig(DETERMINISTIC_TILE, splits_for(w.shape[1]), 1)
-        launch(x, w, None, y, False, cfg, warp_ranges=True)
-        return y
+        return deterministic_skinny(x, w, None, torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype))
 
     dev = torch.device("cuda")
     print("\n== deterministic mode's 16-bit GEMM vs cuBLAS (bf16, us per call in CUDA graphs, weights from HBM; "

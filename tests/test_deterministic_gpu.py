@@ -138,8 +138,8 @@ def test_skinny_rows_equal_the_batch_invariant_gemm(n: int, k: int) -> None:
             got = ops.linear(x[:m], w, bias)
             assert torch.equal(got, ref[:m]), f"M={m}: {(got != ref[:m]).sum().item()} elements differ"
             assert torch.equal(ops.linear(x[:m], w, bias, silu=True), ref_silu[:m]), f"M={m} with SiLU"
-            y = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
-            launch(x[:m], w, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, s, 1), warp_ranges=True)
+            y = dispatch.deterministic_skinny(x[:m], w, bias, torch.full((m, n), float("nan"), device=dev,
+                                                                         dtype=torch.bfloat16))
             assert torch.equal(y, ref[:m]), f"M={m}, skinny launch: {(y != ref[:m]).sum().item()} elements differ"
         y = torch.full((32, n), float("nan"), device=dev, dtype=torch.bfloat16)
         launch(x[:32], w, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, 1, s))  # the default loader
@@ -317,8 +317,8 @@ def test_gemm_table_entries_share_bits() -> None:
     """Where the config table picks different tiles for different M of one shape, those tiles
     must give the same bits (else a row's bits would change with M): each entry's configs on
     the same rows, compared bit for bit."""
-    from minisgl.kernels.batch_invariant_gemm import SKINNY, _table, gemm, splits_for
-    from minisgl.ops.gemm.skinny import DETERMINISTIC_TILE, SkinnyConfig, launch
+    from minisgl.kernels.batch_invariant_gemm import SKINNY, _table, gemm
+    from minisgl.ops.gemm.dispatch import deterministic_skinny
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(3)
@@ -330,11 +330,13 @@ def test_gemm_table_entries_share_bits() -> None:
         x = torch.randn(300, k, device=dev, dtype=torch.bfloat16, generator=g)
         configs = [c for _, c in entries if c != SKINNY]
         outs = [gemm(x, w, None, c) for c in configs]
+        # against fp32 torch too: tiles that agree bit for bit must also be right
+        torch.testing.assert_close(outs[0].float(), x.float() @ w.float().T, atol=0.05, rtol=0.02)
         for c, o in zip(configs[1:], outs[1:]):
             assert torch.equal(o, outs[0]), f"{shape}: {c} differs from {configs[0]}"
         if SKINNY in (c for _, c in entries):  # the skinny kernel in the same order: its 32 rows
-            y = torch.full((32, n), float("nan"), device=dev, dtype=torch.bfloat16)
-            launch(x[:32], w, None, y, False, SkinnyConfig(DETERMINISTIC_TILE, splits_for(k), 1), warp_ranges=True)
+            y = deterministic_skinny(x[:32], w, None, torch.full((32, n), float("nan"), device=dev,
+                                                                   dtype=torch.bfloat16))
             assert torch.equal(y, outs[0][:32]), f"{shape}: the skinny entry differs from {configs[0]}"
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from minisgl import env
+from minisgl.kernels.batch_invariant_gemm import splits_for, uses_skinny
 from minisgl.logging_setup import log_once
 from minisgl.ops.activation import silu_and_mul
 from minisgl.ops.deterministic import batch_invariant_linear, is_deterministic
@@ -132,21 +133,26 @@ def _deterministic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     16-byte loads fit, else the batch-invariant GEMM (the same bits by construction:
     kernels/batch_invariant_gemm.py). SiLU-and-mul is always its own kernel on the rounded GEMM
     output, as the Triton path has it."""
-    from minisgl.kernels.batch_invariant_gemm import splits_for, uses_skinny
-
     m = x.shape[0] if x.dim() == 2 else 0
-    n, k = weight.shape
     if (
         0 < m <= DETERMINISTIC_SKINNY_M
         and x.dtype in (torch.float16, torch.bfloat16)
         and skinny_enabled(x.device)
-        and uses_skinny(n, k, m)
+        and uses_skinny(*weight.shape, m)
         and _skinny_misfit(x, weight, bias) is None
     ):
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-        launch(x, weight, bias, y, False, SkinnyConfig(DETERMINISTIC_TILE, splits_for(k), 1), warp_ranges=True)
+        y = deterministic_skinny(x, weight, bias, torch.empty((m, weight.shape[0]), dtype=x.dtype, device=x.device))
         return silu_and_mul(y) if silu else y
     return batch_invariant_linear(x, weight, bias, silu)
+
+
+def deterministic_skinny(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         out: torch.Tensor) -> torch.Tensor:
+    """out = x weight^T (+ bias) by the skinny kernel in the batch-invariant GEMM's order (a 16-bit
+    weight, up to 32 rows, checked by the caller): the shape's fixed K splits as one block's warps."""
+    launch(x, weight, bias, out, False, SkinnyConfig(DETERMINISTIC_TILE, splits_for(weight.shape[1]), 1),
+           warp_ranges=True)
+    return out
 
 
 def _skinny_misfit(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
