@@ -2,7 +2,7 @@
 
 GEMM: kernels/batch_invariant_gemm.CANDIDATES (16-bit: the skinny K order and the shape's fixed
 splits), the mode's skinny launch (up to 32 rows) and the mode's in-use path (ops.linear) against
-cuBLAS on Qwen3-0.6B's, Qwen3-8B's and Llama-3.1-8B's linear shapes at M = 1 ... 1024, the weights
+cuBLAS on Qwen3-0.6B's, Qwen3-8B's and Llama-3.1-8B's linear shapes at M = 1 ... 4096, the weights
 rotated past L2 (as a decode step reads them; timing the same weight over and over let the
 smaller shapes run from L2 and chose tiles that lose from HBM): median us per call in CUDA
 graphs. Every option's bits are compared with the in-use path's, and the proposed
@@ -51,13 +51,13 @@ def bit_classes(outs: list[list[torch.Tensor]]) -> list[list[int]]:
 
 GEMM_SHAPES = {**SHAPES, "qwen3-8b": [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)],
                "llama-3.1-8b lm head": [(128256, 4096)]}
-GEMM_MS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024)
+GEMM_MS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096)
 STICK, SKINNY_STICK = 0.02, 0.03  # keep the previous M's choice within 2%; the skinny kernel within 3%
 
 
 def propose_entries(per_m: dict[int, dict[str, float]], skinny_rows: int = 32) -> list[list]:
     """batch_invariant_gemm_configs.json entries [[min_m, config or "skinny"], ...] from
-    {M: {choice: us}} (a choice: str(list(config)) or "skinny"): per M the fastest, kept on the
+    {M: {choice: us}} (a choice: json.dumps(list(config)) or "skinny"): per M the fastest, kept on the
     previous M's choice within STICK (no flapping between near-equal tiles) and on the skinny
     kernel within SKINNY_STICK (the batch-1 path the mode's cost rows were measured on); "skinny"
     never past `skinny_rows`, so a config follows it by then."""
@@ -126,7 +126,7 @@ def gemm_candidates(out_dir: Path | None) -> None:
                     ref, used = ops.linear(xs[0], ws[0]), timed(ops.linear, xs, ws, m)
                 finally:
                     ops.set_deterministic(dev, False)
-                opts = {str(list(c)): (c, lambda x, w, c=c: gemm(x, w, None, c)) for c in CANDIDATES}
+                opts = {json.dumps(list(c)): (c, lambda x, w, c=c: gemm(x, w, None, c)) for c in CANDIDATES}
                 if m <= SKINNY_ROWS:
                     opts["skinny"] = ("skinny", skinny)
                 per_m[m] = {}
@@ -142,10 +142,11 @@ def gemm_candidates(out_dir: Path | None) -> None:
                              + ", ".join(f"{per_m[m][c]:.1f} {c}" for c in top))
             entries = propose_entries(per_m)
             proposed[f"{n}x{k}"] = entries
-            new = sum(per_m[m]["skinny" if c == "skinny" else str(c)] for m in per_m
+            new = sum(per_m[m]["skinny" if c == "skinny" else json.dumps(c)] for m in per_m
                       for c in [[cc for lo, cc in entries if lo <= m][-1]])
             print(f"{n:>6}x{k:<5} summed over M, / cuBLAS: in use {sums['use'] / sums['cublas']:.2f}, proposed "
                   f"{new / sums['cublas']:.2f}  (in use: {configs_for(n, k)})")
+            print(f"  proposed {n}x{k}: {json.dumps(entries)}", flush=True)
             del ws
             torch.cuda.empty_cache()
     print("options whose bits differ from the in-use path (must be none):", differ or "none")

@@ -10,8 +10,13 @@ is the same chain of tensor-core dot products, added in the same order, in the s
 kernel, whichever tile row i lands in. Rows and columns past M / N load clamped (valid,
 repeated) rows, which are never stored.
 
-The configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) comes from
-batch_invariant_gemm_configs.json per weight shape (N, K) and M range. Every config of
+The configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, "tma"]) comes from
+batch_invariant_gemm_configs.json per weight shape (N, K) and M range. A config ending in "tma"
+loads its tiles through tensor descriptors (TMA on Hopper: one thread issues each tile's copy,
+where pointer loads spend the MMA warps' issue slots on addresses and cp.async; out-of-range rows,
+columns and the K tail arrive as zeros, the results are stored clipped), which at 256 rows and up
+runs 128 x 256 tiles 1.1-1.3x faster than the pointer kernel (benchmarks/RESULTS.md). The math is
+the same chain of dots: its bits are the pointer kernel's. Every config of
 CANDIDATES gives the same bits (a row's chain does not depend on the tile it lands in: the GPU
 tests compare each shipped shape's table configs and its skinny rows, and every candidate on one
 shape; benchmarks/determinism.py --only gemm checks every option on every shape at every M it
@@ -45,10 +50,14 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from minisgl.kernels.tile_order import clamped_tile
+from minisgl.kernels.tile_order import clamped_tile, grouped_tile
+from minisgl.logging_setup import log_once
 
-Config = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), or the same and TMA: loads through tensor descriptors
+Config = tuple[int, int, int, int, int] | tuple[int, int, int, int, int, str]
+TMA = "tma"
 CONFIG_FILE = Path(__file__).with_name("batch_invariant_gemm_configs.json")
 INTERPRETER_CONFIG: Config = (16, 16, 16, 1, 1)  # small tiles keep the CPU interpreter fast in CI
 FLOAT32_CONFIG: Config = (64, 64, 32, 4, 3)  # ieee dots on FMA units
@@ -62,6 +71,9 @@ CANDIDATES: list[Config] = [
     (16, 64, 64, 4, 4), (128, 128, 128, 8, 3), (16, 32, 128, 4, 4), (16, 32, 64, 2, 6), (16, 64, 128, 4, 5),
     (32, 32, 128, 4, 4), (32, 64, 128, 4, 4), (32, 64, 64, 4, 5), (16, 128, 128, 4, 4), (64, 64, 128, 4, 4),
     (64, 128, 128, 8, 4), (32, 128, 64, 4, 4), (16, 32, 128, 2, 6), (32, 32, 64, 2, 6), (64, 32, 128, 4, 4),
+    (128, 256, 64, 8, 3, TMA), (128, 128, 64, 8, 4, TMA), (128, 128, 128, 8, 3, TMA), (64, 128, 64, 4, 4, TMA),
+    (128, 64, 64, 4, 4, TMA), (64, 64, 128, 4, 4, TMA), (64, 256, 64, 4, 3, TMA), (32, 64, 128, 4, 4, TMA),
+    (16, 64, 128, 4, 5, TMA), (64, 32, 128, 4, 4, TMA),
 ]
 SKINNY = "skinny"  # a table entry: the skinny kernel in this order (ops/gemm/dispatch.py), same bits
 SKINNY_ROWS = 32  # the most rows the skinny kernel takes (ops/gemm/skinny.py MAX_M; a test checks)
@@ -99,6 +111,31 @@ def _gemm_kernel(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, K_SPLI
     tl.store(Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], total.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _gemm_tma_kernel(x_desc, w_desc, Bias, y_desc, M, N, K, K_SPLIT, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                     DOT_PREC: tl.constexpr, SPLITS: tl.constexpr):
+    """_gemm_kernel's chain with its tiles loaded through tensor descriptors (zeros past M, N and K)."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP)
+    om = pid_m * BLOCK_M
+    on = pid_n * BLOCK_N
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # whole BLOCK_K steps in every split; else one split over a zero-filled tail (zeros add nothing)
+    steps = K_SPLIT // BLOCK_K if EVEN_K else tl.cdiv(K, BLOCK_K)
+    for i in range(0, SPLITS * steps):
+        x = x_desc.load([om, i * BLOCK_K])
+        w = w_desc.load([on, i * BLOCK_K])
+        acc = tl.dot(x, w.T, acc, input_precision=DOT_PREC)
+        if (i + 1) % steps == 0:  # a split ends: its chain joins the total (in split order), the next starts at 0
+            total += acc
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if HAS_BIAS:
+        offs_n = on + tl.arange(0, BLOCK_N)
+        total += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    y_desc.store([om, on], total.to(y_desc.dtype))
+
+
 @functools.cache  # the mode's dispatch asks per call
 def splits_for(k: int, min_split: int = MIN_SPLIT_K) -> int:
     """The fixed K splits of a 16-bit weight with K columns in deterministic mode, for every M: doubled
@@ -120,10 +157,18 @@ def _table() -> dict[str, list[tuple[int, Config | str]]]:
     for shape, entries in table.items():
         if not entries or entries[0][0] != 1 or any(a[0] >= b[0] for a, b in zip(entries, entries[1:])):
             raise ValueError(f"{CONFIG_FILE.name}: {shape} must list [min_m, config] from min_m 1 upwards")
+        if any(c != SKINNY and not _is_config(c) for _, c in entries):
+            raise ValueError(f"{CONFIG_FILE.name}: {shape}: a config is [BLOCK_M, BLOCK_N, BLOCK_K, warps, stages], "
+                             f"optionally followed by \"{TMA}\", or \"{SKINNY}\"")
         if any(c == SKINNY and lo > SKINNY_ROWS for lo, c in entries) or _entry(entries, SKINNY_ROWS + 1) == SKINNY:
             raise ValueError(f"{CONFIG_FILE.name}: {shape}: \"{SKINNY}\" may cover at most {SKINNY_ROWS} rows; "
                              f"a Triton config must follow it by min_m {SKINNY_ROWS + 1}")
     return table  # type: ignore[return-value]
+
+
+def _is_config(c: object) -> bool:
+    return (isinstance(c, tuple) and len(c) in (5, 6) and all(isinstance(v, int) and v > 0 for v in c[:5])
+            and c[5:] in ((), (TMA,)))
 
 
 def _entry(entries: list[tuple[int, Config | str]], m: int) -> Config | str:
@@ -168,7 +213,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    bm, bn, bk, warps, stages = config or config_for(x.dtype, x.device, n, k, m)
+    bm, bn, bk, warps, stages, *loads = config or config_for(x.dtype, x.device, n, k, m)
     if splits is None:
         splits = splits_for(k) if skinny_splits(x) else 1
     k_split = -(-k // splits)
@@ -176,13 +221,28 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"batch-invariant GEMM: K {k} in {splits} splits needs splits of a multiple of "
                          f"BLOCK_K {bk}" + (f" and of {SPLIT_ALIGN}" if x.device.type == "cuda" else ""))
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bm),)
+    consts = dict(HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M,
+                  DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SPLITS=splits,
+                  num_warps=warps, num_stages=stages)
+    if loads == [TMA] and _descriptors_fit(x, weight, y):
+        _gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+            bias if bias is not None else y, TensorDescriptor.from_tensor(y, [bm, bn]), m, n, k, k_split, **consts)
+        return y
     _gemm_kernel[grid](
         x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0), k_split,
-        HAS_BIAS=bias is not None, EVEN_K=k % bk == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP=GROUP_M,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SPLITS=splits,
-        num_warps=warps, num_stages=stages,
-    )
+        **consts)
     return y
+
+
+def _descriptors_fit(*ts: torch.Tensor) -> bool:
+    """Tensor descriptors need unit column strides and 16-byte aligned rows and bases; a tensor
+    without them takes the pointer kernel in the same tile (the same bits), said once."""
+    if all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in ts):
+        return True
+    log_once("batch_invariant_gemm.unaligned", "batch-invariant GEMM: a TMA tile config met rows that are not 16-byte "
+             f"aligned (shapes {[tuple(t.shape) for t in ts]}); it runs with pointer loads (same bits, slower)")
+    return False
 
 
 def gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

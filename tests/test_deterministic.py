@@ -237,8 +237,12 @@ def test_gemm_config_table_is_by_shape_and_checked(tmp_path, monkeypatch) -> Non
         assert [bg.uses_skinny(10, 20, m) for m in (1, 7, 8, 300)] == [True, True, False, False]
         assert [bg.config_for(torch.bfloat16, cuda, 10, 20, m) for m in (1, 7, 8, 300)] == [tuple(a)] * 3 + [tuple(b)]
         assert not bg.uses_skinny(30, 20, 1)  # the default entry names no skinny range
+        table["16bit"]["10x20"] = [[1, a], [256, b + ["tma"]]]  # "tma": the same tile through tensor descriptors
+        path.write_text(json.dumps(table))
+        bg._table.cache_clear()
+        assert bg.config_for(torch.bfloat16, cuda, 10, 20, 300) == (*b, bg.TMA)
         bad_tables = ([[2, a]], [[1, "skinny"], [34, a]], [[1, "skinny"]], [[1, a], [64, "skinny"]],
-                      [[1, a], [40, "skinny"], [50, b]])
+                      [[1, a], [40, "skinny"], [50, b]], [[1, a + ["fast"]]], [[1, a[:4]]], [[1, "tiles"]])
         for bad in bad_tables:
             table["16bit"]["10x20"] = bad
             path.write_text(json.dumps(table))
@@ -281,6 +285,31 @@ def test_batch_invariant_gemm_in_the_skinny_splits(splits: int) -> None:
         gemm(probe, w, bias, INTERPRETER_CONFIG, splits=3)
     with pytest.raises(ValueError, match="BLOCK_K"):  # splits of 128 are not whole BLOCK_K 256 steps
         gemm(probe, w, bias, (16, 16, 256, 1, 1), splits=4)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("k,splits", [(512, 1), (512, 4), (40, 1)])
+def test_batch_invariant_gemm_tma_loads_give_the_pointer_loads_bits(k: int, splits: int) -> None:
+    """A config ending in "tma" (tiles through tensor descriptors: zeros past M, N and a K tail,
+    stores clipped) gives the pointer kernel's bits in the same tile, at M and N that end mid-tile,
+    with a bias, in splits; tensors whose rows are not 16-byte aligned take the pointer kernel."""
+    from minisgl.kernels.batch_invariant_gemm import TMA, gemm, gemm_reference
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(2)
+    n = 40  # 2.5 column tiles of 16
+    w = torch.randn(n, k, generator=g).to(dev)
+    bias = torch.randn(n, generator=g).to(dev)
+    for m in (5, 37):
+        x = torch.randn(m, k, generator=g).to(dev)
+        for b in (None, bias):
+            ptr = gemm(x, w, b, (16, 16, 16, 1, 1), splits=splits)
+            tma = gemm(x, w, b, (16, 16, 16, 1, 1, TMA), splits=splits)
+            assert torch.equal(tma, ptr), f"M={m} K={k} splits={splits} bias={b is not None}"
+            torch.testing.assert_close(tma, gemm_reference(x, w, b), atol=1e-4, rtol=1e-4)
+    odd = torch.randn(6, 42, generator=g).to(dev)[:, :41]  # rows of 42 floats: not 16-byte aligned
+    w_odd = torch.randn(8, 41, generator=g).to(dev)
+    assert torch.equal(gemm(odd, w_odd, None, (16, 16, 16, 1, 1, TMA)), gemm(odd, w_odd, None, (16, 16, 16, 1, 1)))
 
 
 def test_deterministic_splits_are_fixed_by_k() -> None:
