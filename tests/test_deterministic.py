@@ -242,7 +242,8 @@ def test_gemm_config_table_is_by_shape_and_checked(tmp_path, monkeypatch) -> Non
         bg._table.cache_clear()
         assert bg.config_for(torch.bfloat16, cuda, 10, 20, 300) == (*b, bg.TMA)
         bad_tables = ([[2, a]], [[1, "skinny"], [34, a]], [[1, "skinny"]], [[1, a], [64, "skinny"]],
-                      [[1, a], [40, "skinny"], [50, b]], [[1, a + ["fast"]]], [[1, a[:4]]], [[1, "tiles"]])
+                      [[1, a], [40, "skinny"], [50, b]], [[1, a + ["fast"]]], [[1, a[:4]]], [[1, "tiles"]],
+                      [[1, [48, 64, 64, 4, 4]]], [[1, [64, 64, 64, 4, True]]])
         for bad in bad_tables:
             table["16bit"]["10x20"] = bad
             path.write_text(json.dumps(table))
@@ -310,6 +311,8 @@ def test_batch_invariant_gemm_tma_loads_give_the_pointer_loads_bits(k: int, spli
     odd = torch.randn(6, 42, generator=g).to(dev)[:, :41]  # rows of 42 floats: not 16-byte aligned
     w_odd = torch.randn(8, 41, generator=g).to(dev)
     assert torch.equal(gemm(odd, w_odd, None, (16, 16, 16, 1, 1, TMA)), gemm(odd, w_odd, None, (16, 16, 16, 1, 1)))
+    empty_k = gemm(torch.empty(3, 0, device=dev), torch.empty(8, 0, device=dev), None, (16, 16, 16, 1, 1, TMA))
+    assert torch.equal(empty_k, torch.zeros(3, 8, device=dev))  # K = 0: no descriptor, the pointer kernel's zeros
 
 
 @pytest.mark.slow

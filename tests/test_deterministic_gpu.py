@@ -313,6 +313,24 @@ def test_k16_step_depends_only_on_its_products() -> None:
             assert torch.equal(got, base) == same, f"{cfg}: {(got != base).sum().item()} of {m * n} differ"
 
 
+@pytest.mark.parametrize("n,k", [(5120, 2880), (4096, 4096)])
+def test_tma_tiles_equal_pointer_tiles(n: int, k: int) -> None:
+    """Every TMA candidate gives the bits of the pointer kernel in the same tile (zeros past M, N
+    and K instead of clamped or masked loads), bf16 with a bias, at M that end mid-tile: GPT-OSS's
+    K = 2880 (one split, a K tail for BLOCK_K 128) and 4096 (8 splits)."""
+    from minisgl.kernels.batch_invariant_gemm import CANDIDATES, TMA, gemm
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(7)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * 0.05
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g)
+    for m in (1, 300, 513):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        for cfg in (c for c in CANDIDATES if c[5:] == (TMA,)):
+            got, ref = gemm(x, w, bias, cfg), gemm(x, w, bias, cfg[:5])
+            assert torch.equal(got, ref), f"{n}x{k} M {m} {cfg}: {(got != ref).sum().item()} of {m * n} differ"
+
+
 def test_gemm_table_entries_share_bits() -> None:
     """Where the config table picks different tiles for different M of one shape, those tiles
     must give the same bits (else a row's bits would change with M): each entry's configs on
