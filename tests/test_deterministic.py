@@ -290,10 +290,12 @@ def test_batch_invariant_gemm_in_the_skinny_splits(splits: int) -> None:
 
 @pytest.mark.triton
 @pytest.mark.parametrize("k,splits", [(512, 1), (512, 4), (40, 1)])
-def test_batch_invariant_gemm_tma_loads_give_the_pointer_loads_bits(k: int, splits: int) -> None:
+def test_batch_invariant_gemm_tma_loads_give_the_pointer_loads_bits(k: int, splits: int, monkeypatch) -> None:
     """A config ending in "tma" (tiles through tensor descriptors: zeros past M, N and a K tail,
     stores clipped) gives the pointer kernel's bits in the same tile, at M and N that end mid-tile,
-    with a bias, in splits; tensors whose rows are not 16-byte aligned take the pointer kernel."""
+    with a bias, in splits; tensors whose rows are not 16-byte aligned, and a Triton without host
+    tensor descriptors (before 3.4), take the pointer kernel."""
+    from minisgl.kernels import batch_invariant_gemm as bg
     from minisgl.kernels.batch_invariant_gemm import TMA, gemm, gemm_reference
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -313,6 +315,13 @@ def test_batch_invariant_gemm_tma_loads_give_the_pointer_loads_bits(k: int, spli
     assert torch.equal(gemm(odd, w_odd, None, (16, 16, 16, 1, 1, TMA)), gemm(odd, w_odd, None, (16, 16, 16, 1, 1)))
     empty_k = gemm(torch.empty(3, 0, device=dev), torch.empty(8, 0, device=dev), None, (16, 16, 16, 1, 1, TMA))
     assert torch.equal(empty_k, torch.zeros(3, 8, device=dev))  # K = 0: no descriptor, the pointer kernel's zeros
+    launched = []
+    monkeypatch.setattr(bg._gemm_tma_kernel, "run", lambda *a, **kw: launched.append(1))  # would it launch?
+    gemm(x, w, bias, (16, 16, 16, 1, 1, TMA), splits=splits)
+    assert launched, "the TMA kernel was not launched where descriptors fit"
+    launched.clear()
+    monkeypatch.setattr(bg, "TensorDescriptor", None)  # Triton before 3.4
+    assert torch.equal(gemm(x, w, bias, (16, 16, 16, 1, 1, TMA), splits=splits), ptr) and not launched
 
 
 @pytest.mark.slow
