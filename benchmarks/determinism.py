@@ -29,7 +29,7 @@
    per shape and M with the weights read from HBM, each option's bits against the in-use path,
    and the proposed batch_invariant_gemm_configs.json (benchmarks/determinism_kernels.py).
    fp8gemm: the mode's FP8 GEMM against the default mode's per shape and M, and the tiles of its
-   Triton kernel above 32 rows; fp8tiles: the mode's skinny FP8 launches per tile and warps
+   Triton kernel at every M (weights from HBM); fp8tiles: the mode's skinny FP8 launches per tile and warps
    against the best default launch (benchmarks/determinism_kernels.py).
 Target (the issue): cost <= 5% on 1, 2 and moe. Bulky tables go to $OUT/det/ when $OUT is set.
 """

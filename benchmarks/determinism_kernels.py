@@ -167,39 +167,48 @@ def fp8_gemms() -> None:
     kernels/batch_invariant_fp8.py above) against the default mode's FP8 path with no measured table
     (so activation quantization + the FP8 GEMM at every M; the engine's table puts its skinny FP8
     launch at small M) on Llama-3.1-8B's shapes, per-channel scales; and the Triton kernel per tile
-    (any tile gives the same bits): us per call in CUDA graphs."""
+    (any tile gives the same bits, the skinny launch's too): us per call in CUDA graphs, the weights
+    rotated past L2 as a decode step reads them (as gemm_candidates; until the twenty-ninth session
+    one weight was timed over and over, so the smaller shapes ran from L2)."""
     from minisgl.ops.gemm import dispatch
     from minisgl.ops.gemm.fp8 import quantize_rows
 
     dispatch._tables.clear()  # an engine run before this one (--only fp8) installed its measured table
     print("\n== FP8 GEMM (per-channel e4m3, bf16 x): deterministic mode vs default mode, us per call in CUDA "
-          "graphs; the mode's path before (W8A8 Triton FP8 GEMM in one launch); then the mode's Triton kernel "
-          "per tile (BLOCK_M, BLOCK_N, warps, stages)")
+          "graphs, weights from HBM; the mode's path before (W8A8 Triton FP8 GEMM in one launch); then the mode's "
+          "Triton kernel per tile (BLOCK_M, BLOCK_N, warps, stages)")
     print(f"{'shape':>12} {'M':>5} {'default':>8} {'mode':>8} {'cost':>6}  {'before':>8}  "
           + " ".join(f"{str(t):>16}" for t in FP8_TILES))
     for n, k in SHAPES["llama-3.1-8b"]:
         g = torch.Generator(device="cuda").manual_seed(n + k)
-        w, scale = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.05)
-        for m in MS:
-            print(_fp8_row(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g), w, scale))
+        ws = [quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.05) for _ in range(num_sets(n * k))]
+        for m in FP8_MS:
+            print(_fp8_row(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g), ws))
 
 
-def _fp8_row(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> str:
+FP8_MS = (1, 8, 16, 24, 32, 64, 256, 1024, 4096)  # 8-32: where the mode's skinny launch may lose to a tile
+
+
+def _fp8_row(x: torch.Tensor, ws: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
     from minisgl import ops
     from minisgl.kernels import batch_invariant_fp8
     from minisgl.ops.gemm.fp8 import fp8_gemm
 
-    (m, k), n = x.shape, w.size(0)
-    base = graph_us(lambda: ops.linear(x, w, fmt="fp8", scale=scale))
+    (m, k), n = x.shape, ws[0][0].size(0)
+
+    def rotated(f) -> float:  # us per call, each call on the next weight set
+        return time_calls([lambda w=w, sc=sc: f(w, sc) for w, sc in ws], reps=10 if m >= 256 else 20)
+
+    base = rotated(lambda w, sc: ops.linear(x, w, fmt="fp8", scale=sc))
     ops.set_deterministic(x.device, True)
     try:
-        used = graph_us(lambda: ops.linear(x, w, fmt="fp8", scale=scale))
+        used = rotated(lambda w, sc: ops.linear(x, w, fmt="fp8", scale=sc))
     finally:
         ops.set_deterministic(x.device, False)
     splits = batch_invariant_fp8.splits_for(n, k)
-    tiles = [graph_us(lambda t=t: batch_invariant_fp8.gemm(x, w, scale, splits, None, t)) for t in FP8_TILES]
+    tiles = [rotated(lambda w, sc, t=t: batch_invariant_fp8.gemm(x, w, sc, splits, None, t)) for t in FP8_TILES]
     # the mode's FP8 GEMM before the twenty-first session: W8A8, the Triton FP8 GEMM in one launch
-    before = graph_us(lambda: fp8_gemm(x, w, scale, k, backend="triton", tiles=(64, 64, 128, 4, 4)))
+    before = rotated(lambda w, sc: fp8_gemm(x, w, sc, k, backend="triton", tiles=(64, 64, 128, 4, 4)))
     return (f"{n:>6}x{k:<5} {m:5} {base:8.1f} {used:8.1f} {100 * (used / base - 1):+5.0f}%  {before:8.1f}  "
             + " ".join(f"{t:16.1f}" for t in tiles))
 
