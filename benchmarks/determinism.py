@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from determinism_kernels import attention_candidates, fp8_gemms, fp8_skinny_tiles, gemm_candidates, out_dir  # noqa: E402
 from offline import qwen_tokenizer_dir, workload  # noqa: E402
+from profile_decode_step import time_ms  # noqa: E402
 
 from minisgl import LLM, SamplingParams  # noqa: E402
 
@@ -130,25 +131,10 @@ STEP_BATCHES = (1, 16, 32, 64, 128)
 
 
 def step_pairs(tok: str | None, context: int = 768, chunk: int = 384) -> None:
-    import statistics
-
     print(f"\n== Qwen3-8B shapes: a decode step of B requests at context {context}, and a mixed step (the same "
           f"decodes + a {chunk}-token prompt chunk), ms per step (graph replay where captured, else eager)")
     ms: dict[bool, dict[tuple[str, int], float]] = {}
     path: dict[bool, dict[tuple[str, int], str]] = {}
-
-    def time_ms(fn) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(20):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
 
     for det in (False, True):
         ms[det], path[det] = {}, {}
