@@ -14,8 +14,8 @@ The configuration (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, "tma"]) comes from
 batch_invariant_gemm_configs.json per weight shape (N, K) and M range. A config ending in "tma"
 loads its tiles through tensor descriptors (TMA on Hopper: one thread issues each tile's copy,
 where pointer loads spend the MMA warps' issue slots on addresses and cp.async; out-of-range rows,
-columns and the K tail arrive as zeros, the results are stored clipped), which at 256 rows and up
-runs 128 x 256 tiles 1.1-1.3x faster than the pointer kernel (benchmarks/RESULTS.md). The math is
+columns and the K tail arrive as zeros, the results are stored clipped), which from 512 rows
+runs (with 128 x 256 tiles) 1.1-1.4x faster than the pointer kernel (benchmarks/RESULTS.md, H200). The math is
 the same chain of dots: its bits are the pointer kernel's. Every config of
 CANDIDATES gives the same bits (a row's chain does not depend on the tile it lands in: the GPU
 tests compare each shipped shape's table configs and its skinny rows, and every candidate on one
