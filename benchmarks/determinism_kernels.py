@@ -36,6 +36,12 @@ def graph_us(fn, calls: int = 10) -> float:
     return time_calls([fn] * calls, reps=5)
 
 
+def rotated_us(calls: list, m: int) -> float:
+    """Median us per call of `calls` (one per weight set, rotated past L2) in one CUDA graph; fewer
+    replays at large M, where one call is long."""
+    return time_calls(calls, reps=10 if m >= 256 else 20)
+
+
 def bit_classes(outs: list[list[torch.Tensor]]) -> list[list[int]]:
     """Candidates grouped by bit-identical outputs (every probe equal)."""
     classes: list[list[int]] = []
@@ -61,8 +67,6 @@ def propose_entries(per_m: dict[int, dict[str, float]], skinny_rows: int = 32) -
     previous M's choice within STICK (no flapping between near-equal tiles) and on the skinny
     kernel within SKINNY_STICK (the batch-1 path the mode's cost rows were measured on); "skinny"
     never past `skinny_rows`, so a config follows it by then."""
-    import json as _json
-
     out: list[list] = []
     prev = None
     for m in sorted(per_m):
@@ -86,7 +90,7 @@ def propose_entries(per_m: dict[int, dict[str, float]], skinny_rows: int = 32) -
         else:
             top = per_m[max(m for m in per_m if any(c != "skinny" for c in per_m[m]))]
             out.append([skinny_rows + 1, min((c for c in top if c != "skinny"), key=top.get)])
-    return [[lo, c if c == "skinny" else _json.loads(c)] for lo, c in out]
+    return [[lo, c if c == "skinny" else json.loads(c)] for lo, c in out]
 
 
 def gemm_candidates(out_dir: Path | None) -> None:
@@ -99,7 +103,7 @@ def gemm_candidates(out_dir: Path | None) -> None:
     from minisgl.ops.gemm.dispatch import deterministic_skinny
 
     def timed(f, xs: list, ws: list, m: int) -> float:
-        return time_calls([lambda x=x, w=w: f(x, w) for x, w in zip(xs, ws)], reps=10 if m >= 256 else 20)
+        return rotated_us([lambda x=x, w=w: f(x, w) for x, w in zip(xs, ws)], m)
 
     def skinny(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return deterministic_skinny(x, w, None, torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype))
@@ -126,11 +130,11 @@ def gemm_candidates(out_dir: Path | None) -> None:
                     ref, used = ops.linear(xs[0], ws[0]), timed(ops.linear, xs, ws, m)
                 finally:
                     ops.set_deterministic(dev, False)
-                opts = {json.dumps(list(c)): (c, lambda x, w, c=c: gemm(x, w, None, c)) for c in CANDIDATES}
+                opts = {json.dumps(list(c)): lambda x, w, c=c: gemm(x, w, None, c) for c in CANDIDATES}
                 if m <= SKINNY_ROWS:
-                    opts["skinny"] = ("skinny", skinny)
+                    opts["skinny"] = skinny
                 per_m[m] = {}
-                for name, (_, f) in opts.items():
+                for name, f in opts.items():
                     if not torch.equal(f(xs[0], ws[0]), ref):
                         differ.append(f"{n}x{k} M {m} {name}")
                         continue
@@ -197,7 +201,7 @@ def _fp8_row(x: torch.Tensor, ws: list[tuple[torch.Tensor, torch.Tensor]]) -> st
     (m, k), n = x.shape, ws[0][0].size(0)
 
     def rotated(f) -> float:  # us per call, each call on the next weight set
-        return time_calls([lambda w=w, sc=sc: f(w, sc) for w, sc in ws], reps=10 if m >= 256 else 20)
+        return rotated_us([lambda w=w, sc=sc: f(w, sc) for w, sc in ws], m)
 
     base = rotated(lambda w, sc: ops.linear(x, w, fmt="fp8", scale=sc))
     ops.set_deterministic(x.device, True)

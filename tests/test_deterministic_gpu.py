@@ -326,8 +326,10 @@ def test_tma_tiles_equal_pointer_tiles(n: int, k: int) -> None:
     bias = torch.randn(n, device=dev, dtype=torch.bfloat16, generator=g)
     for m in (1, 300, 513):
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=g)
+        exact = x.float() @ w.float().T + bias.float()  # fp32 torch: equal tiles must also be right
         for cfg in (c for c in CANDIDATES if c[5:] == (TMA,)):
             got, ref = gemm(x, w, bias, cfg), gemm(x, w, bias, cfg[:5])
+            torch.testing.assert_close(got.float(), exact, atol=0.05, rtol=0.02)
             assert torch.equal(got, ref), f"{n}x{k} M {m} {cfg}: {(got != ref).sum().item()} of {m * n} differ"
 
 
