@@ -20,6 +20,14 @@ def num_sms(device: int | torch.device) -> int:
 
 
 @functools.cache
+def shared_memory_per_block(device: int | torch.device) -> int:
+    """The shared memory one block may opt into, in bytes (227 KB on Hopper; 99 KB assumed where
+    torch does not report it)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
+
+
+@functools.cache
 def _major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 

@@ -4,8 +4,9 @@ tensor cores (fp32 accumulate); optional fused SiLU-and-mul over (gate | up) row
 
 `dequant_tile` is the one 4-bit weight loader of the Triton kernels: this GEMM and the fused MoE
 (kernels/fused_moe.py, W_FMT > 0) both call it, so a format is decoded in exactly one place.
-It gathers per element (each column's word / byte and its group's scale): any group size that
-divides K works and no tile has to align with a group; the repeated words hit L1.
+It loads one 32-bit word per 8 columns and, where a word's columns share a group (group % 8 == 0),
+one scale (and zero) per word; any group size that divides K works and no tile has to align
+with a group.
 
 FMT 1 = INT4: w = (q - zero) * scale per group (scales/zeros in x's dtype).
 FMT 2 = MXFP4: w = e2m1(nibble) * 2 ** (e8m0 - 127), one scale per 32 columns.
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels import device as _device
 from minisgl.kernels.quant4 import dequant_int4_reference, dequant_mxfp4_reference
 from minisgl.kernels.tile_order import grouped_tile
 
@@ -26,29 +28,50 @@ NAMES = {INT4: "int4", MXFP4: "mxfp4"}  # the format names ops/gemm uses
 
 
 @triton.jit
-def dequant_tile(W, S, Z, offs_k, offs_n, mask, stride_wn, stride_sn, group, FMT: tl.constexpr,
-                 OUT: tl.constexpr):
-    """Weight rows offs_n, columns offs_k (absolute) -> tile [BLOCK_K, BLOCK_N] in OUT."""
+def dequant_tile(W, S, Z, k0, offs_n, n_ok, K, stride_wn, stride_sn, group, FMT: tl.constexpr, OUT: tl.constexpr,
+                 BLOCK_K: tl.constexpr, GROUP8: tl.constexpr):
+    """Weight rows offs_n, columns k0 .. k0 + BLOCK_K (k0 and K multiples of 8) -> tile [BLOCK_K, BLOCK_N]
+    in OUT, zero past K and where n_ok is off. One 32-bit load per 8 columns (an INT4 word; four
+    MXFP4 bytes read as one little-endian word: byte i's low nibble is column 2i, its high 2i + 1),
+    and with GROUP8 (group % 8 == 0: a word's 8 columns share a group) one scale and zero load per
+    word; else one per column. Loading per column cost 8x the load instructions (3x more with the
+    scales and zeros): the decode kernel ran at a quarter of the HBM rate and this GEMM 5-8x slower
+    (RESULTS.md, thirtieth session). The tile is built K-major ([BLOCK_K / 8, 8, BLOCK_N] reshaped):
+    built N-major and transposed, the GEMM ran 16-19% slower and decode + cuBLAS 5-14% (same session)."""
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # word index along K
     n = offs_n[None, :].to(tl.int64)
-    k = offs_k[:, None]
-    s_ptrs = S + n * stride_sn + k // group
+    mask = (kw < K // 8)[:, None] & n_ok[None, :]  # [BLOCK_K / 8, BLOCK_N]
+    p = tl.arange(0, 8)  # a column's place in its word
     if FMT == 1:
-        word = tl.load(W + n * stride_wn + k // 8, mask=mask, other=0)
-        j = k % 8  # nibble (j // 2) + 4 (j % 2): quant4.NIBBLE_OF
-        q = ((word >> (((j >> 1) + 4 * (j & 1)) * 4)) & 0xF).to(tl.float32)
-        s = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(Z + n * stride_sn + k // group, mask=mask, other=0.0).to(tl.float32)
-        w = (q - z) * s
+        word = tl.load(W + n * stride_wn + kw[:, None], mask=mask, other=0)
+        shift = ((p >> 1) + 4 * (p & 1)) * 4  # quant4.NIBBLE_OF: column 2j in nibble j, 2j + 1 in j + 4
     else:
-        byte = tl.load(W + n * stride_wn + k // 2, mask=mask, other=0).to(tl.int32)
-        nib = (byte >> ((k % 2) * 4)) & 0xF
+        word = tl.load(W.to(tl.pointer_type(tl.int32)) + n * (stride_wn // 4) + kw[:, None], mask=mask, other=0)
+        shift = p * 4
+    nib = (word[:, None, :] >> shift[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
+    if GROUP8:
+        s_off = n * stride_sn + (kw * 8 // group)[:, None]
+        s_mask = mask
+    else:
+        s_off = n[:, None, :] * stride_sn + ((kw[:, None] * 8 + p[None, :]) // group)[:, :, None]
+        s_mask = mask[:, None, :]
+    if FMT == 1:
+        s = tl.load(S + s_off, mask=s_mask, other=0.0).to(tl.float32)
+        z = tl.load(Z + s_off, mask=s_mask, other=0.0).to(tl.float32)
+        if GROUP8:
+            s = s[:, None, :]
+            z = z[:, None, :]
+        w = (nib.to(tl.float32) - z) * s
+    else:
         e = (nib >> 1) & 3
         m = (nib & 1).to(tl.float32)
         mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
         val = tl.where(nib >= 8, -mag, mag)
-        sc = tl.load(s_ptrs, mask=mask, other=127).to(tl.float32)
+        sc = tl.load(S + s_off, mask=s_mask, other=127).to(tl.float32)
+        if GROUP8:
+            sc = sc[:, None, :]
         w = val * tl.exp2(sc - 127.0)
-    return w.to(OUT)
+    return tl.reshape(w, (BLOCK_K, offs_n.shape[0])).to(OUT)
 
 
 @triton.jit
@@ -57,7 +80,7 @@ def _w4_gemm_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     FMT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, GROUP8: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -72,12 +95,11 @@ def _w4_gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wmask = k_ok[:, None] & n_ok[None, :]
-        w = dequant_tile(W, S, Z, offs_k, offs_n, wmask, stride_wn, stride_sn, group, FMT, out_ty)
+        w = dequant_tile(W, S, Z, k0, offs_n, n_ok, K, stride_wn, stride_sn, group, FMT, out_ty, BLOCK_K, GROUP8)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         if GATED:  # the up rows sit N rows below the gate rows
-            u = dequant_tile(W + N * stride_wn, S + N * stride_sn, Z + N * stride_sn, offs_k, offs_n, wmask,
-                             stride_wn, stride_sn, group, FMT, out_ty)
+            u = dequant_tile(W + N * stride_wn, S + N * stride_sn, Z + N * stride_sn, k0, offs_n, n_ok, K,
+                             stride_wn, stride_sn, group, FMT, out_ty, BLOCK_K, GROUP8)
             acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -91,19 +113,27 @@ def _w4_gemm_kernel(
 
 @triton.jit
 def _w4_dequant_kernel(W, S, Z, Out, N, K, group, stride_wn, stride_sn, stride_on, FMT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP8: tl.constexpr):
     """The weight rows of one [BLOCK_N, BLOCK_K] tile, decoded by dequant_tile, stored 16-bit."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
-    w = dequant_tile(W, S, Z, offs_k, offs_n, mask, stride_wn, stride_sn, group, FMT, Out.dtype.element_ty)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    w = dequant_tile(W, S, Z, k0, offs_n, n_ok, K, stride_wn, stride_sn, group, FMT, Out.dtype.element_ty, BLOCK_K,
+                     GROUP8)
     # stored as [BLOCK_N, BLOCK_K] so consecutive lanes write consecutive columns of a row
     out = Out + offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :]
-    tl.store(out, tl.trans(w), mask=tl.trans(mask))
+    tl.store(out, tl.trans(w), mask=n_ok[:, None] & (offs_k < K)[None, :])
+
+
+# (BLOCK_N, BLOCK_K, warps) of w4_dequant: the best of a sweep on an H200 (2.9-3.3 TB/s read + written, against
+# 2.6-2.9 at (64, 128, 4); RESULTS.md thirtieth session)
+DEQUANT_TILE = (16, 512, 4)
 
 
 def w4_dequant(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, fmt: int,
-               dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+               dtype: torch.dtype, out: torch.Tensor | None = None,
+               tile: tuple[int, int, int] = DEQUANT_TILE) -> torch.Tensor:
     """The [N, K] weight of either layout in `dtype` (into `out`, rows K apart, when given),
     decoded on the device (the large-M path: ops/gemm/w4.py multiplies it with the 16-bit GEMM).
     The caller has checked the shapes."""
@@ -114,21 +144,27 @@ def w4_dequant(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
     if n == 0 or k == 0:
         return out
     group = k // scales.shape[1]  # MXFP4's scales are [N, K / 32]: 32
-    bn, bk = 64, 128
+    bn, bk, warps = tile
     _w4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         w, scales, zeros if zeros is not None else scales, out, n, k, group, w.stride(0), scales.stride(0),
-        out.stride(0), FMT=fmt, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+        out.stride(0), FMT=fmt, BLOCK_N=bn, BLOCK_K=bk, GROUP8=group % 8 == 0, num_warps=warps)
     return out
 
 
-def _tile(m: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by M; not tuned yet (H100 sweep pending).
-    fp32 (the exact "ieee" dots; tests): tiles whose pipelined shared memory fits an H100's
-    227 KiB (the 16-bit tiles asked for 344-632 KiB in fp32 there)."""
+def _tile(m: int, dtype: torch.dtype = torch.bfloat16, smem: int = 0) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by M. fp32 (the exact "ieee" dots; tests):
+    tiles whose pipelined shared memory fits an H100's 227 KiB (the 16-bit tiles asked for 344-632
+    KiB in fp32 there). 16-bit, where a block may take `smem` >= 200 KB (Hopper): the best of a tile
+    sweep on an H200 from 64 rows (`.device/w4tiles.py`, RESULTS.md thirtieth session: 1.2-2.0x faster
+    than the tiles below at 64-2,048 rows); elsewhere untuned tiles that fit ~100 KB."""
     if dtype == torch.float32:
         return (16 if m <= 16 else 32), 32, 32, 4, 2
     if m <= 16:
         return 16, 64, 128, 4, 4
+    if smem >= 200 * 1024:
+        if m <= 64:
+            return 64, 64, 128, 4, 3
+        return (128, 128, 128, 8, 3) if m <= 256 else (256, 128, 128, 8, 2)
     if m <= 64:
         return 64, 64, 64, 4, 3
     return 128, 128, 64, 8, 3
@@ -145,14 +181,15 @@ def w4_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    bm, bn, bk, warps, stages = _tile(m, x.dtype)
+    smem = _device.shared_memory_per_block(x.device) if x.is_cuda else 0
+    bm, bn, bk, warps, stages = _tile(m, x.dtype, smem)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _w4_gemm_kernel[grid](
         x, w, scales, zeros if zeros is not None else scales, bias if bias is not None else scales, y,
         m, n, k, group, x.stride(0), w.stride(0), scales.stride(0), y.stride(0),
         FMT=fmt, GATED=silu_and_mul, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", GROUP8=group % 8 == 0,
         num_warps=warps, num_stages=stages,
     )
     return y

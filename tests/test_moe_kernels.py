@@ -221,8 +221,11 @@ def test_deterministic_splits_compute_the_same_function(dtype: torch.dtype) -> N
     """Deterministic mode's sums (`splits`): K in fixed splits, each its own chain from zero, and
     each slot's weighted row in fp32, summed over a token's slots with one rounding. H = 64 in 2 and
     4 splits, I = 48 in 3 and 1 (16-element splits: BLOCK_K shrinks to divide them); splits that
-    do not divide K are refused. (The bits against the skinny kernel: tests/test_deterministic_gpu.py.)"""
-    x, w13, w2, weights, ids, _ = experts_case(30, 7, 3, 64, 48, dtype, seed=11)
+    do not divide K are refused. On the GPU, splits are multiples of 128 (the skinny MoE kernel's warps
+    cut K there), so H = 512 and I = 384. (The bits against the skinny kernel:
+    tests/test_deterministic_gpu.py.)"""
+    h, inter_size = (512, 384) if DEV == "cuda" else (64, 48)
+    x, w13, w2, weights, ids, _ = experts_case(30, 7, 3, h, inter_size, dtype, seed=11)
     poison_unrouted(w13, w2, ids)
     sorted_ids, expert_ids = A.align(ids, 7, 16)
     tile = GemmTile(32, 64)

@@ -121,7 +121,9 @@ def test_mxfp4_cpu_reference() -> None:
 
 @pytest.mark.triton
 @needs_triton
-@pytest.mark.parametrize("m,n,k,group", [(1, 21, 160, 32), (5, 70, 192, 64), (17, 33, 256, 128), (3, 40, 72, 72)])
+# group 12: a word's 8 columns straddle two groups (the loader's per-column scale path)
+@pytest.mark.parametrize("m,n,k,group", [(1, 21, 160, 32), (5, 70, 192, 64), (17, 33, 256, 128), (3, 40, 72, 72),
+                                         (4, 18, 48, 12)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("bias,silu", [(False, False), (True, False), (True, True)])
 def test_int4_triton(m: int, n: int, k: int, group: int, dtype: torch.dtype, bias: bool, silu: bool) -> None:
@@ -141,13 +143,32 @@ def test_mxfp4_triton(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, si
     _run_mxfp4(m, n, k, dtype, bias, silu)
 
 
+@pytest.mark.parametrize("smem", [0, 99 * 1024, 227 * 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_gemm_tiles_fit_the_devices_shared_memory(smem: int, dtype: torch.dtype) -> None:
+    """Every M's tile keeps its pipelined A and B tiles inside the shared memory the device gives a
+    block: the H200-swept tiles only where it is >= 200 KB, else ones that fit ~99 KB (an sm_86/89
+    or sm_120 GPU)."""
+    from minisgl.kernels import w4a16_gemm as W
+
+    cap = max(smem, 99 * 1024)
+    big = False
+    for m in (1, 16, 17, 64, 65, 256, 257, 4096):
+        bm, bn, bk, _warps, stages = W._tile(m, dtype, smem)
+        size = 4 if dtype == torch.float32 else 2
+        assert (bm * bk + bk * bn) * size * stages <= cap, (m, smem, (bm, bn, bk, stages))
+        big |= bm == 256
+    assert big == (smem >= 200 * 1024 and dtype != torch.float32)
+
+
 @pytest.mark.triton
 @needs_triton
-@pytest.mark.parametrize("n,k,group", [(70, 192, 64), (33, 216, 72), (5, 128, 128)])
+@pytest.mark.parametrize("n,k,group", [(70, 192, 64), (33, 216, 72), (5, 128, 128), (9, 48, 12)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dequant_kernel_gives_the_weight(n: int, k: int, group: int, dtype: torch.dtype) -> None:
     """The large-M path's decode: bit for bit the test's own (q - z) * s and e2m1 * 2^e, rounded
-    once to the dtype (odd N, K not a multiple of the 128-column tile, a group of 72)."""
+    once to the dtype (odd N, K not a multiple of the 128-column tile, a group of 72, a group of 12
+    that splits a word)."""
     from minisgl.kernels import w4a16_gemm as W
 
     gen = torch.Generator().manual_seed(n * 31 + k)

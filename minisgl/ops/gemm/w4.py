@@ -7,8 +7,9 @@ passes it as `choice`: a config, or "cublas" for the large-batch path below; def
 launch where the table has no entry, e.g. direct calls), or where its conditions fail (logged
 once) the Triton GEMM of kernels/w4a16_gemm.py; from DEQUANT_MIN_M (33) rows the
 weight decoded to 16 bits on the device (kernels/w4a16_gemm.py w4_dequant, DEQUANT_ROWS output
-columns at a time) and the 16-bit GEMM (cuBLAS): the untuned Triton GEMM ran 4-7x slower than
-that at 64 rows and 28-32x slower than cuBLAS at 2,048 (RESULTS.md, issue 35), while decoding
+columns at a time) and the 16-bit GEMM (cuBLAS): the Triton GEMM ran 1.4-3.9x slower than that at
+64-256 rows (faster only for the widest N at 64) and 2.2-2.8x at 2,048 (RESULTS.md, thirtieth
+session, H200; 4-7x and 28-32x before its loader read a word per 8 columns), while decoding
 costs one 16-bit write and read of the weight (vLLM runs AWQ the same way from 256 tokens).
 4-bit MoE experts: a decode step's few tokens (ops/gemm/skinny_moe.py fits) on the skinny
 template's MoE kernel with the same loaders, else the Triton fused MoE with the loader in its
@@ -36,10 +37,11 @@ from minisgl.ops.moe import check_expert_biases, check_shared, check_topk
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FORMATS = {name: fmt for fmt, name in _w4.NAMES.items()}
 SKINNY_MAX_M = 32
-# Past the skinny kernel: benchmarks/kernels/w4_gemm.py's large-M table (RESULTS.md, twelfth
-# session, H100) had decode + cuBLAS 4-7x faster than the Triton GEMM at 64 rows and 6-22x at
-# 256..2,048 (vLLM switches AWQ at 256; our Triton GEMM is untuned). The Triton GEMM remains for
-# M <= 32 where the skinny kernel's conditions fail.
+# Past the skinny kernel: benchmarks/kernels/w4_gemm.py's large-M table (RESULTS.md, thirtieth
+# session, H200) has decode + cuBLAS faster than the Triton GEMM at most shapes from 64 rows
+# (1.4-3.9x; the Triton GEMM wins only the widest N at 64 rows: 28,672 and 128,256) and 2.2-2.8x at
+# 2,048 (vLLM switches AWQ at 256). The Triton GEMM remains for M <= 32 where the skinny kernel's
+# conditions fail.
 DEQUANT_MIN_M = SKINNY_MAX_M + 1
 # Output columns decoded and multiplied per slice: bounds the transient 16-bit weight (and the
 # gated path's pre-activation rows) to DEQUANT_ROWS x K, not N x K (a 70B model's gate_up at
