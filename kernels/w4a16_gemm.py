@@ -155,8 +155,9 @@ def _tile(m: int, dtype: torch.dtype = torch.bfloat16, smem: int = 0) -> tuple[i
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by M. fp32 (the exact "ieee" dots; tests):
     tiles whose pipelined shared memory fits an H100's 227 KiB (the 16-bit tiles asked for 344-632
     KiB in fp32 there). 16-bit, where a block may take `smem` >= 200 KB (Hopper): the best of a tile
-    sweep on an H200 from 64 rows (`.device/w4tiles.py`, RESULTS.md thirtieth session: 1.2-2.0x faster
-    than the tiles below at 64-2,048 rows); elsewhere untuned tiles that fit ~100 KB."""
+    sweep on an H200 at 64, 256 and 2,048 rows (RESULTS.md, thirtieth session: 1.0-1.1x, 1.3-1.4x and
+    1.8-1.9x faster than the tiles below there); elsewhere untuned tiles that fit ~100 KB. ops runs
+    this GEMM only at M <= 32 where the skinny kernel's conditions fail (the benchmarks at every M)."""
     if dtype == torch.float32:
         return (16 if m <= 16 else 32), 32, 32, 4, 2
     if m <= 16:

@@ -167,16 +167,19 @@ def test_triton_gemm_tiles_fit_the_devices_shared_memory(smem: int, dtype: torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dequant_kernel_gives_the_weight(n: int, k: int, group: int, dtype: torch.dtype) -> None:
     """The large-M path's decode: bit for bit the test's own (q - z) * s and e2m1 * 2^e, rounded
-    once to the dtype (odd N, K not a multiple of the 128-column tile, a group of 72, a group of 12
-    that splits a word)."""
+    once to the dtype (odd N; the default tile, and a 32-column one that K does not fill; a group of
+    72, a group of 12 that splits a word)."""
     from minisgl.kernels import w4a16_gemm as W
 
     gen = torch.Generator().manual_seed(n * 31 + k)
     qw, s, z, w = make_int4(n, k, group, dtype, gen)
-    torch.testing.assert_close(W.w4_dequant(qw, s, z, W.INT4, dtype), w.to(dtype), atol=0, rtol=0)
+    for tile in (W.DEQUANT_TILE, (16, 32, 4)):  # the default's one K block, and several with a tail
+        torch.testing.assert_close(W.w4_dequant(qw, s, z, W.INT4, dtype, tile=tile), w.to(dtype), atol=0, rtol=0)
     k32 = k - k % 32
     blocks, e, w = make_mxfp4(n, k32, gen)
-    torch.testing.assert_close(W.w4_dequant(blocks, e, None, W.MXFP4, dtype), w.to(dtype), atol=0, rtol=0)
+    for tile in (W.DEQUANT_TILE, (16, 32, 4)):
+        torch.testing.assert_close(W.w4_dequant(blocks, e, None, W.MXFP4, dtype, tile=tile), w.to(dtype), atol=0,
+                                   rtol=0)
 
 
 @pytest.mark.triton
@@ -201,18 +204,20 @@ def _routing(t: int, e: int, top_k: int, gen: torch.Generator):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("fmt,gpt_oss", [("int4", False), ("mxfp4", False), ("mxfp4", True)])
+@pytest.mark.parametrize("fmt,gpt_oss,group", [("int4", False, 32), ("int4", False, 12), ("mxfp4", False, 32),
+                                               ("mxfp4", True, 32)])
 @pytest.mark.parametrize("t", [1, 7])
-def test_fused_moe_w4(fmt: str, gpt_oss: bool, t: int) -> None:
+def test_fused_moe_w4(fmt: str, gpt_oss: bool, group: int, t: int) -> None:
     """Triton where it runs, else the CPU reference; against a per-expert loop over the weights
     dequantised here (the fp32 ones the test built, not the kernels' dequantisation). gpt_oss:
-    GPT-OSS's expert biases and clamped SwiGLU (a limit the gate and up values cross)."""
-    e, top_k, h, inter = 5, 2, 96, 64
-    gen = torch.Generator().manual_seed(t * 13 + len(fmt) + gpt_oss)
+    GPT-OSS's expert biases and clamped SwiGLU (a limit the gate and up values cross). INT4 group
+    12: a word's 8 columns in two groups, H = 120 and I = 72 (K tails in the 32-column tiles)."""
+    e, top_k, h, inter = (5, 2, 120, 72) if group == 12 else (5, 2, 96, 64)
+    gen = torch.Generator().manual_seed(t * 13 + len(fmt) + gpt_oss + group)
     dtype = torch.float32
     if fmt == "int4":
-        a = [make_int4(2 * inter, h, 32, dtype, gen) for _ in range(e)]
-        b = [make_int4(h, inter, 32, dtype, gen) for _ in range(e)]
+        a = [make_int4(2 * inter, h, group, dtype, gen) for _ in range(e)]
+        b = [make_int4(h, inter, group, dtype, gen) for _ in range(e)]
         w13, s13, z13, d13 = (torch.stack(v) for v in zip(*a))
         w2, s2, z2, d2 = (torch.stack(v) for v in zip(*b))
     else:
@@ -325,6 +330,10 @@ def test_bad_input_is_named() -> None:
         w4.mxfp4_linear(torch.randn(2, 48).to(DEV), blocks, es)
     with pytest.raises(ValueError, match="bias must have shape"):
         w4.mxfp4_linear(x, blocks, es, bias=torch.zeros(7).to(DEV))
+    odd = torch.empty(blocks.numel() + 1, dtype=torch.uint8, device=blocks.device)[1:].view(blocks.shape)
+    odd.copy_(blocks)
+    with pytest.raises(ValueError, match="4-byte-aligned"):
+        w4.mxfp4_linear(x, odd, es)
     with pytest.raises(ValueError, match="fmt must be one of"):
         w4.fused_moe_w4(x, "nf4", qw, s, z, qw, s, z, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32))
     # INT4 experts whose zeros sit on another device: named (the kernels read every pointer given)

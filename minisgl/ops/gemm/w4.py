@@ -81,6 +81,9 @@ def _check_weight(fmt: int, w: object, scales: object, zeros: object, k: int, dt
             raise ValueError(f"MXFP4 weights need K divisible by 32 (one e8m0 scale per 32), got K = {k}")
         n = w.shape[-2]
         check_shape("blocks", w, (*lead, n, k // 2))
+        if w.data_ptr() % 4:  # the Triton loader reads the bytes as 32-bit words
+            raise ValueError(f"MXFP4 blocks must start at a 4-byte-aligned address (a view at byte offset "
+                             f"{w.data_ptr() % 4} past one was given): pass blocks.clone()")
         check_tensor("scales", scales, dtype=torch.uint8, ndim=nd)
         check_shape("scales", scales, (*lead, n, k // 32))
         groups = k // 32
