@@ -35,7 +35,7 @@ def dequant_tile(W, S, Z, k0, offs_n, n_ok, K, stride_wn, stride_sn, group, FMT:
     MXFP4 bytes read as one little-endian word: byte i's low nibble is column 2i, its high 2i + 1),
     and with GROUP8 (group % 8 == 0: a word's 8 columns share a group) one scale and zero load per
     word; else one per column. Loading per column cost 8x the load instructions (3x more with the
-    scales and zeros): the decode kernel ran at a quarter of the HBM rate and this GEMM 5-8x slower
+    scales and zeros): the decode kernel ran at a quarter of the HBM rate and this GEMM 5-11x slower
     (RESULTS.md, thirtieth session). The tile is built K-major ([BLOCK_K / 8, 8, BLOCK_N] reshaped):
     built N-major and transposed, the GEMM ran 16-19% slower and decode + cuBLAS 5-14% (same session)."""
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # word index along K
