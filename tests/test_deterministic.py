@@ -331,9 +331,7 @@ def test_gemm_candidates_compile_for_sm90() -> None:
     the GPU tests and the table's benchmark launch them all, CI has no GPU."""
     if env.TRITON_INTERPRET:
         pytest.skip("under TRITON_INTERPRET the kernels are interpreted functions, not compilable")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton_compile import shared_bytes
 
     from minisgl.kernels import batch_invariant_gemm as bg
 
@@ -346,15 +344,11 @@ def test_gemm_candidates_compile_for_sm90() -> None:
                           DOT_PREC="tf32", SPLITS=splits)
             if tma:
                 types = {"x_desc": f"tensordesc<bf16[{bm},{bk}]>", "w_desc": f"tensordesc<bf16[{bn},{bk}]>",
-                         "y_desc": f"tensordesc<bf16[{bm},{bn}]>"}
+                         "y_desc": f"tensordesc<bf16[{bm},{bn}]>", "Bias": "*bf16"}
             else:
-                types = {"X": "*bf16", "W": "*bf16", "Y": "*bf16"}
-            sig = {n: types.get(n, "*bf16" if n == "Bias" else "i32") for n in fn.arg_names} | dict.fromkeys(
-                consts, "constexpr")
-            src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(c),): v for c, v in consts.items()})
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": warps, "num_stages": stages})
-            assert compiled.metadata.shared <= 227 * 1024, (cfg, splits, compiled.metadata.shared)
+                types = {"X": "*bf16", "W": "*bf16", "Y": "*bf16", "Bias": "*bf16"}
+            shared = shared_bytes(fn, types, consts, warps, stages)
+            assert shared <= 227 * 1024, (cfg, splits, shared)
 
 
 def test_deterministic_splits_are_fixed_by_k() -> None:
