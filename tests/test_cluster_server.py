@@ -74,6 +74,9 @@ def _families(http: httpx.Client) -> dict:
 
 
 def test_vllm_profile_gauges(http: httpx.Client, client: openai.OpenAI) -> None:
+    # The replica's first report (sent as its loop starts) reaches the API server on its own channel,
+    # which may be after the port opens: until then the families have no samples (a CI run saw it).
+    assert wait_for(lambda: _families(http)["vllm:cache_config_info"].samples, 30)
     fams = _families(http)
     assert {n for n in fams if n.startswith("vllm:")} == {
         "vllm:num_requests_waiting",
