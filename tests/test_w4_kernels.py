@@ -188,16 +188,36 @@ def test_dequant_kernel_gives_the_weight(n: int, k: int, group: int, dtype: torc
 @pytest.mark.triton
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [4096, 8])
-def test_large_m_decodes_then_multiplies(dtype: torch.dtype, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("budget", [256 << 20, 1])
+def test_large_m_decodes_then_multiplies(dtype: torch.dtype, budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """From DEQUANT_MIN_M rows the linear decodes the weight and runs the 16-bit GEMM: the same
     results as the reference, with bias and SiLU-and-mul, INT4 and MXFP4; in one slice of output
-    columns, and in slices of 8 (the last one short)."""
-    monkeypatch.setattr(w4, "DEQUANT_ROWS", rows)
+    columns, and (a 1-byte budget) in slices of 8 (the last one short)."""
+    monkeypatch.setattr(w4, "DEQUANT_BYTES", budget)
     m = w4.DEQUANT_MIN_M + 3
     _run_int4(m, 34, 160, 32, dtype, bias=True, silu=True)
     _run_int4(m, 21, 144, 72, dtype, bias=False, silu=False, sym=True)
     _run_mxfp4(m, 26, 96, dtype, bias=True, silu=True)
+
+
+def test_dequant_slices_keep_the_budget() -> None:
+    """Slices of the large-M path: they cover N in order, start at multiples of 8 columns, are no
+    more than the byte budget needs and each within it (but for the rounding to 8 columns); Llama-3.1-8B's
+    bf16 gate_up (2 x 14,336 rows of K = 4,096) is one slice, its LM head (128,256) four."""
+    budget = w4.DEQUANT_BYTES
+    assert len(w4.dequant_slices(14336, 2 * 4096 * 2)) == 1
+    assert len(w4.dequant_slices(128256, 4096 * 2)) == 4
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        n = int(torch.randint(1, 300_000, (), generator=gen))
+        row_bytes = int(torch.randint(1, 64_000, (), generator=gen))
+        starts = w4.dequant_slices(n, row_bytes)
+        assert starts.start == 0 and starts.step % 8 == 0 and starts[-1] < n
+        widths = [min(n, r0 + starts.step) - r0 for r0 in starts]
+        assert sum(widths) == n
+        if starts.step > 8:
+            assert starts.step * row_bytes <= budget + 8 * row_bytes  # ceil, then up to 8 columns
+        assert len(starts) <= max(-(-n * row_bytes // budget), 1)  # no more slices than the budget needs
 
 
 def _routing(t: int, e: int, top_k: int, gen: torch.Generator):
@@ -531,3 +551,4 @@ def test_int4_dispatch_table_is_measured_and_followed(monkeypatch: pytest.Monkey
             assert_close(y, reference(x, w, None, False))
     finally:
         install_table(dev, saved if saved is not None else GemmTable())
+

@@ -154,7 +154,12 @@ def fp8_fits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k
 def cublas_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """The same op through torch (cuBLAS on CUDA), SiLU-and-mul as its own kernel."""
+    """The same op through torch (cuBLAS on CUDA), SiLU-and-mul as its own kernel. Without SiLU,
+    cuBLAS writes `out` (row stride free, as a column slice of a wider output) in place: a fresh
+    result copied into it cost a round trip of the output's bytes through HBM once a slice outgrew
+    L2 (the 4-bit large-M path's LM-head slices)."""
+    if out is not None and not silu:
+        return torch.mm(x, weight.t(), out=out) if bias is None else torch.addmm(bias, x, weight.t(), out=out)
     y = F.linear(x, weight, bias)
     if silu:
         y = silu_and_mul(y)

@@ -6,8 +6,8 @@ them once). GPU: M <= 32 the skinny CUDA template with the Int4W / Mxfp4W loader
 passes it as `choice`: a config, or "cublas" for the large-batch path below; default_config's
 launch where the table has no entry, e.g. direct calls), or where its conditions fail (logged
 once) the Triton GEMM of kernels/w4a16_gemm.py; from DEQUANT_MIN_M (33) rows the
-weight decoded to 16 bits on the device (kernels/w4a16_gemm.py w4_dequant, DEQUANT_ROWS output
-columns at a time) and the 16-bit GEMM (cuBLAS): the Triton GEMM ran 1.4-3.9x slower than that at
+weight decoded to 16 bits on the device (kernels/w4a16_gemm.py w4_dequant, in slices of output
+columns of at most DEQUANT_BYTES) and the 16-bit GEMM (cuBLAS): the Triton GEMM ran 1.4-3.9x slower than that at
 64-256 rows (faster only for the widest N at 64) and 2.2-2.8x at 2,048 (RESULTS.md, thirtieth
 session, H200; 4-7x and 28-32x before its loader read a word per 8 columns), while decoding
 costs one 16-bit write and read of the weight (vLLM runs AWQ the same way from 256 tokens).
@@ -43,10 +43,13 @@ SKINNY_MAX_M = 32
 # 2,048 (vLLM switches AWQ at 256). The Triton GEMM remains for M <= 32 where the skinny kernel's
 # conditions fail.
 DEQUANT_MIN_M = SKINNY_MAX_M + 1
-# Output columns decoded and multiplied per slice: bounds the transient 16-bit weight (and the
-# gated path's pre-activation rows) to DEQUANT_ROWS x K, not N x K (a 70B model's gate_up at
-# 8,192 tokens would otherwise hold ~1 GB of each).
-DEQUANT_ROWS = 4096
+# The transient 16-bit weight of one slice of output columns: a byte budget, not a row count. At
+# 4,096 rows a slice, Llama-3.1-8B's gate_up at 2,048 tokens ran 7 decodes and 7 cuBLAS calls of
+# N = 4,096 (1.37x one bf16 cuBLAS call of N = 28,672; RESULTS.md, thirtieth session, H200). 256 MiB
+# is one slice for each of an 8B model's layers at K = 4,096 but the LM head (4 slices), and bounds a
+# 70B model's gate_up (K = 8,192; 940 MB in 16 bits) to 4 slices. The gated path's pre-activation
+# rows follow the slice: at most the 16-bit model's own.
+DEQUANT_BYTES = 256 << 20
 
 
 def _check_x(x: object) -> None:
@@ -122,15 +125,25 @@ def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def dequant_slices(n: int, row_bytes: int) -> range:
+    """The first output column of each slice; every slice but the last holds range.step columns:
+    as few equal slices as keep row_bytes * columns within DEQUANT_BYTES, a multiple of 8 columns
+    (16-byte aligned column offsets into the 16-bit output)."""
+    count = max(1, -(-n * row_bytes // DEQUANT_BYTES))
+    step = -(-n // count)
+    return range(0, n, max(8, -(-step // 8) * 8))
+
+
 def dequant_linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
-    """Large M: DEQUANT_ROWS output columns at a time (gated: their gate and up rows, decoded into
-    one (gate | up) weight), the weight rows decoded to x's dtype and multiplied by the 16-bit
-    large-batch GEMM (ops/gemm/skinny.py cublas_linear, SiLU-and-mul included)."""
+    """Large M: output columns a slice at a time (dequant_slices; gated: their gate and up rows,
+    decoded into one (gate | up) weight), the weight rows decoded to x's dtype and multiplied by
+    the 16-bit large-batch GEMM (ops/gemm/skinny.py cublas_linear, SiLU-and-mul included)."""
     n = scales.shape[0] // 2 if silu else scales.shape[0]
-    out = None if n <= DEQUANT_ROWS else torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    for r0 in range(0, n, DEQUANT_ROWS):
-        r1 = min(n, r0 + DEQUANT_ROWS)
+    starts = dequant_slices(n, (2 if silu else 1) * x.shape[1] * x.element_size())
+    out = None if len(starts) == 1 else torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for r0 in starts:
+        r1 = min(n, r0 + starts.step)
         rows = [slice(r0, r1)] + ([slice(n + r0, n + r1)] if silu else [])
         w16 = torch.empty(len(rows) * (r1 - r0), x.shape[1], dtype=x.dtype, device=x.device)
         for i, r in enumerate(rows):
