@@ -1,8 +1,8 @@
 """Tile configs of the fused MoE GEMMs: tuned ones from fused_moe_configs.json, else a default.
 
 The JSON (written by benchmarks/kernels/tune_fused_moe.py on the GPU it describes) maps
-  device name -> "E=..,top_k=..,I=..,H=..,dtype=.." -> M (tokens) -> config
-where I is the per-rank expert intermediate size and a config is
+  device name -> "E=..,top_k=..,I=..,H=..,dtype=..[,w=int4|mxfp4]" -> M (tokens) -> config
+where I is the per-rank expert intermediate size, w the 4-bit experts' format, and a config is
   {"block_m": .., "up": {block_n, block_k, group_m, num_warps, num_stages}, "down": {...}}.
 A lookup rounds T up to a power of two and takes the smallest tuned M at or above it (the
 largest tuned M past all of them). The rounding is the invariant CUDA graphs need: a decode
@@ -49,8 +49,13 @@ class MoeTileConfig:
         return MoeTileConfig(int(d["block_m"]), GemmTile(**d["up"]), GemmTile(**d["down"]))
 
 
-def shape_key(num_experts: int, top_k: int, inter: int, hidden: int, dtype: torch.dtype) -> str:
-    return f"E={num_experts},top_k={top_k},I={inter},H={hidden},dtype={str(dtype).removeprefix('torch.')}"
+def shape_key(num_experts: int, top_k: int, inter: int, hidden: int, dtype: torch.dtype,
+              weights: str | None = None) -> str:
+    """weights: the experts' 4-bit format ("int4", "mxfp4"; their tiles are tuned apart: the
+    dequantisation in the K loop moves the best tile, and the 16-bit tiles' deepest pipelines
+    overflow shared memory with it), None for 16-bit experts."""
+    key = f"E={num_experts},top_k={top_k},I={inter},H={hidden},dtype={str(dtype).removeprefix('torch.')}"
+    return key if weights is None else f"{key},w={weights}"
 
 
 @functools.cache
@@ -85,14 +90,15 @@ def default_config(num_experts: int, top_k: int, num_tokens: int, dtype: torch.d
     return MoeTileConfig(64, GemmTile(64, 64, 8, 4, 4), GemmTile(128, 64, 8, 4, 3))
 
 
-def is_tuned(num_experts: int, top_k: int, inter: int, hidden: int, dtype: torch.dtype, device_name: str | None
-             ) -> bool:
-    return shape_key(num_experts, top_k, inter, hidden, dtype) in load_configs(_config_file).get(device_name or "", {})
+def is_tuned(num_experts: int, top_k: int, inter: int, hidden: int, dtype: torch.dtype, device_name: str | None,
+             weights: str | None = None) -> bool:
+    key = shape_key(num_experts, top_k, inter, hidden, dtype, weights)
+    return key in load_configs(_config_file).get(device_name or "", {})
 
 
 def get_config(num_experts: int, top_k: int, inter: int, hidden: int, num_tokens: int, dtype: torch.dtype,
-               device_name: str | None) -> MoeTileConfig:
-    key = shape_key(num_experts, top_k, inter, hidden, dtype)
+               device_name: str | None, weights: str | None = None) -> MoeTileConfig:
+    key = shape_key(num_experts, top_k, inter, hidden, dtype, weights)
     table = load_configs(_config_file).get(device_name or "", {}).get(key)
     if not table:
         return default_config(num_experts, top_k, num_tokens, dtype)

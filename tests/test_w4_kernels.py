@@ -552,3 +552,51 @@ def test_int4_dispatch_table_is_measured_and_followed(monkeypatch: pytest.Monkey
     finally:
         install_table(dev, saved if saved is not None else GemmTable())
 
+
+def _experts(fmt: str, e: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> list:
+    """E experts' [E, ...] (packed, scales, zeros or None, fp32 W); INT4 at group 128."""
+    made = []
+    for _ in range(e):
+        if fmt == "int4":
+            made.append(make_int4(n, k, 128, dtype, gen))
+        else:
+            blocks, scales, w = make_mxfp4(n, k, gen)
+            made.append((blocks, scales, None, w))
+    return [None if v[0] is None else torch.stack(v) for v in zip(*made)]
+
+
+@gpu
+@pytest.mark.gpu
+def test_tuned_four_bit_moe_tiles_gpu() -> None:
+    """Each tile config tuned for this GPU's 4-bit experts (kernels/fused_moe_configs.json's w=
+    entries, benchmarks/kernels/tune_fused_moe.py --w4): the fused MoE's two GEMMs with it, at its
+    shape's H and I (4 experts, top 2, three row blocks of tokens), bf16, against the per-expert
+    loop over the weights dequantised here. The engine picks these only on this GPU and shape."""
+    import json
+
+    from minisgl.kernels import fused_moe_config as C
+    from minisgl.kernels import moe_align
+
+    table = C.load_configs(C.CONFIG_FILE).get(torch.cuda.get_device_name(), {})
+    cases = sorted({(key, json.dumps(cfg, sort_keys=True)) for key, by_m in table.items() if ",w=" in key
+                    for cfg in by_m.values()})
+    if not cases:
+        pytest.skip(f"no tuned 4-bit MoE tiles for {torch.cuda.get_device_name()}")
+    e, top_k, dtype = 4, 2, torch.bfloat16
+    for key, text in cases:
+        fields = dict(f.split("=") for f in key.split(","))
+        h, inter, fmt = int(fields["H"]), int(fields["I"]), fields["w"]
+        cfg = C.MoeTileConfig.from_dict(json.loads(text))
+        gen = torch.Generator().manual_seed(h + inter + cfg.block_m)
+        (w13, s13, z13, d13) = _experts(fmt, e, 2 * inter, h, dtype, gen)
+        (w2, s2, z2, d2) = _experts(fmt, e, h, inter, dtype, gen)
+        f = w4.FORMATS[fmt]
+        t = 3 * cfg.block_m
+        x = torch.randn(t, h, generator=gen).to(DEV, dtype)
+        weights, ids = _routing(t, e, top_k, gen)
+        sorted_ids, expert_ids = moe_align.align(ids, e, cfg.block_m)
+        inter_y = G.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, G.W4(s13, z13, f))
+        y = G.down_gemm(inter_y, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, G.W4(s2, z2, f))
+        out = G.moe_sum(y, top_k)
+        ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids)
+        assert_close(out, ref)

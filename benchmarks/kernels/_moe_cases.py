@@ -44,6 +44,29 @@ def make_weights(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, t
     return w13, w2
 
 
+def make_w4_weights(e: int, h: int, i: int, fmt: str, group: int = 128, seed: int = 0):
+    """4-bit experts in kernels/quant4.py's layouts: (w13, w2, W4 of w13, W4 of w2) for
+    kernels/fused_moe.py's up_gemm / down_gemm. INT4: random nibbles, scales ~0.01 and integer zeros
+    per `group`; MXFP4: random bytes, e8m0 scales near 2^-7. Only the timing reads them."""
+    from minisgl.kernels.fused_moe import W4
+    from minisgl.kernels.quant4 import pack_int4
+    from minisgl.kernels.w4a16_gemm import INT4, MXFP4
+
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    out = []
+    for n, k in ((2 * i, h), (h, i)):
+        if fmt == "int4":
+            w = pack_int4(torch.randint(0, 16, (e, n, k), device=DEV, generator=g))
+            s = torch.rand(e, n, k // group, device=DEV, generator=g).mul_(0.01).add_(0.001).to(BF16)
+            z = torch.randint(0, 16, (e, n, k // group), device=DEV, generator=g).to(BF16)
+            out.append((w, W4(s, z, INT4)))
+        else:
+            w = torch.randint(0, 256, (e, n, k // 2), device=DEV, dtype=torch.uint8, generator=g)
+            s = torch.randint(118, 124, (e, n, k // 32), device=DEV, dtype=torch.uint8, generator=g)
+            out.append((w, W4(s, None, MXFP4)))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
 def make_case(e: int, top_k: int, h: int, m: int, seed: int) -> MoeCase:
     g = torch.Generator(device=DEV).manual_seed(1000 + seed)
     x = torch.randn(m, h, device=DEV, dtype=BF16, generator=g)
@@ -52,8 +75,8 @@ def make_case(e: int, top_k: int, h: int, m: int, seed: int) -> MoeCase:
     return MoeCase(x, logits, weights, ids, int(torch.unique(ids).numel()))
 
 
-def expert_bytes(h: int, i: int) -> int:
-    return 3 * h * i * 2  # gate, up, down in bf16
+def expert_bytes(h: int, i: int, w4: bool = False) -> int:
+    return 3 * h * i * 2 // (4 if w4 else 1)  # gate, up, down in bf16 (4-bit: their packed values)
 
 
 def grouped_reference(case: MoeCase, w13: torch.Tensor, w2: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -25,7 +25,7 @@ from minisgl.kernels import device as _device
 from minisgl.kernels import fused_moe as _moe
 from minisgl.kernels import moe_align as _align
 from minisgl.kernels import w4a16_gemm as _w4
-from minisgl.kernels.fused_moe_config import default_config
+from minisgl.kernels.fused_moe_config import get_config
 from minisgl.logging_setup import log_once
 from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_once, use_cuda_kernel, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
@@ -285,11 +285,11 @@ def fused_moe_w4(
     quant = _skinny_moe.Quant4(f, w13_scales, w13_zeros, w2_scales, w2_zeros)
     if _skinny_moe.fits(x, w13, w2, top_k, shared, quant):  # a decode step's few tokens
         return _skinny_moe.experts(x, w13, w2, topk_weights, topk_ids, b13, b2, act, quant=quant)
-    # The tuned table holds 16-bit experts' tiles: with 4-bit dequantization in the loop their
-    # deepest pipelines overflow shared memory (Qwen3-30B-A3B's tuned tiles asked 288 KB of an
-    # H100's 227 KB while capturing graphs), so 4-bit experts take the untuned default tiles
-    # (<= ~100 KB) until they are tuned.
-    cfg = default_config(e, top_k, x.shape[0], x.dtype)
+    # 4-bit experts have their own tuned entries (the 16-bit experts' deepest pipelines overflow
+    # shared memory with the dequantisation in the loop: Qwen3-30B-A3B's asked 288 KB of an
+    # H100's 227 KB); untuned, the default tiles (<= ~100 KB).
+    cfg = get_config(e, top_k, two_i // 2, h, x.shape[0], x.dtype,
+                     torch.cuda.get_device_name(x.device) if x.is_cuda else None, weights=fmt)
     sorted_ids, expert_ids = _align.align(topk_ids, e, cfg.block_m)
     inter = _moe.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up,
                          _moe.W4(w13_scales, w13_zeros, f), b13, act)
