@@ -578,25 +578,24 @@ def test_tuned_four_bit_moe_tiles_gpu() -> None:
     from minisgl.kernels import moe_align
 
     table = C.load_configs(C.CONFIG_FILE).get(torch.cuda.get_device_name(), {})
-    cases = sorted({(key, json.dumps(cfg, sort_keys=True)) for key, by_m in table.items() if ",w=" in key
-                    for cfg in by_m.values()})
-    if not cases:
+    keys = sorted(key for key in table if ",w=" in key)
+    if not keys:
         pytest.skip(f"no tuned 4-bit MoE tiles for {torch.cuda.get_device_name()}")
     e, top_k, dtype = 4, 2, torch.bfloat16
-    for key, text in cases:
+    for key in keys:
         fields = dict(f.split("=") for f in key.split(","))
         h, inter, fmt = int(fields["H"]), int(fields["I"]), fields["w"]
-        cfg = C.MoeTileConfig.from_dict(json.loads(text))
-        gen = torch.Generator().manual_seed(h + inter + cfg.block_m)
+        gen = torch.Generator().manual_seed(h + inter)
         (w13, s13, z13, d13) = _experts(fmt, e, 2 * inter, h, dtype, gen)
         (w2, s2, z2, d2) = _experts(fmt, e, h, inter, dtype, gen)
         f = w4.FORMATS[fmt]
-        t = 3 * cfg.block_m
-        x = torch.randn(t, h, generator=gen).to(DEV, dtype)
-        weights, ids = _routing(t, e, top_k, gen)
-        sorted_ids, expert_ids = moe_align.align(ids, e, cfg.block_m)
-        inter_y = G.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, G.W4(s13, z13, f))
-        y = G.down_gemm(inter_y, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, G.W4(s2, z2, f))
-        out = G.moe_sum(y, top_k)
-        ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids)
-        assert_close(out, ref)
+        for text in sorted({json.dumps(cfg, sort_keys=True) for cfg in table[key].values()}):
+            cfg = C.MoeTileConfig.from_dict(json.loads(text))
+            t = 3 * cfg.block_m
+            x = torch.randn(t, h, generator=gen).to(DEV, dtype)
+            weights, ids = _routing(t, e, top_k, gen)
+            sorted_ids, expert_ids = moe_align.align(ids, e, cfg.block_m)
+            inter_y = G.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, G.W4(s13, z13, f))
+            y = G.down_gemm(inter_y, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, G.W4(s2, z2, f))
+            ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids)
+            assert_close(G.moe_sum(y, top_k), ref)
