@@ -553,11 +553,15 @@ def test_int4_dispatch_table_is_measured_and_followed(monkeypatch: pytest.Monkey
         install_table(dev, saved if saved is not None else GemmTable())
 
 
-def _experts(fmt: str, e: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> list:
-    """E experts' [E, ...] (packed, scales, zeros or None, fp32 W); INT4 at group 128."""
+def _experts(fmt: str | None, e: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> list:
+    """E experts' [E, ...] (packed, scales, zeros or None, fp32 W); INT4 at group 128; fmt None:
+    16-bit experts (W in dtype, no scales)."""
     made = []
     for _ in range(e):
-        if fmt == "int4":
+        if fmt is None:
+            w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEV, dtype)
+            made.append((w, None, None, w.float()))
+        elif fmt == "int4":
             made.append(make_int4(n, k, 128, dtype, gen))
         else:
             blocks, scales, w = make_mxfp4(n, k, gen)
@@ -567,35 +571,35 @@ def _experts(fmt: str, e: int, n: int, k: int, dtype: torch.dtype, gen: torch.Ge
 
 @gpu
 @pytest.mark.gpu
-def test_tuned_four_bit_moe_tiles_gpu() -> None:
-    """Each tile config tuned for this GPU's 4-bit experts (kernels/fused_moe_configs.json's w=
-    entries, benchmarks/kernels/tune_fused_moe.py --w4): the fused MoE's two GEMMs with it, at its
-    shape's H and I (4 experts, top 2, three row blocks of tokens), bf16, against the per-expert
-    loop over the weights dequantised here. The engine picks these only on this GPU and shape."""
+def test_tuned_moe_tiles_gpu() -> None:
+    """Each tile config tuned for this GPU (kernels/fused_moe_configs.json; 4-bit experts' w=
+    entries and the 16-bit ones, benchmarks/kernels/tune_fused_moe.py): the fused MoE's two GEMMs
+    with it, at its shape's H and I (4 experts, top 2, three row blocks of tokens), bf16, against
+    the per-expert loop over the weights (dequantised here). The engine picks these only on this
+    GPU and shape, so no other test runs them."""
     import json
 
     from minisgl.kernels import fused_moe_config as C
     from minisgl.kernels import moe_align
 
     table = C.load_configs(C.CONFIG_FILE).get(torch.cuda.get_device_name(), {})
-    keys = sorted(key for key in table if ",w=" in key)
-    if not keys:
-        pytest.skip(f"no tuned 4-bit MoE tiles for {torch.cuda.get_device_name()}")
+    if not table:
+        pytest.skip(f"no tuned MoE tiles for {torch.cuda.get_device_name()}")
     e, top_k, dtype = 4, 2, torch.bfloat16
-    for key in keys:
+    for key in sorted(table):
         fields = dict(f.split("=") for f in key.split(","))
-        h, inter, fmt = int(fields["H"]), int(fields["I"]), fields["w"]
+        h, inter, fmt = int(fields["H"]), int(fields["I"]), fields.get("w")
         gen = torch.Generator().manual_seed(h + inter)
         (w13, s13, z13, d13) = _experts(fmt, e, 2 * inter, h, dtype, gen)
         (w2, s2, z2, d2) = _experts(fmt, e, h, inter, dtype, gen)
-        f = w4.FORMATS[fmt]
+        q13, q2 = (None, None) if fmt is None else (G.W4(s13, z13, w4.FORMATS[fmt]), G.W4(s2, z2, w4.FORMATS[fmt]))
         for text in sorted({json.dumps(cfg, sort_keys=True) for cfg in table[key].values()}):
             cfg = C.MoeTileConfig.from_dict(json.loads(text))
             t = 3 * cfg.block_m
             x = torch.randn(t, h, generator=gen).to(DEV, dtype)
             weights, ids = _routing(t, e, top_k, gen)
             sorted_ids, expert_ids = moe_align.align(ids, e, cfg.block_m)
-            inter_y = G.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, G.W4(s13, z13, f))
-            y = G.down_gemm(inter_y, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, G.W4(s2, z2, f))
+            inter_y = G.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, q13)
+            y = G.down_gemm(inter_y, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, q2)
             ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids)
             assert_close(G.moe_sum(y, top_k), ref)
