@@ -40,7 +40,7 @@ import triton.language as tl
 
 from minisgl.kernels.fused_moe_config import GemmTile
 from minisgl.kernels.tile_order import grouped_tile
-from minisgl.kernels.w4a16_gemm import dequant_tile
+from minisgl.kernels.w4a16_gemm import dequant_tile, scale_span
 
 # u * (g / (1 + 2^(a * -log2(e)))), the instructions nvcc emits for csrc/skinny_gemm.cuh store_pair's
 # gated epilogue, `lo / (1.0f + __expf(-lo)) * hi` (a = g) or GPT-OSS's (a = alpha * g, u = up + 1):
@@ -68,7 +68,7 @@ def _moe_gemm_kernel(
     GPT_OSS_ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr, W_FMT: tl.constexpr, CHAINS: tl.constexpr,
-    EXACT_ACT: tl.constexpr, GROUP8: tl.constexpr,
+    EXACT_ACT: tl.constexpr, SPAN: tl.constexpr,
 ):
     # Grouped order: GROUP_M consecutive row blocks (mostly one expert) sweep the N tiles
     # together, so an expert's weight tiles are reused from L2 at large T.
@@ -98,7 +98,7 @@ def _moe_gemm_kernel(
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = dequant_tile(wq, sq, zq, k0, offs_n, n_ok, K, stride_wn, stride_sn, q_group, W_FMT,
-                             A.dtype.element_ty, BLOCK_K, GROUP8)
+                             A.dtype.element_ty, BLOCK_K, SPAN)
         elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
@@ -110,7 +110,7 @@ def _moe_gemm_kernel(
         if GATED:  # the up rows sit N rows below the gate rows
             if W_FMT != 0:
                 u = dequant_tile(wq + N * stride_wn, sq + N * stride_sn, zq + N * stride_sn, k0, offs_n, n_ok, K,
-                                 stride_wn, stride_sn, q_group, W_FMT, A.dtype.element_ty, BLOCK_K, GROUP8)
+                                 stride_wn, stride_sn, q_group, W_FMT, A.dtype.element_ty, BLOCK_K, SPAN)
             elif EVEN_K:
                 u = tl.load(w_ptrs + N * stride_wn, mask=n_ok[None, :], other=0.0)
             else:
@@ -190,7 +190,7 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, topk_weights: torch
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
         EVEN_K=k % tile.block_k == 0, DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
         W_FMT=w4.fmt if w4 is not None else 0, CHAINS=chains, EXACT_ACT=chains and a.is_cuda,
-        GROUP8=w4 is None or (k // s.shape[2]) % 8 == 0,
+        SPAN=8 if w4 is None else scale_span(k // s.shape[2], tile.block_k),
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
 

@@ -29,12 +29,13 @@ NAMES = {INT4: "int4", MXFP4: "mxfp4"}  # the format names ops/gemm uses
 
 @triton.jit
 def dequant_tile(W, S, Z, k0, offs_n, n_ok, K, stride_wn, stride_sn, group, FMT: tl.constexpr, OUT: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP8: tl.constexpr):
+                 BLOCK_K: tl.constexpr, SPAN: tl.constexpr):
     """Weight rows offs_n, columns k0 .. k0 + BLOCK_K (k0 and K multiples of 8) -> tile [BLOCK_K, BLOCK_N]
     in OUT, zero past K and where n_ok is off. One 32-bit load per 8 columns (an INT4 word; four
-    MXFP4 bytes read as one little-endian word: byte i's low nibble is column 2i, its high 2i + 1),
-    and with GROUP8 (group % 8 == 0: a word's 8 columns share a group) one scale and zero load per
-    word; else one per column. Loading per column cost 8x the load instructions (3x more with the
+    MXFP4 bytes read as one little-endian word: byte i's low nibble is column 2i, its high 2i + 1);
+    scales and zeros by scale_span's SPAN: one load per row (0: the tile's columns share a group,
+    so it loads 1/16 of a 128-column tile's per-word scales and their addresses), per word (8) or
+    per column (1). Loading per column cost 8x the load instructions (3x more with the
     scales and zeros): the decode kernel ran at a quarter of the HBM rate and this GEMM 5-11x slower
     (RESULTS.md, thirtieth session). The tile is built K-major ([BLOCK_K / 8, 8, BLOCK_N] reshaped):
     built N-major and transposed, the GEMM ran 16-19% slower and decode + cuBLAS 5-14% (same session)."""
@@ -49,18 +50,18 @@ def dequant_tile(W, S, Z, k0, offs_n, n_ok, K, stride_wn, stride_sn, group, FMT:
         word = tl.load(W.to(tl.pointer_type(tl.int32)) + n * (stride_wn // 4) + kw[:, None], mask=mask, other=0)
         shift = p * 4
     nib = (word[:, None, :] >> shift[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]
-    if GROUP8:
-        s_off = n * stride_sn + (kw * 8 // group)[:, None]
-        s_mask = mask
+    if SPAN == 0:  # the tile's columns lie in one group: one scale (and zero) a row
+        s_off = offs_n.to(tl.int64)[None, None, :] * stride_sn + k0 // group
+        s_mask = n_ok[None, None, :]
+    elif SPAN == 8:
+        s_off = (n * stride_sn + (kw * 8 // group)[:, None])[:, None, :]
+        s_mask = mask[:, None, :]
     else:
         s_off = n[:, None, :] * stride_sn + ((kw[:, None] * 8 + p[None, :]) // group)[:, :, None]
         s_mask = mask[:, None, :]
     if FMT == 1:
         s = tl.load(S + s_off, mask=s_mask, other=0.0).to(tl.float32)
         z = tl.load(Z + s_off, mask=s_mask, other=0.0).to(tl.float32)
-        if GROUP8:
-            s = s[:, None, :]
-            z = z[:, None, :]
         w = (nib.to(tl.float32) - z) * s
     else:
         e = (nib >> 1) & 3
@@ -68,10 +69,14 @@ def dequant_tile(W, S, Z, k0, offs_n, n_ok, K, stride_wn, stride_sn, group, FMT:
         mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
         val = tl.where(nib >= 8, -mag, mag)
         sc = tl.load(S + s_off, mask=s_mask, other=127).to(tl.float32)
-        if GROUP8:
-            sc = sc[:, None, :]
         w = val * tl.exp2(sc - 127.0)
     return tl.reshape(w, (BLOCK_K, offs_n.shape[0])).to(OUT)
+
+
+def scale_span(group: int, block_k: int) -> int:
+    """dequant_tile's SPAN for a scale group and K tile: 0 where a tile's columns share a group
+    (tiles start at multiples of BLOCK_K), else 8 where a word's do, else 1."""
+    return 0 if group % block_k == 0 else 8 if group % 8 == 0 else 1
 
 
 @triton.jit
@@ -80,7 +85,7 @@ def _w4_gemm_kernel(
     stride_xm, stride_wn, stride_sn, stride_ym,
     FMT: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    DOT_PREC: tl.constexpr, GROUP8: tl.constexpr,
+    DOT_PREC: tl.constexpr, SPAN: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -95,11 +100,11 @@ def _w4_gemm_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         a = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = dequant_tile(W, S, Z, k0, offs_n, n_ok, K, stride_wn, stride_sn, group, FMT, out_ty, BLOCK_K, GROUP8)
+        w = dequant_tile(W, S, Z, k0, offs_n, n_ok, K, stride_wn, stride_sn, group, FMT, out_ty, BLOCK_K, SPAN)
         acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
         if GATED:  # the up rows sit N rows below the gate rows
             u = dequant_tile(W + N * stride_wn, S + N * stride_sn, Z + N * stride_sn, k0, offs_n, n_ok, K,
-                             stride_wn, stride_sn, group, FMT, out_ty, BLOCK_K, GROUP8)
+                             stride_wn, stride_sn, group, FMT, out_ty, BLOCK_K, SPAN)
             acc_up = tl.dot(a, u, acc_up, input_precision=DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -113,14 +118,14 @@ def _w4_gemm_kernel(
 
 @triton.jit
 def _w4_dequant_kernel(W, S, Z, Out, N, K, group, stride_wn, stride_sn, stride_on, FMT: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP8: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPAN: tl.constexpr):
     """The weight rows of one [BLOCK_N, BLOCK_K] tile, decoded by dequant_tile, stored 16-bit."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     offs_k = k0 + tl.arange(0, BLOCK_K)
     n_ok = offs_n < N
     w = dequant_tile(W, S, Z, k0, offs_n, n_ok, K, stride_wn, stride_sn, group, FMT, Out.dtype.element_ty, BLOCK_K,
-                     GROUP8)
+                     SPAN)
     # stored as [BLOCK_N, BLOCK_K] so consecutive lanes write consecutive columns of a row
     out = Out + offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :]
     tl.store(out, tl.trans(w), mask=n_ok[:, None] & (offs_k < K)[None, :])
@@ -147,7 +152,7 @@ def w4_dequant(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
     bn, bk, warps = tile
     _w4_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
         w, scales, zeros if zeros is not None else scales, out, n, k, group, w.stride(0), scales.stride(0),
-        out.stride(0), FMT=fmt, BLOCK_N=bn, BLOCK_K=bk, GROUP8=group % 8 == 0, num_warps=warps)
+        out.stride(0), FMT=fmt, BLOCK_N=bn, BLOCK_K=bk, SPAN=scale_span(group, bk), num_warps=warps)
     return out
 
 
@@ -190,7 +195,7 @@ def w4_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, zeros: torch
         m, n, k, group, x.stride(0), w.stride(0), scales.stride(0), y.stride(0),
         FMT=fmt, GATED=silu_and_mul, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", GROUP8=group % 8 == 0,
+        DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", SPAN=scale_span(group, bk),
         num_warps=warps, num_stages=stages,
     )
     return y

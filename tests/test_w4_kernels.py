@@ -159,7 +159,7 @@ def test_triton_gemm_tiles_fit_the_devices_shared_memory(smem: int, arch: int) -
     assert any(t[0] == 256 for t in tiles) == (smem >= 200 * 1024)  # the swept tiles only there
     for bm, bn, bk, warps, stages in sorted(tiles):
         consts = dict(FMT=W.INT4, GATED=True, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                      DOT_PREC="tf32", GROUP8=True)
+                      DOT_PREC="tf32", SPAN=8)
         shared = shared_bytes(W._w4_gemm_kernel, types, consts, warps, stages, arch)
         assert shared <= max(smem, 99 * 1024), ((bm, bn, bk, warps, stages), arch, shared)
 
