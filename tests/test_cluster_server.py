@@ -74,9 +74,8 @@ def _families(http: httpx.Client) -> dict:
 
 
 def test_vllm_profile_gauges(http: httpx.Client, client: openai.OpenAI) -> None:
-    # The replica's first report (sent as its loop starts) reaches the API server on its own channel,
-    # which may be after the port opens: until then the families have no samples (a CI run saw it).
-    assert wait_for(lambda: _families(http)["vllm:cache_config_info"].samples, 30)
+    # The replica's first report (sent as its loop starts) reaches the API server on its own channel;
+    # the port opens only once it is in (launcher._first_reports), so the first scrape has samples.
     fams = _families(http)
     assert {n for n in fams if n.startswith("vllm:")} == {
         "vllm:num_requests_waiting",
@@ -270,3 +269,42 @@ def test_kv_events_match_the_radix_cache(http: httpx.Client, client: openai.Open
     assert hits >= 8
     kinds = {ev[0] for b in got.values() for ev in b[1]}
     assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}, kinds
+
+
+def test_the_port_waits_for_every_replicas_first_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """launcher._first_reports: it returns once every replica (dp rank) has reported, not before; at
+    once when a child has died; and past its timeout with a warning naming the missing ranks."""
+    import asyncio
+    import types
+
+    from minisgl.launch import launcher
+    from minisgl.message import StatsMsg
+
+    def report(rank: int) -> StatsMsg:
+        return StatsMsg(0, 0, 0, 16, 0, 0, dp_rank=rank)
+
+    async def scenario(replicas: int, arrivals: list[int], failed: list[str]) -> float:
+        latest: dict[int, StatsMsg] = {}
+        frontend = types.SimpleNamespace(metrics=types.SimpleNamespace(replicas=types.SimpleNamespace(latest=latest)))
+
+        async def arrive() -> None:
+            for rank in arrivals:
+                await asyncio.sleep(0.05)
+                latest[rank] = report(rank)
+
+        feeder = asyncio.create_task(arrive())
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await launcher._first_reports(frontend, replicas, failed)
+        waited = loop.time() - start
+        assert len(latest) >= replicas or failed or waited >= launcher.FIRST_REPORT_TIMEOUT_S
+        feeder.cancel()
+        return waited
+
+    assert 0.09 <= asyncio.run(scenario(2, [1, 0], [])) < 1.0  # both ranks: after the second report
+    assert asyncio.run(scenario(2, [], ["scheduler died"])) < 0.05
+    monkeypatch.setattr(launcher, "FIRST_REPORT_TIMEOUT_S", 0.2)
+    said: list[str] = []
+    monkeypatch.setattr(launcher.log, "warning", lambda msg, *args: said.append(msg % args))
+    assert 0.2 <= asyncio.run(scenario(2, [1], [])) < 1.0
+    assert len(said) == 1 and "dp ranks [1] of 2" in said[0]

@@ -321,6 +321,7 @@ async def _serve(
                 args.shutdown_timeout,
             )
             stoppers.append(lambda: setattr(server, "should_exit", True))
+            await _first_reports(frontend, args.dp, failed)
             task = asyncio.create_task(server.serve(sockets=[listener]))
             while not server.started and not task.done():
                 await asyncio.sleep(0.02)
@@ -338,6 +339,26 @@ async def _serve(
         receiver.cancel()
         frontend.close()
     return 1 if failed else 0
+
+
+FIRST_REPORT_TIMEOUT_S = 30.0
+
+
+async def _first_reports(frontend: Any, replicas: int, failed: list[str]) -> None:
+    """Hold the port closed until every replica's first stats report is in. Each replica sends one
+    as its loop starts, on a channel of its own that may deliver it after the start message; before
+    it, /metrics lists the per-replica and vLLM-profile families with no samples, and a router that
+    scrapes a fresh pod reads it as empty (a CI run of the thirtieth session did). It takes
+    milliseconds; past FIRST_REPORT_TIMEOUT_S the server opens anyway, said in the log."""
+    deadline = time.monotonic() + FIRST_REPORT_TIMEOUT_S
+    while len(frontend.metrics.replicas.latest) < replicas and not failed:
+        if time.monotonic() > deadline:
+            have = sorted(frontend.metrics.replicas.latest)
+            log.warning("serving before every replica's first stats report (in after %.0f s: dp ranks %s of %d); "
+                        "/metrics has no samples for the others until theirs arrive",
+                        FIRST_REPORT_TIMEOUT_S, have, replicas)
+            return
+        await asyncio.sleep(0.005)
 
 
 def _run_worker_node(children: list[Child]) -> int:
