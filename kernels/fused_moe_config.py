@@ -1,7 +1,7 @@
 """Tile configs of the fused MoE GEMMs: tuned ones from fused_moe_configs.json, else a default.
 
 The JSON (written by benchmarks/kernels/tune_fused_moe.py on the GPU it describes) maps
-  device name -> "E=..,top_k=..,I=..,H=..,dtype=..[,w=int4|mxfp4]" -> M (tokens) -> config
+  device name -> "E=..,top_k=..,I=..,H=..,dtype=..[,w=int4g<group>|mxfp4]" -> M (tokens) -> config
 where I is the per-rank expert intermediate size, w the 4-bit experts' format, and a config is
   {"block_m": .., "up": {block_n, block_k, group_m, num_warps, num_stages}, "down": {...}}.
 A lookup rounds T up to a power of two and takes the smallest tuned M at or above it (the
@@ -49,9 +49,16 @@ class MoeTileConfig:
         return MoeTileConfig(int(d["block_m"]), GemmTile(**d["up"]), GemmTile(**d["down"]))
 
 
+def weights_key(fmt: str | None, group: int) -> str | None:
+    """shape_key's `weights` for experts in a 4-bit format: "int4g<group>" (the group decides how
+    often the K loop loads scales, kernels/w4a16_gemm.scale_span, and so the best tile) or "mxfp4";
+    None for 16-bit experts."""
+    return None if fmt is None else f"int4g{group}" if fmt == "int4" else fmt
+
+
 def shape_key(num_experts: int, top_k: int, inter: int, hidden: int, dtype: torch.dtype,
               weights: str | None = None) -> str:
-    """weights: the experts' 4-bit format ("int4", "mxfp4"; their tiles are tuned apart: the
+    """weights: the experts' 4-bit format (weights_key; their tiles are tuned apart: the
     dequantisation in the K loop moves the best tile, and the 16-bit tiles' deepest pipelines
     overflow shared memory with it), None for 16-bit experts."""
     key = f"E={num_experts},top_k={top_k},I={inter},H={hidden},dtype={str(dtype).removeprefix('torch.')}"

@@ -4,9 +4,9 @@ tensor cores (fp32 accumulate); optional fused SiLU-and-mul over (gate | up) row
 
 `dequant_tile` is the one 4-bit weight loader of the Triton kernels: this GEMM and the fused MoE
 (kernels/fused_moe.py, W_FMT > 0) both call it, so a format is decoded in exactly one place.
-It loads one 32-bit word per 8 columns and, where a word's columns share a group (group % 8 == 0),
-one scale (and zero) per word; any group size that divides K works and no tile has to align
-with a group.
+It loads one 32-bit word per 8 columns and one scale (and zero) per row where the K tile lies in
+one group, else per word where a word's columns share one (group % 8 == 0), else per column
+(scale_span); any group size that divides K works and no tile has to align with a group.
 
 FMT 1 = INT4: w = (q - zero) * scale per group (scales/zeros in x's dtype).
 FMT 2 = MXFP4: w = e2m1(nibble) * 2 ** (e8m0 - 127), one scale per 32 columns.

@@ -244,25 +244,28 @@ def test_a_padded_graph_batch_takes_the_same_tiles(tmp_path: Path) -> None:
 
 
 def test_four_bit_experts_have_their_own_tiles(tmp_path: Path) -> None:
-    """4-bit experts look up their format's entries (shape_key's w=), never the 16-bit experts'
-    (whose deepest pipelines overflow shared memory with the dequantisation), and the reverse;
-    untuned, the default tiles."""
+    """4-bit experts look up their format's entries (shape_key's w=, INT4 with its group), never the
+    16-bit experts' (whose deepest pipelines overflow shared memory with the dequantisation), and
+    the reverse; untuned (another format or group), the default tiles."""
     from minisgl.kernels import fused_moe_config as C
 
     t16 = C.MoeTileConfig(128, C.GemmTile(128, 64, 8, 8, 4), C.GemmTile(256, 64, 8, 8, 4))
     t4 = C.MoeTileConfig(64, C.GemmTile(64, 128, 8, 4, 3), C.GemmTile(128, 128, 8, 8, 3))
     key = (128, 8, 768, 2048, torch.bfloat16)
+    g128, g32 = C.weights_key("int4", 128), C.weights_key("int4", 32)
+    assert (g128, g32, C.weights_key("mxfp4", 32), C.weights_key(None, 128)) == ("int4g128", "int4g32", "mxfp4", None)
     table = {"GPU X": {C.shape_key(*key): {"4096": t16.to_dict()},
-                       C.shape_key(*key, weights="int4"): {"4096": t4.to_dict()}}}
-    assert C.shape_key(*key, weights="int4") == C.shape_key(*key) + ",w=int4"
+                       C.shape_key(*key, weights=g128): {"4096": t4.to_dict()}}}
+    assert C.shape_key(*key, weights=g128) == C.shape_key(*key) + ",w=int4g128"
     path = tmp_path / "configs.json"
     path.write_text(json.dumps(table))
     C.use_config_file(path)
     try:
         assert C.get_config(*key[:4], 4096, key[4], "GPU X") == t16
-        assert C.get_config(*key[:4], 4096, key[4], "GPU X", weights="int4") == t4
-        assert C.is_tuned(*key, "GPU X", weights="int4") and not C.is_tuned(*key, "GPU X", weights="mxfp4")
-        assert C.get_config(*key[:4], 4096, key[4], "GPU X", weights="mxfp4") == C.default_config(128, 8, 4096,
-                                                                                                    key[4])
+        assert C.get_config(*key[:4], 4096, key[4], "GPU X", weights=g128) == t4
+        assert C.is_tuned(*key, "GPU X", weights=g128) and not C.is_tuned(*key, "GPU X", weights="mxfp4")
+        default = C.default_config(128, 8, 4096, key[4])
+        for other in ("mxfp4", g32):  # another format, or INT4 at another group: untuned
+            assert C.get_config(*key[:4], 4096, key[4], "GPU X", weights=other) == default
     finally:
         C.use_config_file(C.CONFIG_FILE)

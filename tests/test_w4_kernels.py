@@ -159,7 +159,7 @@ def test_triton_gemm_tiles_fit_the_devices_shared_memory(smem: int, arch: int) -
     assert any(t[0] == 256 for t in tiles) == (smem >= 200 * 1024)  # the swept tiles only there
     for bm, bn, bk, warps, stages in sorted(tiles):
         consts = dict(FMT=W.INT4, GATED=True, HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-                      DOT_PREC="tf32", SPAN=8)
+                      DOT_PREC="tf32", SPAN=W.scale_span(128, bk))
         shared = shared_bytes(W._w4_gemm_kernel, types, consts, warps, stages, arch)
         assert shared <= max(smem, 99 * 1024), ((bm, bn, bk, warps, stages), arch, shared)
 
@@ -197,6 +197,7 @@ def test_large_m_decodes_then_multiplies(dtype: torch.dtype, budget: int, monkey
     m = w4.DEQUANT_MIN_M + 3
     _run_int4(m, 34, 160, 32, dtype, bias=True, silu=True)
     _run_int4(m, 21, 144, 72, dtype, bias=False, silu=False, sym=True)
+    _run_int4(m, 19, 96, 32, dtype, bias=True, silu=False)  # cuBLAS adds the bias into an output slice
     _run_mxfp4(m, 26, 96, dtype, bias=True, silu=True)
 
 
@@ -553,8 +554,9 @@ def test_int4_dispatch_table_is_measured_and_followed(monkeypatch: pytest.Monkey
         install_table(dev, saved if saved is not None else GemmTable())
 
 
-def _experts(fmt: str | None, e: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator) -> list:
-    """E experts' [E, ...] (packed, scales, zeros or None, fp32 W); INT4 at group 128; fmt None:
+def _experts(fmt: str | None, e: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator,
+             group: int = 128) -> list:
+    """E experts' [E, ...] (packed, scales, zeros or None, fp32 W); INT4 at `group`; fmt None:
     16-bit experts (W in dtype, no scales)."""
     made = []
     for _ in range(e):
@@ -562,7 +564,7 @@ def _experts(fmt: str | None, e: int, n: int, k: int, dtype: torch.dtype, gen: t
             w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEV, dtype)
             made.append((w, None, None, w.float()))
         elif fmt == "int4":
-            made.append(make_int4(n, k, 128, dtype, gen))
+            made.append(make_int4(n, k, group, dtype, gen))
         else:
             blocks, scales, w = make_mxfp4(n, k, gen)
             made.append((blocks, scales, None, w))
@@ -588,10 +590,12 @@ def test_tuned_moe_tiles_gpu() -> None:
     e, top_k, dtype = 4, 2, torch.bfloat16
     for key in sorted(table):
         fields = dict(f.split("=") for f in key.split(","))
-        h, inter, fmt = int(fields["H"]), int(fields["I"]), fields.get("w")
+        h, inter, weights = int(fields["H"]), int(fields["I"]), fields.get("w")  # w: None, int4g<group>, mxfp4
+        fmt = "int4" if weights is not None and weights.startswith("int4") else weights
+        group = int(weights.removeprefix("int4g")) if fmt == "int4" else 32
         gen = torch.Generator().manual_seed(h + inter)
-        (w13, s13, z13, d13) = _experts(fmt, e, 2 * inter, h, dtype, gen)
-        (w2, s2, z2, d2) = _experts(fmt, e, h, inter, dtype, gen)
+        (w13, s13, z13, d13) = _experts(fmt, e, 2 * inter, h, dtype, gen, group)
+        (w2, s2, z2, d2) = _experts(fmt, e, h, inter, dtype, gen, group)
         q13, q2 = (None, None) if fmt is None else (G.W4(s13, z13, w4.FORMATS[fmt]), G.W4(s2, z2, w4.FORMATS[fmt]))
         for text in sorted({json.dumps(cfg, sort_keys=True) for cfg in table[key].values()}):
             cfg = C.MoeTileConfig.from_dict(json.loads(text))
@@ -603,3 +607,23 @@ def test_tuned_moe_tiles_gpu() -> None:
             y = G.down_gemm(inter_y, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, q2)
             ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids)
             assert_close(G.moe_sum(y, top_k), ref)
+
+
+def test_the_kv_budget_leaves_room_for_a_decoded_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine/memory.py: on a GPU, a 4-bit model's KV budget also leaves DEQUANT_BYTES for the
+    large-M path's decoded slice (beside the 1 GiB for activations); FP8 and 16-bit models do not."""
+    import types
+
+    from minisgl.engine.memory import MemoryPlan
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (60 << 30, 80 << 30))
+
+    def budget(fmt: str | None) -> float:
+        plan = types.SimpleNamespace(
+            device=torch.device("cuda", 0), cfg=types.SimpleNamespace(gpu_memory_fraction=0.9, deterministic=False),
+            model_config=types.SimpleNamespace(quantization=None if fmt is None else types.SimpleNamespace(fmt=fmt)))
+        return MemoryPlan._kv_budget(plan)
+
+    base = 0.9 * (80 << 30) - (20 << 30) - (1 << 30)
+    assert budget(None) == budget("fp8") == base
+    assert budget("int4") == budget("mxfp4") == base - w4.DEQUANT_BYTES

@@ -47,16 +47,19 @@ def make_weights(e: int, h: int, i: int, seed: int = 0) -> tuple[torch.Tensor, t
 def make_w4_weights(e: int, h: int, i: int, fmt: str, group: int = 128, seed: int = 0):
     """4-bit experts in kernels/quant4.py's layouts: (w13, w2, W4 of w13, W4 of w2) for
     kernels/fused_moe.py's up_gemm / down_gemm. INT4: random nibbles, scales ~0.01 and integer zeros
-    per `group`; MXFP4: random bytes, e8m0 scales near 2^-7. Only the timing reads them."""
+    per `group`; MXFP4: random bytes, e8m0 scales near 2^-7 (group unused: 32). Only the timing reads
+    them. The words are drawn packed (every nibble uniform): packing drawn nibbles took int64
+    temporaries of 8 bytes a weight (3.2 GB for Qwen3-30B-A3B's w13), once per compile worker."""
     from minisgl.kernels.fused_moe import W4
-    from minisgl.kernels.quant4 import pack_int4
     from minisgl.kernels.w4a16_gemm import INT4, MXFP4
 
+    if fmt == "int4" and (h % group or i % group):
+        raise ValueError(f"INT4 group {group} must divide H = {h} and I = {i}")
     g = torch.Generator(device=DEV).manual_seed(seed)
     out = []
     for n, k in ((2 * i, h), (h, i)):
         if fmt == "int4":
-            w = pack_int4(torch.randint(0, 16, (e, n, k), device=DEV, generator=g))
+            w = torch.randint(-(2**31), 2**31 - 1, (e, n, k // 8), device=DEV, dtype=torch.int32, generator=g)
             s = torch.rand(e, n, k // group, device=DEV, generator=g).mul_(0.01).add_(0.001).to(BF16)
             z = torch.randint(0, 16, (e, n, k // group), device=DEV, generator=g).to(BF16)
             out.append((w, W4(s, z, INT4)))

@@ -7,7 +7,7 @@ and write them under this GPU's name into the JSON that kernels/fused_moe_config
         [--w4 int4|mxfp4 [--group 128]] [--jobs N]
 
 --w4 tunes 4-bit experts (kernels/quant4.py's layouts, INT4 at --group; their own entries,
-fused_moe_config.shape_key's w=). --jobs N compiles every candidate tile first in N processes
+fused_moe_config.shape_key's w=int4g<group> or w=mxfp4). --jobs N compiles every candidate tile first in N processes
 (Triton's disk cache then serves the timing process; one process compiles a 4-bit candidate in
 ~1-2 s, and a shape has ~150 of them).
 
@@ -30,12 +30,11 @@ from pathlib import Path
 import torch
 from _bench import num_sets, print_table, time_calls
 from _moe_cases import M_LIST, REPO_CONFIGS, SHAPES, expert_bytes, make_case, make_w4_weights, make_weights
-from triton.compiler.errors import CompilationError
-from triton.runtime.errors import OutOfResources
+from triton.errors import TritonError
 
 from minisgl.kernels import fused_moe as G
 from minisgl.kernels import moe_align
-from minisgl.kernels.fused_moe_config import GemmTile, MoeTileConfig, default_config, shape_key
+from minisgl.kernels.fused_moe_config import GemmTile, MoeTileConfig, default_config, shape_key, weights_key
 
 SMEM_BYTES = 220 * 1024  # per-block shared memory the pipelined tiles may use (H100: 227 KB)
 SAFE_TILE = GemmTile(64, 64)  # fills the intermediate the down GEMM candidates read
@@ -67,7 +66,7 @@ def tiles(block_m: int, gated: bool) -> list[GemmTile]:
 def time_gemm(fns: list, reps: int = 10) -> float:
     try:
         return time_calls(fns, reps=reps)
-    except (OutOfResources, CompilationError, RuntimeError) as e:  # a tile this GPU cannot hold
+    except (TritonError, RuntimeError) as e:  # a tile this GPU cannot hold (resources, ptxas, compile)
         print(f"  skipped a tile: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
         return float("inf")
 
@@ -123,7 +122,7 @@ def _warm(e: int, k: int, h: int, inter: int, w4: str | None, group: int, jobs: 
                 G.down_gemm(x, w2, case.weights, *a, block_m, t, q2)
             torch.cuda.synchronize()
             done += 1
-        except (OutOfResources, CompilationError, RuntimeError):
+        except (TritonError, RuntimeError):
             pass  # the timing process reports it
     return done
 
@@ -135,6 +134,7 @@ def precompile(e: int, k: int, h: int, inter: int, ms: list[int], w4: str | None
         jobs |= {(d.block_m, True, d.up), (d.block_m, False, d.down)}
     jobs = sorted(jobs, key=lambda j: (j[0], j[1], j[2].block_n, j[2].block_k, j[2].num_warps, j[2].num_stages))
     start = time.perf_counter()
+    procs = min(procs, len(jobs))
     with ProcessPoolExecutor(procs, mp_context=get_context("spawn")) as pool:
         done = sum(pool.map(_warm, *zip(*[(e, k, h, inter, w4, group, jobs[i::procs]) for i in range(procs)])))
     print(f"compiled {done} of {len(jobs)} candidates in {procs} processes, {time.perf_counter() - start:.0f} s")
@@ -159,7 +159,7 @@ def main() -> None:
             if args.jobs > 0:
                 precompile(e, k, h, i // tp, args.m, args.w4, args.group, args.jobs)
             w13, w2, q13, q2 = _weights(e, h, i // tp, args.w4, args.group)
-            key = shape_key(e, k, i // tp, h, torch.bfloat16, args.w4)
+            key = shape_key(e, k, i // tp, h, torch.bfloat16, weights_key(args.w4, args.group))
             entry = table.setdefault(device, {}).setdefault(key, {})
             rows = []
             for m in args.m:

@@ -11,6 +11,7 @@ from minisgl import ops
 from minisgl.kvcache.pool import KVPool, split_kv_budget, swa_tokens_needed
 from minisgl.kvcache.state_pool import StatePool, state_pool_fit_error
 from minisgl.logging_setup import get_logger
+from minisgl.ops.gemm.w4 import DEQUANT_BYTES
 
 log = get_logger("minisgl.engine")
 
@@ -69,9 +70,12 @@ class MemoryPlan:
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             # 1 GiB for activations; deterministic mode's decode steps also hold their splits' partials
-            # (in the CUDA graphs' pool: the largest decode graph's stays reserved).
+            # (in the CUDA graphs' pool: the largest decode graph's stays reserved); 4-bit weights'
+            # large-M path holds a slice of a weight decoded to 16 bits beside them (ops/gemm/w4.py).
             det = ops.deterministic_decode_workspace_bytes() if self.cfg.deterministic else 0
-            return total * self.cfg.gpu_memory_fraction - used - (1 << 30) - det
+            quant = self.model_config.quantization
+            w4 = DEQUANT_BYTES if quant is not None and quant.fmt in ("int4", "mxfp4") else 0
+            return total * self.cfg.gpu_memory_fraction - used - (1 << 30) - det - w4
         # On the CPU the state pool comes out of the same budget (on a GPU it is already used).
         states = self.state_pool.bytes_per_slot * self.state_pool.total_slots if self.state_pool is not None else 0
         return self.cfg.cpu_kv_cache_gb * (1 << 30) - states

@@ -322,6 +322,8 @@ async def _serve(
             )
             stoppers.append(lambda: setattr(server, "should_exit", True))
             await _first_reports(frontend, args.dp, failed)
+            if failed:  # a child died before reporting: never open the port (on_death said why)
+                return 1
             task = asyncio.create_task(server.serve(sockets=[listener]))
             while not server.started and not task.done():
                 await asyncio.sleep(0.02)

@@ -25,7 +25,7 @@ from minisgl.kernels import device as _device
 from minisgl.kernels import fused_moe as _moe
 from minisgl.kernels import moe_align as _align
 from minisgl.kernels import w4a16_gemm as _w4
-from minisgl.kernels.fused_moe_config import get_config
+from minisgl.kernels.fused_moe_config import get_config, weights_key
 from minisgl.logging_setup import log_once
 from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_once, use_cuda_kernel, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
@@ -127,8 +127,9 @@ def _linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, ze
 
 def dequant_slices(n: int, row_bytes: int) -> range:
     """The first output column of each slice; every slice but the last holds range.step columns:
-    as few equal slices as keep row_bytes * columns within DEQUANT_BYTES, a multiple of 8 columns
-    (16-byte aligned column offsets into the 16-bit output)."""
+    as few equal slices as keep row_bytes * columns within about DEQUANT_BYTES (rounded up to a
+    multiple of 8 columns, 16-byte aligned column offsets into the 16-bit output, so up to 8 rows'
+    bytes over; a slice is 8 columns at least)."""
     count = max(1, -(-n * row_bytes // DEQUANT_BYTES))
     step = -(-n // count)
     return range(0, n, max(8, -(-step // 8) * 8))
@@ -289,7 +290,8 @@ def fused_moe_w4(
     # shared memory with the dequantisation in the loop: Qwen3-30B-A3B's asked 288 KB of an
     # H100's 227 KB); untuned, the default tiles (<= ~100 KB).
     cfg = get_config(e, top_k, two_i // 2, h, x.shape[0], x.dtype,
-                     torch.cuda.get_device_name(x.device) if x.is_cuda else None, weights=fmt)
+                     torch.cuda.get_device_name(x.device) if x.is_cuda else None,
+                     weights=weights_key(fmt, x.shape[1] // w13_scales.shape[2]))
     sorted_ids, expert_ids = _align.align(topk_ids, e, cfg.block_m)
     inter = _moe.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up,
                          _moe.W4(w13_scales, w13_zeros, f), b13, act)
