@@ -20,6 +20,13 @@ def num_sms(device: int | torch.device) -> int:
 
 
 @functools.cache
+def name(device: torch.device) -> str | None:
+    """The CUDA device's name (the key of the tuned-tile tables; cached: the MoE layers ask it per
+    call), None off CUDA."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+@functools.cache
 def shared_memory_per_block(device: int | torch.device) -> int:
     """The shared memory one block may opt into, in bytes (227 KB on Hopper; 99 KB assumed where
     torch does not report it)."""

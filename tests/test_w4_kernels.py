@@ -590,9 +590,9 @@ def test_tuned_moe_tiles_gpu() -> None:
     e, top_k, dtype = 4, 2, torch.bfloat16
     for key in sorted(table):
         fields = dict(f.split("=") for f in key.split(","))
-        h, inter, weights = int(fields["H"]), int(fields["I"]), fields.get("w")  # w: None, int4g<group>, mxfp4
-        fmt = "int4" if weights is not None and weights.startswith("int4") else weights
-        group = int(weights.removeprefix("int4g")) if fmt == "int4" else 32
+        h, inter, w_key = int(fields["H"]), int(fields["I"]), fields.get("w")  # w: None, int4g<group>, mxfp4
+        fmt = "int4" if w_key is not None and w_key.startswith("int4") else w_key
+        group = int(w_key.removeprefix("int4g")) if fmt == "int4" else 32
         gen = torch.Generator().manual_seed(h + inter)
         (w13, s13, z13, d13) = _experts(fmt, e, 2 * inter, h, dtype, gen, group)
         (w2, s2, z2, d2) = _experts(fmt, e, h, inter, dtype, gen, group)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from minisgl import env
+from minisgl.kernels import device as _device
 from minisgl.kernels import fused_moe as _gemm
 from minisgl.kernels import moe_align as _align
 from minisgl.kernels import moe_routing as _route
@@ -72,10 +73,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
 
 
 @functools.cache
-def _device_name(device: torch.device) -> str | None:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
-
-
 def check_shared(x: torch.Tensor, shared: object, shared_gate: object) -> None:
     """Qwen2-MoE's shared expert output [T, H] and its gate logit [T, 1], or neither."""
     if (shared is None) != (shared_gate is None):
@@ -168,7 +165,7 @@ def _config(x: torch.Tensor, w13: torch.Tensor, top_k: int) -> MoeTileConfig:
     e, two_i, h = w13.shape
     fixed = is_deterministic(x.device) and not _skinny.skinny_splits(x)
     tokens = DETERMINISTIC_TOKENS if fixed else x.shape[0]
-    return get_config(e, top_k, two_i // 2, h, tokens, x.dtype, _device_name(x.device))
+    return get_config(e, top_k, two_i // 2, h, tokens, x.dtype, _device.name(x.device))
 
 
 def _reference_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

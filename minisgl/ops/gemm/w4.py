@@ -289,8 +289,7 @@ def fused_moe_w4(
     # 4-bit experts have their own tuned entries (the 16-bit experts' deepest pipelines overflow
     # shared memory with the dequantisation in the loop: Qwen3-30B-A3B's asked 288 KB of an
     # H100's 227 KB); untuned, the default tiles (<= ~100 KB).
-    cfg = get_config(e, top_k, two_i // 2, h, x.shape[0], x.dtype,
-                     torch.cuda.get_device_name(x.device) if x.is_cuda else None,
+    cfg = get_config(e, top_k, two_i // 2, h, x.shape[0], x.dtype, _device.name(x.device),
                      weights=weights_key(fmt, x.shape[1] // w13_scales.shape[2]))
     sorted_ids, expert_ids = _align.align(topk_ids, e, cfg.block_m)
     inter = _moe.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up,
