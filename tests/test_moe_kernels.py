@@ -203,6 +203,25 @@ def test_fused_experts_match_reference(t: int, e: int, k: int, h: int, i: int, s
     assert_experts_rule(out, x, w13, w2, weights, ids, extra)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_calls_hold_no_reference_to_their_inputs(shared: bool) -> None:
+    """Once a MoE call returns, nothing it was given stays alive (fused_experts, fused_moe). A
+    functools.cache left on check_shared (8d6af49) kept every call's activations and shared-expert
+    outputs: Qwen3-30B-A3B and GPT-OSS-20B ran out of GPU memory at CUDA graph capture, ~21 GiB of
+    norm outputs held (thirty-second session)."""
+    import gc
+    import weakref
+
+    x, w13, w2, weights, ids, extra = experts_case(5, 6, 2, 32, 16, torch.float32, seed=3, shared=shared)
+    logits = distinct_logits(5, 6, torch.Generator().manual_seed(4))
+    ops.fused_experts(x, w13, w2, weights, ids, **extra)
+    ops.fused_moe(x, logits, w13, w2, 2, True, **extra)
+    refs = [weakref.ref(t) for t in (x, logits, *extra.values())]
+    del x, logits, extra
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 @needs_triton
 @pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize("tile", [GemmTile(16, 16), GemmTile(32, 64, group_m=4), GemmTile(64, 32, group_m=2)])

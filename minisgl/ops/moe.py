@@ -3,7 +3,6 @@ can run, else the torch references (the CPU path, which the model tests hold to 
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
@@ -72,7 +71,6 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     return _align.align_reference(topk_ids, num_experts, block_m)
 
 
-@functools.cache
 def check_shared(x: torch.Tensor, shared: object, shared_gate: object) -> None:
     """Qwen2-MoE's shared expert output [T, H] and its gate logit [T, 1], or neither."""
     if (shared is None) != (shared_gate is None):
