@@ -240,3 +240,31 @@ def test_package_root_loads_nothing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, cwd="/")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _cached_tensor_functions(source: str, name: str) -> list[str]:
+    """Functions under functools.cache / lru_cache with a parameter annotated as a tensor."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        cached = any("cache" in ast.unparse(d.func if isinstance(d, ast.Call) else d) for d in node.decorator_list)
+        args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+        if cached and any(a.annotation is not None and "Tensor" in ast.unparse(a.annotation) for a in args):
+            found.append(f"{name}:{node.lineno} {node.name}")
+    return found
+
+
+def test_no_cache_keeps_a_tensor():
+    """A functools.cache keyed on a tensor keeps every tensor it is called with alive (8d6af49 left
+    one on ops/moe.py check_shared: each MoE call's activations stayed, ~21 GiB at CUDA graph
+    capture). Cached functions take devices, shapes and dtypes, never tensors."""
+    found = [f for mod, path in _sources().items() for f in _cached_tensor_functions(path.read_text(), mod)]
+    assert not found, f"cached functions that take tensors: {found}"
+
+
+def test_the_cache_check_finds_a_cached_tensor():
+    src = "import functools\n@functools.cache\ndef f(x: torch.Tensor, n: int) -> None: ...\n"
+    assert _cached_tensor_functions(src, "m") == ["m:3 f"]
+    assert _cached_tensor_functions(src.replace("@functools.cache", "@functools.lru_cache(8)"), "m") == ["m:3 f"]
+    assert not _cached_tensor_functions(src.replace("x: torch.Tensor", "x: torch.device"), "m")
