@@ -66,6 +66,12 @@ def main() -> None:
         cols += range(len(ids))
         slots += ids
     eng.write_slots(rr, cols, slots)
+    # Each request's decode input: a distinct random token (the engine's token buffer starts at
+    # zeros, so every request fed the same token and a MoE routed the whole batch to one token's
+    # top-k experts: Qwen3-30B-A3B's batch 32 read 8 experts a layer, not ~100; RESULTS.md,
+    # thirty-first session).
+    tokens = torch.randperm(eng.model_config.vocab_size, generator=torch.Generator().manual_seed(0))[: args.batch]
+    eng.token_buffer[torch.tensor(rows, device=eng.device)] = tokens.to(eng.device)
     batch = eng.build_batch("decode", rows, [args.context - 1] * args.batch, None)
     graph_ms = time_ms(lambda: eng.forward(batch))
     eager_ms = time_ms(lambda: eng.forward_eager(batch))
