@@ -576,9 +576,10 @@ def _experts(fmt: str | None, e: int, n: int, k: int, dtype: torch.dtype, gen: t
 def test_tuned_moe_tiles_gpu() -> None:
     """Each tile config tuned for this GPU (kernels/fused_moe_configs.json; 4-bit experts' w=
     entries and the 16-bit ones, benchmarks/kernels/tune_fused_moe.py): the fused MoE's two GEMMs
-    with it, at its shape's H and I (4 experts, top 2, three row blocks of tokens), bf16, against
-    the per-expert loop over the weights (dequantised here). The engine picks these only on this
-    GPU and shape, so no other test runs them."""
+    with it, at its shape's H and I (4 experts, top 2, three row blocks of tokens), bf16, every
+    other tile with GPT-OSS's biases and activation, against the per-expert loop over the weights
+    (dequantised here). The engine picks these only on this GPU and shape, so no other test runs
+    them."""
     import json
 
     from minisgl.kernels import fused_moe_config as C
@@ -597,15 +598,22 @@ def test_tuned_moe_tiles_gpu() -> None:
         (w13, s13, z13, d13) = _experts(fmt, e, 2 * inter, h, dtype, gen, group)
         (w2, s2, z2, d2) = _experts(fmt, e, h, inter, dtype, gen, group)
         q13, q2 = (None, None) if fmt is None else (G.W4(s13, z13, w4.FORMATS[fmt]), G.W4(s2, z2, w4.FORMATS[fmt]))
-        for text in sorted({json.dumps(cfg, sort_keys=True) for cfg in table[key].values()}):
+        for n, text in enumerate(sorted({json.dumps(cfg, sort_keys=True) for cfg in table[key].values()})):
             cfg = C.MoeTileConfig.from_dict(json.loads(text))
             t = 3 * cfg.block_m
             x = torch.randn(t, h, generator=gen).to(DEV, dtype)
             weights, ids = _routing(t, e, top_k, gen)
+            b13 = b2 = act = None
+            if n % 2:  # every other tile with GPT-OSS's epilogue (expert biases, clamped SwiGLU)
+                b13 = torch.randn(e, 2 * inter, generator=gen).to(DEV, dtype)
+                b2 = torch.randn(e, h, generator=gen).to(DEV, dtype)
+                act = G.ExpertAct("gpt_oss", alpha=1.702, limit=0.5)
             sorted_ids, expert_ids = moe_align.align(ids, e, cfg.block_m)
-            inter_y = G.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, q13)
-            y = G.down_gemm(inter_y, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, q2)
-            ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids)
+            inter_y = G.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, q13, b13, act)
+            y = G.down_gemm(inter_y, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, q2, b2)
+            ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids,
+                                            b13=None if b13 is None else b13.double(),
+                                            b2=None if b2 is None else b2.double(), act=act)
             assert_close(G.moe_sum(y, top_k), ref)
 
 
