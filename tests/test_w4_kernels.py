@@ -143,6 +143,16 @@ def test_mxfp4_triton(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, si
     _run_mxfp4(m, n, k, dtype, bias, silu)
 
 
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.parametrize("exps", [(1, 12), (230, 242)])
+def test_mxfp4_triton_scale_range(exps: tuple[int, int]) -> None:
+    """The Triton loader's e2m1 (fp16 bits) times 2^(e8m0 - 127) over the scales' range: near fp32's
+    smallest (0.5 a subnormal) and past 2^113, where a scale folded with the fp16 bits' 2^14 would
+    overflow to inf though every weight is finite (fp32: fp16 outputs overflow there)."""
+    _run_mxfp4(5, 34, 96, torch.float32, bias=False, silu=False, exps=exps)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(env.TRITON_INTERPRET, reason="under TRITON_INTERPRET the kernels are not compilable")
 @pytest.mark.parametrize("smem,arch", [(227 * 1024, 90), (99 * 1024, 86), (0, 86)])
