@@ -65,12 +65,14 @@ def dequant_tile(W, S, Z, k0, offs_n, n_ok, K, stride_wn, stride_sn, group, FMT:
         w = (nib.to(tl.float32) - z) * s
     else:
         # e2m1 placed in an fp16's sign, exponent and top mantissa bits is e2m1(nib) * 2^-14
-        # exactly (e = 0, m = 1: the subnormal 2^-15), times 2^14 in fp16 e2m1(nib) exactly, so
-        # no table, branch or exp2 per element; one exp2 per scale load. (The 2^14 stays out of the
-        # scale: 2^(e8m0 - 113) overflows fp32 from e8m0 241, where the weights are finite.)
+        # exactly (e = 0, m = 1: the subnormal 2^-15), times 2^14 in fp16 e2m1(nib) exactly: no
+        # table, branch or exp2 per element. The scale 2^(e8m0 - 127) is built as fp32 bits, the
+        # exponent field (e8m0 0: the subnormal 2^-127; 255: +inf, as the reference's 2^128), exact
+        # where exp2 is approximate and flushes 2^-127 to zero on the GPU (ex2.approx.ftz).
         h = (((nib & 8) << 12) | ((nib & 7) << 9)).to(tl.int16).to(tl.float16, bitcast=True)
-        sc = tl.load(S + s_off, mask=s_mask, other=127).to(tl.float32)
-        w = (h * 16384.0).to(tl.float32) * tl.exp2(sc - 127.0)
+        e8 = tl.load(S + s_off, mask=s_mask, other=127).to(tl.int32)
+        sc = tl.where(e8 == 0, 0x00400000, e8 << 23).to(tl.float32, bitcast=True)
+        w = (h * 16384.0).to(tl.float32) * sc
     return tl.reshape(w, (BLOCK_K, offs_n.shape[0])).to(OUT)
 
 

@@ -216,8 +216,8 @@ def test_moe_calls_hold_no_reference_to_their_inputs(shared: bool) -> None:
     logits = distinct_logits(5, 6, torch.Generator().manual_seed(4))
     ops.fused_experts(x, w13, w2, weights, ids, **extra)
     ops.fused_moe(x, logits, w13, w2, 2, True, **extra)
-    refs = [weakref.ref(t) for t in (x, logits, *extra.values())]
-    del x, logits, extra
+    refs = [weakref.ref(t) for t in (x, logits, weights, ids, *extra.values())]
+    del x, logits, weights, ids, extra
     gc.collect()
     assert all(r() is None for r in refs)
 

@@ -153,6 +153,22 @@ def test_mxfp4_triton_scale_range(exps: tuple[int, int]) -> None:
     _run_mxfp4(5, 34, 96, torch.float32, bias=False, silu=False, exps=exps)
 
 
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
+def test_mxfp4_decode_is_exact_at_every_scale() -> None:
+    """w4_dequant to fp32 (the Triton loader) against the reference bit for bit: every nibble under
+    every e8m0 byte, 0 (2^-127, a subnormal) and 255 (inf; 0 x inf is NaN in both) included."""
+    from minisgl.kernels import w4a16_gemm as K
+    from minisgl.kernels.quant4 import dequant_mxfp4_reference
+
+    nib = torch.arange(32) % 16  # a row's 32 columns: every nibble twice
+    blocks = (nib[0::2] | (nib[1::2] << 4)).to(torch.uint8).repeat(256, 1).to(DEV)
+    scales = torch.arange(256, dtype=torch.uint8)[:, None].to(DEV)  # row r: e8m0 r
+    out = K.w4_dequant(blocks, scales, None, K.MXFP4, torch.float32)
+    torch.testing.assert_close(out, dequant_mxfp4_reference(blocks, scales), rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(env.TRITON_INTERPRET, reason="under TRITON_INTERPRET the kernels are not compilable")
 @pytest.mark.parametrize("smem,arch", [(227 * 1024, 90), (99 * 1024, 86), (0, 86)])
@@ -586,10 +602,11 @@ def _experts(fmt: str | None, e: int, n: int, k: int, dtype: torch.dtype, gen: t
 def test_tuned_moe_tiles_gpu() -> None:
     """Each tile config tuned for this GPU (kernels/fused_moe_configs.json; 4-bit experts' w=
     entries and the 16-bit ones, benchmarks/kernels/tune_fused_moe.py): the fused MoE's two GEMMs
-    with it, at its shape's H and I (4 experts, top 2, three row blocks of tokens), bf16, every
-    other tile with GPT-OSS's biases and activation, against the per-expert loop over the weights
-    (dequantised here). The engine picks these only on this GPU and shape, so no other test runs
+    with it, at its shape's H and I (4 experts, top 2, three row blocks of tokens), bf16, each
+    tile without and with GPT-OSS's biases and activation, against the per-expert loop over the
+    weights (dequantised here). The engine picks these only on this GPU and shape, so no other test runs
     them."""
+    import itertools
     import json
 
     from minisgl.kernels import fused_moe_config as C
@@ -608,13 +625,14 @@ def test_tuned_moe_tiles_gpu() -> None:
         (w13, s13, z13, d13) = _experts(fmt, e, 2 * inter, h, dtype, gen, group)
         (w2, s2, z2, d2) = _experts(fmt, e, h, inter, dtype, gen, group)
         q13, q2 = (None, None) if fmt is None else (G.W4(s13, z13, w4.FORMATS[fmt]), G.W4(s2, z2, w4.FORMATS[fmt]))
-        for n, text in enumerate(sorted({json.dumps(cfg, sort_keys=True) for cfg in table[key].values()})):
+        texts = sorted({json.dumps(cfg, sort_keys=True) for cfg in table[key].values()})
+        for text, gpt_oss in itertools.product(texts, (False, True)):  # GPT-OSS: expert biases, clamped SwiGLU
             cfg = C.MoeTileConfig.from_dict(json.loads(text))
             t = 3 * cfg.block_m
             x = torch.randn(t, h, generator=gen).to(DEV, dtype)
             weights, ids = _routing(t, e, top_k, gen)
             b13 = b2 = act = None
-            if n % 2:  # every other tile with GPT-OSS's epilogue (expert biases, clamped SwiGLU)
+            if gpt_oss:
                 b13 = torch.randn(e, 2 * inter, generator=gen).to(DEV, dtype)
                 b2 = torch.randn(e, h, generator=gen).to(DEV, dtype)
                 act = G.ExpertAct("gpt_oss", alpha=1.702, limit=0.5)

@@ -21,9 +21,12 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from minisgl.ops.gemm.skinny import DENSE, FP8_FORMAT, MAX_SPLITS, SkinnyConfig
+
+if TYPE_CHECKING:
+    import torch
 
 CUBLAS = "cublas"
 # Bump when the kernel or the candidate rules change: cached tables of older kernels are ignored.
@@ -82,7 +85,8 @@ def table_dtype(x_dtype, fmt: str, block: bool = False, group: int = 0) -> str:
 
 
 @functools.cache  # the dispatch builds it on every eager 4-bit call: one key object per layer shape
-def w4_shape(x_dtype, fmt: str, weight_rows: int, weight_cols: int, scale_cols: int, silu: bool) -> GemmShape:
+def w4_shape(x_dtype: torch.dtype, fmt: str, weight_rows: int, weight_cols: int, scale_cols: int,
+             silu: bool) -> GemmShape:
     """A 4-bit call's table key from its packed weight's and scales' widths: INT4 packs 8 values an
     int32 (its group is K / scale columns), MXFP4 2 a byte."""
     k = weight_cols * (8 if fmt == INT4 else 2)
