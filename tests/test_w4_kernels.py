@@ -253,6 +253,37 @@ def _routing(t: int, e: int, top_k: int, gen: torch.Generator):
     return weights.to(DEV), ids.to(DEV)
 
 
+def _experts(fmt: str | None, e: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator,
+             group: int = 128) -> list:
+    """E experts' [E, ...] (packed, scales, zeros or None, fp32 W); INT4 at `group`; fmt None:
+    16-bit experts (W in dtype, no scales)."""
+    made = []
+    for _ in range(e):
+        if fmt is None:
+            w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEV, dtype)
+            made.append((w, None, None, w.float()))
+        elif fmt == "int4":
+            made.append(make_int4(n, k, group, dtype, gen))
+        else:
+            blocks, scales, w = make_mxfp4(n, k, gen)
+            made.append((blocks, scales, None, w))
+    return [None if v[0] is None else torch.stack(v) for v in zip(*made)]
+
+
+def _gpt_oss_epilogue(e: int, inter: int, h: int, dtype: torch.dtype, gen: torch.Generator):
+    """(b13, b2, act): GPT-OSS's expert biases and clamped SwiGLU (a limit the gate and up values cross)."""
+    b13 = torch.randn(e, 2 * inter, generator=gen).to(DEV, dtype)
+    b2 = torch.randn(e, h, generator=gen).to(DEV, dtype)
+    return b13, b2, G.ExpertAct("gpt_oss", alpha=1.702, limit=0.5)
+
+
+def _experts_reference(x, d13, d2, weights, ids, b13=None, b2=None, act=None) -> torch.Tensor:  # noqa: ANN001
+    """fused_experts_reference in fp64 over the weights dequantised here (biases optional)."""
+    return G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids,
+                                     b13=None if b13 is None else b13.double(),
+                                     b2=None if b2 is None else b2.double(), act=act)
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("fmt,gpt_oss,group", [("int4", False, 32), ("int4", False, 12), ("mxfp4", False, 32),
                                                ("mxfp4", True, 32)])
@@ -265,28 +296,13 @@ def test_fused_moe_w4(fmt: str, gpt_oss: bool, group: int, t: int) -> None:
     e, top_k, h, inter = (5, 2, 120, 72) if group == 12 else (5, 2, 96, 64)
     gen = torch.Generator().manual_seed(t * 13 + len(fmt) + gpt_oss + group)
     dtype = torch.float32
-    if fmt == "int4":
-        a = [make_int4(2 * inter, h, group, dtype, gen) for _ in range(e)]
-        b = [make_int4(h, inter, group, dtype, gen) for _ in range(e)]
-        w13, s13, z13, d13 = (torch.stack(v) for v in zip(*a))
-        w2, s2, z2, d2 = (torch.stack(v) for v in zip(*b))
-    else:
-        a = [make_mxfp4(2 * inter, h, gen) for _ in range(e)]
-        b = [make_mxfp4(h, inter, gen) for _ in range(e)]
-        w13, s13, d13 = (torch.stack(v) for v in zip(*a))
-        w2, s2, d2 = (torch.stack(v) for v in zip(*b))
-        z13 = z2 = None
+    w13, s13, z13, d13 = _experts(fmt, e, 2 * inter, h, dtype, gen, group)
+    w2, s2, z2, d2 = _experts(fmt, e, h, inter, dtype, gen, group)
     x = torch.randn(t, h, generator=gen).to(DEV, dtype)
     weights, ids = _routing(t, e, top_k, gen)
-    b13 = b2 = act = None
-    if gpt_oss:
-        b13 = torch.randn(e, 2 * inter, generator=gen).to(DEV, dtype)
-        b2 = torch.randn(e, h, generator=gen).to(DEV, dtype)
-        act = G.ExpertAct("gpt_oss", alpha=1.702, limit=0.5)
+    b13, b2, act = _gpt_oss_epilogue(e, inter, h, dtype, gen) if gpt_oss else (None, None, None)
     out = w4.fused_moe_w4(x, fmt, w13, s13, z13, w2, s2, z2, weights, ids, b13=b13, b2=b2, act=act)
-    ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids,
-                                    b13=None if b13 is None else b13.double(),
-                                    b2=None if b2 is None else b2.double(), act=act)
+    ref = _experts_reference(x, d13, d2, weights, ids, b13, b2, act)
     assert out.shape == (t, h)
     assert_close(out, ref)
 
@@ -580,23 +596,6 @@ def test_int4_dispatch_table_is_measured_and_followed(monkeypatch: pytest.Monkey
         install_table(dev, saved if saved is not None else GemmTable())
 
 
-def _experts(fmt: str | None, e: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator,
-             group: int = 128) -> list:
-    """E experts' [E, ...] (packed, scales, zeros or None, fp32 W); INT4 at `group`; fmt None:
-    16-bit experts (W in dtype, no scales)."""
-    made = []
-    for _ in range(e):
-        if fmt is None:
-            w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEV, dtype)
-            made.append((w, None, None, w.float()))
-        elif fmt == "int4":
-            made.append(make_int4(n, k, group, dtype, gen))
-        else:
-            blocks, scales, w = make_mxfp4(n, k, gen)
-            made.append((blocks, scales, None, w))
-    return [None if v[0] is None else torch.stack(v) for v in zip(*made)]
-
-
 @gpu
 @pytest.mark.gpu
 def test_tuned_moe_tiles_gpu() -> None:
@@ -631,18 +630,11 @@ def test_tuned_moe_tiles_gpu() -> None:
             t = 3 * cfg.block_m
             x = torch.randn(t, h, generator=gen).to(DEV, dtype)
             weights, ids = _routing(t, e, top_k, gen)
-            b13 = b2 = act = None
-            if gpt_oss:
-                b13 = torch.randn(e, 2 * inter, generator=gen).to(DEV, dtype)
-                b2 = torch.randn(e, h, generator=gen).to(DEV, dtype)
-                act = G.ExpertAct("gpt_oss", alpha=1.702, limit=0.5)
+            b13, b2, act = _gpt_oss_epilogue(e, inter, h, dtype, gen) if gpt_oss else (None, None, None)
             sorted_ids, expert_ids = moe_align.align(ids, e, cfg.block_m)
             inter_y = G.up_gemm(x, w13, sorted_ids, expert_ids, top_k, cfg.block_m, cfg.up, q13, b13, act)
             y = G.down_gemm(inter_y, w2, weights, sorted_ids, expert_ids, cfg.block_m, cfg.down, q2, b2)
-            ref = G.fused_experts_reference(x.double(), d13.double(), d2.double(), weights, ids,
-                                            b13=None if b13 is None else b13.double(),
-                                            b2=None if b2 is None else b2.double(), act=act)
-            assert_close(G.moe_sum(y, top_k), ref)
+            assert_close(G.moe_sum(y, top_k), _experts_reference(x, d13, d2, weights, ids, b13, b2, act))
 
 
 def test_the_kv_budget_leaves_room_for_a_decoded_slice(monkeypatch: pytest.MonkeyPatch) -> None:
