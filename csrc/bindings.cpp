@@ -297,6 +297,32 @@ PYBIND11_MODULE(_C, m) {
       py::arg("q_group"), py::arg("q_expert_stride"), py::arg("dtype"), py::arg("cfg"), py::arg("warps"),
       py::arg("splits"), py::arg("pdl"), py::arg("stream"), py::arg("warp_ranges") = false);
   m.def(
+      "skinny_moe_grouped",
+      [](std::uintptr_t x, std::uintptr_t w, std::uintptr_t bias, std::uintptr_t sorted_ids,
+         std::uintptr_t block_experts, std::uintptr_t weights, std::uintptr_t y, std::uintptr_t workspace,
+         int64_t workspace_bytes, std::uintptr_t counters, int64_t num_counters, int tokens, int top_k,
+         int num_blocks, int block_m, int n, int k, int64_t x_stride, int64_t w_stride, int64_t y_stride,
+         int64_t w_expert_stride, int64_t b_expert_stride, bool down, int act, float alpha, float limit, int fmt,
+         std::uintptr_t scales, std::uintptr_t zeros, int64_t q_stride, int q_group, int64_t q_expert_stride,
+         int dtype, int cfg, int warps, int splits, bool pdl, std::uintptr_t stream) {
+        check(minisgl::skinny_moe_grouped(
+                  ptr<const void>(x), ptr<const void>(w), ptr<const void>(bias), ptr<const int>(sorted_ids),
+                  ptr<const int>(block_experts), ptr<const float>(weights), ptr(y), ptr<float>(workspace),
+                  workspace_bytes, ptr<int>(counters), num_counters, tokens, top_k, num_blocks, block_m, n, k,
+                  x_stride, w_stride, y_stride, w_expert_stride, b_expert_stride, down ? 1 : 0, act, alpha, limit,
+                  fmt, ptr<const void>(scales), ptr<const void>(zeros), q_stride, q_group, q_expert_stride, dtype,
+                  cfg, warps, splits, pdl ? 1 : 0, ptr(stream)),
+              "skinny_moe_grouped");
+      },
+      py::arg("x"), py::arg("w"), py::arg("bias"), py::arg("sorted_ids"), py::arg("block_experts"),
+      py::arg("weights"), py::arg("y"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("counters"),
+      py::arg("num_counters"), py::arg("tokens"), py::arg("top_k"), py::arg("num_blocks"), py::arg("block_m"),
+      py::arg("n"), py::arg("k"), py::arg("x_stride"), py::arg("w_stride"), py::arg("y_stride"),
+      py::arg("w_expert_stride"), py::arg("b_expert_stride"), py::arg("down"), py::arg("act"), py::arg("alpha"),
+      py::arg("limit"), py::arg("fmt"), py::arg("scales"), py::arg("zeros"), py::arg("q_stride"),
+      py::arg("q_group"), py::arg("q_expert_stride"), py::arg("dtype"), py::arg("cfg"), py::arg("warps"),
+      py::arg("splits"), py::arg("pdl"), py::arg("stream"));
+  m.def(
       "skinny_gemm",
       [](std::uintptr_t x, std::uintptr_t w, std::uintptr_t bias, std::uintptr_t y, std::uintptr_t workspace,
          int64_t workspace_bytes, std::uintptr_t counters, int64_t num_counters, int m, int n, int k,

@@ -114,6 +114,22 @@ int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, c
                const void* qzero, int64_t q_stride, int q_group, int64_t q_expert_stride, int dtype, int cfg,
                int warps, int splits, int pdl, void* stream, int warp_ranges = 0);
 
+// 4-bit routed experts grouped by expert (csrc/skinny_gemm.cuh, skinny_moe_grouped_kernel): the
+// weights, strides and formats as skinny_moe's (fmt 1 INT4 / 2 MXFP4 only), the routing as
+// kernels/moe_align.py's blocks of block_m (8 or 16) pairs: sorted_ids [num_blocks * block_m] (pair
+// t * top_k + j, tokens * top_k for padding), block_experts [num_blocks] (-1 past the last used).
+// down 0 (up): x [tokens, k] -> y [tokens * top_k, n] = act(gate, up) per pair. down 1: x = that
+// -> y [tokens * top_k, n] = weights[pair] * (x W_e^T + b_e), weights fp32 [tokens * top_k] (the
+// top-k sum is the caller's). splits: K splits per block (workspace and counters as skinny_moe's,
+// one tile per block of every row tile).
+int skinny_moe_grouped(const void* x, const void* w, const void* bias, const int* sorted_ids, const int* block_experts,
+                       const float* weights, void* y, float* workspace, int64_t workspace_bytes, int* counters,
+                       int64_t num_counters, int tokens, int top_k, int num_blocks, int block_m, int n, int k,
+                       int64_t x_stride, int64_t w_stride, int64_t y_stride, int64_t w_expert_stride,
+                       int64_t b_expert_stride, int down, int act, float alpha, float limit, int fmt,
+                       const void* qscale, const void* qzero, int64_t q_stride, int q_group, int64_t q_expert_stride,
+                       int dtype, int cfg, int warps, int splits, int pdl, void* stream);
+
 // KV rows between two pools by slot lists, K and V of every layer in one launch
 // (csrc/kv_copy.cuh): for t in {K, V}, layer < num_layers, i < num_slots,
 // dst_t[layer * dst_layer_stride + dst_slots[i] * dst_slot_stride] = the same row of src_t

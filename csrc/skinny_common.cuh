@@ -75,6 +75,14 @@ struct Params {
   // 4-bit weights: ceil(2^44 / (q_group / 32)), so a K offset's group is ((kk >> 5) * this) >> 44
   // with no division (exact for K <= 2^22, which the host checks); the launcher sets it.
   uint64_t q_group_mul;
+  // Grouped MoE (skinny_moe_grouped_kernel; null / 0 elsewhere): kernels/moe_align.py's layout of
+  // the moe_pairs = T * top_k (token, expert) pairs, sorted_ids [num_blocks * m] (pair numbers,
+  // moe_pairs for padding) and moe_blocks [num_blocks] (each block's expert, -1 past the last). A
+  // block's view points moe_sorted at its own m rows; row i is pair s = moe_sorted[i] (none when
+  // s == moe_pairs): x row s / top_k (up) or s (down), y row s.
+  const int* moe_sorted;
+  const int* moe_blocks;
+  int moe_pairs;
 };
 
 __device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }

@@ -138,6 +138,43 @@ KernelFn pick_moe_fmt(int fmt, int cfg, int warp_ranges) {
                     : nullptr;
 }
 
+// The grouped MoE kernels (skinny_moe_grouped_kernel) of the 4-bit loader W, configuration I, for
+// blocks of 8 * MT pairs (null past the configuration's max_mt).
+template <template <typename> class W, typename T, bool kDown, int MT, int I>
+KernelFn grouped_instance() {
+  constexpr TileConfig c = Tiles<W>::kList[I];
+  if constexpr (MT <= c.max_mt) return skinny::skinny_moe_grouped_kernel<W<T>, MT, c.rt, c.u, kDown>;
+  return nullptr;
+}
+
+template <template <typename> class W, typename T, bool kDown, int MT>
+KernelFn pick_grouped_config(int cfg) {
+  switch (cfg) {
+    case 0: return grouped_instance<W, T, kDown, MT, 0>();
+    case 1: return grouped_instance<W, T, kDown, MT, 1>();
+    case 2: return grouped_instance<W, T, kDown, MT, 2>();
+    case 3: return grouped_instance<W, T, kDown, MT, 3>();
+    default: return nullptr;
+  }
+}
+
+// Blocks of 8 and 16 pairs (one or two x tiles): a decode step's experts hold a few pairs each, and
+// the tile count sets the registers (at 4 x tiles most tiles spilled; 32-pair blocks measured no
+// faster than 16 at 16 pairs an expert, RESULTS.md).
+template <template <typename> class W, typename T, bool kDown>
+KernelFn pick_grouped_m(int block_m, int cfg) {
+  return block_m == 8 ? pick_grouped_config<W, T, kDown, 1>(cfg)
+         : block_m == 16 ? pick_grouped_config<W, T, kDown, 2>(cfg)
+                         : nullptr;
+}
+
+template <typename T, bool kDown>
+KernelFn pick_grouped(int fmt, int block_m, int cfg) {
+  return fmt == 1   ? pick_grouped_m<skinny::Int4W, T, kDown>(block_m, cfg)
+         : fmt == 2 ? pick_grouped_m<skinny::Mxfp4W, T, kDown>(block_m, cfg)
+                    : nullptr;
+}
+
 }  // namespace
 
 int skinny_gemm_num_configs(int fp8) { return fp8 == 2 ? kNumW4Configs : fp8 ? kNumFp8Configs : kNumConfigs; }
@@ -246,7 +283,8 @@ int skinny_gemm(const void* x, const void* w, const void* bias, void* y, float* 
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
            nullptr, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, warp_ranges, 0};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, warp_ranges, 0,
+           nullptr, nullptr, 0};
   return launch_kernel(fn, p, kConfigs[cfg].rt, static_cast<int64_t>(kConfigs[cfg].u) * skinny::Bf16W<__half>::kChunk, warps,
                        num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -266,7 +304,8 @@ int skinny_gemm_fp8(const void* x, const void* w, const float* scale, int64_t s_
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0,
            scale, s_stride, block_scales, nullptr, nullptr, 0, 0,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, warp_ranges, 0};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, warp_ranges, 0,
+           nullptr, nullptr, 0};
   return launch_kernel(fn, p, kFp8Configs[cfg].rt, static_cast<int64_t>(kFp8Configs[cfg].u) * skinny::Fp8W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -284,7 +323,7 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, m, n, k, silu, 0, 0, nullptr, 0, 0,
            qscale, qzero, q_stride, q_group,
-           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, 0, group_mul(q_group)};
+           nullptr, nullptr, 0, 0, 0, 0, 0, 0.0f, 0.0f, 0, 0, group_mul(q_group), nullptr, nullptr, 0};
   return launch_kernel(fn, p, kW4Configs[cfg].rt, static_cast<int64_t>(kW4Configs[cfg].u) * skinny::Int4W<__half>::kChunk,
                        warps, num_splits, workspace, workspace_bytes, counters, num_counters, pdl, stream);
 }
@@ -325,13 +364,47 @@ int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, c
   if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
   Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, 1, n, k, silu, 0, 0, nullptr, 0, 0,
            qscale, qzero, q_stride, q_group, ids, weights, w_expert_stride, b_expert_stride, top_k, splits, act,
-           alpha, limit, q_expert_stride, warp_ranges, fmt == 0 ? 0 : group_mul(q_group)};
+           alpha, limit, q_expert_stride, warp_ranges, fmt == 0 ? 0 : group_mul(q_group),
+           nullptr, nullptr, 0};
   // Warp ranges over whole K (one split per pair or slot): the warps' shares are K / warps exactly, where
   // the grouped GEMM in deterministic mode cuts its splits (kernels/fused_moe.py), not K rounded up.
   if (warp_ranges && warps > 1 && k % (group * warps) != 0) return static_cast<int>(cudaErrorInvalidValue);
   const int64_t z = down ? tokens : static_cast<int64_t>(tokens) * top_k;
   return launch_kernel(fn, p, rt, group, warps, down ? splits * top_k : splits, workspace, workspace_bytes, counters,
                        num_counters, pdl, stream, z, splits);
+}
+
+int skinny_moe_grouped(const void* x, const void* w, const void* bias, const int* sorted_ids, const int* block_experts,
+                       const float* weights, void* y, float* workspace, int64_t workspace_bytes, int* counters,
+                       int64_t num_counters, int tokens, int top_k, int num_blocks, int block_m, int n, int k,
+                       int64_t x_stride, int64_t w_stride, int64_t y_stride, int64_t w_expert_stride,
+                       int64_t b_expert_stride, int down, int act, float alpha, float limit, int fmt,
+                       const void* qscale, const void* qzero, int64_t q_stride, int q_group, int64_t q_expert_stride,
+                       int dtype, int cfg, int warps, int splits, int pdl, void* stream) {
+  // Up: silu mode over (gate | up) rows. Down: the routing weights in the epilogue. Every x row's
+  // offset (tokens rows up, tokens * top_k down) within 32 bits, as skinny_gemm_w4's (XRows).
+  const int silu = down ? 0 : 1;
+  const int64_t pairs = static_cast<int64_t>(tokens) * top_k;
+  const int64_t x_rows = down ? pairs : tokens;
+  if (sorted_ids == nullptr || block_experts == nullptr || (down && weights == nullptr) || tokens < 1 ||
+      top_k < 1 || pairs >= INT32_MAX || num_blocks < 1 || (act != 0 && act != 1) || (down && act != 0) ||
+      (block_m != 8 && block_m != 16) || cfg < 0 || cfg >= kNumW4Configs || q_expert_stride < 0 ||
+      block_m > kW4Configs[cfg].max_mt * 8 || x_rows * x_stride >= (int64_t{1} << 31) ||
+      !w4_args_ok(fmt, k, down ? n : 2 * int64_t{n}, w_stride, w_expert_stride, qscale, qzero, q_stride, q_group) ||
+      !common_args_ok(block_m, 32, n, k, warps, splits, x_stride, x, w, silu))
+    return static_cast<int>(cudaErrorInvalidValue);
+  KernelFn fn = dtype == 0   ? (down ? pick_grouped<__half, true>(fmt, block_m, cfg)
+                                     : pick_grouped<__half, false>(fmt, block_m, cfg))
+                : dtype == 1 ? (down ? pick_grouped<__nv_bfloat16, true>(fmt, block_m, cfg)
+                                     : pick_grouped<__nv_bfloat16, false>(fmt, block_m, cfg))
+                             : nullptr;
+  if (fn == nullptr) return static_cast<int>(cudaErrorInvalidValue);
+  Params p{x, w, bias, y, nullptr, nullptr, x_stride, w_stride, y_stride, block_m, n, k, silu, 0, 0, nullptr, 0, 0,
+           qscale, qzero, q_stride, q_group, nullptr, weights, w_expert_stride, b_expert_stride, top_k, 1, act,
+           alpha, limit, q_expert_stride, 0, group_mul(q_group), sorted_ids, block_experts, static_cast<int>(pairs)};
+  return launch_kernel(fn, p, kW4Configs[cfg].rt,
+                       static_cast<int64_t>(kW4Configs[cfg].u) * skinny::Int4W<__half>::kChunk, warps, splits,
+                       workspace, workspace_bytes, counters, num_counters, pdl, stream, num_blocks);
 }
 
 }  // namespace minisgl

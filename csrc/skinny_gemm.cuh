@@ -52,14 +52,23 @@ namespace minisgl {
 namespace skinny {
 
 // kFp8: the FP8 epilogue (per-channel scales when p.block_scales == 0); the other formats are
-// built without that code (it kept the bf16 kernel's registers as they were).
-template <typename T, bool kFp8>
+// built without that code (it kept the bf16 kernel's registers as they were). kGrouped: the block's
+// row m is pair moe_sorted[m] (Params), written to y row of that number; with kDown its value
+// (bias included) times the pair's routing weight.
+template <typename T, bool kFp8, bool kGrouped = false, bool kDown = false>
 __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r, int t, int q, int lane, float lo,
                                            float hi) {
   const int g = lane >> 2, quad = lane & 3;
   const int m = 8 * t + 2 * quad + q;
   if (m >= p.m) return;
-  T* y = static_cast<T*>(p.y) + static_cast<int64_t>(m) * p.y_stride;
+  int y_row = m;
+  float weight = 1.0f;
+  if constexpr (kGrouped) {
+    y_row = p.moe_sorted[m];
+    if (y_row >= p.moe_pairs) return;  // padding
+    if constexpr (kDown) weight = p.moe_weights[y_row];
+  }
+  T* y = static_cast<T*>(p.y) + static_cast<int64_t>(y_row) * p.y_stride;
   const T* bias = static_cast<const T*>(p.bias);
   const bool chan = kFp8 && !p.block_scales;  // per-channel FP8 scales
   if (p.silu) {
@@ -88,7 +97,8 @@ __device__ __forceinline__ void store_pair(const Params& p, int tile_row0, int r
   const auto store = [&](int n, float v) {
     if (n >= p.n) return;
     const float b = bias != nullptr ? to_float(bias[n]) : 0.0f;
-    y[n] = from_float<T>(chan ? fmaf(v, p.scale[n * p.s_stride], b) : v + b);
+    const float out = chan ? fmaf(v, p.scale[n * p.s_stride], b) : v + b;
+    y[n] = from_float<T>(kGrouped && kDown ? out * weight : out);
   };
   store(row, lo);
   store(row + 8, hi);
@@ -106,7 +116,8 @@ struct MoeSlot {
 // either the epilogue, or (split-K) this split's partials to the workspace and, in the last
 // block of the tile to arrive, the sum over splits and the epilogue. `tile` indexes the workspace
 // and the counters (a MoE launch's tiles of every z), tile_row0 is the tile's first output row.
-template <typename T, bool kFp8, int MT, int RT, bool kMoeDown = false>
+// kGrouped: a grouped MoE block (store_pair's rows; `slot` unused, the weights are per row).
+template <typename T, bool kFp8, int MT, int RT, bool kMoeDown = false, bool kGrouped = false>
 __device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)[RT][MT][4], float* red, int tile,
                                              int split, int tile_row0, MoeSlot<T> slot = {1.0f, nullptr}) {
   using Tl = Tile<MT, RT>;
@@ -134,7 +145,7 @@ __device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)
       lo += red[(wi * RT * MT + rtm) * 128 + q * 32 + ln];
       hi += red[(wi * RT * MT + rtm) * 128 + (q + 2) * 32 + ln];
     }
-    if constexpr (kMoeDown) {  // rows (g, g + 8) of row tile r; m is 1, so only q 0 holds a row
+    if constexpr (kMoeDown && !kGrouped) {  // rows (g, g + 8) of row tile r; m is 1, so only q 0 holds a row
       const int row = tile_row0 + 16 * (rtm / MT) + (ln >> 2);
       if (slot.bias != nullptr) {
         lo += row < p.n ? to_float(slot.bias[row]) : 0.0f;
@@ -146,7 +157,7 @@ __device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)
     if (part != nullptr) {
       part[it] = make_float2(lo, hi);
     } else {
-      store_pair<T, kFp8>(p, tile_row0, rtm / MT, rtm % MT, q, ln, lo, hi);
+      store_pair<T, kFp8, kGrouped, kMoeDown>(p, tile_row0, rtm / MT, rtm % MT, q, ln, lo, hi);
     }
   }
   if (part == nullptr) return;
@@ -173,7 +184,7 @@ __device__ __forceinline__ void reduce_store(const Params& p, const float (&acc)
       hi += v.y;
     }
     const int pair = it >> 5, rtm = pair >> 1;
-    store_pair<T, kFp8>(p, tile_row0, rtm / MT, rtm % MT, pair & 1, it & 31, lo, hi);
+    store_pair<T, kFp8, kGrouped, kMoeDown>(p, tile_row0, rtm / MT, rtm % MT, pair & 1, it & 31, lo, hi);
   }
 }
 
@@ -224,8 +235,9 @@ __device__ __forceinline__ void load_group_x(Group<W, MT, RT, U>& grp, const XRo
 // One block's work: row tile blockIdx.x over K split `split` (of p.k_split elements). kMoe: the
 // launch is a MoE one (skinny_moe_kernel): p is the block's own view (its expert's W and bias, its
 // x and y rows), it already waited for the previous kernel, `ws_tile` indexes its workspace and
-// counters and `slot` weights a down projection's partials.
-template <typename W, int MT, int RT, int U, bool kMoe, bool kMoeDown>
+// counters and `slot` weights a down projection's partials. kGrouped (skinny_moe_grouped_kernel, kMoe
+// too): the block's x rows are pairs through p.moe_sorted (Params).
+template <typename W, int MT, int RT, int U, bool kMoe, bool kMoeDown, bool kGrouped = false>
 __device__ __forceinline__ void skinny_block(const Params& p, int split, int ws_tile, MoeSlot<typename W::T> slot) {
   using T = typename W::T;
   extern __shared__ float red[];  // [warps][kPairs * 2][32]: the warps' accumulators
@@ -259,9 +271,16 @@ __device__ __forceinline__ void skinny_block(const Params& p, int split, int ws_
 #pragma unroll
   for (int t = 0; t < MT; ++t) {
     const int m = 8 * t + g;
-    xr.ok[t] = m < p.m;
-    xr.x[t] = x + static_cast<int64_t>(xr.ok[t] ? m : 0) * p.x_stride;
-    xr.off[t] = static_cast<unsigned>(xr.ok[t] ? m : 0) * static_cast<unsigned>(p.x_stride);
+    int row = m;
+    bool ok = m < p.m;
+    if constexpr (kGrouped) {  // pair s: token s / top_k's x row (up), the intermediate's row s (down)
+      const int s = ok ? p.moe_sorted[m] : p.moe_pairs;
+      ok = s < p.moe_pairs;
+      row = kMoeDown ? s : s / p.top_k;
+    }
+    xr.ok[t] = ok;
+    xr.x[t] = x + static_cast<int64_t>(ok ? row : 0) * p.x_stride;
+    xr.off[t] = static_cast<unsigned>(ok ? row : 0) * static_cast<unsigned>(p.x_stride);
   }
 
   float acc[RT][MT][4];
@@ -321,7 +340,7 @@ __device__ __forceinline__ void skinny_block(const Params& p, int split, int ws_
     W::mma(acc, cur.w, cur.x);
   }
 
-  reduce_store<T, W::kChannelScale, MT, RT, kMoeDown>(p, acc, red, ws_tile, blockIdx.y, tile_row0, slot);
+  reduce_store<T, W::kChannelScale, MT, RT, kMoeDown, kGrouped>(p, acc, red, ws_tile, blockIdx.y, tile_row0, slot);
 }
 
 template <typename W, int MT, int RT, int U>
@@ -368,6 +387,35 @@ __global__ void __launch_bounds__(kMaxWarps * 32) skinny_moe_kernel(const Params
     q.bias = bias;
   }
   skinny_block<W, 1, RT, U, true, kDown>(q, split, z * gridDim.x + blockIdx.x, slot);
+}
+
+// The routed experts of tens of tokens, grouped by expert (kernels/moe_align.py's blocks of m = 8 * MT
+// pairs, one expert each): block z of the grid is align block z, read once for all of its pairs;
+// a block past the last used one (expert -1) returns. Up (kDown false): x [T, k] rows s / top_k,
+// y [T * top_k, n] = act(gate, up) + bias. Down: x = that intermediate, y [T * top_k, n] rows of
+// weight_s * (x W_e^T + b_e); the top-k sum is the next kernel's (kernels/fused_moe.py moe_sum).
+// Where skinny_moe_kernel reads an expert once per pair, this reads it once per block, so a step
+// whose tokens share experts (32 tokens, top 8 of 128: ~2.3 pairs an expert hit) reads each
+// expert about once. Programmatic dependent launch as skinny_moe_kernel's: the up launch waits
+// before it reads the alignment (the previous kernel's), the down launch's blocks may read it at
+// once (every up block has passed its wait when a down block starts).
+template <typename W, int MT, int RT, int U, bool kDown>
+__global__ void __launch_bounds__(kMaxWarps * 32) skinny_moe_grouped_kernel(const Params p) {
+  using T = typename W::T;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (!kDown) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
+#endif
+  const int z = blockIdx.z;
+  const int e = p.moe_blocks[z];
+  if (e < 0) return;  // every block of this z (all row tiles and splits) returns: no counter moves
+  Params q = p;
+  W::expert(q, e);
+  q.bias = p.bias == nullptr ? nullptr : static_cast<const T*>(p.bias) + e * p.b_expert_stride;
+  q.moe_sorted = p.moe_sorted + static_cast<int64_t>(z) * (8 * MT);
+  skinny_block<W, MT, RT, U, true, kDown, true>(q, blockIdx.y, z * gridDim.x + blockIdx.x, {1.0f, nullptr});
 }
 
 }  // namespace skinny

@@ -46,6 +46,9 @@ NCCL_LIBRARY: str = os.environ.get("MINISGL_NCCL_LIBRARY", "")
 # (minisgl/ops/gemm/skinny_moe.py; 0: never, always the Triton fused MoE). Optionally its up and
 # down launch configurations: "2:t2w4s1,t1w4s1".
 SKINNY_MOE: str = os.environ.get("MINISGL_SKINNY_MOE", "")
+# 4-bit routed experts of more tokens than that, up to this many, run grouped by expert on the same
+# kernel (minisgl/ops/gemm/grouped_moe.py; 0: never, the Triton fused MoE). Default 256.
+GROUPED_MOE: str = os.environ.get("MINISGL_GROUPED_MOE", "")
 # A fused-MoE tile config JSON to use instead of the installed kernels/fused_moe_configs.json.
 FUSED_MOE_CONFIGS: str = os.environ.get("MINISGL_FUSED_MOE_CONFIGS", "")
 # Largest all-reduce (bytes) sent through the one-shot peer-memory path instead of NCCL

@@ -11,7 +11,8 @@ as its epilogue, and the down projection one launch per step whose split-K reduc
 token's experts, weighted, in a fixed order. So a layer is route + up + down, three kernels.
 
 Pairs that share an expert read it once each: beyond a few tokens the Triton kernel's one read
-per expert wins, so `fits` takes MAX_TOKENS tokens at most (env MINISGL_SKINNY_MOE; default 2: on
+per expert wins (4-bit experts: this kernel grouped by expert, ops/gemm/grouped_moe.py), so `fits`
+takes MAX_TOKENS tokens at most (env MINISGL_SKINNY_MOE; default 2: on
 the H100 the routed experts took 0.98-1.10x the Triton path's time at 1-2 tokens and 0.81x at 4,
 benchmarks/kernels/skinny_moe.py). A CUDA graph bucket boundary (1, 2, 4, 8), so a padded batch
 takes the path its unpadded size would.
@@ -91,11 +92,17 @@ class Quant4:
 
 def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, shared: torch.Tensor | None,
          quant: Quant4 | None = None) -> bool:
-    """Whether fused_moe's checked arguments run here: a CUDA build, 16-bit x of 1..MAX_TOKENS
-    rows with 16-byte aligned rows, top_k <= 64 (one split-K slot each), and no shared expert
-    (Qwen2-MoE's goes through the Triton path's sum). 4-bit experts (`quant`) also need H and I
-    multiples of 32 and INT4 groups of a multiple of 32 (a thread's 32-element load in one group)."""
-    if not 1 <= x.shape[0] <= MAX_TOKENS or shared is not None or x.dtype not in _KERNEL_DTYPES:
+    """Whether fused_moe's checked arguments run here: 1..MAX_TOKENS rows of x and kernel_fits."""
+    return 1 <= x.shape[0] <= MAX_TOKENS and kernel_fits(x, w13, w2, top_k, shared, quant)
+
+
+def kernel_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, shared: torch.Tensor | None,
+                quant: Quant4 | None = None) -> bool:
+    """The kernel's conditions (this one's and the grouped one's, ops/gemm/grouped_moe.py): a CUDA
+    build, 16-bit x with 16-byte aligned rows, top_k <= 64 (one split-K slot each), and no shared
+    expert (Qwen2-MoE's goes through the Triton path's sum). 4-bit experts (`quant`) also need H
+    and I multiples of 32 and INT4 groups of a multiple of 32 (a thread's 32-element load in one group)."""
+    if shared is not None or x.dtype not in _KERNEL_DTYPES:
         return False
     if top_k > MAX_SPLITS:
         return False

@@ -12,8 +12,9 @@ columns of at most DEQUANT_BYTES) and the 16-bit GEMM (cuBLAS): the Triton GEMM 
 session, H200; 4-7x and 28-32x before its loader read a word per 8 columns), while decoding
 costs one 16-bit write and read of the weight (vLLM runs AWQ the same way from 256 tokens).
 4-bit MoE experts: a decode step's few tokens (ops/gemm/skinny_moe.py fits) on the skinny
-template's MoE kernel with the same loaders, else the Triton fused MoE with the loader in its
-loop. CPU: dequantise to fp32 through the reference and matmul in fp32 (the path the model tests
+template's MoE kernel with the same loaders, tens of tokens (ops/gemm/grouped_moe.py fits) on its
+grouped form (an expert read once per aligned block), else the Triton fused MoE with the loader in
+its loop. CPU: dequantise to fp32 through the reference and matmul in fp32 (the path the model tests
 hold to transformers).
 """
 
@@ -29,6 +30,7 @@ from minisgl.kernels.fused_moe_config import get_config, weights_key
 from minisgl.logging_setup import log_once
 from minisgl.ops._backend import compiled, current_stream, log_cpu_reference_once, use_cuda_kernel, use_triton
 from minisgl.ops._checks import check_contiguous, check_inner_contiguous, check_same_device, check_shape, check_tensor
+from minisgl.ops.gemm import grouped_moe as _grouped_moe
 from minisgl.ops.gemm import skinny as _sk
 from minisgl.ops.gemm import skinny_moe as _skinny_moe
 from minisgl.ops.gemm.table import CUBLAS
@@ -286,6 +288,8 @@ def fused_moe_w4(
     quant = _skinny_moe.Quant4(f, w13_scales, w13_zeros, w2_scales, w2_zeros)
     if _skinny_moe.fits(x, w13, w2, top_k, shared, quant):  # a decode step's few tokens
         return _skinny_moe.experts(x, w13, w2, topk_weights, topk_ids, b13, b2, act, quant=quant)
+    if _grouped_moe.fits(x, w13, w2, top_k, shared, quant):  # tens of tokens: one read per expert block
+        return _grouped_moe.experts(x, w13, w2, topk_weights, topk_ids, quant, b13, b2, act)
     # 4-bit experts have their own tuned entries (the 16-bit experts' deepest pipelines overflow
     # shared memory with the dequantisation in the loop: Qwen3-30B-A3B's asked 288 KB of an
     # H100's 227 KB); untuned, the default tiles (<= ~100 KB).

@@ -1,0 +1,193 @@
+"""The grouped 4-bit MoE kernel (ops/gemm/grouped_moe.py, csrc/skinny_gemm.cuh
+skinny_moe_grouped_kernel) against an independent fp64 torch computation of the same routed experts
+from their dequantisation (kernels/quant4.py's references), on fresh random data. Unused experts
+are poisoned (test_skinny_moe._case_w4) and the launches write into NaN-filled buffers, so a block
+that read the wrong expert or row, or a pair row never written, shows. CPU: the path choice rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_skinny_moe import _case_w4, _check_finite, _reference
+
+from minisgl.kernels import w4a16_gemm as W4
+from minisgl.kernels.fused_moe import ExpertAct
+from minisgl.kernels.quant4 import dequant_int4_reference, dequant_mxfp4_reference
+from minisgl.ops.gemm import grouped_moe, skinny_moe
+from minisgl.ops.gemm import w4 as w4_ops
+from minisgl.ops.gemm.skinny import SkinnyConfig
+
+gpu = pytest.mark.gpu
+GPT_OSS = ExpertAct("gpt_oss", 1.702, 7.0)
+
+
+def _pair_rows(x, r13, r2, weights, ids, b13, b2, act, dtype):
+    """Per (token, slot) pair, in pair order t * top_k + j: the intermediate (rounded to `dtype`, as
+    the kernel stores it) and the weighted down row, in fp64."""
+    t, k = ids.shape
+    inter = r2.shape[2]
+    e = ids.reshape(-1).long()
+    h = torch.einsum("ph,pnh->pn", x.double().repeat_interleave(k, 0), r13[e].double())
+    if b13 is not None:
+        h = h + b13[e].double()
+    gate, up = h[:, :inter], h[:, inter:]
+    if act is not None:
+        g = gate.clamp(max=act.limit)
+        a = g * torch.sigmoid(act.alpha * g) * (up.clamp(-act.limit, act.limit) + 1)
+    else:
+        a = gate * torch.sigmoid(gate) * up
+    mid = a.to(dtype).double()
+    y = torch.einsum("pi,phi->ph", mid, r2[e].double())
+    if b2 is not None:
+        y = y + b2[e].double()
+    return mid, y * weights.reshape(-1, 1).double()
+
+
+def _close(out, ref, what, rel=2e-2):
+    assert out.isfinite().all(), f"{what}: NaN / inf (a wrong expert read, or a row never written)"
+    err = (out.double() - ref).abs().max().item()
+    tol = rel * ref.abs().max().item()
+    assert err <= tol, f"{what}: max error {err:.4g} > {tol:.4g}"
+
+
+def _run_launches(case, act, config):
+    """align + up + down into NaN-filled buffers, each checked against the pair rows."""
+    x, w13, w2, weights, ids, b13, b2, quant, r13, r2 = case
+    tokens, top_k = ids.shape
+    mid_ref, y_ref = _pair_rows(x, r13, r2, weights, ids, b13, b2, act, x.dtype)
+    sorted_ids, blocks = grouped_moe.align(ids, w13.shape[0], config.block_m)
+    mid = torch.full((tokens * top_k, r2.shape[2]), float("nan"), dtype=x.dtype, device=x.device)
+    grouped_moe.up(x, w13, b13, sorted_ids, blocks, top_k, config.block_m, act, config.up, quant, out=mid)
+    _close(mid, mid_ref, "up")
+    y = torch.full((tokens * top_k, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    grouped_moe.down(mid_ref.to(x.dtype), w2, b2, sorted_ids, blocks, weights, top_k, config.block_m, config.down,
+                     quant, out=y)
+    _close(y, y_ref, "down")
+
+
+@gpu
+@pytest.mark.parametrize("fmt,group", [(W4.INT4, 128), (W4.INT4, 32), (W4.MXFP4, 32)])
+@pytest.mark.parametrize("tokens,top_k,experts", [(3, 4, 16), (24, 8, 64), (40, 2, 4), (40, 1, 2)])
+@pytest.mark.parametrize("block_m", grouped_moe.BLOCK_SIZES)
+@pytest.mark.parametrize("gpt_oss", [False, True])
+def test_launches_match_the_pair_rows(fmt: int, group: int, tokens: int, top_k: int, experts: int, block_m: int,
+                                      gpt_oss: bool) -> None:
+    """Blocks of one pair to several blocks an expert (40 tokens on 2 experts: ~20 pairs each, past
+    one block of 16); H = 384, I = 192 (224 at group 32) end mid-tile."""
+    inter = 192 + 32 * (group == 32)
+    case = _case_w4(fmt, tokens, top_k, experts, 384, inter, group, gpt_oss, seed=tokens + top_k + block_m)
+    cfg = SkinnyConfig(0, 4, 1)
+    _run_launches(case, GPT_OSS if gpt_oss else None, grouped_moe.GroupedConfig(block_m, cfg, cfg))
+
+
+@gpu
+@pytest.mark.parametrize("fmt", [W4.INT4, W4.MXFP4])
+@pytest.mark.parametrize("block_m,up,down", [(16, "t0w1s1", "t0w1s1"), (16, "t1w4s3", "t1w8s2"),
+                                             (16, "t2w2s1", "t2w4s4"), (8, "t0w8s2", "t1w2s1"),
+                                             (8, "t3w4s1", "t2w4s3"), (8, "t3w1s2", "t3w2s1")])
+def test_every_tile_warp_and_split(fmt: int, block_m: int, up: str, down: str) -> None:
+    """H, I multiples of 32 (the 4-bit loads) but not of 128 (a warp group's K); split-K's counters
+    shared by every block of the launch."""
+    case = _case_w4(fmt, 20, 4, 8, 736, 672, 32, True, seed=13)
+    config = grouped_moe.GroupedConfig(block_m, SkinnyConfig.parse(up), SkinnyConfig.parse(down))
+    _run_launches(case, GPT_OSS, config)
+
+
+@gpu
+@pytest.mark.parametrize("fmt", [W4.INT4, W4.MXFP4])
+def test_experts_sum_the_slots(fmt: int) -> None:
+    """experts() (align, up, down, the top-k sum) against the token rows of test_skinny_moe's reference,
+    at the default configuration of each block size; a second call gives the same bits."""
+    x, w13, w2, weights, ids, b13, b2, quant, r13, r2 = _case_w4(fmt, 33, 4, 32, 384, 192, 32, True, seed=3)
+    ref = _reference(x, r13, r2, weights, ids, b13, b2, GPT_OSS, torch.bfloat16)
+    for block_m in grouped_moe.BLOCK_SIZES:
+        cfg = SkinnyConfig(0, 4, 1)
+        config = grouped_moe.GroupedConfig(block_m, cfg, cfg)
+        out = grouped_moe.experts(x, w13, w2, weights, ids, quant, b13, b2, GPT_OSS, config)
+        _check_finite(out, ref)
+        assert torch.equal(grouped_moe.experts(x, w13, w2, weights, ids, quant, b13, b2, GPT_OSS, config), out)
+
+
+@gpu
+def test_cuda_graph_replays_new_routing() -> None:
+    """The alignment and the expert ids are read on the device: a captured layer follows each
+    replay's routing, and a split-K launch's counters reset themselves between replays."""
+    x, w13, w2, weights, ids, b13, b2, quant, r13, r2 = _case_w4(W4.MXFP4, 12, 4, 16, 256, 128, 32, False, seed=5)
+    quant.s13.clamp_(max=122)  # every expert live: the routing changes after the draw
+    quant.s2.clamp_(max=122)
+    r13, r2 = dequant_mxfp4_reference(w13, quant.s13), dequant_mxfp4_reference(w2, quant.s2)
+    config = grouped_moe.GroupedConfig(16, SkinnyConfig(0, 4, 2), SkinnyConfig(1, 4, 1))
+    grouped_moe.experts(x, w13, w2, weights, ids, quant, config=config)  # counters allocated outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = grouped_moe.experts(x, w13, w2, weights, ids, quant, config=config)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for _ in range(3):
+        ids.copy_(torch.stack([torch.randperm(16, generator=g, device="cuda")[:4] for _ in range(12)]))
+        weights.copy_(torch.rand(12, 4, generator=g, device="cuda"))
+        x.copy_(torch.randn(12, 256, generator=g, device="cuda"))
+        graph.replay()
+        _check_finite(out, _reference(x, r13, r2, weights, ids, None, None, None, torch.bfloat16))
+
+
+@gpu
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_fused_moe_w4_takes_the_grouped_path_in_its_range(monkeypatch, fmt: str) -> None:
+    """ops.gemm.w4.fused_moe_w4: the per-pair kernel up to skinny_moe.MAX_TOKENS, this one past it up
+    to grouped_moe.MAX_TOKENS, the Triton fused MoE beyond; each against the dequantised reference."""
+    calls = []
+    real = grouped_moe.experts
+    monkeypatch.setattr(grouped_moe, "experts", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(grouped_moe, "MAX_TOKENS", 9)
+    f = W4.INT4 if fmt == "int4" else W4.MXFP4
+    for t in (skinny_moe.MAX_TOKENS, skinny_moe.MAX_TOKENS + 1, 9, 10):
+        x, w13, w2, weights, ids, b13, b2, q, r13, r2 = _case_w4(f, t, 4, 16, 256, 128, 128 if f == W4.INT4 else 32,
+                                                                  True, seed=t)
+        if f == W4.INT4:  # every expert live (the Triton path may read any expert's tiles)
+            q.s13.nan_to_num_(0.01)
+            q.s2.nan_to_num_(0.01)
+            r13, r2 = dequant_int4_reference(w13, q.s13, q.z13), dequant_int4_reference(w2, q.s2, q.z2)
+        else:
+            q.s13.clamp_(max=122)
+            q.s2.clamp_(max=122)
+            r13, r2 = dequant_mxfp4_reference(w13, q.s13), dequant_mxfp4_reference(w2, q.s2)
+        out = w4_ops.fused_moe_w4(x, fmt, w13, q.s13, q.z13, w2, q.s2, q.z2, weights, ids, b13=b13, b2=b2,
+                                  act=GPT_OSS)
+        _check_finite(out, _reference(x, r13, r2, weights, ids, b13, b2, GPT_OSS, torch.bfloat16))
+    assert calls == [skinny_moe.MAX_TOKENS + 1, 9]
+
+
+@gpu
+def test_the_launcher_refuses_what_the_kernel_cannot_take() -> None:
+    x, w13, w2, weights, ids, b13, b2, quant, _, _ = _case_w4(W4.INT4, 8, 2, 8, 256, 128, 128, False, seed=1)
+    sorted_ids, blocks = grouped_moe.align(ids, 8, 32)
+    with pytest.raises(ValueError, match="block_m must be one of"):  # no 32-pair blocks
+        grouped_moe.up(x, w13, None, sorted_ids, blocks, 2, 32, None, SkinnyConfig(0, 4, 1), quant)
+    sorted_ids, blocks = grouped_moe.align(ids, 8, 16)
+    with pytest.raises(ValueError, match="at most 8 rows"):  # tile 3 holds 1 x tile (8 pairs)
+        grouped_moe.up(x, w13, None, sorted_ids, blocks, 2, 16, None, SkinnyConfig(3, 4, 1), quant)
+
+
+def test_configs_pick_the_block_by_pairs_per_expert() -> None:
+    """Blocks of 16 pairs once the tokens give an expert more than 8 pairs on average."""
+    assert grouped_moe.configs("int4", 32, 8, 128).block_m == 8  # Qwen3-30B-A3B at 32 tokens: 2 an expert
+    assert grouped_moe.configs("int4", 128, 8, 128).block_m == 8  # 8 an expert
+    assert grouped_moe.configs("int4", 129, 8, 128).block_m == 16
+    assert grouped_moe.configs("mxfp4", 64, 4, 32).block_m == 8  # GPT-OSS-20B at 64 tokens: 8
+    assert grouped_moe.configs("mxfp4", 65, 4, 32).block_m == 16
+
+
+def test_env_setting_is_parsed_or_refused() -> None:
+    assert grouped_moe._parse("") == 256
+    assert grouped_moe._parse("0") == 0
+    assert grouped_moe._parse(" 64 ") == 64
+    with pytest.raises(ValueError, match="MINISGL_GROUPED_MOE"):
+        grouped_moe._parse("many")
+
+
+def test_cpu_tensors_never_take_the_kernel() -> None:
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    w13, w2 = torch.zeros(4, 64, 8, dtype=torch.int32), torch.zeros(4, 64, 4, dtype=torch.int32)
+    s = torch.ones(4, 64, 1, dtype=torch.bfloat16)
+    quant = skinny_moe.Quant4(W4.INT4, s, s, s, s)
+    assert not grouped_moe.fits(x, w13, w2, 2, None, quant)
