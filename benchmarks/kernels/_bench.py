@@ -61,6 +61,17 @@ def time_calls(fns: list[Callable[[], object]], reps: int = 50, use_graph: bool 
     return statistics.median(times)
 
 
+def time_two_paths(fns: list[Callable[[], torch.Tensor]], path_a: Callable[[], None], path_b: Callable[[], None],
+                   reps: int = 20) -> tuple[float, float, float]:
+    """(us of A, us of B, max |A - B| / max |B|) of `fns` (time_calls) under each of two settings:
+    path_a() / path_b() switch the op's path (e.g. a module bound) before it is timed and run once."""
+    path_a()
+    t_a, y_a = time_calls(fns, reps=reps), fns[0]().float()
+    path_b()
+    t_b, y_b = time_calls(fns, reps=reps), fns[0]().float()
+    return t_a, t_b, (y_a - y_b).abs().max().item() / y_b.abs().max().item()
+
+
 def ceilings(gib: float = 1.0) -> tuple[float, float]:
     """(copy GB/s counting bytes read + written, read GB/s of a full reduction) on the device."""
     n = int(gib * (1 << 30)) // 4

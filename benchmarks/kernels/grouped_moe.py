@@ -19,7 +19,7 @@ import argparse
 import itertools
 
 import torch
-from _bench import ceilings, num_sets, print_ceilings, print_table, time_calls
+from _bench import ceilings, num_sets, print_ceilings, print_table, time_calls, time_two_paths
 from _moe_cases import SHAPES, make_case, make_w4_weights
 
 from minisgl.kernels.fused_moe import ExpertAct
@@ -63,16 +63,12 @@ def bench(name: str, fmt: str, ms: list[int], read_gbs: float) -> None:
         hit = sum(c.hit for c in cases) / len(cases)
         floor_us = (hit * per_expert + 2 * m * h * 2) / read_gbs / 1e3
         saved = skinny_moe.MAX_TOKENS, grouped_moe.MAX_TOKENS
+        skinny_moe.MAX_TOKENS = 0
         try:
-            skinny_moe.MAX_TOKENS, grouped_moe.MAX_TOKENS = 0, 1 << 20
-            t_grouped = time_calls(fns, reps=20)
-            y_grouped = fns[0]().float()
-            grouped_moe.MAX_TOKENS = 0
-            t_triton = time_calls(fns, reps=20)
-            y_triton = fns[0]().float()
+            t_grouped, t_triton, diff = time_two_paths(fns, lambda: setattr(grouped_moe, "MAX_TOKENS", 1 << 20),
+                                                       lambda: setattr(grouped_moe, "MAX_TOKENS", 0))
         finally:
             skinny_moe.MAX_TOKENS, grouped_moe.MAX_TOKENS = saved
-        diff = (y_grouped - y_triton).abs().max().item() / y_triton.abs().max().item()
         cfg = grouped_moe.configs(fmt, m, shape[1], shape[0])
         rows.append([str(m), f"{hit:.1f}", f"{t_triton:.1f}", f"{100 * floor_us / t_triton:.0f}%",
                      f"{t_grouped:.1f}", f"{100 * floor_us / t_grouped:.0f}%", f"{t_triton / t_grouped:.2f}x",

@@ -22,7 +22,7 @@ import argparse
 import itertools
 
 import torch
-from _bench import ceilings, num_sets, print_ceilings, print_table, time_calls
+from _bench import ceilings, num_sets, print_ceilings, print_table, time_calls, time_two_paths
 from _moe_cases import SHAPES, expert_bytes, make_case, make_weights
 
 from minisgl import ops
@@ -62,15 +62,10 @@ def bench_shape(name: str, ms: list[int], read_gbs: float) -> None:
         floor_us = (hit * expert_bytes(h, i) + 2 * m * h * 2) / read_gbs / 1e3
         saved = skinny_moe.MAX_TOKENS
         try:
-            skinny_moe.MAX_TOKENS = 64
-            t_skinny = time_calls(fns, reps=20)
-            y_skinny = fns[0]().float()
-            skinny_moe.MAX_TOKENS = 0
-            t_triton = time_calls(fns, reps=20)
-            y_triton = fns[0]().float()
+            t_skinny, t_triton, diff = time_two_paths(fns, lambda: setattr(skinny_moe, "MAX_TOKENS", 64),
+                                                      lambda: setattr(skinny_moe, "MAX_TOKENS", 0))
         finally:
             skinny_moe.MAX_TOKENS = saved
-        diff = (y_skinny - y_triton).abs().max().item() / y_triton.abs().max().item()
         rows.append([str(m), f"{hit:.1f}", f"{t_triton:.1f}", f"{100 * floor_us / t_triton:.0f}%",
                      f"{t_skinny:.1f}", f"{100 * floor_us / t_skinny:.0f}%", f"{t_triton / t_skinny:.2f}x",
                      "skinny" if m <= saved else "triton", f"{diff:.1e}"])
