@@ -95,7 +95,7 @@ int skinny_gemm_w4(const void* x, const void* w, const void* qscale, const void*
                    int q_group, int fmt, const void* bias, void* y, float* workspace, int64_t workspace_bytes,
                    int* counters, int64_t num_counters, int m, int n, int k, int64_t x_stride, int64_t w_stride,
                    int64_t y_stride, int silu, int dtype, int cfg, int warps, int num_splits, int pdl, void* stream);
-// The routed experts of a few tokens on the same kernel (csrc/skinny_gemm.cuh, skinny_moe_kernel),
+// The routed experts of a few tokens on the same kernel (csrc/skinny_moe.cuh, skinny_moe_kernel),
 // experts stacked: w [E, n_w, k] (expert stride w_expert_stride, row stride w_stride, both in
 // elements of w's storage), bias [E, n_w] or null (b_expert_stride), ids int32 [tokens, top_k].
 // fmt 0: 16-bit experts, cfg a 16-bit tile configuration, qscale / qzero null. fmt 1 / 2: 4-bit
@@ -114,7 +114,7 @@ int skinny_moe(const void* x, const void* w, const void* bias, const int* ids, c
                const void* qzero, int64_t q_stride, int q_group, int64_t q_expert_stride, int dtype, int cfg,
                int warps, int splits, int pdl, void* stream, int warp_ranges = 0);
 
-// 4-bit routed experts grouped by expert (csrc/skinny_gemm.cuh, skinny_moe_grouped_kernel): the
+// 4-bit routed experts grouped by expert (csrc/skinny_moe.cuh, skinny_moe_grouped_kernel): the
 // weights, strides and formats as skinny_moe's (fmt 1 INT4 / 2 MXFP4 only), the routing as
 // kernels/moe_align.py's blocks of block_m (8 or 16) pairs: sorted_ids [num_blocks * block_m] (pair
 // t * top_k + j, tokens * top_k for padding), block_experts [num_blocks] (-1 past the last used).

@@ -6,6 +6,7 @@
 
 #include "launchers.h"
 #include "pdl.h"
+#include "skinny_moe.cuh"
 #include "skinny_w4.cuh"
 
 namespace minisgl {

@@ -16,7 +16,7 @@ BLOCK_N output tile of one expert; blocks whose expert is -1 (past the routed ro
 Traffic at small T: the hit experts' weights, read once; at large T, tensor-core bound.
 
 Deterministic mode (`splits`, ops/moe.py) sums as the skinny MoE kernel does in that mode
-(csrc/skinny_gemm.cuh skinny_moe_kernel with warp_ranges), so a token's rows are the same bits at
+(csrc/skinny_moe.cuh skinny_moe_kernel with warp_ranges), so a token's rows are the same bits at
 every batch size, 1-2 tokens there and more here: K in `splits` fixed splits, each a chain of
 k16 steps in plain K order from zero, added in split order to a zero total; then the bias, the
 activation as nvcc compiles the CUDA epilogue (`_act_exact`: ex2.approx, div.rn, on the GPU), the

@@ -1,10 +1,14 @@
-"""The grouped 4-bit MoE kernel (ops/gemm/grouped_moe.py, csrc/skinny_gemm.cuh
+"""The grouped 4-bit MoE kernel (ops/gemm/grouped_moe.py, csrc/skinny_moe.cuh
 skinny_moe_grouped_kernel) against an independent fp64 torch computation of the same routed experts
-from their dequantisation (kernels/quant4.py's references), on fresh random data. Unused experts
-are poisoned (test_skinny_moe._case_w4) and the launches write into NaN-filled buffers, so a block
-that read the wrong expert or row, or a pair row never written, shows. CPU: the path choice rules."""
+from their dequantisation (kernels/quant4.py's references), on fresh random data. Experts a routing
+leaves unused are poisoned (test_skinny_moe._case_w4; most cases here use every expert, and the fp64
+comparison catches a wrong one) and the launches write into NaN-filled buffers with guard rows, so a
+pair row never written, or a padding row written, shows. CPU: the path choice rules, the wrapper's
+and the launcher's argument checks."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -12,10 +16,12 @@ from test_skinny_moe import _case_w4, _check_finite, _reference
 
 from minisgl.kernels import w4a16_gemm as W4
 from minisgl.kernels.fused_moe import ExpertAct
+from minisgl.kernels.moe_align import align_reference
 from minisgl.kernels.quant4 import dequant_int4_reference, dequant_mxfp4_reference
+from minisgl.ops._backend import compiled
 from minisgl.ops.gemm import grouped_moe, skinny_moe
 from minisgl.ops.gemm import w4 as w4_ops
-from minisgl.ops.gemm.skinny import SkinnyConfig
+from minisgl.ops.gemm.skinny import SkinnyConfig, tile_shapes
 
 gpu = pytest.mark.gpu
 GPT_OSS = ExpertAct("gpt_oss", 1.702, 7.0)
@@ -50,19 +56,28 @@ def _close(out, ref, what, rel=2e-2):
     assert err <= tol, f"{what}: max error {err:.4g} > {tol:.4g}"
 
 
+def _guarded(rows: int, cols: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN-filled [rows, cols] output inside a buffer with 16 guard rows after it (a padding slot's
+    pair number is `rows`: a kernel that wrote it would land there): (the output view, the buffer)."""
+    buf = torch.full((rows + 16, cols), float("nan"), dtype=x.dtype, device=x.device)
+    return buf[:rows], buf
+
+
 def _run_launches(case, act, config):
-    """align + up + down into NaN-filled buffers, each checked against the pair rows."""
+    """align + up + down into NaN-filled buffers, each checked against the pair rows; the rows past
+    the pairs' stay unwritten."""
     x, w13, w2, weights, ids, b13, b2, quant, r13, r2 = case
     tokens, top_k = ids.shape
     mid_ref, y_ref = _pair_rows(x, r13, r2, weights, ids, b13, b2, act, x.dtype)
     sorted_ids, blocks = grouped_moe.align(ids, w13.shape[0], config.block_m)
-    mid = torch.full((tokens * top_k, r2.shape[2]), float("nan"), dtype=x.dtype, device=x.device)
+    mid, mid_buf = _guarded(tokens * top_k, r2.shape[2], x)
     grouped_moe.up(x, w13, b13, sorted_ids, blocks, top_k, config.block_m, act, config.up, quant, out=mid)
     _close(mid, mid_ref, "up")
-    y = torch.full((tokens * top_k, x.shape[1]), float("nan"), dtype=x.dtype, device=x.device)
+    y, y_buf = _guarded(tokens * top_k, x.shape[1], x)
     grouped_moe.down(mid_ref.to(x.dtype), w2, b2, sorted_ids, blocks, weights, top_k, config.block_m, config.down,
                      quant, out=y)
     _close(y, y_ref, "down")
+    assert mid_buf[tokens * top_k:].isnan().all() and y_buf[tokens * top_k:].isnan().all(), "a padding row written"
 
 
 @gpu
@@ -157,15 +172,102 @@ def test_fused_moe_w4_takes_the_grouped_path_in_its_range(monkeypatch, fmt: str)
     assert calls == [skinny_moe.MAX_TOKENS + 1, 9]
 
 
-@gpu
-def test_the_launcher_refuses_what_the_kernel_cannot_take() -> None:
-    x, w13, w2, weights, ids, b13, b2, quant, _, _ = _case_w4(W4.INT4, 8, 2, 8, 256, 128, 128, False, seed=1)
-    sorted_ids, blocks = grouped_moe.align(ids, 8, 32)
+def test_launches_refuse_mismatched_arguments() -> None:
+    """The wrapper's checks, before any CUDA call (CPU tensors): a block size the kernel is not built
+    for, an alignment made for another block size, an output of the wrong shape, a tile too
+    narrow for the block."""
+    if not tile_shapes("int4"):
+        pytest.skip("minisgl._C was built without CUDA")
+    tokens, top_k, experts, h, inter = 8, 2, 8, 256, 128
+    x = torch.randn(tokens, h, dtype=torch.bfloat16)
+    w13 = torch.zeros(experts, 2 * inter, h // 8, dtype=torch.int32)
+    s = torch.ones(experts, 2 * inter, h // 128, dtype=torch.bfloat16)
+    quant = skinny_moe.Quant4(W4.INT4, s, s, s, s)
+    ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
+    cfg = SkinnyConfig(0, 4, 1)
+
+    def up(block_m, aligned_for, out=None, w=w13, config=cfg):
+        sorted_ids, blocks = align_reference(ids, experts, aligned_for)
+        grouped_moe.up(x, w, None, sorted_ids, blocks, top_k, block_m, None, config, quant, out=out)
+
     with pytest.raises(ValueError, match="block_m must be one of"):  # no 32-pair blocks
-        grouped_moe.up(x, w13, None, sorted_ids, blocks, 2, 32, None, SkinnyConfig(0, 4, 1), quant)
-    sorted_ids, blocks = grouped_moe.align(ids, 8, 16)
+        up(32, 32)
+    with pytest.raises(ValueError, match="sorted_ids has"):
+        up(8, 16)
+    with pytest.raises(ValueError, match="rows an expert"):  # w2's rows where w13's (gate | up) belong
+        up(8, 8, out=torch.empty(tokens * top_k, inter, dtype=torch.bfloat16),
+           w=torch.zeros(experts, inter, h // 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out must be"):
+        up(8, 8, out=torch.empty(tokens, inter, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="at most 8 rows"):  # tile 3 holds 1 x tile (8 pairs)
-        grouped_moe.up(x, w13, None, sorted_ids, blocks, 2, 16, None, SkinnyConfig(3, 4, 1), quant)
+        up(16, 16, config=SkinnyConfig(3, 4, 1))
+
+
+_NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU would run the good calls on fake pointers")
+
+
+def _launcher():
+    ext = compiled()
+    if ext is None or not ext.has_cuda or not hasattr(ext, "skinny_moe_grouped"):
+        pytest.skip("minisgl._C was built without CUDA")
+    p = 1 << 20  # a 16-byte aligned address, never dereferenced (no launch happens)
+    k, n = 256, 64
+
+    def call(fmt=1, block_m=8, cfg=1, down=False, act=0, weights=p, sorted_ids=p, blocks=p, tokens=4, top_k=2,
+             x_stride=k, dtype=1):
+        w_stride = k // 8 if fmt == 1 else k // 2
+        q_group = 128 if fmt == 1 else 32
+        rows = n if down else 2 * n
+        ext.skinny_moe_grouped(p, p, 0, sorted_ids, blocks, weights, p, 0, 0, 0, 0, tokens, top_k, 3, block_m, n, k,
+                               x_stride, w_stride, n, rows * w_stride, 0, down, act, 1.702, 7.0, fmt, p,
+                               p if fmt == 1 else 0, k // q_group, q_group, rows * (k // q_group), dtype, cfg, 2, 1,
+                               False, 0)
+    return call
+
+
+@_NO_GPU
+def test_the_launcher_checks_its_arguments() -> None:
+    """csrc/skinny_gemm.cu skinny_moe_grouped through the bindings on a machine without a GPU: a bad
+    argument is refused before any CUDA call ('invalid argument'); the good ones pass every check
+    and fail only at the missing device."""
+    call = _launcher()
+    bad = [
+        lambda: call(block_m=32),  # not built
+        lambda: call(block_m=16, cfg=3),  # tile 3 holds one x tile
+        lambda: call(fmt=0),  # 4-bit experts only
+        lambda: call(down=True, act=1),  # the activation is the up projection's
+        lambda: call(down=True, weights=0),  # the routing weights are the down projection's
+        lambda: call(sorted_ids=0),
+        lambda: call(blocks=0),
+        lambda: call(x_stride=1 << 29),  # 4 tokens' rows of x past 2^31 elements
+        lambda: call(down=True, x_stride=1 << 28),  # the intermediate's 8 pair rows past 2^31
+    ]
+    for i, bad_call in enumerate(bad):
+        with pytest.raises(RuntimeError, match="invalid argument"):
+            bad_call()
+            pytest.fail(f"bad call {i} was not refused")
+    for good in (call, lambda: call(x_stride=(1 << 29) - 8), lambda: call(x_stride=1 << 28),
+                 lambda: call(down=True, x_stride=(1 << 28) - 8)):
+        with pytest.raises(RuntimeError) as e:
+            good()
+        assert "invalid argument" not in str(e.value), str(e.value)
+
+
+@_NO_GPU
+def test_every_block_and_tile_has_its_kernels() -> None:
+    """Every 4-bit tile at each block size its x tiles hold (8 pairs: all; 16: those of max m >= 16), up
+    and down, both formats and 16-bit dtypes, finds its kernel (the calls fail only at the missing
+    device); a tile one block size too narrow is refused."""
+    call = _launcher()
+    for cfg, (_, _, max_m) in enumerate(tile_shapes("int4")):
+        for fmt, dtype, down, block_m in itertools.product((1, 2), (0, 1), (False, True), grouped_moe.BLOCK_SIZES):
+            if block_m > max_m:
+                with pytest.raises(RuntimeError, match="invalid argument"):
+                    call(fmt=fmt, block_m=block_m, cfg=cfg, down=down, dtype=dtype)
+                continue
+            with pytest.raises(RuntimeError) as e:
+                call(fmt=fmt, block_m=block_m, cfg=cfg, down=down, dtype=dtype)
+            assert "invalid argument" not in str(e.value), (cfg, fmt, dtype, down, block_m)
 
 
 def test_configs_pick_the_block_by_pairs_per_expert() -> None:

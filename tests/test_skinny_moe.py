@@ -1,4 +1,4 @@
-"""The skinny MoE kernel (ops/gemm/skinny_moe.py, csrc/skinny_gemm.cuh skinny_moe_kernel), 16-bit and
+"""The skinny MoE kernel (ops/gemm/skinny_moe.py, csrc/skinny_moe.cuh skinny_moe_kernel), 16-bit and
 4-bit experts, against an independent fp32 torch computation of the same routed experts (4-bit:
 of their dequantisation by kernels/quant4.py's references), on fresh random data. The experts
 no token chose are NaN-poisoned, so a block that read the wrong expert (or the wrong row of x or

@@ -9,8 +9,9 @@ Both are ops.gemm.w4.fused_moe_w4 with the path forced (skinny_moe.MAX_TOKENS 0,
 HBM as in a real step. GPT-OSS-20B's layer takes its expert biases and clamped SwiGLU. Floor =
 (4-bit bytes of the experts hit, scales included, + x and out) / the read ceiling measured in the
 same run; "% of floor" = floor time / time.
---sweep: per M, every (block size, tile, warps, splits) of the up and the down launch, each timed
-alone (the default's marked), to choose grouped_moe.configs.
+--sweep: per M, every (block size, tile) of the up and the down launch in blocks of 1, 2 and 4 warps,
+one K split (splits only cost in a first sweep), each timed alone (the default's marked), to choose
+grouped_moe.configs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """4-bit routed experts of tens of tokens on the skinny GEMM kernel, grouped by expert
-(csrc/skinny_gemm.cuh skinny_moe_grouped_kernel).
+(csrc/skinny_moe.cuh skinny_moe_grouped_kernel).
 
 Past skinny_moe.MAX_TOKENS the per-pair kernel reads an expert once per (token, expert) pair; the
 Triton fused MoE reads it once per aligned block, but decodes each 4-bit tile into registers
@@ -79,8 +79,9 @@ def configs(fmt: str, tokens: int, top_k: int, experts: int) -> GroupedConfig:
     (tokens * top_k / experts), else 16; tile 1 (two 16-row W tiles a block, one 128-K chunk a warp
     group) in blocks of 2 warps, one K split. The sweep (H200, 8-128 tokens, both shapes): blocks of
     8 ran 1.1-1.5x blocks of 16 up to 8 pairs an expert, 16 won at 16; this tile was the best or
-    within 5% of it (1 warp at 128 tokens) and K splits only cost (short blocks: the launch already
-    covers the GPU). Cached: the decode step's layers ask per call."""
+    within 5% of it (1 warp at 128 tokens). A first sweep with 2-8 warps and 1-2 K splits (RESULTS.md,
+    thirty-third session, call 1) found splits only cost: a block's K loop is short already and the
+    launch covers the GPU. Cached: the decode step's layers ask per call."""
     del fmt
     block_m = 8 if tokens * top_k <= 8 * experts else 16
     cfg = SkinnyConfig(1, 2, 1)
@@ -97,8 +98,17 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, sorted_
     n, k = out.shape[1], x.shape[1]
     if block_m not in BLOCK_SIZES:
         raise ValueError(f"grouped_moe: block_m must be one of {BLOCK_SIZES}, got {block_m}")
-    check_config(cfg, block_m, name)
     num_blocks = block_experts.numel()
+    if sorted_ids.numel() != num_blocks * block_m:  # the kernel reads block z's ids at z * block_m
+        raise ValueError(f"grouped_moe: sorted_ids has {sorted_ids.numel()} slots, not {num_blocks} blocks x "
+                         f"block_m {block_m}: align with the block_m the launches take")
+    if w.shape[1] != (n if down else 2 * n):
+        raise ValueError(f"grouped_moe: w has {w.shape[1]} rows an expert for {n} output columns "
+                         f"({'down: n' if down else 'up: gate | up, 2n'})")
+    if tuple(out.shape) != (tokens * top_k, n) or out.stride(1) != 1:
+        raise ValueError(f"grouped_moe: out must be [{tokens * top_k}, {n}] with contiguous rows, got "
+                         f"{tuple(out.shape)}")
+    check_config(cfg, block_m, name)
     ws, ws_bytes, ctr = None, 0, None
     if cfg.splits > 1:
         tiles = num_tiles(n, not down, cfg.tile, name) * num_blocks

@@ -1,4 +1,4 @@
-"""The routed experts of a decode step's few tokens on the skinny GEMM kernel (csrc/skinny_gemm.cuh,
+"""The routed experts of a decode step's few tokens on the skinny GEMM kernel (csrc/skinny_moe.cuh,
 skinny_moe_kernel).
 
 At batch 1 a MoE layer is top_k matrix-vector products per projection. The Triton fused MoE
