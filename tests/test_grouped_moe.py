@@ -272,11 +272,11 @@ def test_every_block_and_tile_has_its_kernels() -> None:
 
 def test_configs_pick_the_block_by_pairs_per_expert() -> None:
     """Blocks of 16 pairs once the tokens give an expert more than 8 pairs on average."""
-    assert grouped_moe.configs("int4", 32, 8, 128).block_m == 8  # Qwen3-30B-A3B at 32 tokens: 2 an expert
-    assert grouped_moe.configs("int4", 128, 8, 128).block_m == 8  # 8 an expert
-    assert grouped_moe.configs("int4", 129, 8, 128).block_m == 16
-    assert grouped_moe.configs("mxfp4", 64, 4, 32).block_m == 8  # GPT-OSS-20B at 64 tokens: 8
-    assert grouped_moe.configs("mxfp4", 65, 4, 32).block_m == 16
+    assert grouped_moe.configs(32, 8, 128).block_m == 8  # Qwen3-30B-A3B at 32 tokens: 2 an expert
+    assert grouped_moe.configs(128, 8, 128).block_m == 8  # 8 an expert
+    assert grouped_moe.configs(129, 8, 128).block_m == 16
+    assert grouped_moe.configs(64, 4, 32).block_m == 8  # GPT-OSS-20B at 64 tokens: 8
+    assert grouped_moe.configs(65, 4, 32).block_m == 16
 
 
 def test_env_setting_is_parsed_or_refused() -> None:

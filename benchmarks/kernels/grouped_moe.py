@@ -70,7 +70,7 @@ def bench(name: str, fmt: str, ms: list[int], read_gbs: float) -> None:
                                                        lambda: setattr(grouped_moe, "MAX_TOKENS", 0))
         finally:
             skinny_moe.MAX_TOKENS, grouped_moe.MAX_TOKENS = saved
-        cfg = grouped_moe.configs(fmt, m, shape[1], shape[0])
+        cfg = grouped_moe.configs(m, shape[1], shape[0])
         rows.append([str(m), f"{hit:.1f}", f"{t_triton:.1f}", f"{100 * floor_us / t_triton:.0f}%",
                      f"{t_grouped:.1f}", f"{100 * floor_us / t_grouped:.0f}%", f"{t_triton / t_grouped:.2f}x",
                      f"{cfg.block_m} {cfg.up} {cfg.down}", f"{diff:.1e}"])
@@ -88,7 +88,7 @@ def sweep(name: str, fmt: str, ms: list[int], read_gbs: float) -> None:
         cases = _cases(shape, m, per_expert)
         hit = sum(c.hit for c in cases) / len(cases)
         mids = [torch.randn(m * k, i, device="cuda", dtype=torch.bfloat16) for _ in cases]
-        default = grouped_moe.configs(fmt, m, k, e)
+        default = grouped_moe.configs(m, k, e)
         rows = []
         for block_m in grouped_moe.BLOCK_SIZES:
             aligned = [grouped_moe.align(c.ids, e, block_m) for c in cases]

@@ -74,15 +74,15 @@ def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, share
 
 
 @functools.cache
-def configs(fmt: str, tokens: int, top_k: int, experts: int) -> GroupedConfig:
+def configs(tokens: int, top_k: int, experts: int) -> GroupedConfig:
     """The launch for `tokens` tokens: blocks of 8 pairs while an expert averages at most 8 of them
     (tokens * top_k / experts), else 16; tile 1 (two 16-row W tiles a block, one 128-K chunk a warp
     group) in blocks of 2 warps, one K split. The sweep (H200, 8-128 tokens, both shapes): blocks of
     8 ran 1.1-1.5x blocks of 16 up to 8 pairs an expert, 16 won at 16; this tile was the best or
     within 5% of it (1 warp at 128 tokens). A first sweep with 2-8 warps and 1-2 K splits (RESULTS.md,
     thirty-third session, call 1) found splits only cost: a block's K loop is short already and the
-    launch covers the GPU. Cached: the decode step's layers ask per call."""
-    del fmt
+    launch covers the GPU. The same for INT4 and MXFP4 (their sweeps chose alike). Cached: the decode
+    step's layers ask per call."""
     block_m = 8 if tokens * top_k <= 8 * experts else 16
     cfg = SkinnyConfig(1, 2, 1)
     return GroupedConfig(block_m, cfg, cfg)
@@ -164,7 +164,7 @@ def experts(
     tokens, top_k = topk_ids.shape
     e = w13.shape[0]
     if config is None:
-        config = configs(_w4.NAMES[quant.fmt], tokens, top_k, e)
+        config = configs(tokens, top_k, e)
     sorted_ids, block_experts = align(topk_ids, e, config.block_m)
     mid = up(x, w13, b13, sorted_ids, block_experts, top_k, config.block_m, act, config.up, quant)
     y = down(mid, w2, b2, sorted_ids, block_experts, topk_weights, top_k, config.block_m, config.down, quant)
