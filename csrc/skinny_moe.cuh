@@ -1,7 +1,7 @@
 // The skinny GEMM's MoE kernels: the routed experts of a few tokens per (token, expert) pair
 // (skinny_moe_kernel) and of tens of tokens grouped by expert (skinny_moe_grouped_kernel). Both run
 // csrc/skinny_gemm.cuh's block (skinny_block) on the expert a block reads on the device; the
-// launchers are csrc/skinny_gemm.cu's skinny_moe and skinny_moe_grouped. Framework-free.
+// launchers are csrc/skinny_moe.cu's skinny_moe and skinny_moe_grouped. Framework-free.
 #pragma once
 #include "skinny_gemm.cuh"
 
