@@ -16,7 +16,7 @@ from test_skinny_moe import _case_w4, _check_finite, _reference
 
 from minisgl.kernels import w4a16_gemm as W4
 from minisgl.kernels.fused_moe import ExpertAct
-from minisgl.kernels.moe_align import align_reference
+from minisgl.kernels.moe_align import align, align_reference
 from minisgl.kernels.quant4 import dequant_int4_reference, dequant_mxfp4_reference
 from minisgl.ops._backend import compiled
 from minisgl.ops.gemm import grouped_moe, skinny_moe
@@ -69,7 +69,7 @@ def _run_launches(case, act, config):
     x, w13, w2, weights, ids, b13, b2, quant, r13, r2 = case
     tokens, top_k = ids.shape
     mid_ref, y_ref = _pair_rows(x, r13, r2, weights, ids, b13, b2, act, x.dtype)
-    sorted_ids, blocks = grouped_moe.align(ids, w13.shape[0], config.block_m)
+    sorted_ids, blocks = align(ids, w13.shape[0], config.block_m)
     mid, mid_buf = _guarded(tokens * top_k, r2.shape[2], x)
     grouped_moe.up(x, w13, b13, sorted_ids, blocks, top_k, config.block_m, act, config.up, quant, out=mid)
     _close(mid, mid_ref, "up")
@@ -227,7 +227,7 @@ def _launcher():
 
 @_NO_GPU
 def test_the_launcher_checks_its_arguments() -> None:
-    """csrc/skinny_gemm.cu skinny_moe_grouped through the bindings on a machine without a GPU: a bad
+    """csrc/skinny_moe.cu skinny_moe_grouped through the bindings on a machine without a GPU: a bad
     argument is refused before any CUDA call ('invalid argument'); the good ones pass every check
     and fail only at the missing device."""
     call = _launcher()

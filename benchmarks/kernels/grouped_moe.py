@@ -24,6 +24,7 @@ from _bench import ceilings, num_sets, print_ceilings, print_table, time_calls, 
 from _moe_cases import SHAPES, make_case, make_w4_weights
 
 from minisgl.kernels.fused_moe import ExpertAct
+from minisgl.kernels.moe_align import align
 from minisgl.kernels.w4a16_gemm import INT4, MXFP4
 from minisgl.ops.gemm import grouped_moe, skinny_moe
 from minisgl.ops.gemm import w4 as w4_ops
@@ -91,7 +92,7 @@ def sweep(name: str, fmt: str, ms: list[int], read_gbs: float) -> None:
         default = grouped_moe.configs(m, k, e)
         rows = []
         for block_m in grouped_moe.BLOCK_SIZES:
-            aligned = [grouped_moe.align(c.ids, e, block_m) for c in cases]
+            aligned = [align(c.ids, e, block_m) for c in cases]
             tiles = [t for t, shp in enumerate(tile_shapes(fmt)) if shp[2] >= block_m]
             for tile, warps, splits in itertools.product(tiles, (1, 2, 4), (1,)):
                 cfg = SkinnyConfig(tile, warps, splits)

@@ -32,7 +32,15 @@ from minisgl.kernels import w4a16_gemm as _w4
 from minisgl.kernels.fused_moe import ExpertAct, moe_sum
 from minisgl.ops._backend import compiled, current_stream
 from minisgl.ops.gemm import skinny_moe as _skinny
-from minisgl.ops.gemm.skinny import _KERNEL_DTYPES, PDL, SkinnyConfig, check_config, counters, num_tiles, tile_shapes
+from minisgl.ops.gemm.skinny import (
+    _KERNEL_DTYPES,
+    PDL,
+    SkinnyConfig,
+    check_config,
+    num_tiles,
+    split_buffers,
+    tile_shapes,
+)
 
 BLOCK_SIZES = (8, 16)  # the kernel's BLOCK_M: 8 * MT pairs, MT 1 or 2
 
@@ -109,31 +117,19 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, sorted_
         raise ValueError(f"grouped_moe: out must be [{tokens * top_k}, {n}] with contiguous rows, got "
                          f"{tuple(out.shape)}")
     check_config(cfg, block_m, name)
-    ws, ws_bytes, ctr = None, 0, None
-    if cfg.splits > 1:
-        tiles = num_tiles(n, not down, cfg.tile, name) * num_blocks
-        ctr = counters(x.device)
-        if tiles > ctr.numel():
-            raise ValueError(f"grouped_moe: {tiles} row tiles exceed the {ctr.numel()} split-K counters")
-        items = tiles * cfg.splits * tile_shapes(name)[cfg.tile][0] * (block_m // 8) * 2 * 32  # float2 each
-        ws = torch.empty(2 * items, dtype=torch.float32, device=x.device)
-        ws_bytes = ws.numel() * 4
+    tiles = num_tiles(n, not down, cfg.tile, name) * num_blocks
+    ws, buffers = split_buffers(x.device, tiles, cfg.splits, tile_shapes(name)[cfg.tile][0], block_m // 8,
+                                "grouped_moe")
     gpt_oss = act is not None and act.kind == "gpt_oss"
     compiled().skinny_moe_grouped(
         x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), sorted_ids.data_ptr(),
-        block_experts.data_ptr(), weights.data_ptr() if down else 0, out.data_ptr(),
-        0 if ws is None else ws.data_ptr(), ws_bytes, 0 if ctr is None else ctr.data_ptr(),
-        0 if ctr is None else ctr.numel(), tokens, top_k, num_blocks, block_m, n, k, x.stride(0), w.stride(1),
+        block_experts.data_ptr(), weights.data_ptr() if down else 0, out.data_ptr(), *buffers, tokens, top_k,
+        num_blocks, block_m, n, k, x.stride(0), w.stride(1),
         out.stride(0), w.stride(0), 0 if bias is None else bias.stride(0), down, 1 if gpt_oss else 0,
         act.alpha if gpt_oss else 0.0, act.limit if gpt_oss else 0.0, fmt, scales.data_ptr(),
         0 if zeros is None else zeros.data_ptr(), scales.stride(1), k // scales.shape[2], scales.stride(0),
         _KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, cfg.splits, PDL, current_stream(x.device),
     )
-
-
-def align(topk_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels/moe_align.py's (sorted_ids, block_experts) for the launches."""
-    return _align.align(topk_ids, experts, block_m)
 
 
 def up(x, w13, b13, sorted_ids, block_experts, top_k, block_m, act, cfg, quant, out=None) -> torch.Tensor:
@@ -165,7 +161,7 @@ def experts(
     e = w13.shape[0]
     if config is None:
         config = configs(tokens, top_k, e)
-    sorted_ids, block_experts = align(topk_ids, e, config.block_m)
+    sorted_ids, block_experts = _align.align(topk_ids, e, config.block_m)
     mid = up(x, w13, b13, sorted_ids, block_experts, top_k, config.block_m, act, config.up, quant)
     y = down(mid, w2, b2, sorted_ids, block_experts, topk_weights, top_k, config.block_m, config.down, quant)
     return moe_sum(y, top_k)

@@ -33,7 +33,7 @@ MAX_WARPS = 8
 # (the conservative figure: in the model most GEMMs follow a kernel that is not ours).
 PDL = True
 MAX_SPLITS = 64
-# The one tile built with deterministic mode's loader (warp_ranges: csrc/skinny_gemm.cu
+# The one tile built with deterministic mode's loader (warp_ranges: csrc/skinny_launch.h
 # Tiles<Bf16DetW>, whose MMAs take K in contiguous 16-element steps); rt 1, u 4, up to 32 rows.
 DETERMINISTIC_TILE = 1
 _KERNEL_DTYPES = {torch.float16: 0, torch.bfloat16: 1}
@@ -177,6 +177,21 @@ def counters(device: torch.device) -> torch.Tensor:
             raise ValueError("skinny_gemm: call it once outside CUDA-graph capture before capturing split-K launches")
         buf = _counters[index] = torch.zeros(_NUM_COUNTERS, dtype=torch.int32, device=device)
     return buf
+
+
+def split_buffers(device: torch.device, tiles: int, splits: int, row_tiles: int, x_tiles: int, op: str
+                  ) -> tuple[torch.Tensor | None, tuple[int, int, int, int]]:
+    """A launch's split-K buffers: (the fp32 workspace, kept alive by the caller until the launch is
+    queued, and the launchers' (workspace, workspace_bytes, counters, num_counters) arguments). The
+    workspace holds a float2 per (row tile, split, accumulator pair): row_tiles x x_tiles x 2 pairs of
+    32 lanes a tile (csrc/skinny_launch.h launch_kernel's bound). One split: nothing, zeros."""
+    if splits <= 1:
+        return None, (0, 0, 0, 0)
+    ctr = counters(device)
+    if tiles > ctr.numel():
+        raise ValueError(f"{op}: {tiles} row tiles exceed the {ctr.numel()} split-K counters")
+    ws = torch.empty(2 * tiles * splits * row_tiles * x_tiles * 2 * 32, dtype=torch.float32, device=device)
+    return ws, (ws.data_ptr(), ws.numel() * 4, ctr.data_ptr(), ctr.numel())
 
 
 def _check(x, weight, scale, block_k, bias, silu, out) -> int:
@@ -325,20 +340,11 @@ def launch(
     w_stride = weight.stride(0) if weight.size(0) > 1 else k
     y_stride = out.stride(0) if m > 1 else n_out
     splits = cfg.splits
-    ws = ctr = None
-    ws_bytes = 0
-    if splits > 1:
-        tiles = num_tiles(n_out, silu, cfg.tile, fmt)
-        if tiles > _NUM_COUNTERS:  # more row tiles than counters (N > 500k): no split needed there
-            splits = 1
-        else:
-            ctr = counters(x.device)
-            rt = tile_shapes(fmt)[cfg.tile][0]
-            items = tiles * splits * rt * (-(-m // 8)) * 2 * 32  # float2 per (tile, split, pair)
-            ws = torch.empty(2 * items, dtype=torch.float32, device=x.device)
-            ws_bytes = ws.numel() * 4
-    split_args = (0 if ws is None else ws.data_ptr(), ws_bytes, 0 if ctr is None else ctr.data_ptr(),
-                  0 if ctr is None else ctr.numel(), m, n_out, k, x_stride, w_stride, y_stride, silu,
+    tiles = num_tiles(n_out, silu, cfg.tile, fmt)
+    if tiles > _NUM_COUNTERS:  # more row tiles than counters (N > 500k): no split needed there
+        splits = 1
+    ws, buffers = split_buffers(x.device, tiles, splits, tile_shapes(fmt)[cfg.tile][0], -(-m // 8), "skinny_gemm")
+    split_args = (*buffers, m, n_out, k, x_stride, w_stride, y_stride, silu,
                   _KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, splits, pdl, current_stream(x.device))
     b = 0 if bias is None else bias.data_ptr()
     if scale is None:

@@ -51,8 +51,8 @@ from minisgl.ops.gemm.skinny import (
     PDL,
     SkinnyConfig,
     check_config,
-    counters,
     num_tiles,
+    split_buffers,
     split_count,
     tile_shapes,
 )
@@ -178,20 +178,12 @@ def _launch(x, w, bias, ids, weights, out, down: bool, act: ExpertAct | None, cf
         q[1].stride(0))
     z = tokens if down else tokens * top_k
     splits = cfg.splits * top_k if down else cfg.splits
-    ws, ws_bytes, ctr = None, 0, None
-    if splits > 1:
-        tiles = num_tiles(n, not down, cfg.tile, fmt) * z
-        ctr = counters(x.device)
-        if tiles > ctr.numel():
-            raise ValueError(f"skinny_moe: {tiles} row tiles exceed the {ctr.numel()} split-K counters")
-        items = tiles * splits * tile_shapes(fmt)[cfg.tile][0] * 2 * 32  # float2 per (tile, split, pair)
-        ws = torch.empty(2 * items, dtype=torch.float32, device=x.device)
-        ws_bytes = ws.numel() * 4
+    tiles = num_tiles(n, not down, cfg.tile, fmt) * z
+    ws, buffers = split_buffers(x.device, tiles, splits, tile_shapes(fmt)[cfg.tile][0], 1, "skinny_moe")
     gpt_oss = act is not None and act.kind == "gpt_oss"
     compiled().skinny_moe(
         x.data_ptr(), w.data_ptr(), 0 if bias is None else bias.data_ptr(), ids.data_ptr(),
-        weights.data_ptr() if down else 0, out.data_ptr(), 0 if ws is None else ws.data_ptr(), ws_bytes,
-        0 if ctr is None else ctr.data_ptr(), 0 if ctr is None else ctr.numel(), tokens, top_k, n, k,
+        weights.data_ptr() if down else 0, out.data_ptr(), *buffers, tokens, top_k, n, k,
         x.stride(0) if x.shape[0] > 1 else k, w.stride(1), out.stride(0) if out.shape[0] > 1 else n, w.stride(0),
         0 if bias is None else bias.stride(0), down, 1 if gpt_oss else 0, act.alpha if gpt_oss else 0.0,
         act.limit if gpt_oss else 0.0, f_id, s_ptr, z_ptr, q_stride, q_group, q_estride, _KERNEL_DTYPES[x.dtype],

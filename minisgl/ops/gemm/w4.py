@@ -172,7 +172,7 @@ def skinny_misfit(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, fmt: i
         return f"K = {k}, group {k // scales.shape[1]} (the kernel needs multiples of 32)"
     if x.data_ptr() % 16 or (x.shape[0] > 1 and x.stride(0) % 8) or w.data_ptr() % 16:
         return "x / the weight not 16-byte aligned"
-    # The kernel's 32-bit offsets (csrc/skinny_gemm.cu w4_args_ok and the launcher's x bound)
+    # The kernel's 32-bit offsets (csrc/skinny_launch.h w4_args_ok and the launcher's x bound)
     if k > 1 << 22:
         return f"K = {k} (the kernel's group index is exact up to 2^22)"
     if scales.shape[0] * max(w.stride(0), 1) >= 1 << 31 or scales.shape[0] * scales.stride(0) >= 1 << 31:
@@ -210,20 +210,16 @@ def skinny_linear(fmt: int, x: torch.Tensor, w: torch.Tensor, scales: torch.Tens
     cfg = _sk.default_config(m, n_out, k, silu, sms, name) if config is None else config
     if config is not None:
         _sk.check_config(config, m, name)
-    splits, ws, ctr = cfg.splits, None, None
+    splits = cfg.splits
     tiles = _sk.num_tiles(n_out, silu, cfg.tile, name)
-    if splits > 1 and tiles <= _sk._NUM_COUNTERS:
-        ctr = _sk.counters(x.device)
-        ws = torch.empty(2 * tiles * splits * shapes[cfg.tile][0] * (-(-m // 8)) * 2 * 32, dtype=torch.float32,
-                         device=x.device)
-    else:
+    if tiles > _sk._NUM_COUNTERS:  # as ops.skinny_gemm: no split past the counters
         splits = 1
+    ws, buffers = _sk.split_buffers(x.device, tiles, splits, shapes[cfg.tile][0], -(-m // 8), "skinny_gemm_w4")
     # fmt: off
     compiled().skinny_gemm_w4(
         x.data_ptr(), w.data_ptr(), scales.data_ptr(), 0 if zeros is None else zeros.data_ptr(), scales.stride(0),
         k // scales.shape[1], fmt, 0 if bias is None else bias.data_ptr(),
-        out.data_ptr(), 0 if ws is None else ws.data_ptr(), 0 if ws is None else ws.numel() * 4,
-        0 if ctr is None else ctr.data_ptr(), 0 if ctr is None else ctr.numel(), m, n_out, k,
+        out.data_ptr(), *buffers, m, n_out, k,
         x.stride(0) if m > 1 else k, w.stride(0), out.stride(0) if m > 1 else n_out, silu,
         _sk._KERNEL_DTYPES[x.dtype], cfg.tile, cfg.warps, splits, _sk.PDL, current_stream(x.device),
     )
