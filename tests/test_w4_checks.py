@@ -121,8 +121,9 @@ def test_skinny_w4_launchers_check_the_weight_arguments() -> None:
 def test_every_skinny_table_entry_has_its_kernels() -> None:
     """Each launcher (16-bit, FP8, INT4, MXFP4 dense; MoE 16-bit and 4-bit) finds a kernel for every
     configuration of its table at every row count up to that entry's max m, in both 16-bit
-    dtypes (csrc/skinny_launch.h Tiles<W>, the pick functions of csrc/skinny_gemm.cu and skinny_moe.cu): those calls pass every check
-    and fail only at the missing device, while one row past max m is refused by argument."""
+    dtypes (csrc/skinny_launch.h Tiles<W>, the pick functions of csrc/skinny_gemm.cu and skinny_moe.cu):
+    those calls pass every check and fail only at the missing device, while one row past max m is
+    refused by argument."""
     ext = compiled()
     if ext is None or not ext.has_cuda:
         pytest.skip("minisgl._C was built without CUDA")
