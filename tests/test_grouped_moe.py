@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 import torch
-from test_skinny_moe import _case_w4, _check_finite, _reference
+from test_skinny_moe import _case_w4, _check_finite, _reference, _shared
 
 from minisgl.kernels import w4a16_gemm as W4
 from minisgl.kernels.fused_moe import ExpertAct
@@ -147,9 +147,11 @@ def test_cuda_graph_replays_new_routing() -> None:
 
 @gpu
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
-def test_fused_moe_w4_takes_the_grouped_path_in_its_range(monkeypatch, fmt: str) -> None:
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_fused_moe_w4_takes_the_grouped_path_in_its_range(monkeypatch, fmt: str, with_shared: bool) -> None:
     """ops.gemm.w4.fused_moe_w4: the per-pair kernel up to skinny_moe.MAX_TOKENS, this one past it up
-    to grouped_moe.MAX_TOKENS, the Triton fused MoE beyond; each against the dequantised reference."""
+    to grouped_moe.MAX_TOKENS, the Triton fused MoE beyond; each against the dequantised reference,
+    with and without a shared expert's gated row (Qwen3.5-MoE's) in the sum."""
     calls = []
     real = grouped_moe.experts
     monkeypatch.setattr(grouped_moe, "experts", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
@@ -166,9 +168,10 @@ def test_fused_moe_w4_takes_the_grouped_path_in_its_range(monkeypatch, fmt: str)
             q.s13.clamp_(max=122)
             q.s2.clamp_(max=122)
             r13, r2 = dequant_mxfp4_reference(w13, q.s13), dequant_mxfp4_reference(w2, q.s2)
+        extra, added = _shared(t, 256, x.dtype, seed=t) if with_shared else ({}, 0)
         out = w4_ops.fused_moe_w4(x, fmt, w13, q.s13, q.z13, w2, q.s2, q.z2, weights, ids, b13=b13, b2=b2,
-                                  act=GPT_OSS)
-        _check_finite(out, _reference(x, r13, r2, weights, ids, b13, b2, GPT_OSS, torch.bfloat16))
+                                  act=GPT_OSS, **extra)
+        _check_finite(out, _reference(x, r13, r2, weights, ids, b13, b2, GPT_OSS, torch.bfloat16) + added)
     assert calls == [skinny_moe.MAX_TOKENS + 1, 9]
 
 

@@ -136,10 +136,20 @@ def test_cuda_graph_replays_new_routing() -> None:
         assert torch.equal(alone, out[2:3]), "a token's row depends on the batch it is in"
 
 
+def _shared(tokens, hidden, dtype, seed):
+    """A shared expert's output [T, H] and its gate logit [T, 1] (Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE),
+    and what they add to a token's row in fp64: sigmoid(gate) * shared."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    shared = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
+    gate = (torch.randn(tokens, 1, generator=g, device="cuda") * 2).to(dtype)
+    return dict(shared=shared, shared_gate=gate), torch.sigmoid(gate.double()) * shared.double()
+
+
 @gpu
-def test_fused_moe_takes_the_skinny_path_up_to_max_tokens(monkeypatch) -> None:
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_fused_moe_takes_the_skinny_path_up_to_max_tokens(monkeypatch, with_shared: bool) -> None:
     """ops.fused_moe routes and runs 1..MAX_TOKENS tokens here (against the Triton path's result on
-    the same routing), and the Triton path beyond."""
+    the same routing), and the Triton path beyond; a shared expert's gated row joins the sum on both."""
     calls = []
     real = skinny_moe.experts
     monkeypatch.setattr(skinny_moe, "experts", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
@@ -150,9 +160,10 @@ def test_fused_moe_takes_the_skinny_path_up_to_max_tokens(monkeypatch) -> None:
     for t in (1, skinny_moe.MAX_TOKENS, skinny_moe.MAX_TOKENS + 1):
         x = torch.randn(t, 128, generator=g, device="cuda").to(dtype)
         logits = torch.randn(t, 8, generator=g, device="cuda").to(dtype)
-        out = moe_ops.fused_moe(x, logits, w13, w2, 2, True)
+        extra, added = _shared(t, 128, dtype, seed=t) if with_shared else ({}, 0)
+        out = moe_ops.fused_moe(x, logits, w13, w2, 2, True, **extra)
         weights, ids = moe_ops.moe_route(logits, 2, True)
-        ref = _reference(x, w13, w2, weights, ids, None, None, None, dtype)
+        ref = _reference(x, w13, w2, weights, ids, None, None, None, dtype) + added
         _check(out, ref, dtype)
     assert calls == [1, skinny_moe.MAX_TOKENS]
 
@@ -194,9 +205,26 @@ def test_cpu_tensors_never_take_the_kernel() -> None:
     assert not skinny_moe.fits(x, w13, w2, 2, None)
 
 
+def test_shared_expert_fits_except_in_deterministic_mode(monkeypatch) -> None:
+    """With the kernel present (stubbed here), a shared expert's layer takes the kernels (the shared
+    row joins in the top-k sum); in deterministic mode it keeps the Triton path at every token count."""
+    monkeypatch.setattr(skinny_moe, "use_cuda_kernel", lambda name, x: True)
+    monkeypatch.setattr(skinny_moe, "compiled", lambda: type("C", (), {"skinny_moe": None})())
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    w13, w2 = torch.randn(4, 64, 64, dtype=torch.bfloat16), torch.randn(4, 64, 32, dtype=torch.bfloat16)
+    shared = torch.randn(1, 64, dtype=torch.bfloat16)
+    assert skinny_moe.fits(x, w13, w2, 2, None) and skinny_moe.fits(x, w13, w2, 2, shared)
+    monkeypatch.setattr(skinny_moe, "is_deterministic", lambda device: True)
+    assert skinny_moe.fits(x, w13, w2, 2, None) and not skinny_moe.fits(x, w13, w2, 2, shared)
+    with pytest.raises(ValueError, match="shared expert"):
+        skinny_moe.experts(x, w13, w2, torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.int32), shared=shared,
+                           shared_gate=torch.zeros(1, 1))
+
+
 @gpu
 @pytest.mark.parametrize("tokens", [1, 2, 3])
-def test_moe_layer_routes_with_its_router_in_one_kernel(monkeypatch, tokens: int) -> None:
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_moe_layer_routes_with_its_router_in_one_kernel(monkeypatch, tokens: int, with_shared: bool) -> None:
     """ops.fused_moe_layer (the router GEMM included) against the router through ops.linear and
     then fused_moe, GPT-OSS-style (router bias, expert biases, clamped SwiGLU): the same routing
     and outputs within bf16 rounding; the one-kernel routing runs where the skinny experts do."""
@@ -212,10 +240,11 @@ def test_moe_layer_routes_with_its_router_in_one_kernel(monkeypatch, tokens: int
     gate_w = torch.randn(32, 512, generator=g, device="cuda").to(dtype) / 8
     gate_b = torch.randn(32, generator=g, device="cuda").to(dtype)
     act = ExpertAct("gpt_oss", 1.702, 7.0)
-    out = ops.fused_moe_layer(x, gate_w, gate_b, w13, w2, 4, True, b13=b13, b2=b2, act=act)
+    extra, added = _shared(tokens, 512, dtype, seed=tokens) if with_shared else ({}, 0)
+    out = ops.fused_moe_layer(x, gate_w, gate_b, w13, w2, 4, True, b13=b13, b2=b2, act=act, **extra)
     logits = ops.linear(x, gate_w, gate_b)
     weights, ids = ops.moe_route(logits, 4, True)
-    _check(out, _reference(x, w13, w2, weights, ids, b13, b2, act, dtype), dtype)
+    _check(out, _reference(x, w13, w2, weights, ids, b13, b2, act, dtype) + added, dtype)
     assert used == ([tokens] if tokens <= skinny_moe.MAX_TOKENS else [])
 
 

@@ -206,7 +206,7 @@ def fused_experts(
     _check_experts(x, w13, w2, shared, shared_gate)
     check_topk(x, topk_weights, topk_ids)
     if _skinny.fits(x, w13, w2, topk_ids.shape[1], shared):
-        return _skinny.experts(x, w13, w2, topk_weights, topk_ids)
+        return _skinny.experts(x, w13, w2, topk_weights, topk_ids, shared=shared, shared_gate=shared_gate)
     if use_triton("fused_moe", x):
         if (chunks := _chunks(x)) is not None:
             return torch.cat([fused_experts(x[c], w13, w2, topk_weights[c], topk_ids[c], _part(shared, c),
@@ -249,7 +249,7 @@ def run_layer(
         return _reference_rows(x, w13, w2, weights, ids, shared, shared_gate, b13, b2, act)
     if _skinny.fits(x, w13, w2, top_k, shared):  # a decode step's few tokens: route + up + down
         weights, ids = _route.route(router_logits, top_k, renormalize, scoring)
-        return _skinny.experts(x, w13, w2, weights, ids, b13, b2, act)
+        return _skinny.experts(x, w13, w2, weights, ids, b13, b2, act, shared=shared, shared_gate=shared_gate)
     if (chunks := _chunks(x)) is not None:
         return torch.cat([run_layer(x[c], router_logits[c], w13, w2, top_k, renormalize, scoring, _part(shared, c),
                                     _part(shared_gate, c), b13, b2, act) for c in chunks])

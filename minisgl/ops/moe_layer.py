@@ -48,6 +48,6 @@ def fused_moe_layer(
             and _skinny.fits(x, w13, w2, top_k, shared) and use_triton("moe_route", x)):
         ctr = counters(x.device)  # the skinny GEMM's split-K counters: zero between launches on this stream
         weights, ids = _route.route_linear(x, gate_weight, gate_bias, top_k, renormalize, ctr, scoring)
-        return _skinny.experts(x, w13, w2, weights, ids, b13, b2, act)
+        return _skinny.experts(x, w13, w2, weights, ids, b13, b2, act, shared=shared, shared_gate=shared_gate)
     logits = linear(x, gate_weight, gate_bias)  # [T, E] in x's dtype, as fused_moe checks them
     return run_layer(x, logits, w13, w2, top_k, renormalize, scoring, shared, shared_gate, b13, b2, act)

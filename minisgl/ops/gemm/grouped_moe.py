@@ -152,11 +152,12 @@ def experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     quant: _skinny.Quant4, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
     act: ExpertAct | None = None, config: GroupedConfig | None = None,
+    shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H] (fits()), 4-bit w13 [E, 2I, ...], w2 [E, H, ...] (kernels/quant4.py layouts, `quant`'s
     scales), routing [T, k] (ops/gemm/w4.py checked them all) -> [T, H] = sum_j weight_j *
-    (act(x W13_j^T + b13_j) W2_j^T + b2_j). Expert ids must lie in [0, E): the alignment reads
-    them on the device, unchecked."""
+    (act(x W13_j^T + b13_j) W2_j^T + b2_j) (+ sigmoid(shared_gate) * shared, in the top-k sum).
+    Expert ids must lie in [0, E): the alignment reads them on the device, unchecked."""
     tokens, top_k = topk_ids.shape
     e = w13.shape[0]
     if config is None:
@@ -164,4 +165,4 @@ def experts(
     sorted_ids, block_experts = _align.align(topk_ids, e, config.block_m)
     mid = up(x, w13, b13, sorted_ids, block_experts, top_k, config.block_m, act, config.up, quant)
     y = down(mid, w2, b2, sorted_ids, block_experts, topk_weights, top_k, config.block_m, config.down, quant)
-    return moe_sum(y, top_k)
+    return moe_sum(y, top_k, shared, shared_gate)

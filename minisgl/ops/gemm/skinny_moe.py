@@ -39,7 +39,7 @@ from minisgl import env
 from minisgl.kernels import device as _device  # (its num_sms: a parameter here has that name)
 from minisgl.kernels import w4a16_gemm as _w4
 from minisgl.kernels.batch_invariant_gemm import skinny_splits, splits_for
-from minisgl.kernels.fused_moe import ExpertAct
+from minisgl.kernels.fused_moe import ExpertAct, moe_sum
 from minisgl.logging_setup import log_once
 from minisgl.ops._backend import compiled, current_stream, use_cuda_kernel
 from minisgl.ops.deterministic import is_deterministic
@@ -99,10 +99,15 @@ def fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, share
 def kernel_fits(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, shared: torch.Tensor | None,
                 quant: Quant4 | None = None) -> bool:
     """The kernel's conditions (this one's and the grouped one's, ops/gemm/grouped_moe.py): a CUDA
-    build, 16-bit x with 16-byte aligned rows, top_k <= 64 (one split-K slot each), and no shared
-    expert (Qwen2-MoE's goes through the Triton path's sum). 4-bit experts (`quant`) also need H
-    and I multiples of 32 and INT4 groups of a multiple of 32 (a thread's 32-element load in one group)."""
-    if shared is not None or x.dtype not in _KERNEL_DTYPES:
+    build, 16-bit x with 16-byte aligned rows, top_k <= 64 (one split-K slot each). A shared expert
+    (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE) joins in the top-k sum kernel after the down launch
+    (kernels/fused_moe.py moe_sum), except in deterministic mode, whose shared-expert layers keep
+    the Triton path at every token count (one summation order for a token at any batch size).
+    4-bit experts (`quant`) also need H and I multiples of 32 and INT4 groups of a multiple of 32
+    (a thread's 32-element load in one group)."""
+    if x.dtype not in _KERNEL_DTYPES:
+        return False
+    if shared is not None and is_deterministic(x.device):
         return False
     if top_k > MAX_SPLITS:
         return False
@@ -195,9 +200,11 @@ def experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: ExpertAct | None = None,
     up: SkinnyConfig | None = None, down: SkinnyConfig | None = None, quant: Quant4 | None = None,
+    shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H] (fits()), w13 [E, 2I, H], w2 [E, H, I], routing [T, k] (ops/moe.py or ops/gemm/w4.py
-    checked them all) -> [T, H] = sum_j weight_j * (act(x W13_j^T + b13_j) W2_j^T + b2_j). Expert
+    checked them all) -> [T, H] = sum_j weight_j * (act(x W13_j^T + b13_j) W2_j^T + b2_j) (+
+    sigmoid(shared_gate) * shared, the shared expert's [T, H] and its gate logit [T, 1]). Expert
     ids must lie in [0, E): the kernel reads them on the device, unchecked. `quant`: the experts are
     4-bit (w13 / w2 in the kernels/quant4.py layouts; configs index the 4-bit tiles)."""
     tokens, h = x.shape
@@ -206,9 +213,9 @@ def experts(
     fmt = DENSE if quant is None else _w4.NAMES[quant.fmt]
     det = is_deterministic(x.device)
     if det:
-        if up is not None or down is not None or quant is not None:
+        if up is not None or down is not None or quant is not None or shared is not None:
             raise ValueError("skinny_moe: deterministic mode takes its own configs (deterministic_configs) "
-                             "and 16-bit experts only")
+                             "and 16-bit experts without a shared expert only")
         if UP_CONFIG is not None:
             log_once("skinny_moe det env", "MINISGL_SKINNY_MOE's launch configs do not apply in deterministic "
                      "mode (its configs fix the summation order); its token bound does")
@@ -228,4 +235,6 @@ def experts(
     _launch(x, w13, b13, topk_ids, topk_weights, mid, False, act, up, q13, det)
     out = torch.empty(tokens, h, dtype=x.dtype, device=x.device)
     _launch(mid, w2, b2, topk_ids, topk_weights, out, True, None, down, q2, det)
+    if shared is not None:  # one more small launch: the shared expert's gated row joins the routed sum
+        return moe_sum(out, 1, shared, shared_gate)
     return out

@@ -283,9 +283,11 @@ def fused_moe_w4(
     top_k = topk_ids.shape[1]
     quant = _skinny_moe.Quant4(f, w13_scales, w13_zeros, w2_scales, w2_zeros)
     if _skinny_moe.fits(x, w13, w2, top_k, shared, quant):  # a decode step's few tokens
-        return _skinny_moe.experts(x, w13, w2, topk_weights, topk_ids, b13, b2, act, quant=quant)
+        return _skinny_moe.experts(x, w13, w2, topk_weights, topk_ids, b13, b2, act, quant=quant, shared=shared,
+                                   shared_gate=shared_gate)
     if _grouped_moe.fits(x, w13, w2, top_k, shared, quant):  # tens of tokens: one read per expert block
-        return _grouped_moe.experts(x, w13, w2, topk_weights, topk_ids, quant, b13, b2, act)
+        return _grouped_moe.experts(x, w13, w2, topk_weights, topk_ids, quant, b13, b2, act, shared=shared,
+                                    shared_gate=shared_gate)
     # 4-bit experts have their own tuned entries (the 16-bit experts' deepest pipelines overflow
     # shared memory with the dequantisation in the loop: Qwen3-30B-A3B's asked 288 KB of an
     # H100's 227 KB); untuned, the default tiles (<= ~100 KB).
