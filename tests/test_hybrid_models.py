@@ -1,9 +1,9 @@
 """Hybrid linear-attention models (issue 34, first slice): Qwen3-Next and Qwen3.5's text model
-against transformers on the CPU in fp32, through the step kinds the recurrent state can break:
-prefill, decode, chunked prefill continuing the state across chunks, mixed steps with requests
-of different lengths, retraction and resume (the state recomputed), no prefix-cache hits, and a
-multimodal Qwen3.5 checkpoint served as its text model. Tiny models: 8 layers, 6 of them Gated
-DeltaNet, partial rotary 0.25, GQA in both layer kinds."""
+(Qwen3.5's MoE text model in the prefill test) against transformers on the CPU in fp32, through
+the step kinds the recurrent state can break: prefill, decode, chunked prefill continuing the
+state across chunks, mixed steps with requests of different lengths, retraction and resume (the
+state recomputed), no prefix-cache hits, and a multimodal Qwen3.5 checkpoint served as its text
+model. Tiny models: 8 layers, 6 of them Gated DeltaNet, partial rotary 0.25, GQA in both layer kinds."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def hf_models() -> dict[str, object]:
     return {}
 
 
-@pytest.mark.parametrize("name", HYBRID)
+@pytest.mark.parametrize("name", [*HYBRID, "qwen3_5_moe"])
 def test_prefill_logits_match_hf(name: str, tiny_model_path: Callable[[str], Path],
                                  hf_models: dict[str, object]) -> None:
     path = tiny_model_path(name)

@@ -17,6 +17,7 @@ import quant4_checkpoints as ck
 import test_fp8_models as fp8_models
 import tiny_models
 import torch
+from safetensors.torch import load_file, save_file
 from test_fp8_models import GREEDY, _check_against
 
 from minisgl import LLM
@@ -87,6 +88,36 @@ def test_int4_moe_experts_match_transformers(tiny_model_path: Callable[[str], Pa
     if name == "qwen2_moe":
         assert mlp.shared_expert.down_proj.fmt == "int4"
     _check_against(llm, deq)
+
+
+@pytest.mark.parametrize(("name", "fmt", "sym"), [
+    ("qwen3_next", "awq", False), ("qwen3_5_moe", "gptq", True), ("qwen3_5_moe", "compressed-tensors", False),
+])
+def test_int4_hybrid_moe_matches_transformers(tiny_model_path: Callable[[str], Path], tmp_path: Path, name: str,
+                                              fmt: str, sym: bool) -> None:
+    """Hybrid linear-attention MoE models (Qwen3-Next, Qwen3.5-MoE) from 4-bit checkpoints: the
+    routed experts, the shared expert and the gated full attention in 4 bits, the Gated DeltaNet
+    projections, router and shared-expert gate in 16 (as the released 4-bit checkpoints keep them)."""
+    q, deq = ck.write_quant4(tiny_model_path(name), tmp_path / "q", tmp_path / "deq", fmt, 16, sym)
+    llm = LLM(str(q), device="cpu", dtype="float32")
+    layers = llm.engine.model.model.layers
+    mlp = layers[0].mlp
+    assert mlp.experts.w13.dtype == torch.int32 and mlp.shared_expert.down_proj.fmt == "int4"
+    assert layers[3].self_attn.qkv_proj.fmt == "int4" and layers[3].self_attn.o_proj.fmt == "int4"
+    assert layers[0].linear_attn.out_proj.weight.dtype == torch.float32
+    _check_against(llm, deq)
+
+
+def test_quantized_gated_deltanet_projections_are_refused_by_name(tiny_model_path: Callable[[str], Path],
+                                                                 tmp_path: Path) -> None:
+    q, _ = ck.write_quant4(tiny_model_path("qwen3_5_moe"), tmp_path / "q", tmp_path / "deq", "gptq", 16, True)
+    tensors = load_file(q / "model.safetensors")
+    w = tensors.pop("model.layers.0.linear_attn.out_proj.weight")
+    tensors["model.layers.0.linear_attn.out_proj.qweight"] = torch.zeros(w.shape[1] // 8, w.shape[0],
+                                                                         dtype=torch.int32)
+    save_file(tensors, q / "model.safetensors")
+    with pytest.raises(ValueError, match="linear_attn.out_proj.qweight: a quantized Gated DeltaNet projection"):
+        LLM(str(q), device="cpu", dtype="float32")
 
 
 def test_dummy_int4_weights_have_the_real_shapes(src: Path, tmp_path: Path) -> None:

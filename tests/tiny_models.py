@@ -246,6 +246,15 @@ SPECS: dict[str, TinySpec] = {
             seed=13,
         ),
         TinySpec("qwen3_5", "qwen3_5_text", "qwen3", dict(_HYBRID), seed=14),
+        # Qwen3.5's MoE text model: every layer sparse, a shared expert, top-k renormalized.
+        TinySpec(
+            "qwen3_5_moe",
+            "qwen3_5_moe_text",
+            "qwen3",
+            {**_HYBRID, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "shared_expert_intermediate_size": 48},
+            seed=15,
+        ),
         TinySpec(
             "mixtral",
             "mixtral",

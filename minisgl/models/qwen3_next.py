@@ -34,9 +34,11 @@ from minisgl import ops
 from minisgl.attention.base import AttentionBackend
 from minisgl.core.batch import ForwardBatch
 from minisgl.core.model_config import ModelConfig
+from minisgl.core.quant_config import QuantConfig
 from minisgl.distributed.info import Communicator, TPInfo
 from minisgl.kvcache.state_pool import StatePool
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.fp8_load import experts_quant, layer_quant
 from minisgl.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.moe import SparseMoeBlock
 from minisgl.layers.norm import RMSNorm
@@ -49,6 +51,9 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 MTP_PREFIXES = ("mtp.", "model.mtp.")
 _SKIPPED = ("model.visual.", "visual.", *MTP_PREFIXES)  # the vision tower; the MTP head (a drafter's: qwen3_next_mtp)
 _LINEAR_ATTN = re.compile(r"(?:model\.)?layers\.(\d+)\.linear_attn\.(.+)$")  # a base model's names lack model.
+# A 4-bit or FP8 checkpoint's tensors beside (or instead of) `weight` (core/quant_config.py's formats).
+_QUANTIZED_KINDS = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_packed", ".weight_scale",
+                    ".weight_zero_point", ".weight_shape", ".weight_scale_inv", ".input_scale")
 _ONE_PLUS_W = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
                "self_attn.k_norm.weight")
 
@@ -179,15 +184,21 @@ class GatedDeltaNet(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, kv_index: int, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, kv_index: int, tp: TPInfo, comm: Communicator, rope: RotaryEmbedding,
+                 prefix: str = "", quant: QuantConfig | None = None):
+        """`prefix`: the layer's HF name (model.layers.i.self_attn), whose projections `quant` may
+        quantize (a 4-bit checkpoint's quantization_config and its ignore list)."""
         super().__init__()
         self.kv_index, d = kv_index, cfg.head_dim
         self.head_dim = d
         # q_proj's [q | gate] per head as 2 x num_heads heads of head_dim.
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, 2 * cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, 2 * cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias, tp,
+                                          quant=layer_quant(quant, [f"{prefix}.{m}" for m in ("q_proj", "k_proj",
+                                                                                              "v_proj")]))
         self.num_heads = self.qkv_proj.local_q_heads // 2
         self.num_kv_heads = self.qkv_proj.local_kv_heads
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.qkv_bias, tp, comm)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, cfg.qkv_bias, tp, comm,
+                                        quant=layer_quant(quant, [f"{prefix}.o_proj"]))
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.rope = rope
@@ -208,16 +219,23 @@ class GatedAttention(nn.Module):
 class HybridDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, index: int, tp: TPInfo, comm: Communicator,
                  rope: RotaryEmbedding, full: bool = False):
-        """`full`: gated full attention whatever the config says of layer_id (the MTP head's layer)."""
+        """`full`: gated full attention whatever the config says of layer_id (the MTP head's layer).
+        A 4-bit checkpoint (cfg.quantization) quantizes the routed experts, the shared expert, the
+        full attention's and the dense MLP's projections unless its ignore list names them; the
+        Gated DeltaNet projections, the router and the shared expert's gate load in 16 bits (a
+        quantized Gated DeltaNet tensor is refused by name: Qwen3NextForCausalLM._local)."""
         super().__init__()
+        p, quant = f"model.layers.{layer_id}", cfg.quantization
         if cfg.is_linear_layer(layer_id) and not full:
             self.linear_attn = GatedDeltaNet(cfg, index, tp, comm)
         else:
-            self.self_attn = GatedAttention(cfg, index, tp, comm, rope)
+            self.self_attn = GatedAttention(cfg, index, tp, comm, rope, f"{p}.self_attn", quant)
         if cfg.is_sparse_layer(layer_id):
-            self.mlp = SparseMoeBlock(cfg, tp, comm)
+            shared = [f"{p}.mlp.shared_expert.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+            self.mlp = SparseMoeBlock(cfg, tp, comm, experts_quant(quant, f"{p}.mlp.experts"),
+                                      layer_quant(quant, shared))
         else:
-            self.mlp = LlamaMLP(cfg, tp, comm, f"model.layers.{layer_id}.mlp")
+            self.mlp = LlamaMLP(cfg, tp, comm, f"{p}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp_partial = False  # each block reduces its own output under TP (no fused reduce + norm yet)
@@ -320,6 +338,10 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         for name, tensor in tensors:
             m = _LINEAR_ATTN.match(name)
             if m and int(m[1]) < len(layers) and hasattr(layers[int(m[1])], "linear_attn"):
+                if m[2].endswith(_QUANTIZED_KINDS):
+                    raise ValueError(f"tensor {name}: a quantized Gated DeltaNet projection; minisgl loads the "
+                                     "linear_attn projections in 16 bits only (4-bit hybrid checkpoints that keep "
+                                     "them in 16 bits load: their routed experts, shared expert and attention)")
                 tensor = layers[int(m[1])].linear_attn.local(m[2], tensor)
             yield name, tensor
 

@@ -16,6 +16,7 @@ one MTP layer are refused by name (none is published).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -40,6 +41,7 @@ class MtpHead(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, embed: nn.Module, lm_head: nn.Module, tp: TPInfo, comm: Communicator,
                  max_positions: int, device: torch.device) -> None:
         nn.Module.__init__(self)
+        cfg = dataclasses.replace(cfg, quantization=None)  # 4-bit checkpoints keep the MTP head in 16 bits
         self.cfg = cfg
         h = cfg.hidden_size
         self._rope = RotaryEmbedding(int(cfg.head_dim * cfg.partial_rotary_factor), max_positions, cfg.rope_theta,
