@@ -27,7 +27,6 @@ import re
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minisgl import ops
@@ -121,7 +120,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, plan: ops.SequencePlan | None = None) -> torch.Tensor:
         """`plan`: ops.plan_sequences of the step (None: each op derives it)."""
-        la, t = self.la, x.shape[0]
+        t = x.shape[0]
         mixed, z, b, a = self._project(x)
         if batch.all_rows:  # a verify step: keep the inputs: the accepted tokens advance the states later (commit)
             saved = self.pool.verify_inputs
@@ -134,12 +133,8 @@ class GatedDeltaNet(nn.Module):
         # greedy token 5.3% of the logit scale from plain bf16 decoding, tiny Qwen3.5, H100).
         o = self._recur(mixed, b, a, batch.state_slots, batch.cu_seqlens_q, batch.prefix_lens > 0,
                         batch.is_decode, store=not batch.all_rows, fp32_rule=batch.all_rows, plan=plan)
-        # The gated RMSNorm in transformers' order: normalise in fp32, weight in the input
-        # dtype, then silu(z) in fp32.
-        of = o.float()
-        of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = (self.norm.weight * of.to(x.dtype)) * F.silu(z.float())
-        return self.out_proj(h.to(x.dtype).reshape(t, la.value_dim))
+        # The gated RMSNorm in transformers' order (one kernel: kernels/gated_delta_pointwise.py)
+        return self.out_proj(ops.gated_delta_norm(o, z, self.norm.weight, self.eps))
 
     def _recur(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
                cu_seqlens: torch.Tensor, has_state: torch.Tensor, decode: bool, store: bool,
@@ -160,8 +155,7 @@ class GatedDeltaNet(nn.Module):
         q = y[:, :kd].view(t, la.num_k_heads, la.k_head_dim)
         k = y[:, kd : 2 * kd].view(t, la.num_k_heads, la.k_head_dim)
         v = y[:, 2 * kd :].view(t, la.num_v_heads, la.v_head_dim)
-        beta = b.sigmoid().contiguous()
-        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())).contiguous()
+        g, beta = ops.gated_delta_gates(a, b, self.A_log, self.dt_bias)
         if decode:
             return ops.gated_delta_rule_decode(q, k, v, g, beta, states, slots)
         if fp32_rule:

@@ -1,7 +1,8 @@
-"""Linear-attention ops (Gated DeltaNet layers): the causal conv1d with a state pool and the
-gated delta rule (chunked prefill, one-token decode). Triton where it can run, else the torch
-references (logged once). Layouts and maths: kernels/causal_conv1d.py, kernels/gated_delta_rule.py
-(and kernels/gated_delta_prefill.py).
+"""Linear-attention ops (Gated DeltaNet layers): the causal conv1d with a state pool, the gated
+delta rule (chunked prefill, one-token decode) and the pointwise steps around it (the gates, the
+gated norm). Triton where it can run, else the torch references (logged once). Layouts and maths:
+kernels/causal_conv1d.py, kernels/gated_delta_rule.py (and kernels/gated_delta_prefill.py),
+kernels/gated_delta_pointwise.py.
 
 State pools are indexed by `slots` (int32 [N], one per sequence, distinct; negative = a
 padding row that reads zeros and writes nothing). `has_state` (bool or int32 [N]) says which
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.kernels import causal_conv1d as _conv
+from minisgl.kernels import gated_delta_pointwise as _gpw
 from minisgl.kernels import gated_delta_prefill as _gdp
 from minisgl.kernels import gated_delta_rule as _gdr
 from minisgl.kernels.chunk_table import chunk_table
@@ -184,3 +186,44 @@ def gated_delta_rule_decode(q, k, v, g, beta, states, slots, l2norm: bool = True
     cu = torch.arange(n + 1, dtype=torch.int32, device=q.device)
     ones = torch.ones(n, dtype=torch.bool, device=q.device)
     return _gdr.gated_delta_rule_reference(q, k, v, g, beta, states, slots, cu, ones, l2norm)
+
+
+def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b [T, Hv] (packed rows, any row stride), A_log and dt_bias [Hv] -> (g fp32 [T, Hv] =
+    -exp(A_log) * softplus(a + dt_bias), beta [T, Hv] = sigmoid(b) in b's dtype), contiguous: the
+    delta rule's log decay and write strength."""
+    if _checks.enabled():
+        check_tensor("a", a, dtype=_DTYPES, ndim=2)
+        check_tensor("b", b, dtype=_DTYPES, ndim=2)
+        check_shape("b", b, tuple(a.shape))
+        for name, x in (("A_log", a_log), ("dt_bias", dt_bias)):
+            check_tensor(name, x, dtype=_DTYPES, ndim=1)
+            check_shape(name, x, (a.shape[1],))
+            check_contiguous(name, x)
+        check_inner_contiguous("a", a)
+        check_inner_contiguous("b", b)
+        check_same_device(a=a, b=b, A_log=a_log, dt_bias=dt_bias)
+    if use_triton("gated_delta_gates", a):
+        return _gpw.gates(a, b, a_log, dt_bias)
+    log_cpu_reference_once("gated_delta_gates")
+    return _gpw.gates_reference(a, b, a_log, dt_bias)
+
+
+def gated_delta_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """o, z [T, Hv, Dv] (packed last dim, any token / head strides), weight [Dv] -> [T, Hv * Dv] in
+    weight's dtype: per head (weight * rmsnorm(o)) * silu(z), out_proj's input."""
+    if _checks.enabled():
+        check_tensor("o", o, dtype=_DTYPES, ndim=3)
+        check_tensor("z", z, dtype=_DTYPES, ndim=3)
+        check_shape("z", z, tuple(o.shape))
+        check_tensor("weight", weight, dtype=_DTYPES, ndim=1)
+        check_shape("weight", weight, (o.shape[2],))
+        check_contiguous("weight", weight)
+        check_inner_contiguous("o", o)
+        check_inner_contiguous("z", z)
+        check_same_device(o=o, z=z, weight=weight)
+    if use_triton("gated_delta_norm", o):
+        return _gpw.gated_norm(o, z, weight, eps)
+    log_cpu_reference_once("gated_delta_norm")
+    return _gpw.gated_norm_reference(o, z, weight, eps)
