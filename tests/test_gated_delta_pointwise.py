@@ -39,8 +39,10 @@ def test_gates_match_reference(dtype, t, h):
     g, beta = ops.gated_delta_gates(a, b, a_log, dt_bias)
     g_ref, beta_ref = P.gates_reference(a, b, a_log, dt_bias)
     assert g.is_contiguous() and beta.is_contiguous()
+    # tl.exp is exp2 of x * log2(e): the product's rounding moves the result by ~|x| * 2^-24
+    # relative (|b| up to ~30 here: 2e-6; the first GPU run failed beta at 1e-6)
     _close(g, g_ref, 1e-5, 1e-12, "g")
-    _close(beta, beta_ref, 8e-3 if dtype == torch.bfloat16 else 1e-6, 0, "beta")
+    _close(beta, beta_ref, 8e-3 if dtype == torch.bfloat16 else 1e-5, 0, "beta")
 
 
 @triton_test
