@@ -131,13 +131,15 @@ class GatedDeltaNet(nn.Module):
         # A verify runs the delta rule on fp32 operands, as the commit after it and the decode
         # step do: its outputs are the logits plain decoding would give (16-bit operands put a
         # greedy token 5.3% of the logit scale from plain bf16 decoding, tiny Qwen3.5, H100).
-        o = self._recur(mixed, b, a, batch.state_slots, batch.cu_seqlens_q, batch.prefix_lens > 0,
-                        batch.is_decode, store=not batch.all_rows, fp32_rule=batch.all_rows, plan=plan)
+        # (a decode continues every state: no has_state, and no comparison kernel in each layer)
+        has_state = None if batch.is_decode else batch.prefix_lens > 0
+        o = self._recur(mixed, b, a, batch.state_slots, batch.cu_seqlens_q, has_state, batch.is_decode,
+                        store=not batch.all_rows, fp32_rule=batch.all_rows, plan=plan)
         # The gated RMSNorm in transformers' order (one kernel: kernels/gated_delta_pointwise.py)
         return self.out_proj(ops.gated_delta_norm(o, z, self.norm.weight, self.eps))
 
     def _recur(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, slots: torch.Tensor,
-               cu_seqlens: torch.Tensor, has_state: torch.Tensor, decode: bool, store: bool,
+               cu_seqlens: torch.Tensor, has_state: torch.Tensor | None, decode: bool, store: bool,
                fp32_rule: bool = False, plan: ops.SequencePlan | None = None) -> torch.Tensor:
         """The conv and the delta rule over the step's sequences (a decode: one token each,
         continuing its state); `store` False reads the states and writes none. `fp32_rule`: the
