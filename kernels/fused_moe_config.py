@@ -109,6 +109,12 @@ def get_config(num_experts: int, top_k: int, inter: int, hidden: int, num_tokens
     table = load_configs(_config_file).get(device_name or "", {}).get(key)
     if not table:
         return default_config(num_experts, top_k, num_tokens, dtype)
-    sizes = sorted(int(m) for m in table)
+    sizes = _tuned_sizes(_config_file, device_name or "", key)
     bucket = token_bucket(num_tokens)
     return MoeTileConfig.from_dict(table[str(next((m for m in sizes if m >= bucket), sizes[-1]))])
+
+
+@functools.cache  # an eager MoE call asks per layer; the file's table does not change once loaded
+def _tuned_sizes(path: Path, device_name: str, key: str) -> tuple[int, ...]:
+    """The token counts a shape's tuned entries were measured at, ascending."""
+    return tuple(sorted(int(m) for m in load_configs(path)[device_name][key]))
