@@ -7,9 +7,16 @@ import pytest
 from minisgl import LLM, SamplingParams
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3", "gpt_oss", "qwen3_next", "qwen3_5"])
-def test_tp2_equals_tp1(tiny_model_path, name: str) -> None:
-    path = str(tiny_model_path(name))
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "gemma3", "gpt_oss", "qwen3_next", "qwen3_5", "qwen3_5_moe_int4"])
+def test_tp2_equals_tp1(tiny_model_path, tmp_path, name: str) -> None:
+    """qwen3_5_moe_int4: a GPTQ Qwen3.5-MoE checkpoint (group 8, so each rank's K shards of the
+    experts, shared expert and attention fall on groups) with 16-bit Gated DeltaNet layers."""
+    if name == "qwen3_5_moe_int4":
+        import quant4_checkpoints as ck
+
+        path = str(ck.write_quant4(tiny_model_path("qwen3_5_moe"), tmp_path / "q", tmp_path / "deq", "gptq", 8)[0])
+    else:
+        path = str(tiny_model_path(name))
     prompts = [[5, 6, 7, 8, 9] * 5, list(range(300, 317)), [42]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     one = LLM(path, device="cpu", dtype="float32")
