@@ -50,9 +50,11 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 MTP_PREFIXES = ("mtp.", "model.mtp.")
 _SKIPPED = ("model.visual.", "visual.", *MTP_PREFIXES)  # the vision tower; the MTP head (a drafter's: qwen3_next_mtp)
 _LINEAR_ATTN = re.compile(r"(?:model\.)?layers\.(\d+)\.linear_attn\.(.+)$")  # a base model's names lack model.
-# A 4-bit or FP8 checkpoint's tensors beside (or instead of) `weight` (core/quant_config.py's formats).
-_QUANTIZED_KINDS = (".qweight", ".qzeros", ".scales", ".g_idx", ".weight_packed", ".weight_scale",
-                    ".weight_zero_point", ".weight_shape", ".weight_scale_inv", ".input_scale")
+# The Gated DeltaNet layer's checkpoint tensors (names after `linear_attn.`): Qwen3-Next's fused
+# projections, Qwen3.5's split ones, all 16-bit (GatedDeltaNet.local).
+_GDN_TENSORS = ("in_proj_qkvz.weight", "in_proj_ba.weight", "in_proj_qkv.weight", "in_proj_z.weight",
+                "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
+                "out_proj.weight")
 _ONE_PLUS_W = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
                "self_attn.k_norm.weight")
 
@@ -86,21 +88,23 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(full.value_dim, h, False, tp, comm)
         self.pool: StatePool | None = None  # bound by the engine (Qwen3NextForCausalLM.bind_state_pool)
 
-    def local(self, param: str, t: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the checkpoint tensor `param` (its name after `linear_attn.`), by
-        the rule of the TP linear layers (TPInfo.shard of each part): every tensor is laid out
+    def local(self, name: str, param: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the checkpoint tensor `name` (`param`: its name after `linear_attn.`),
+        by the rule of the TP linear layers (TPInfo.shard of each part): every tensor is laid out
         by k-head group (Qwen3-Next's fused projections) or in q | k | v parts of k-, k- and
-        v-heads (the conv channels, Qwen3.5's in_proj_qkv), so contiguous shares keep whole heads."""
+        v-heads (the conv channels, Qwen3.5's in_proj_qkv), so contiguous shares keep whole heads.
+        Any other tensor is refused at every TP size: a 4-bit or FP8 checkpoint's quantized
+        projection (its qweight, scales, ...) would otherwise reach the loader as an unknown name."""
+        if param not in _GDN_TENSORS:
+            raise ValueError(f"tensor {name}: not a Gated DeltaNet tensor minisgl loads ({', '.join(_GDN_TENSORS)}); "
+                             "the linear_attn projections load in 16 bits only (4-bit hybrid checkpoints that keep "
+                             "them in 16 bits load: their routed experts, shared expert and attention)")
         if self.tp.size == 1 or param == "norm.weight":
             return t
         full = self.full
         sizes = [full.key_dim, full.key_dim, full.value_dim] if param in ("in_proj_qkv.weight", "conv1d.weight") \
             else None
         dim = 1 if param == "out_proj.weight" else 0
-        known = ("in_proj_qkvz.weight", "in_proj_ba.weight", "in_proj_qkv.weight", "in_proj_z.weight",
-                 "in_proj_b.weight", "in_proj_a.weight", "conv1d.weight", "dt_bias", "A_log", "out_proj.weight")
-        if param not in known:
-            raise ValueError(f"unexpected Gated DeltaNet tensor {param!r}")
         parts = t.split(sizes or [t.shape[dim]], dim)
         return torch.cat([p.narrow(dim, *self.tp.shard(p.shape[dim], f"Gated DeltaNet {param}")) for p in parts], dim)
 
@@ -219,7 +223,7 @@ class HybridDecoderLayer(nn.Module):
         A 4-bit checkpoint (cfg.quantization) quantizes the routed experts, the shared expert, the
         full attention's and the dense MLP's projections unless its ignore list names them; the
         Gated DeltaNet projections, the router and the shared expert's gate load in 16 bits (a
-        quantized Gated DeltaNet tensor is refused by name: Qwen3NextForCausalLM._local)."""
+        quantized Gated DeltaNet tensor is refused by name: GatedDeltaNet.local)."""
         super().__init__()
         p, quant = f"model.layers.{layer_id}", cfg.quantization
         if cfg.is_linear_layer(layer_id) and not full:
@@ -334,11 +338,7 @@ class Qwen3NextForCausalLM(LlamaForCausalLM):
         for name, tensor in tensors:
             m = _LINEAR_ATTN.match(name)
             if m and int(m[1]) < len(layers) and hasattr(layers[int(m[1])], "linear_attn"):
-                if m[2].endswith(_QUANTIZED_KINDS):
-                    raise ValueError(f"tensor {name}: a quantized Gated DeltaNet projection; minisgl loads the "
-                                     "linear_attn projections in 16 bits only (4-bit hybrid checkpoints that keep "
-                                     "them in 16 bits load: their routed experts, shared expert and attention)")
-                tensor = layers[int(m[1])].linear_attn.local(m[2], tensor)
+                tensor = layers[int(m[1])].linear_attn.local(name, m[2], tensor)
             yield name, tensor
 
     @staticmethod
