@@ -24,18 +24,21 @@ def _close(out, ref, rtol, atol, what):
 @triton_test
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("t,h", [(1, 32), (5, 6), (33, 48)])
-def test_gates_match_reference(dtype, t, h):
+@pytest.mark.parametrize("strided", [False, True])
+def test_gates_match_reference(dtype, t, h, strided):
+    """strided: a and b column views of one wider row (row stride 3h + 5), as Qwen3-Next's split of
+    in_proj_ba and a verify's saved inputs give them; else packed rows (Qwen3.5's projections)."""
     dev = test_device()
     gen = torch.Generator().manual_seed(t * 100 + h)
-    wide = torch.randn(t, 3 * h + 5, generator=gen).to(dev) * 8  # a and b as column views of one row
-    a, b = wide[:, 1 : h + 1].to(dtype), wide[:, h + 3 : 2 * h + 3]
-    a = a.clone() if t % 2 else wide.to(dtype)[:, 1 : h + 1]  # strided rows (row stride 3h + 5) or packed
-    b = b.to(dtype)
+    wide = (torch.randn(t, 3 * h + 5, generator=gen) * 8).to(dev).to(dtype)
+    a, b = wide[:, 1 : h + 1], wide[:, h + 3 : 2 * h + 3]
+    if not strided:
+        a, b = a.contiguous(), b.contiguous()
     a_log = (torch.randn(h, generator=gen) * 0.5).to(dev)
     dt_bias = torch.randn(h, generator=gen).to(dev)
-    a.view(-1)[0] = 25.0  # softplus's linear branch
-    if a.numel() > 1:
-        a.view(-1)[1] = -30.0  # exp(x) far below 1: the series
+    a[0, 0] = 25.0  # softplus's linear branch (a + dt_bias > 20 but for a very negative bias draw)
+    if h > 1:
+        a[0, 1] = -30.0  # exp(x) below half an ulp of 1: log1p(w) is w itself
     g, beta = ops.gated_delta_gates(a, b, a_log, dt_bias)
     g_ref, beta_ref = P.gates_reference(a, b, a_log, dt_bias)
     assert g.is_contiguous() and beta.is_contiguous()
